@@ -1,0 +1,103 @@
+"""Every timeout, TTL and size limit of the control plane, in one typed place.
+
+Call sites read these fields; they never carry literals of their own. All
+durations are in seconds (floats), all sizes in bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Config:
+    """Control-plane settings with their documented defaults."""
+
+    # --- failure detection -------------------------------------------------
+    #: How often a member sends a heartbeat on its session stream.
+    heartbeat_interval: float = 0.1
+    #: Phi-accrual suspicion threshold: a member is suspected once
+    #: phi = -log10(P(heartbeat still to come)) exceeds it. 8 means the
+    #: detector is wrong about once in 10^8 intervals if the observed
+    #: distribution holds.
+    phi_threshold: float = 8.0
+    #: Floor on the standard deviation of heartbeat intervals, so a very
+    #: regular history does not make the detector hair-triggered.
+    phi_min_std: float = 0.05
+    #: Heartbeat intervals remembered per member.
+    phi_window: int = 100
+    #: Silence after which a member is suspected whatever phi says. This is
+    #: the detector's hard bound; phi normally fires much earlier.
+    max_silence: float = 2.0
+
+    # --- roll call ---------------------------------------------------------
+    #: How long a roll call waits for answers before deciding without the
+    #: silent members.
+    rollcall_deadline: float = 1.0
+    #: After a join request, wait this long for more joiners so that a burst
+    #: of arrivals becomes one view change instead of many.
+    join_settle: float = 0.05
+    #: A member id handed out by Join must open its session within this time
+    #: or it is dropped.
+    join_session_timeout: float = 10.0
+
+    # --- etcd --------------------------------------------------------------
+    #: TTL of each member's etcd lease. The leader refreshes it while the
+    #: member's session is healthy; it must outlive a leader failover.
+    member_lease_ttl: int = 10
+    #: TTL of the leader's election lease: how long a dead leader blocks a
+    #: standby from taking over.
+    election_ttl: int = 2
+    #: Timeout of one etcd request.
+    etcd_timeout: float = 2.0
+    #: After taking over, a new leader waits this long for members of the
+    #: current view to reconnect before suspecting the ones that did not.
+    takeover_grace: float = 3.0
+    #: Progress (last committed step) is written to etcd at most this often.
+    progress_write_interval: float = 0.5
+
+    # --- request limits ----------------------------------------------------
+    #: Largest gRPC message accepted by the service.
+    max_message_bytes: int = 64 * 1024
+    #: Member ids and job names: length bound (charset is fixed, see
+    #: ``rendezvous.validation``).
+    max_id_length: int = 64
+    #: Longest ``host:port`` address accepted.
+    max_address_length: int = 255
+    #: Longest state digest accepted in a roll-call answer.
+    max_digest_length: int = 128
+
+    # --- client ------------------------------------------------------------
+    #: Client back-off between attempts on the replica list.
+    client_retry_initial: float = 0.05
+    client_retry_max: float = 1.0
+    #: Give up on an RPC after trying the replicas for this long.
+    client_call_deadline: float = 30.0
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, (int, float)) and (math.isnan(value) or value <= 0):
+                raise ValueError(f"config {field.name} must be positive, got {value!r}")
+        if self.election_ttl < 2:
+            raise ValueError("config election_ttl must be at least 2 s (etcd's minimum lease)")
+        if self.member_lease_ttl <= self.election_ttl + self.takeover_grace:
+            raise ValueError(
+                "config member_lease_ttl must exceed election_ttl + takeover_grace, "
+                "or a leader failover would let live members' leases expire"
+            )
+
+    def detection_bound(self) -> float:
+        """Longest time from a member's last heartbeat to its suspicion."""
+        return self.max_silence
+
+    def eviction_bound(self) -> float:
+        """Longest time from a member's last heartbeat to a committed view
+        without it (detection, then a roll call that waits at most its
+        deadline)."""
+        return self.max_silence + self.join_settle + self.rollcall_deadline
+
+    def replace(self, **changes: object) -> Config:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,90 @@
+"""The view: one committed, authoritative member list per epoch."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Member:
+    """A worker in a view: its id and the address peers reach it at."""
+
+    id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class View:
+    """``(epoch, members)``; a member's rank is its position in ``members``.
+
+    ``resume_step`` is the highest committed step any member of the view holds
+    (``None`` before anyone committed a step); ``fetch`` maps each member that
+    must pull state before its first step to the ids it may pull from, and
+    ``digest`` is the state digest those sources agreed on.
+    """
+
+    epoch: int
+    members: tuple[Member, ...]
+    resume_step: int | None = None
+    digest: str = ""
+    fetch: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {self.epoch}")
+        ids = [m.id for m in self.members]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate member ids in view {self.epoch}: {ids}")
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return tuple(m.id for m in self.members)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, member_id: str) -> int | None:
+        for rank, member in enumerate(self.members):
+            if member.id == member_id:
+                return rank
+        return None
+
+    def __contains__(self, member_id: object) -> bool:
+        return any(m.id == member_id for m in self.members)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "members": [
+                {"id": m.id, "address": m.address, "rank": r} for r, m in enumerate(self.members)
+            ],
+            "resume_step": self.resume_step,
+            "digest": self.digest,
+            "fetch": {k: list(v) for k, v in sorted(self.fetch.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> View:
+        members = tuple(Member(str(m["id"]), str(m["address"])) for m in data["members"])
+        return cls(
+            epoch=int(data["epoch"]),
+            members=members,
+            resume_step=None if data.get("resume_step") is None else int(data["resume_step"]),
+            digest=str(data.get("digest", "")),
+            fetch={str(k): tuple(str(x) for x in v) for k, v in data.get("fetch", {}).items()},
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> View:
+        return cls.from_dict(json.loads(text))
+
+
+#: The view before anyone joined.
+EMPTY_VIEW = View(epoch=0, members=())
