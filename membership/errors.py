@@ -40,8 +40,9 @@ class ControlPlaneUnavailable(RollcallError):
     """etcd (or every rendezvous replica) cannot be reached right now; retry."""
 
 
-class Evicted(RollcallError):
-    """This member is not in the committed view any more; rejoin to continue."""
+class Evicted(StaleEpoch):
+    """This member is not in the committed view any more (removed by a roll
+    call, or suspected); rejoin to continue."""
 
 
 class RollCallTimeout(RollcallError):

@@ -1,0 +1,314 @@
+"""The roll-call protocol as a pure state machine.
+
+The leader replica feeds it events (a join, a clean leave, a suspicion, a
+roll-call answer, the passing of time, the result of a commit) and executes
+the actions it emits: ask members to abort and answer, commit a view. It
+reads no clock and opens no socket, so a test can drive any interleaving.
+
+One roll call at a time:
+
+1. a trigger (a join, after ``join_settle`` so a burst of joins becomes one
+   view change; a leave or a suspicion, at once) starts roll call N+1 over the
+   candidates: the members of view N still believed live, in view order,
+   then the pending joiners in arrival order;
+2. ``RequestAnswers`` asks each candidate to abort its step and answer with
+   its last committed step and state digest;
+3. when every candidate answered, or at the deadline, the new view is decided
+   (``decide_view``) and ``CommitView`` is emitted;
+4. the caller commits it in etcd and reports ``committed``; triggers that
+   arrived meanwhile start the next roll call.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from membership.config import Config
+from membership.errors import InvalidRequest, NotAMember, StaleEpoch
+from membership.view import Member, View
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A member's reply to a roll call."""
+
+    member_id: str
+    step: int | None
+    digest: str
+
+
+@dataclass(frozen=True)
+class RequestAnswers:
+    """Action: tell these members "roll call ``epoch``: abort your step and
+    answer". Sent again to a member whose session reconnects meanwhile."""
+
+    epoch: int
+    member_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CommitView:
+    """Action: commit ``view`` in one transaction against ``previous``, then
+    announce it and evict ``removed`` (members that lose their place)."""
+
+    view: View
+    previous: View
+    removed: tuple[str, ...]
+    causes: tuple[str, ...]
+
+
+Action = RequestAnswers | CommitView
+
+
+@dataclass
+class RollCall:
+    """A roll call in progress (read-only for callers)."""
+
+    epoch: int
+    candidates: tuple[Member, ...]
+    deadline: float
+    started_at: float
+    causes: tuple[str, ...]
+    answers: dict[str, Answer] = field(default_factory=dict)
+
+    def is_candidate(self, member_id: str) -> bool:
+        return any(c.id == member_id for c in self.candidates)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.answers) == len(self.candidates)
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        return tuple(c.id for c in self.candidates if c.id not in self.answers)
+
+
+def plan_resume(
+    order: Sequence[str], answers: Mapping[str, Answer]
+) -> tuple[int | None, str, dict[str, tuple[str, ...]]]:
+    """Resume step, agreed digest and fetch plan for members ``order``.
+
+    The view resumes from the highest committed step any member holds. Among
+    the holders of that step the most common digest wins (ties: the smallest
+    digest, so every replica computes the same answer); those holders are
+    the sources, and every other member fetches from them.
+    """
+    steps = {i: answers[i].step for i in order if answers[i].step is not None}
+    if not steps:
+        return None, "", {}
+    resume = max(s for s in steps.values() if s is not None)
+    holders = [i for i in order if steps.get(i) == resume]
+    counts = Counter(answers[i].digest for i in holders)
+    best = max(counts.values())
+    digest = min(d for d, n in counts.items() if n == best)
+    sources = tuple(i for i in holders if answers[i].digest == digest)
+    fetch = {i: sources for i in order if i not in sources}
+    return resume, digest, fetch
+
+
+def decide_view(rollcall: RollCall) -> View:
+    """The new view: candidates that answered, in candidate order (survivors
+    keep their relative order, joiners come after them)."""
+    members = tuple(c for c in rollcall.candidates if c.id in rollcall.answers)
+    resume, digest, fetch = plan_resume([m.id for m in members], rollcall.answers)
+    return View(
+        epoch=rollcall.epoch, members=members, resume_step=resume, digest=digest, fetch=fetch
+    )
+
+
+class Coordinator:
+    """Roll-call state machine of the leader replica for one job."""
+
+    def __init__(
+        self, config: Config, view: View, now: float, joiners: Sequence[Member] = ()
+    ) -> None:
+        self._config = config
+        self._view = view
+        self._joiners: list[Member] = []
+        self._departed: dict[str, str] = {}  # view member id -> cause
+        self._causes: list[str] = []
+        self._trigger_at: float | None = None
+        self._rollcall: RollCall | None = None
+        self._proposal: CommitView | None = None
+        self._actions: list[Action] = []
+        for member in joiners:
+            self.join(member, now)
+
+    # --- read-only state -----------------------------------------------------
+
+    @property
+    def view(self) -> View:
+        """The last committed view."""
+        return self._view
+
+    @property
+    def rollcall(self) -> RollCall | None:
+        """The roll call gathering answers, if any."""
+        return self._rollcall
+
+    @property
+    def proposal(self) -> CommitView | None:
+        """The view handed out for commit and not yet confirmed, if any."""
+        return self._proposal
+
+    @property
+    def pending_joiners(self) -> tuple[Member, ...]:
+        return tuple(self._joiners)
+
+    def knows(self, member_id: str) -> bool:
+        """True for members of the view, pending joiners and roll-call candidates."""
+        return (
+            member_id in self._view
+            or any(j.id == member_id for j in self._joiners)
+            or (self._rollcall is not None and self._rollcall.is_candidate(member_id))
+            or (self._proposal is not None and member_id in self._proposal.view)
+        )
+
+    def next_wakeup(self) -> float | None:
+        """Absolute time at which ``tick`` has work to do, if any."""
+        if self._rollcall is not None:
+            return self._rollcall.deadline
+        if self._proposal is None and self._trigger_at is not None:
+            return self._trigger_at
+        return None
+
+    def take_actions(self) -> list[Action]:
+        """Actions emitted since the last call, in order."""
+        actions, self._actions = self._actions, []
+        return actions
+
+    # --- events --------------------------------------------------------------
+
+    def join(self, member: Member, now: float) -> None:
+        """A new member asks to join; it enters with the next roll call."""
+        if self.knows(member.id):
+            raise InvalidRequest(f"member id {member.id!r} is already known")
+        self._joiners.append(member)
+        self._causes.append(f"join:{member.id}")
+        self._schedule(now + self._config.join_settle)
+        self.tick(now)
+
+    def leave(self, member_id: str, now: float) -> bool:
+        """A member leaves cleanly. Returns False if it was not known."""
+        return self._depart(member_id, f"leave:{member_id}", now)
+
+    def suspect(self, member_id: str, now: float) -> bool:
+        """A member is suspected dead (stream broken, detector, lease, peer
+        report). Returns False if it was not known."""
+        return self._depart(member_id, f"suspect:{member_id}", now)
+
+    def recheck(self, member_id: str, cause: str, now: float) -> bool:
+        """Someone reported ``member_id`` failing (a peer saw its connection
+        reset, say). Hold a roll call at once that still calls it: if it is
+        alive it answers and keeps its place, if not it misses the deadline.
+        Returns False if it is not a member of the view in force."""
+        if member_id not in self._view or member_id in self._departed:
+            return False
+        self._causes.append(cause)
+        self._schedule(now)
+        self.tick(now)
+        return True
+
+    def answer(self, member_id: str, epoch: int, step: int | None, digest: str, now: float) -> None:
+        """A candidate answers roll call ``epoch``."""
+        rollcall = self._rollcall
+        if rollcall is None or epoch < rollcall.epoch:
+            raise StaleEpoch(
+                f"no roll call for epoch {epoch} is open (committed epoch {self._view.epoch})"
+            )
+        if epoch > rollcall.epoch:
+            raise InvalidRequest(
+                f"answer for epoch {epoch}, but the open roll call is {rollcall.epoch}"
+            )
+        if not rollcall.is_candidate(member_id):
+            raise NotAMember(f"member {member_id!r} is not called in roll call {epoch}")
+        if step is not None and step < 0:
+            raise InvalidRequest(f"step must be >= 0, got {step}")
+        rollcall.answers[member_id] = Answer(member_id, step, digest)
+        self.tick(now)
+
+    def tick(self, now: float) -> None:
+        """Let time pass: start a due roll call, close one that is complete
+        or past its deadline."""
+        rollcall = self._rollcall
+        if rollcall is not None:
+            if rollcall.complete or now >= rollcall.deadline:
+                self._decide(rollcall)
+            return
+        if self._proposal is None and self._trigger_at is not None and now >= self._trigger_at:
+            self._start(now)
+
+    def committed(self, view: View, now: float) -> None:
+        """The proposal was committed in etcd (the caller checked the CAS)."""
+        if self._proposal is None or self._proposal.view.epoch != view.epoch:
+            raise ValueError(f"view {view.epoch} was not proposed")
+        self._view = view
+        self._proposal = None
+        self.tick(now)
+
+    # --- internals -----------------------------------------------------------
+
+    def _schedule(self, at: float) -> None:
+        self._trigger_at = at if self._trigger_at is None else min(self._trigger_at, at)
+
+    def _depart(self, member_id: str, cause: str, now: float) -> bool:
+        rollcall = self._rollcall
+        joiners = [j for j in self._joiners if j.id != member_id]
+        if rollcall is not None and rollcall.is_candidate(member_id):
+            # Still gathering: the decision simply will not include it.
+            rollcall.candidates = tuple(c for c in rollcall.candidates if c.id != member_id)
+            rollcall.answers.pop(member_id, None)
+            rollcall.causes = (*rollcall.causes, cause)
+        elif len(joiners) != len(self._joiners):
+            self._joiners = joiners
+            # A withdrawn join is no reason for a roll call any more: without
+            # another cause it would abort every member's step for nothing.
+            self._causes.remove(f"join:{member_id}")
+            if not self._causes:
+                self._trigger_at = None
+        else:
+            # A member of the view in force (or about to be) needs a roll
+            # call of its own to be removed.
+            if self._proposal is not None:
+                upcoming: View | None = self._proposal.view
+            else:
+                upcoming = None if rollcall is not None else self._view
+            if upcoming is None or member_id not in upcoming:
+                return False
+            if member_id not in self._departed:
+                self._departed[member_id] = cause
+                self._causes.append(cause)
+            self._schedule(now)
+        self.tick(now)
+        return True
+
+    def _start(self, now: float) -> None:
+        base = self._view
+        candidates = tuple(m for m in base.members if m.id not in self._departed) + tuple(
+            self._joiners
+        )
+        self._rollcall = RollCall(
+            epoch=base.epoch + 1,
+            candidates=candidates,
+            deadline=now + self._config.rollcall_deadline,
+            started_at=now,
+            causes=tuple(self._causes),
+        )
+        self._joiners = []
+        self._departed = {}
+        self._causes = []
+        self._trigger_at = None
+        self._actions.append(RequestAnswers(base.epoch + 1, tuple(c.id for c in candidates)))
+        self.tick(now)
+
+    def _decide(self, rollcall: RollCall) -> None:
+        view = decide_view(rollcall)
+        kept = set(view.ids)
+        removed = tuple(m.id for m in self._view.members if m.id not in kept) + tuple(
+            c.id for c in rollcall.candidates if c.id not in kept and c.id not in self._view
+        )
+        self._rollcall = None
+        self._proposal = CommitView(view, self._view, removed, rollcall.causes)
+        self._actions.append(self._proposal)

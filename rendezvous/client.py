@@ -1,0 +1,415 @@
+"""Client of the rendezvous service, for members and for read-only callers.
+
+It is given every replica's address and fails over between them: calls that
+only the leader serves follow the leader named by a refusing standby, and a
+member's session reconnects to whichever replica leads now, keeping its member
+id, so a leader failover evicts nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from membership.config import Config
+from membership.errors import (
+    ControlPlaneUnavailable,
+    Evicted,
+    InvalidRequest,
+    NoSuchJob,
+    NotAMember,
+    NotLeader,
+    RollcallError,
+    StaleEpoch,
+    Unauthenticated,
+)
+from membership.view import EMPTY_VIEW, View
+from rendezvous.pb import rendezvous_pb2 as pb
+from rendezvous.pb import rendezvous_pb2_grpc as pb_grpc
+from rendezvous.wire import LEADER_METADATA, token_metadata, view_from_pb
+
+log = logging.getLogger("rollcall.client")
+T = TypeVar("T")
+
+#: What a member answers at a roll call: (last committed step or None, state digest).
+RollCallAnswer = tuple[int | None, str]
+#: Called with the roll call's epoch; may be a coroutine function. Must abort
+#: the step in flight before it returns.
+RollCallHandler = Callable[[int], RollCallAnswer | Awaitable[RollCallAnswer]]
+
+_RETRY_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+}
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """TLS towards the service: the CA that signed its certificate and,
+    when the service requires client certificates, ours."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str | None) -> bytes | None:
+            return None if path is None else open(path, "rb").read()
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca_file),
+            private_key=read(self.key_file),
+            certificate_chain=read(self.cert_file),
+        )
+
+
+@dataclass(frozen=True)
+class Status:
+    view: View
+    leader: str
+    step: int | None
+    replica: str
+    rollcall_epoch: int
+
+
+def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
+    """The named error a gRPC status stands for (see the .proto)."""
+    code, message = error.code(), error.details() or ""
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(message)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(message)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return InvalidRequest(f"request too large: {message}")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return StaleEpoch(message)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NoSuchJob(message) if message.startswith("no such job") else NotAMember(message)
+    if code == grpc.StatusCode.UNAVAILABLE and "not the leader" in message:
+        leader = dict(error.trailing_metadata() or ()).get(LEADER_METADATA)
+        return NotLeader(message, leader=str(leader) if leader else None)
+    return ControlPlaneUnavailable(f"rendezvous unavailable: {message or code.name}")
+
+
+class RendezvousClient:
+    """Async client. One instance serves one member (``join``) or any number
+    of read-only calls (``status``, ``watch``)."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        job: str,
+        token: str,
+        config: Config | None = None,
+        tls: ClientTLS | None = None,
+    ) -> None:
+        if not addresses:
+            raise ValueError("no rendezvous address given")
+        self._addresses = list(addresses)
+        self._job = job
+        self._metadata = token_metadata(token)
+        self._config = config or Config()
+        self._tls = tls
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._leader_hint: str | None = None
+        self.member_id: str | None = None
+        self._view = EMPTY_VIEW
+        self._view_changed = asyncio.Event()
+        self._heartbeat_interval = self._config.heartbeat_interval
+        self._session_task: asyncio.Task[None] | None = None
+        self._outbox: asyncio.Queue[pb.SessionRequest] = asyncio.Queue()
+        self._on_roll_call: RollCallHandler | None = None
+        self._on_view: Callable[[View], None] | None = None
+        self._step: int | None = None
+        self._ended: RollcallError | None = None
+        self._closing = False
+
+    # --- plumbing ------------------------------------------------------------
+
+    def _stub(self, address: str) -> pb_grpc.RendezvousStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            options = [
+                ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.initial_reconnect_backoff_ms", 50),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ]
+            if self._tls is not None:
+                channel = grpc.aio.secure_channel(address, self._tls.credentials(), options)
+            else:
+                channel = grpc.aio.insecure_channel(address, options)
+            self._channels[address] = channel
+        return pb_grpc.RendezvousStub(channel)
+
+    def _order(self) -> list[str]:
+        """Replica addresses to try, the presumed leader first."""
+        hint = self._leader_hint
+        if hint in self._addresses:
+            return [hint, *(a for a in self._addresses if a != hint)]
+        return list(self._addresses)
+
+    async def _call(self, method: str, request: Any, leader_only: bool) -> Any:
+        """A unary call with failover across replicas until
+        ``client_call_deadline``; named errors other than "unavailable" are
+        raised at once."""
+        deadline = time.monotonic() + self._config.client_call_deadline
+        backoff = self._config.client_retry_initial
+        last: RollcallError = ControlPlaneUnavailable("no rendezvous replica reachable")
+        while True:
+            for address in self._order():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise last
+                try:
+                    rpc = getattr(self._stub(address), method)
+                    return await rpc(request, metadata=self._metadata, timeout=min(remaining, 10.0))
+                except grpc.aio.AioRpcError as rpc_error:
+                    error = error_from_rpc(rpc_error)
+                    if rpc_error.code() not in _RETRY_CODES:
+                        raise error from None
+                    last = error
+                    if isinstance(error, NotLeader):
+                        if not leader_only:
+                            raise error from None
+                        if error.leader:
+                            self._leader_hint = error.leader
+                    elif (
+                        rpc_error.code() == grpc.StatusCode.UNAVAILABLE
+                        and address == self._leader_hint
+                    ):
+                        self._leader_hint = None
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._config.client_retry_max)
+
+    # --- read-only calls -----------------------------------------------------------
+
+    async def status(self) -> Status:
+        response = await self._call("Status", pb.StatusRequest(job=self._job), leader_only=False)
+        if response.leader:
+            self._leader_hint = response.leader
+        return Status(
+            view=view_from_pb(response.view),
+            leader=response.leader,
+            step=response.step if response.HasField("step") else None,
+            replica=response.replica,
+            rollcall_epoch=response.rollcall_epoch,
+        )
+
+    async def watch(self, after_epoch: int = 0) -> AsyncIterator[View]:
+        """Every committed view with an epoch above ``after_epoch``, across
+        replica failovers."""
+        sent = after_epoch
+        while not self._closing:
+            for address in self._order():
+                call = self._stub(address).Watch(
+                    pb.WatchRequest(job=self._job, after_epoch=sent), metadata=self._metadata
+                )
+                try:
+                    async for message in call:
+                        view = view_from_pb(message)
+                        sent = view.epoch
+                        yield view
+                except grpc.aio.AioRpcError as rpc_error:
+                    if rpc_error.code() not in _RETRY_CODES:
+                        raise error_from_rpc(rpc_error) from None
+            await asyncio.sleep(self._config.client_retry_max)
+
+    # --- membership -----------------------------------------------------------------
+
+    @property
+    def view(self) -> View:
+        """The last committed view received."""
+        return self._view
+
+    @property
+    def step(self) -> int | None:
+        """The last committed step this member reported."""
+        return self._step
+
+    async def join(
+        self,
+        address: str,
+        name: str = "w",
+        on_roll_call: RollCallHandler | None = None,
+        on_view: Callable[[View], None] | None = None,
+    ) -> str:
+        """Join the job and open the session; returns the member id. The
+        member is in the job once a view containing it arrives
+        (``wait_member``)."""
+        if self._session_task is not None:
+            raise RuntimeError("this client already joined; use a new client to rejoin")
+        response = await self._call(
+            "Join", pb.JoinRequest(job=self._job, address=address, name=name), leader_only=True
+        )
+        self.member_id = response.member_id
+        self._heartbeat_interval = response.heartbeat_interval_ms / 1000 or self._heartbeat_interval
+        self._on_roll_call = on_roll_call
+        self._on_view = on_view
+        self._set_view(view_from_pb(response.view))
+        self._session_task = asyncio.create_task(self._session_forever(), name="session")
+        return response.member_id
+
+    async def wait_view(self, predicate: Callable[[View], bool], timeout: float) -> View:
+        """Wait until a received view satisfies ``predicate``. Raises the
+        session's error if it ended (``Evicted``...), ``TimeoutError`` after
+        ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._ended is not None:
+                raise self._ended
+            if predicate(self._view):
+                return self._view
+            self._view_changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no matching view within {timeout} s (at {self._view.epoch})")
+            try:
+                await asyncio.wait_for(self._view_changed.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    async def wait_member(self, timeout: float) -> View:
+        """Wait for the first view that contains this member."""
+        return await self.wait_view(lambda v: self.member_id in v, timeout)
+
+    def report_progress(self, step: int) -> None:
+        """This member committed ``step`` in the current view."""
+        self._step = step
+        self._send(pb.SessionRequest(progress=pb.Progress(epoch=self._view.epoch, step=step)))
+
+    def report_failure(self, peer_id: str, reason: str) -> None:
+        """This member saw ``peer_id`` fail."""
+        self._send(
+            pb.SessionRequest(
+                failure=pb.FailureReport(epoch=self._view.epoch, peer_id=peer_id, reason=reason)
+            )
+        )
+
+    async def leave(self) -> None:
+        """Leave cleanly; the others reconfigure at once."""
+        if self.member_id is None:
+            return
+        self._closing = True
+        try:
+            await self._call(
+                "Leave",
+                pb.LeaveRequest(job=self._job, member_id=self.member_id, epoch=self._view.epoch),
+                leader_only=True,
+            )
+        finally:
+            await self._stop_session()
+
+    async def close(self) -> None:
+        """Drop the session without leaving (as a crash would) and close channels."""
+        self._closing = True
+        await self._stop_session()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    @property
+    def ended(self) -> RollcallError | None:
+        """Why the session ended, if it did (``Evicted``, ``Unauthenticated``...)."""
+        return self._ended
+
+    # --- the session ----------------------------------------------------------------
+
+    def _send(self, request: pb.SessionRequest) -> None:
+        if self._session_task is None:
+            raise RuntimeError("not joined")
+        self._outbox.put_nowait(request)
+
+    def _set_view(self, view: View) -> None:
+        if view.epoch < self._view.epoch:
+            return
+        self._view = view
+        self._view_changed.set()
+        if self._on_view is not None:
+            self._on_view(view)
+
+    async def _stop_session(self) -> None:
+        task, self._session_task = self._session_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _session_forever(self) -> None:
+        backoff = self._config.client_retry_initial
+        while not self._closing:
+            for address in self._order():
+                try:
+                    await self._session_on(address)
+                except grpc.aio.AioRpcError as rpc_error:
+                    error = error_from_rpc(rpc_error)
+                    if isinstance(error, NotLeader) and error.leader:
+                        self._leader_hint = error.leader
+                    if rpc_error.code() in _RETRY_CODES:
+                        log.debug("session on %s: %s", address, error)
+                        continue
+                    if isinstance(error, StaleEpoch):
+                        error = Evicted(str(error))
+                    self._end(error)
+                    return
+                if self._closing:
+                    return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._config.client_retry_max)
+
+    def _end(self, error: RollcallError) -> None:
+        log.info("session of %s ended: %s", self.member_id, error)
+        self._ended = error
+        self._view_changed.set()
+
+    async def _session_on(self, address: str) -> None:
+        assert self.member_id is not None
+        call = self._stub(address).Session(metadata=self._metadata)
+        await call.write(
+            pb.SessionRequest(
+                open=pb.Open(job=self._job, member_id=self.member_id, epoch=self._view.epoch)
+            )
+        )
+        writer = asyncio.create_task(self._write_session(call))
+        try:
+            while True:
+                event = await call.read()
+                if event is grpc.aio.EOF:
+                    return  # ended cleanly (a failed stream raises instead)
+                self._leader_hint = address
+                kind = event.WhichOneof("kind")
+                if kind == "view":
+                    self._set_view(view_from_pb(event.view))
+                elif kind == "roll_call":
+                    await self._answer(event.roll_call.epoch)
+        finally:
+            writer.cancel()
+            call.cancel()
+
+    async def _answer(self, epoch: int) -> None:
+        if self._on_roll_call is None:
+            step, digest = self._step, ""
+        else:
+            result = self._on_roll_call(epoch)
+            step, digest = await result if inspect.isawaitable(result) else result
+        answer = pb.RollCallAnswer(epoch=epoch, digest=digest)
+        if step is not None:
+            answer.step = step
+        self._outbox.put_nowait(pb.SessionRequest(answer=answer))
+
+    async def _write_session(self, call: Any) -> None:
+        while True:
+            try:
+                request = await asyncio.wait_for(self._outbox.get(), self._heartbeat_interval)
+            except TimeoutError:
+                request = pb.SessionRequest(heartbeat=pb.Heartbeat(epoch=self._view.epoch))
+            await call.write(request)

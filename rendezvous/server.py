@@ -1,0 +1,128 @@
+"""Start a rendezvous replica: gRPC server, token check, TLS, etcd store."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from membership.config import Config
+from rendezvous.pb import rendezvous_pb2_grpc as pb_grpc
+from rendezvous.service import Replica, TokenInterceptor
+from rendezvous.store import EtcdClientTLS, EtcdStore
+from rendezvous.validation import check_address, check_id
+
+log = logging.getLogger("rollcall.rendezvous")
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """The service's certificate and key; with ``client_ca_file`` the service
+    also requires client certificates signed by that CA."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        client_ca = read(self.client_ca_file) if self.client_ca_file else None
+        return grpc.ssl_server_credentials(
+            [(read(self.key_file), read(self.cert_file))],
+            root_certificates=client_ca,
+            require_client_auth=client_ca is not None,
+        )
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    etcd: Sequence[str]
+    job: str
+    listen: str
+    token: str
+    advertise: str | None = None
+    config: Config = Config()
+    tls: ServerTLS | None = None
+    etcd_tls: EtcdClientTLS | None = None
+
+
+def default_advertise(listen: str, port: int) -> str:
+    host = listen.rpartition(":")[0]
+    if host in ("", "0.0.0.0", "[::]"):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
+class RunningReplica:
+    """A started replica; ``address`` is what it advertises."""
+
+    def __init__(self, server: grpc.aio.Server, replica: Replica, store: EtcdStore, address: str):
+        self.server = server
+        self.replica = replica
+        self.address = address
+        self._store = store
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.replica.stop()
+        await self.server.stop(grace)
+        self._store.close()
+
+
+async def start_replica(options: ReplicaOptions) -> RunningReplica:
+    """Connect to etcd (failing fast with ``ControlPlaneUnavailable``), bind
+    the port and start campaigning."""
+    config = options.config
+    check_id(options.job, "job", config)
+    check_address(options.listen, config, listen=True)
+    store = EtcdStore(options.etcd, options.job, config, options.etcd_tls)
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, store.ping)
+        server = grpc.aio.server(
+            interceptors=[TokenInterceptor(options.token)],
+            options=[
+                ("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        try:
+            if options.tls is not None:
+                port = server.add_secure_port(options.listen, options.tls.credentials())
+            else:
+                port = server.add_insecure_port(options.listen)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise OSError(f"cannot listen on {options.listen} (address in use or not local?)")
+    except BaseException:
+        store.close()
+        raise
+    advertise = options.advertise or default_advertise(options.listen, port)
+    replica = Replica(store, options.job, advertise, config)
+    pb_grpc.add_RendezvousServicer_to_server(replica, server)
+    await server.start()
+    await replica.start()
+    log.info("rendezvous replica for job %s listening on %s", options.job, advertise)
+    return RunningReplica(server, replica, store, advertise)
+
+
+async def serve_until_signalled(options: ReplicaOptions, ready: str | None = None) -> None:
+    """Run a replica until SIGINT or SIGTERM, then step down cleanly."""
+    running = await start_replica(options)
+    if ready is not None:
+        print(ready.format(address=running.address), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await running.stop()

@@ -1,0 +1,740 @@
+"""The rendezvous replica: gRPC in front, etcd behind, the pure roll-call
+``Coordinator`` and ``FailureDetector`` in the middle.
+
+One replica serves one job. Every replica answers ``Status`` and ``Watch``;
+the one that holds the job's etcd election runs roll calls and serves
+``Join``, ``Session`` and ``Leave``. All mutable state is owned by one asyncio
+event loop, so no locks: etcd calls (blocking client) run in a small thread
+pool and their results come back to the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from membership.config import Config
+from membership.coordinator import CommitView, Coordinator, RequestAnswers
+from membership.detector import FailureDetector
+from membership.errors import (
+    ControlPlaneUnavailable,
+    Evicted,
+    InvalidRequest,
+    NoSuchJob,
+    NotAMember,
+    NotLeader,
+    RollcallError,
+    StaleEpoch,
+    Unauthenticated,
+)
+from membership.view import EMPTY_VIEW, Member, View
+from rendezvous import validation as check
+from rendezvous.pb import rendezvous_pb2 as pb
+from rendezvous.pb import rendezvous_pb2_grpc as pb_grpc
+from rendezvous.store import EtcdStore, LeaderInfo, MemberRecord
+from rendezvous.wire import (
+    LEADER_METADATA,
+    TOKEN_METADATA,
+    status_of,
+    token_digest,
+    token_matches,
+    view_to_pb,
+)
+
+log = logging.getLogger("rollcall.rendezvous")
+T = TypeVar("T")
+
+#: Longest free text (failure reasons) accepted from a member.
+_MAX_REASON = 256
+
+
+@dataclass
+class _Session:
+    """An open session stream of one member on the leader."""
+
+    member_id: str
+    outbox: asyncio.Queue[pb.SessionEvent | RollcallError | None] = field(
+        default_factory=asyncio.Queue
+    )
+    asked_epoch: int = 0  # last roll call sent on this session
+
+    def send(self, event: pb.SessionEvent) -> None:
+        self.outbox.put_nowait(event)
+
+    def close(self, error: RollcallError | None = None) -> None:
+        """End the stream: cleanly (None) or with the error's status."""
+        self.outbox.put_nowait(error)
+
+
+@dataclass
+class _Leadership:
+    """Everything that exists only while this replica is the leader."""
+
+    info: LeaderInfo
+    coordinator: Coordinator
+    detector: FailureDetector
+    view_revision: int
+    records: dict[str, MemberRecord]
+    grace_until: float
+    join_deadlines: dict[str, float] = field(default_factory=dict)
+    sessions: dict[str, _Session] = field(default_factory=dict)
+    step: int | None = None
+    step_written: tuple[int, int] | None = None
+    step_written_at: float = 0.0
+    committing: bool = False
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    lost_reason: str = ""
+
+
+class Replica(pb_grpc.RendezvousServicer):
+    """One rendezvous replica for one job."""
+
+    def __init__(
+        self,
+        store: EtcdStore,
+        job: str,
+        advertise: str,
+        config: Config,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._job = job
+        self._advertise = advertise
+        self._config = config
+        self._clock = clock
+        self.replica_id = f"{advertise}-{secrets.token_hex(3)}"
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="etcd")
+        self._lead: _Leadership | None = None
+        self._latest_view: View = EMPTY_VIEW
+        self._view_changed = asyncio.Condition()
+        self._leader_changed = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._cancel_watches: list[Callable[[], None]] = []
+
+    # --- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_view(view: View) -> None:
+            loop.call_soon_threadsafe(self._observe_view, view)
+
+        def on_leader(_: LeaderInfo | None) -> None:
+            loop.call_soon_threadsafe(self._leader_changed.set)
+
+        self._cancel_watches.append(self._store.watch_view(on_view))
+        self._cancel_watches.append(self._store.watch_leader(on_leader))
+        self._tasks.append(asyncio.create_task(self._campaign_forever(), name="campaign"))
+        self._tasks.append(asyncio.create_task(self._poll_view_forever(), name="poll-view"))
+
+    async def stop(self) -> None:
+        """Step down (resigning the election so a standby takes over at once)."""
+        self._stopping = True
+        lead = self._lead
+        if lead is not None:
+            self._lose(lead, "replica shutting down")
+            try:
+                await self._etcd(self._store.resign, lead.info)
+            except ControlPlaneUnavailable:
+                pass
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for cancel in self._cancel_watches:
+            cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def is_leader(self) -> bool:
+        return self._lead is not None
+
+    async def _etcd(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # --- election ------------------------------------------------------------
+
+    async def _campaign_forever(self) -> None:
+        backoff = self._config.client_retry_initial
+        while not self._stopping:
+            try:
+                info = await self._etcd(self._store.campaign, self.replica_id, self._advertise)
+            except ControlPlaneUnavailable as exc:
+                log.warning("%s", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._config.client_retry_max)
+                continue
+            backoff = self._config.client_retry_initial
+            if info is None:
+                self._leader_changed.clear()
+                try:
+                    await asyncio.wait_for(
+                        self._leader_changed.wait(), timeout=self._config.election_ttl / 2
+                    )
+                except TimeoutError:
+                    pass
+                continue
+            try:
+                await self._serve_as_leader(info)
+            except ControlPlaneUnavailable as exc:
+                log.warning("giving up leadership: %s", exc)
+                if self._lead is not None:
+                    self._lose(self._lead, str(exc))
+            finally:
+                self._lead = None
+
+    async def _serve_as_leader(self, info: LeaderInfo) -> None:
+        view, revision = await self._etcd(self._store.read_view)
+        records = {r.member.id: r for r in await self._etcd(self._store.list_members)}
+        now = self._clock()
+        joiners = [r.member for r in records.values() if r.member.id not in view]
+        lead = _Leadership(
+            info=info,
+            coordinator=Coordinator(self._config, view, now, joiners),
+            detector=FailureDetector(self._config),
+            view_revision=revision,
+            records=records,
+            grace_until=now + self._config.takeover_grace if view.members else now,
+            join_deadlines={j.id: now + self._config.join_session_timeout for j in joiners},
+        )
+        self._lead = lead
+        self._observe_view(view)
+        log.info(
+            "replica %s leads job %s at epoch %d (%d members, %d joining)",
+            self._advertise,
+            self._job,
+            view.epoch,
+            view.size,
+            len(joiners),
+        )
+        for member in view.members:
+            if member.id not in records:
+                lead.coordinator.suspect(member.id, now)
+        self._drain(lead)
+        tasks = [
+            asyncio.create_task(self._drive(lead), name="drive"),
+            asyncio.create_task(self._keep_alive(lead), name="keep-alive"),
+        ]
+        try:
+            await lead.lost.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for session in list(lead.sessions.values()):
+                session.close(NotLeader(f"replica lost leadership: {lead.lost_reason}"))
+            lead.sessions.clear()
+            log.info("replica %s stepped down: %s", self._advertise, lead.lost_reason)
+
+    def _lose(self, lead: _Leadership, reason: str) -> None:
+        if not lead.lost.is_set():
+            lead.lost_reason = reason
+            lead.lost.set()
+
+    async def _keep_alive(self, lead: _Leadership) -> None:
+        period = min(self._config.election_ttl, self._config.member_lease_ttl) / 3
+        while True:
+            try:
+                if not await self._etcd(self._store.refresh_leader, lead.info):
+                    self._lose(lead, "election lease lost")
+                    return
+                now = self._clock()
+                leases = {
+                    r.lease_id: member_id
+                    for member_id, r in lead.records.items()
+                    if self._lease_deserved(lead, member_id, now)
+                }
+                remaining = await self._etcd(self._store.keep_alive, list(leases))
+                for lease_id, ttl in remaining.items():
+                    if ttl <= 0 and lease_id in leases:
+                        self._suspect(lead, leases[lease_id], "lease expired")
+                await self._write_progress(lead)
+            except ControlPlaneUnavailable as exc:
+                log.warning("keep-alive: %s", exc)
+            await asyncio.sleep(period)
+
+    def _lease_deserved(self, lead: _Leadership, member_id: str, now: float) -> bool:
+        """A member's lease is kept alive while its session is healthy, and
+        for a grace period after a takeover or a join (before it connects)."""
+        if member_id in lead.sessions and member_id in lead.detector:
+            return not lead.detector.suspected(member_id, now)
+        if member_id in lead.join_deadlines:
+            return now < lead.join_deadlines[member_id]
+        return now < lead.grace_until
+
+    # --- the roll-call driver -------------------------------------------------
+
+    async def _drive(self, lead: _Leadership) -> None:
+        """Let time pass for the coordinator and the detector."""
+        while True:
+            now = self._clock()
+            lead.coordinator.tick(now)
+            for member_id in lead.detector.suspects(now):
+                self._suspect(lead, member_id, "heartbeat detector")
+            if now >= lead.grace_until:
+                for member in lead.coordinator.view.members:
+                    if member.id not in lead.sessions and member.id not in lead.detector:
+                        self._suspect(lead, member.id, "did not reconnect after leader failover")
+            for member_id, deadline in list(lead.join_deadlines.items()):
+                if now >= deadline and member_id not in lead.sessions:
+                    self._suspect(lead, member_id, "joined but never opened a session")
+            self._drain(lead)
+            wakeups = [
+                t
+                for t in (
+                    lead.coordinator.next_wakeup(),
+                    lead.detector.next_check(now),
+                    lead.grace_until if lead.grace_until > now else None,
+                    *lead.join_deadlines.values(),
+                )
+                if t is not None
+            ]
+            timeout = max(0.0, min(wakeups, default=now + 1.0) - now)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=min(timeout, 1.0))
+            except TimeoutError:
+                pass
+
+    def _drain(self, lead: _Leadership) -> None:
+        """Carry out the coordinator's actions."""
+        for action in lead.coordinator.take_actions():
+            if isinstance(action, RequestAnswers):
+                for member_id in action.member_ids:
+                    session = lead.sessions.get(member_id)
+                    if session is not None:
+                        self._ask(session, action.epoch)
+            elif isinstance(action, CommitView):
+                lead.committing = True
+                asyncio.create_task(self._commit(lead, action), name=f"commit-{action.view.epoch}")
+        self._wake.set()
+
+    def _ask(self, session: _Session, epoch: int) -> None:
+        if session.asked_epoch >= epoch:
+            return
+        session.asked_epoch = epoch
+        lead = self._lead
+        causes = lead.coordinator.rollcall.causes if lead and lead.coordinator.rollcall else ()
+        session.send(pb.SessionEvent(roll_call=pb.RollCallRequest(epoch=epoch, causes=causes)))
+
+    async def _commit(self, lead: _Leadership, action: CommitView) -> None:
+        backoff = self._config.client_retry_initial
+        while not lead.lost.is_set():
+            try:
+                revision = await self._etcd(
+                    self._store.commit_view, action.view, lead.view_revision, lead.info
+                )
+                if revision is None:
+                    # The comparison failed. Our own earlier attempt may have
+                    # landed with its answer lost; anything else means another
+                    # replica leads now.
+                    current, revision = await self._etcd(self._store.read_view)
+                    if current != action.view:
+                        self._lose(lead, f"view CAS failed: etcd holds epoch {current.epoch}")
+                        return
+                break
+            except ControlPlaneUnavailable as exc:
+                log.warning("commit of epoch %d waits: %s", action.view.epoch, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._config.client_retry_max)
+        else:
+            return
+        lead.view_revision = revision
+        lead.committing = False
+        lead.step = action.view.resume_step
+        now = self._clock()
+        lead.coordinator.committed(action.view, now)
+        log.info(
+            "committed epoch %d: %d members (%s)",
+            action.view.epoch,
+            action.view.size,
+            ", ".join(action.causes) or "no cause",
+        )
+        self._observe_view(action.view)
+        self._announce(lead, action)
+        self._drain(lead)
+
+    def _announce(self, lead: _Leadership, action: CommitView) -> None:
+        event = pb.SessionEvent(view=view_to_pb(action.view))
+        removed = set(action.removed)
+        for member_id, session in list(lead.sessions.items()):
+            session.send(event)
+            if member_id in removed:
+                session.close(
+                    Evicted(f"member {member_id} is not in view {action.view.epoch}; rejoin")
+                )
+                del lead.sessions[member_id]
+        for member_id in removed:
+            lead.detector.forget(member_id)
+            lead.join_deadlines.pop(member_id, None)
+            record = lead.records.pop(member_id, None)
+            if record is not None:
+                asyncio.create_task(self._remove_record(record))
+
+    async def _remove_record(self, record: MemberRecord) -> None:
+        try:
+            await self._etcd(self._store.remove_member, record.member.id, record.lease_id)
+        except ControlPlaneUnavailable:
+            pass  # not kept alive any more: the lease expires on its own
+
+    def _suspect(self, lead: _Leadership, member_id: str, reason: str) -> None:
+        if lead.coordinator.suspect(member_id, self._clock()):
+            log.info("suspect %s: %s", member_id, reason)
+        lead.detector.forget(member_id)
+        lead.join_deadlines.pop(member_id, None)
+        session = lead.sessions.pop(member_id, None)
+        if session is not None:
+            session.close(Evicted(f"member {member_id} suspected ({reason}); rejoin"))
+        record = lead.records.pop(member_id, None)
+        if record is not None:
+            asyncio.create_task(self._remove_record(record))
+        self._drain(lead)
+
+    async def _write_progress(self, lead: _Leadership) -> None:
+        view = lead.coordinator.view
+        if lead.step is None:
+            return
+        current = (view.epoch, lead.step)
+        now = self._clock()
+        if current == lead.step_written:
+            return
+        if now - lead.step_written_at < self._config.progress_write_interval:
+            return
+        await self._etcd(self._store.write_progress, view.epoch, lead.step)
+        lead.step_written, lead.step_written_at = current, now
+
+    # --- views seen by every replica -------------------------------------------
+
+    def _observe_view(self, view: View) -> None:
+        if view.epoch <= self._latest_view.epoch and self._latest_view is not EMPTY_VIEW:
+            return
+        self._latest_view = view
+
+        async def notify() -> None:
+            async with self._view_changed:
+                self._view_changed.notify_all()
+
+        asyncio.ensure_future(notify())
+
+    async def _poll_view_forever(self) -> None:
+        """Backstop for the etcd watch (which is lost while etcd is down)."""
+        while True:
+            try:
+                view, _ = await self._etcd(self._store.read_view)
+                self._observe_view(view)
+            except ControlPlaneUnavailable:
+                pass
+            await asyncio.sleep(1.0)
+
+    # --- request checks -----------------------------------------------------------
+
+    def _check_job(self, job: str) -> None:
+        check.check_id(job, "job", self._config)
+        if job != self._job:
+            raise NoSuchJob(f"no such job {job!r}: this service serves job {self._job!r}")
+
+    def _leader(self) -> _Leadership:
+        lead = self._lead
+        if lead is None:
+            raise NotLeader(
+                f"replica {self._advertise} is not the leader of job {self._job}",
+                leader=None,
+            )
+        return lead
+
+    def _fence(self, lead: _Leadership, member_id: str, epoch: int) -> None:
+        """Reject a member that may no longer act: unknown ids, and senders
+        of an old epoch that are not in the view in force."""
+        check.check_counter(epoch, "epoch")
+        view = lead.coordinator.view
+        if epoch > view.epoch:
+            raise InvalidRequest(f"epoch {epoch} is ahead of the committed epoch {view.epoch}")
+        if lead.coordinator.knows(member_id):
+            return
+        if epoch < view.epoch:
+            raise StaleEpoch(
+                f"epoch {epoch} is stale: member {member_id} is not in view {view.epoch}; rejoin"
+            )
+        raise NotAMember(f"member {member_id!r} is not a member of job {self._job}")
+
+    async def _abort(self, context: grpc.aio.ServicerContext, error: RollcallError) -> None:
+        if isinstance(error, NotLeader):
+            leader = await self._known_leader()
+            if leader:
+                context.set_trailing_metadata(((LEADER_METADATA, leader),))
+        await context.abort(status_of(error), str(error))
+
+    async def _known_leader(self) -> str:
+        try:
+            info = await asyncio.wait_for(
+                self._etcd(self._store.read_leader), timeout=self._config.etcd_timeout
+            )
+        except (ControlPlaneUnavailable, TimeoutError):
+            return ""
+        return info.address if info is not None else ""
+
+    # --- RPCs -------------------------------------------------------------------------
+
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._check_job(request.job)
+            check.check_address(request.address, self._config)
+            name = request.name or "w"
+            check.check_id(name, "name", self._config)
+            member_id = f"{name[: self._config.max_id_length - 9]}-{secrets.token_hex(4)}"
+            lead = self._leader()
+            record = await self._etcd(self._store.add_member, Member(member_id, request.address))
+            if lead.lost.is_set():
+                raise NotLeader("replica lost leadership during the join")
+            now = self._clock()
+            lead.records[member_id] = record
+            lead.join_deadlines[member_id] = now + self._config.join_session_timeout
+            lead.coordinator.join(record.member, now)
+            self._drain(lead)
+            log.info("join %s at %s", member_id, request.address)
+            return pb.JoinResponse(
+                member_id=member_id,
+                view=view_to_pb(lead.coordinator.view),
+                heartbeat_interval_ms=round(self._config.heartbeat_interval * 1000),
+            )
+        except RollcallError as error:
+            await self._abort(context, error)
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._check_job(request.job)
+            check.check_id(request.member_id, "member_id", self._config)
+            lead = self._leader()
+            self._fence(lead, request.member_id, request.epoch)
+            now = self._clock()
+            lead.coordinator.leave(request.member_id, now)
+            log.info("leave %s", request.member_id)
+            lead.detector.forget(request.member_id)
+            lead.join_deadlines.pop(request.member_id, None)
+            session = lead.sessions.pop(request.member_id, None)
+            if session is not None:
+                session.close()
+            record = lead.records.pop(request.member_id, None)
+            if record is not None:
+                asyncio.create_task(self._remove_record(record))
+            self._drain(lead)
+            return pb.LeaveResponse()
+        except RollcallError as error:
+            await self._abort(context, error)
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._check_job(request.job)
+            view, _ = await self._etcd(self._store.read_view)
+            leader = await self._etcd(self._store.read_leader)
+            lead = self._lead
+            if lead is not None and lead.coordinator.view.epoch == view.epoch:
+                step = lead.step
+            else:
+                progress = await self._etcd(self._store.read_progress)
+                step = progress[1] if progress and progress[0] == view.epoch else view.resume_step
+            response = pb.StatusResponse(
+                view=view_to_pb(view),
+                leader=leader.address if leader else "",
+                replica=self._advertise,
+            )
+            if step is not None:
+                response.step = step
+            if lead is not None and lead.coordinator.rollcall is not None:
+                response.rollcall_epoch = lead.coordinator.rollcall.epoch
+            return response
+        except RollcallError as error:
+            await self._abort(context, error)
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.View]:
+        try:
+            self._check_job(request.job)
+            check.check_counter(request.after_epoch, "after_epoch")
+        except RollcallError as error:
+            await self._abort(context, error)
+            return
+        sent = request.after_epoch
+        while True:
+            view = await self._next_view(sent)
+            sent = view.epoch
+            yield view_to_pb(view)
+
+    async def _next_view(self, after_epoch: int) -> View:
+        async with self._view_changed:
+            await self._view_changed.wait_for(lambda: self._latest_view.epoch > after_epoch)
+            return self._latest_view
+
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionEvent]:
+        try:
+            first = await anext(request_iterator)
+        except StopAsyncIteration:
+            return
+        try:
+            lead, session = self._open(first)
+        except RollcallError as error:
+            await self._abort(context, error)
+            return
+        member_id = session.member_id
+        reader = asyncio.create_task(self._read_session(lead, session, request_iterator))
+        ended = False
+        try:
+            while True:
+                getter = asyncio.ensure_future(session.outbox.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    item = getter.result()
+                    if isinstance(item, pb.SessionEvent):
+                        yield item
+                        continue
+                    ended = True
+                    if item is not None:
+                        await self._abort(context, item)
+                    return
+                getter.cancel()
+                error = None if reader.cancelled() else reader.exception()
+                if isinstance(error, RollcallError):
+                    # A rejected message ends the stream and changes nothing
+                    # else: the member may reconnect; if it stays silent the
+                    # detector (still watching it) suspects it.
+                    ended = True
+                    if lead.sessions.get(member_id) is session:
+                        del lead.sessions[member_id]
+                    await self._abort(context, error)
+                return
+        finally:
+            reader.cancel()
+            if not ended and lead.sessions.get(member_id) is session:
+                # The stream broke (process killed, connection cut): the
+                # fastest failure signal there is.
+                self._suspect(lead, member_id, "session stream broken")
+
+    def _open(self, first: pb.SessionRequest) -> tuple[_Leadership, _Session]:
+        if first.WhichOneof("kind") != "open":
+            raise InvalidRequest("a session must start with an Open message")
+        request = first.open
+        self._check_job(request.job)
+        check.check_id(request.member_id, "member_id", self._config)
+        lead = self._leader()
+        self._fence(lead, request.member_id, request.epoch)
+        now = self._clock()
+        old = lead.sessions.pop(request.member_id, None)
+        if old is not None:
+            old.close()  # replaced by a reconnect
+        session = _Session(request.member_id)
+        lead.sessions[request.member_id] = session
+        lead.join_deadlines.pop(request.member_id, None)
+        lead.detector.watch(request.member_id, now)
+        session.send(pb.SessionEvent(view=view_to_pb(lead.coordinator.view)))
+        rollcall = lead.coordinator.rollcall
+        if rollcall is not None and request.member_id in rollcall.missing:
+            self._ask(session, rollcall.epoch)
+        log.info("session open: %s (epoch %d)", request.member_id, request.epoch)
+        return lead, session
+
+    async def _read_session(
+        self,
+        lead: _Leadership,
+        session: _Session,
+        requests: AsyncIterator[pb.SessionRequest],
+    ) -> None:
+        async for request in requests:
+            if lead.sessions.get(session.member_id) is not session:
+                return
+            self._on_message(lead, session.member_id, request)
+
+    def _on_message(self, lead: _Leadership, member_id: str, request: pb.SessionRequest) -> None:
+        now = self._clock()
+        kind = request.WhichOneof("kind")
+        if kind == "heartbeat":
+            self._fence(lead, member_id, request.heartbeat.epoch)
+            lead.detector.heartbeat(member_id, now)
+        elif kind == "progress":
+            epoch, step = request.progress.epoch, request.progress.step
+            self._fence(lead, member_id, epoch)
+            check.check_counter(step, "step")
+            lead.detector.heartbeat(member_id, now)
+            if epoch == lead.coordinator.view.epoch and member_id in lead.coordinator.view:
+                lead.step = max(step, lead.step if lead.step is not None else step)
+        elif kind == "answer":
+            answer = request.answer
+            check.check_counter(answer.epoch, "epoch")
+            step = answer.step if answer.HasField("step") else None
+            if step is not None:
+                check.check_counter(step, "step")
+            check.check_digest(answer.digest, self._config)
+            lead.detector.heartbeat(member_id, now)
+            try:
+                lead.coordinator.answer(member_id, answer.epoch, step, answer.digest, now)
+            except (StaleEpoch, NotAMember) as late:
+                # A known member answering a roll call that already closed:
+                # harmless, the view it missed will evict or include it.
+                log.debug("ignored answer from %s: %s", member_id, late)
+            self._drain(lead)
+        elif kind == "failure":
+            report = request.failure
+            self._fence(lead, member_id, report.epoch)
+            check.check_id(report.peer_id, "peer_id", self._config)
+            check.check_text(report.reason, "reason", _MAX_REASON)
+            lead.detector.heartbeat(member_id, now)
+            cause = f"report:{report.peer_id} by {member_id}"
+            if report.epoch == lead.coordinator.view.epoch and lead.coordinator.recheck(
+                report.peer_id, cause, now
+            ):
+                log.info("%s reports %s failing: %s", member_id, report.peer_id, report.reason)
+                self._drain(lead)
+        elif kind == "open":
+            raise InvalidRequest("Open sent twice on one session")
+        else:
+            raise InvalidRequest("empty session message")
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects every call whose job token is missing or wrong, before any
+    handler (and so any state) is reached."""
+
+    def __init__(self, token: str) -> None:
+        self._digest = token_digest(token)
+
+        async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(_WRONG_TOKEN))
+
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(_WRONG_TOKEN))
+            yield  # pragma: no cover - makes this an async generator
+
+        self._deny = {
+            "unary_unary": grpc.unary_unary_rpc_method_handler(deny_unary),
+            "unary_stream": grpc.unary_stream_rpc_method_handler(deny_stream),
+            "stream_stream": grpc.stream_stream_rpc_method_handler(deny_stream),
+        }
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        presented = None
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_METADATA:
+                presented = value if isinstance(value, str) else value.decode()
+        if token_matches(presented, self._digest):
+            return await continuation(details)
+        method = details.method.rsplit("/", 1)[-1]
+        kind = {"Session": "stream_stream", "Watch": "unary_stream"}.get(method, "unary_unary")
+        return self._deny[kind]
+
+
+_WRONG_TOKEN = Unauthenticated("missing or wrong job token")

@@ -1,0 +1,750 @@
+"""The rendezvous service's etcd adapter: views, member leases, election, progress.
+
+Everything for a job lives under ``/rollcall/jobs/<job>/`` as JSON, readable
+with ``etcdctl get --prefix /rollcall/jobs/``::
+
+    view            the committed view (``View.to_json``)
+    leader          {"address", "lease_id", "replica_id"}, tied to the leader's lease
+    members/<id>    {"address", "id"}, each tied to its own lease
+    progress        {"epoch", "step"}: last committed step reported for the view
+
+The store is synchronous: the asyncio service calls it from worker threads.
+
+Reaching etcd. The pyetcd client (``MultiEndpointEtcd3Client`` with failover)
+owns one gRPC channel per endpoint and picks the endpoint to use; this module
+sends the requests itself through the raw etcd stubs on that channel, because
+it needs what pyetcd's wrappers do not give: a deadline per attempt, the
+response header of a transaction, and one keep-alive stream for many leases.
+An operation that fails with a connection error (gRPC UNAVAILABLE, which also
+covers etcd's "no leader" and "request timed out", DEADLINE_EXCEEDED, INTERNAL,
+or etcd's own "context deadline exceeded" passed on as UNKNOWN) marks the
+endpoint failed and is retried on the next endpoint, at most
+``len(endpoints) + 1`` attempts within ``2 * config.etcd_timeout``; then it
+raises :class:`ControlPlaneUnavailable`. Requests carry etcd's "require leader"
+metadata, so a member cut off from its cluster's leader refuses at once rather
+than timing out, and the client moves on to another member.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import grpc
+from pyetcd import etcdrpc
+from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+from pyetcd.exceptions import NoServerAvailableError
+
+from membership.config import Config
+from membership.errors import ControlPlaneUnavailable, InvalidRequest
+from membership.view import EMPTY_VIEW, Member, View
+
+_log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Status codes that mean "this endpoint could not serve the request now".
+_UNREACHABLE_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
+)
+#: etcd passes its own context errors on unmapped, as UNKNOWN: when the
+#: deadline we sent expires inside etcd first, this is what we receive.
+_CONTEXT_ERRORS = ("context deadline exceeded", "context canceled")
+
+
+def _unreachable(exc: grpc.RpcError) -> bool:
+    """Whether a gRPC error means that this endpoint could not serve us now."""
+    code = exc.code()
+    if code in _UNREACHABLE_CODES:
+        return True
+    return code == grpc.StatusCode.UNKNOWN and (exc.details() or "") in _CONTEXT_ERRORS
+
+
+#: etcd refuses requests (and cancels streams) on a member without a leader.
+_REQUIRE_LEADER = (("hasleader", "true"),)
+#: gRPC reconnects at most this far apart, so a restarted etcd is found again
+#: within about a second (gRPC's own default backs off up to two minutes).
+_GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    # Detect a frozen or unreachable server under a long-lived watch stream.
+    # etcd refuses pings more often than every 5 s (--grpc-keepalive-min-time).
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+#: Pause before retrying an endpoint that just failed.
+_RETRY_PAUSE = 0.05
+#: An attempt gets at least this share of etcd_timeout, or is not made.
+_MIN_ATTEMPT_SHARE = 0.1
+#: Watch re-establishment back-off.
+_WATCH_BACKOFF_INITIAL = 0.1
+_WATCH_BACKOFF_MAX = 1.0
+
+_PREFIX = "/rollcall/jobs/"
+
+
+@dataclass(frozen=True)
+class EtcdClientTLS:
+    """TLS towards etcd: the CA that signed etcd's certificate and, when etcd
+    requires client certificates, this client's certificate and key."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """A member's record in etcd, tied to its own lease."""
+
+    member: Member
+    lease_id: int
+    #: etcd revision at which the record was created: orders joiners by arrival.
+    create_revision: int
+
+
+@dataclass(frozen=True)
+class LeaderInfo:
+    """The replica holding a job's election, and the lease that holds it."""
+
+    replica_id: str
+    address: str
+    lease_id: int
+
+
+def _dumps(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _leader_value(leader: LeaderInfo) -> bytes:
+    return _dumps(
+        {"address": leader.address, "lease_id": leader.lease_id, "replica_id": leader.replica_id}
+    )
+
+
+def _parse_leader(value: bytes) -> LeaderInfo:
+    data = json.loads(value)
+    return LeaderInfo(str(data["replica_id"]), str(data["address"]), int(data["lease_id"]))
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The range end covering every key that starts with ``prefix``."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"
+
+
+def _check_name(kind: str, value: str) -> None:
+    if not value or "/" in value:
+        raise InvalidRequest(f"{kind} must be non-empty and contain no '/', got {value!r}")
+
+
+def _range(key: bytes, *, prefix: bool = False, **fields: Any) -> etcdrpc.RangeRequest:
+    request = etcdrpc.RangeRequest(key=key, **fields)
+    if prefix:
+        request.range_end = _prefix_end(key)
+    return request
+
+
+def _compare(key: bytes, target: str, value: int | bytes) -> etcdrpc.Compare:
+    """``key``'s ``target`` (CREATE, MOD or VALUE) must equal ``value``."""
+    compare = etcdrpc.Compare(
+        key=key, target=getattr(etcdrpc.Compare, target), result=etcdrpc.Compare.EQUAL
+    )
+    field = {"CREATE": "create_revision", "MOD": "mod_revision", "VALUE": "value"}[target]
+    setattr(compare, field, value)
+    return compare
+
+
+def _put_op(key: bytes, value: bytes, lease: int = 0) -> etcdrpc.RequestOp:
+    return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key, value=value, lease=lease))
+
+
+def _range_op(request: etcdrpc.RangeRequest) -> etcdrpc.RequestOp:
+    return etcdrpc.RequestOp(request_range=request)
+
+
+def _first_kv(response: etcdrpc.TxnResponse, index: int) -> Any:
+    kvs = response.responses[index].response_range.kvs
+    return kvs[0] if kvs else None
+
+
+class EtcdStore:
+    """A job's durable state in etcd. See the module docstring for the layout
+    and for how connection errors become :class:`ControlPlaneUnavailable`."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        job: str,
+        config: Config,
+        tls: EtcdClientTLS | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("EtcdStore needs at least one etcd endpoint")
+        _check_name("job", job)
+        self.job = job
+        self._config = config
+        self._endpoint_urls = ",".join(endpoints)
+        self._url_by_netloc = {urlsplit(url).netloc: url for url in endpoints}
+        self._client = MultiEndpointEtcd3Client(
+            endpoints=[self._make_endpoint(url, tls) for url in endpoints],
+            timeout=config.etcd_timeout,
+            failover=True,
+        )
+        self._max_attempts = len(self._client.endpoints) + 1
+        self._select_lock = threading.Lock()
+        self._watches: set[_KeyWatch] = set()
+        self._watches_lock = threading.Lock()
+        self._closed = False
+        base = f"{_PREFIX}{job}/"
+        self.prefix = base.encode()
+        self._view_key = f"{base}view".encode()
+        self._leader_key = f"{base}leader".encode()
+        self._members_prefix = f"{base}members/".encode()
+        self._progress_key = f"{base}progress".encode()
+
+    def _make_endpoint(self, url: str, tls: EtcdClientTLS | None) -> Endpoint:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+            raise ValueError(f"etcd endpoint must look like http://HOST:PORT, got {url!r}")
+        secure = parts.scheme == "https"
+        if secure != (tls is not None):
+            raise ValueError(f"etcd endpoint {url!r}: use https exactly when TLS is configured")
+        creds = None
+        if tls is not None:
+            creds = MultiEndpointEtcd3Client.get_secure_creds(
+                tls.ca_file, tls.key_file, tls.cert_file
+            )
+        return Endpoint(
+            parts.hostname,
+            parts.port,
+            secure=secure,
+            creds=creds,
+            # How long a failed endpoint is skipped while others remain
+            # (pyetcd's default, 300 s, would shun a restarted etcd for minutes).
+            time_retry=self._config.etcd_timeout,
+            opts=_GRPC_OPTIONS,
+        )
+
+    @property
+    def endpoint_in_use(self) -> str:
+        """URL of the etcd endpoint that requests currently go to."""
+        label = self._client.endpoint_in_use.netloc
+        return self._url_by_netloc.get(label, label)
+
+    # --- plumbing ------------------------------------------------------------
+    def _unavailable(self) -> ControlPlaneUnavailable:
+        return ControlPlaneUnavailable(
+            f"control plane unavailable: etcd unreachable at {self._endpoint_urls}"
+        )
+
+    def _select(self) -> tuple[Endpoint, grpc.Channel]:
+        """The endpoint to use and its channel; when every endpoint failed
+        recently, the one that failed longest ago is tried again."""
+        with self._select_lock:
+            try:
+                channel = self._client.channel
+            except NoServerAvailableError:
+                oldest = min(self._client.endpoints.values(), key=lambda e: e.last_failed)
+                oldest.last_failed = 0
+                channel = self._client.channel
+            return self._client.endpoint_in_use, channel
+
+    def _call(self, attempt: Callable[[grpc.Channel, float, bool], T]) -> T:
+        """Run ``attempt(channel, timeout, retried)`` with failover and retries.
+
+        ``retried`` tells the attempt that an earlier one may have reached
+        etcd, so a conditional write that now fails may have been our own.
+        """
+        if self._closed:
+            raise RuntimeError("EtcdStore is closed")
+        budget = 2 * self._config.etcd_timeout
+        deadline = time.monotonic() + budget
+        failure: grpc.RpcError | None = None
+        for number in range(self._max_attempts):
+            remaining = deadline - time.monotonic()
+            if number and remaining < _MIN_ATTEMPT_SHARE * self._config.etcd_timeout:
+                break
+            endpoint, channel = self._select()
+            try:
+                return attempt(channel, min(self._config.etcd_timeout, remaining), number > 0)
+            except grpc.RpcError as exc:
+                if not _unreachable(exc):
+                    raise
+                failure = exc
+                endpoint.fail()
+                _log.debug("etcd %s failed: %s", endpoint, exc.details())
+            time.sleep(min(_RETRY_PAUSE, max(0.0, deadline - time.monotonic())))
+        raise self._unavailable() from failure
+
+    def _kv_range(self, request: etcdrpc.RangeRequest) -> etcdrpc.RangeResponse:
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> Any:
+            return etcdrpc.KVStub(channel).Range(request, timeout=timeout, metadata=_REQUIRE_LEADER)
+
+        return self._call(attempt)
+
+    def _txn_call(self, request: etcdrpc.TxnRequest, channel: grpc.Channel, timeout: float) -> Any:
+        return etcdrpc.KVStub(channel).Txn(request, timeout=timeout, metadata=_REQUIRE_LEADER)
+
+    def _put(self, key: bytes, value: bytes, lease: int = 0) -> None:
+        request = etcdrpc.PutRequest(key=key, value=value, lease=lease)
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> None:
+            etcdrpc.KVStub(channel).Put(request, timeout=timeout, metadata=_REQUIRE_LEADER)
+
+        self._call(attempt)
+
+    def _grant(self, ttl: int) -> int:
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> int:
+            response = etcdrpc.LeaseStub(channel).LeaseGrant(
+                etcdrpc.LeaseGrantRequest(TTL=ttl), timeout=timeout, metadata=_REQUIRE_LEADER
+            )
+            if response.error:
+                raise RuntimeError(f"etcd refused a lease of {ttl} s: {response.error}")
+            return int(response.ID)
+
+        return self._call(attempt)
+
+    def _revoke(self, lease_id: int) -> None:
+        """Revoke a lease, deleting its keys; a lease already gone is fine."""
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> None:
+            try:
+                etcdrpc.LeaseStub(channel).LeaseRevoke(
+                    etcdrpc.LeaseRevokeRequest(ID=lease_id),
+                    timeout=timeout,
+                    metadata=_REQUIRE_LEADER,
+                )
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+
+        self._call(attempt)
+
+    def close(self) -> None:
+        """Cancel the watches and close the connections. Idempotent."""
+        with self._watches_lock:
+            watches = list(self._watches)
+            self._watches.clear()
+        for watch in watches:
+            watch.cancel()
+        if not self._closed:
+            self._closed = True
+            self._client.close()
+
+    def __enter__(self) -> EtcdStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def ping(self) -> None:
+        """Raise :class:`ControlPlaneUnavailable` unless etcd serves a
+        linearizable read (which needs a quorum)."""
+        self._kv_range(_range(self._view_key, count_only=True))
+
+    # --- view ----------------------------------------------------------------
+    def read_view(self) -> tuple[View, int]:
+        """The committed view and its key's mod_revision; ``(EMPTY_VIEW, 0)``
+        before the first commit."""
+        response = self._kv_range(_range(self._view_key))
+        if not response.kvs:
+            return EMPTY_VIEW, 0
+        kv = response.kvs[0]
+        return View.from_json(kv.value), int(kv.mod_revision)
+
+    def commit_view(self, view: View, prev_revision: int, leader: LeaderInfo) -> int | None:
+        """Publish ``view`` in one transaction, if the view key is still at
+        ``prev_revision`` (absent when 0) and the leader key still holds
+        exactly ``leader`` (same replica and same election lease, so a
+        deposed leader, even one re-elected since, is fenced).
+
+        Returns the view's new mod_revision, or ``None`` when a comparison
+        failed and nothing was written.
+        """
+        value = view.to_json().encode()
+        if prev_revision == 0:
+            view_compare = _compare(self._view_key, "CREATE", 0)
+        else:
+            view_compare = _compare(self._view_key, "MOD", prev_revision)
+        request = etcdrpc.TxnRequest(
+            compare=[view_compare, _compare(self._leader_key, "VALUE", _leader_value(leader))],
+            success=[_put_op(self._view_key, value)],
+            failure=[_range_op(_range(self._view_key))],
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> int | None:
+            response = self._txn_call(request, channel, timeout)
+            if response.succeeded:
+                return int(response.header.revision)
+            current = _first_kv(response, 0)
+            if retried and current is not None and current.value == value:
+                # An earlier attempt committed it and its answer was lost.
+                return int(current.mod_revision)
+            return None
+
+        return self._call(attempt)
+
+    def job_exists(self) -> bool:
+        """Whether the job has a view, a leader or any member record."""
+        request = etcdrpc.TxnRequest(
+            success=[
+                _range_op(_range(self._view_key, count_only=True)),
+                _range_op(_range(self._leader_key, count_only=True)),
+                _range_op(_range(self._members_prefix, prefix=True, count_only=True)),
+            ]
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> bool:
+            response = self._txn_call(request, channel, timeout)
+            return any(r.response_range.count > 0 for r in response.responses)
+
+        return self._call(attempt)
+
+    # --- members ---------------------------------------------------------------
+    def _member_key(self, member_id: str) -> bytes:
+        return self._members_prefix + member_id.encode()
+
+    def add_member(self, member: Member) -> MemberRecord:
+        """Record ``member`` under a new lease of ``config.member_lease_ttl``.
+
+        A member id holds one record at a time: adding an id that already has
+        a record raises :class:`InvalidRequest` (remove it first).
+        """
+        _check_name("member id", member.id)
+        key = self._member_key(member.id)
+        value = _dumps({"address": member.address, "id": member.id})
+        lease_id = self._grant(self._config.member_lease_ttl)
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(key, "CREATE", 0)],
+            success=[_put_op(key, value, lease_id), _range_op(_range(key))],
+            failure=[_range_op(_range(key))],
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> Any:
+            response = self._txn_call(request, channel, timeout)
+            if response.succeeded:
+                return _first_kv(response, 1)
+            current = _first_kv(response, 0)
+            if retried and current is not None and current.lease == lease_id:
+                return current  # an earlier attempt wrote it
+            return None
+
+        kv = self._call(attempt)
+        if kv is None:
+            self._revoke(lease_id)
+            raise InvalidRequest(f"member {member.id!r} already has a record in job {self.job!r}")
+        return MemberRecord(member, lease_id, int(kv.create_revision))
+
+    def list_members(self) -> list[MemberRecord]:
+        """Every member record, oldest first (by create_revision)."""
+        response = self._kv_range(
+            _range(
+                self._members_prefix,
+                prefix=True,
+                sort_order=etcdrpc.RangeRequest.ASCEND,
+                sort_target=etcdrpc.RangeRequest.CREATE,
+            )
+        )
+        records = []
+        for kv in response.kvs:
+            data = json.loads(kv.value)
+            member = Member(str(data["id"]), str(data["address"]))
+            records.append(MemberRecord(member, int(kv.lease), int(kv.create_revision)))
+        return records
+
+    def remove_member(self, member_id: str, lease_id: int) -> None:
+        """Revoke the member's lease, which deletes its record. Removing a
+        member that is already gone is not an error."""
+        self._revoke(lease_id)
+
+    def keep_alive(self, lease_ids: Iterable[int]) -> dict[int, int]:
+        """Refresh many leases over one keep-alive stream.
+
+        Returns lease id -> TTL granted again; 0 (or less) means the lease is
+        gone (expired or revoked) and its keys with it.
+        """
+        ids = list(dict.fromkeys(int(i) for i in lease_ids))
+        if not ids:
+            return {}
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> dict[int, int]:
+            requests = iter([etcdrpc.LeaseKeepAliveRequest(ID=i) for i in ids])
+            responses = etcdrpc.LeaseStub(channel).LeaseKeepAlive(
+                requests, timeout=timeout, metadata=_REQUIRE_LEADER
+            )
+            ttls: dict[int, int] = {}
+            try:
+                # etcd answers each request in order on the stream.
+                for response in responses:
+                    ttls[int(response.ID)] = int(response.TTL)
+                    if len(ttls) == len(ids):
+                        break
+            finally:
+                responses.cancel()
+            return ttls
+
+        ttls = self._call(attempt)
+        if len(ttls) != len(ids):
+            # The stream ended early without an error: treat as unreachable
+            # rather than guess the missing leases' fate.
+            raise self._unavailable()
+        return ttls
+
+    def lease_ttl(self, lease_id: int) -> int:
+        """Seconds left on a lease (etcd rounds down); -1 when it is gone."""
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> int:
+            response = etcdrpc.LeaseStub(channel).LeaseTimeToLive(
+                etcdrpc.LeaseTimeToLiveRequest(ID=lease_id),
+                timeout=timeout,
+                metadata=_REQUIRE_LEADER,
+            )
+            return int(response.TTL)
+
+        return self._call(attempt)
+
+    # --- leader election -------------------------------------------------------
+    def campaign(self, replica_id: str, address: str) -> LeaderInfo | None:
+        """Try to become the job's leader: returns our LeaderInfo if the
+        leader key was free and is now ours, else ``None``."""
+        lease_id = self._grant(self._config.election_ttl)
+        leader = LeaderInfo(replica_id, address, lease_id)
+        value = _leader_value(leader)
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(self._leader_key, "CREATE", 0)],
+            success=[_put_op(self._leader_key, value, lease_id)],
+            failure=[_range_op(_range(self._leader_key))],
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> bool:
+            response = self._txn_call(request, channel, timeout)
+            if response.succeeded:
+                return True
+            current = _first_kv(response, 0)
+            return retried and current is not None and current.value == value
+
+        if self._call(attempt):
+            return leader
+        try:
+            self._revoke(lease_id)
+        except ControlPlaneUnavailable:
+            # The unused lease holds no key and expires within election_ttl.
+            _log.info("could not revoke unused election lease %x", lease_id)
+        return None
+
+    def refresh_leader(self, leader: LeaderInfo) -> bool:
+        """Keep our election lease alive. False once the lease is gone or the
+        leader key no longer holds ``leader``."""
+        if self.keep_alive([leader.lease_id]).get(leader.lease_id, 0) <= 0:
+            return False
+        return self.read_leader() == leader
+
+    def resign(self, leader: LeaderInfo) -> None:
+        """Give up the election by revoking our lease (deletes the key)."""
+        self._revoke(leader.lease_id)
+
+    def read_leader(self) -> LeaderInfo | None:
+        response = self._kv_range(_range(self._leader_key))
+        return _parse_leader(response.kvs[0].value) if response.kvs else None
+
+    # --- watches ---------------------------------------------------------------
+    def watch_leader(
+        self,
+        callback: Callable[[LeaderInfo | None], None],
+        *,
+        after_revision: int | None = None,
+    ) -> Callable[[], None]:
+        """Call ``callback`` with the new leader (``None`` when the key is
+        deleted) on every change after ``after_revision`` (default: now).
+        Returns a function that cancels the watch. See :class:`_KeyWatch`."""
+
+        def handle(kv: Any) -> None:
+            callback(None if kv is None else _parse_leader(kv.value))
+
+        return self._watch(self._leader_key, handle, after_revision, "leader")
+
+    def watch_view(
+        self,
+        callback: Callable[[View], None],
+        *,
+        after_revision: int | None = None,
+    ) -> Callable[[], None]:
+        """Call ``callback`` with every view committed after ``after_revision``
+        (default: now; pass the revision from ``read_view`` to miss nothing).
+        Returns a function that cancels the watch. See :class:`_KeyWatch`."""
+
+        def handle(kv: Any) -> None:
+            if kv is not None:
+                callback(View.from_json(kv.value))
+
+        return self._watch(self._view_key, handle, after_revision, "view")
+
+    def _watch(
+        self,
+        key: bytes,
+        handle: Callable[[Any], None],
+        after_revision: int | None,
+        what: str,
+    ) -> Callable[[], None]:
+        if after_revision is None:
+            after_revision = int(self._kv_range(_range(key, count_only=True)).header.revision)
+        watch = _KeyWatch(self, key, after_revision + 1, handle, f"rollcall-watch-{what}")
+        with self._watches_lock:
+            if self._closed:
+                raise RuntimeError("EtcdStore is closed")
+            self._watches.add(watch)
+        watch.start()
+
+        def cancel() -> None:
+            with self._watches_lock:
+                self._watches.discard(watch)
+            watch.cancel()
+
+        return cancel
+
+    # --- progress --------------------------------------------------------------
+    def write_progress(self, epoch: int, step: int) -> None:
+        """Record the last committed step reported for view ``epoch``."""
+        self._put(self._progress_key, _dumps({"epoch": epoch, "step": step}))
+
+    def read_progress(self) -> tuple[int, int] | None:
+        """``(epoch, step)`` last written, or ``None``."""
+        response = self._kv_range(_range(self._progress_key))
+        if not response.kvs:
+            return None
+        data = json.loads(response.kvs[0].value)
+        return int(data["epoch"]), int(data["step"])
+
+    def snapshot(self) -> dict[str, bytes]:
+        """Every key under the job's prefix with its value."""
+        response = self._kv_range(_range(self.prefix, prefix=True))
+        return {kv.key.decode(): bytes(kv.value) for kv in response.kvs}
+
+
+class _KeyWatch:
+    """Follows one key from a start revision in a thread of its own.
+
+    Each change is handed to ``handle`` (the new key-value, or ``None`` for a
+    deletion) in that thread; an exception from it is logged, never raised.
+
+    When the stream breaks (etcd restarted, member killed, member lost its
+    leader) the watch is re-established, on whichever endpoint the store
+    selects, from the revision after the last change seen, with a back-off of
+    0.1 s doubling to 1 s: no change is missed, as long as etcd still holds
+    that history. If it was compacted away, the key's current value is handed
+    over once (if it changed since) and the watch resumes from there. A
+    frozen server is noticed by gRPC keep-alive (about 15 s). Nothing is
+    reported while etcd is unreachable; the store's other calls raise
+    :class:`ControlPlaneUnavailable` meanwhile.
+    """
+
+    def __init__(
+        self,
+        store: EtcdStore,
+        key: bytes,
+        start_revision: int,
+        handle: Callable[[Any], None],
+        name: str,
+    ) -> None:
+        self._store = store
+        self._key = key
+        self._next_revision = start_revision
+        self._handle = handle
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def cancel(self) -> None:
+        self._stop.set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self._store._config.etcd_timeout)
+
+    def _run(self) -> None:
+        backoff = _WATCH_BACKOFF_INITIAL
+        while not self._stop.is_set():
+            try:
+                if self._follow():
+                    backoff = _WATCH_BACKOFF_INITIAL
+            except Exception:  # noqa: BLE001 - the thread must survive anything
+                _log.exception("watch on %s failed", self._key.decode())
+            self._stop.wait(backoff)
+            backoff = min(2 * backoff, _WATCH_BACKOFF_MAX)
+
+    def _follow(self) -> bool:
+        """One watch stream, until it breaks. True if it was established."""
+        endpoint, channel = self._store._select()
+        ended = threading.Event()
+
+        def requests() -> Iterator[etcdrpc.WatchRequest]:
+            create = etcdrpc.WatchCreateRequest(key=self._key, start_revision=self._next_revision)
+            yield etcdrpc.WatchRequest(create_request=create)
+            ended.wait()  # keep the request side open while we follow
+
+        call = etcdrpc.WatchStub(channel).Watch(requests(), metadata=_REQUIRE_LEADER)
+        with self._lock:
+            self._call = call
+        if self._stop.is_set():
+            call.cancel()
+        established = False
+        try:
+            for response in call:
+                established = established or response.created
+                if response.compact_revision:
+                    self._resync()
+                    return established
+                if response.canceled:
+                    return established
+                for event in response.events:
+                    self._next_revision = int(event.kv.mod_revision) + 1
+                    deleted = event.type == event.DELETE
+                    self._deliver(None if deleted else event.kv)
+        except grpc.RpcError as exc:
+            if not self._stop.is_set():
+                _log.info("watch on %s broke (%s); re-establishing", self._key.decode(), exc.code())
+                if _unreachable(exc):
+                    endpoint.fail()
+        finally:
+            ended.set()
+            call.cancel()
+            with self._lock:
+                self._call = None
+        return established
+
+    def _resync(self) -> None:
+        """The history we need was compacted: hand over the current value if
+        it changed since, and continue from now."""
+        response = self._store._kv_range(_range(self._key))
+        kv = response.kvs[0] if response.kvs else None
+        if kv is None or kv.mod_revision >= self._next_revision:
+            self._deliver(kv)
+        self._next_revision = int(response.header.revision) + 1
+
+    def _deliver(self, kv: Any) -> None:
+        if self._stop.is_set():
+            return
+        try:
+            self._handle(kv)
+        except Exception:  # noqa: BLE001 - never raise into the watch thread
+            _log.exception("watch callback for %s raised", self._key.decode())

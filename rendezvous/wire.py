@@ -1,0 +1,110 @@
+"""What crosses the wire: protobuf <-> domain objects, errors <-> gRPC status,
+and the job-token metadata."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from pathlib import Path
+
+import grpc
+
+from membership.errors import (
+    ControlPlaneUnavailable,
+    Evicted,
+    InvalidRequest,
+    NoSuchJob,
+    NotAMember,
+    NotLeader,
+    RollcallError,
+    StaleEpoch,
+    Unauthenticated,
+)
+from membership.view import Member, View
+from rendezvous.pb import rendezvous_pb2 as pb
+
+#: Metadata key carrying the job token ("Bearer <token>").
+TOKEN_METADATA = "authorization"
+#: Trailing metadata key naming the leader when a standby refuses a call.
+LEADER_METADATA = "rollcall-leader"
+#: Environment variable holding the job token when no file is given.
+TOKEN_ENV = "ROLLCALL_TOKEN"
+
+#: Which gRPC status each named error travels as (documented in the .proto).
+STATUS_OF: dict[type[RollcallError], grpc.StatusCode] = {
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    StaleEpoch: grpc.StatusCode.FAILED_PRECONDITION,
+    Evicted: grpc.StatusCode.FAILED_PRECONDITION,
+    NotAMember: grpc.StatusCode.NOT_FOUND,
+    NoSuchJob: grpc.StatusCode.NOT_FOUND,
+    NotLeader: grpc.StatusCode.UNAVAILABLE,
+    ControlPlaneUnavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_of(error: RollcallError) -> grpc.StatusCode:
+    for cls in type(error).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]  # type: ignore[index]
+    return grpc.StatusCode.INTERNAL
+
+
+def view_to_pb(view: View) -> pb.View:
+    message = pb.View(
+        epoch=view.epoch,
+        members=[pb.Member(id=m.id, address=m.address, rank=r) for r, m in enumerate(view.members)],
+        digest=view.digest,
+        fetch=[pb.FetchPlan(member_id=k, sources=list(v)) for k, v in sorted(view.fetch.items())],
+    )
+    if view.resume_step is not None:
+        message.resume_step = view.resume_step
+    return message
+
+
+def view_from_pb(message: pb.View) -> View:
+    return View(
+        epoch=message.epoch,
+        members=tuple(Member(m.id, m.address) for m in message.members),
+        resume_step=message.resume_step if message.HasField("resume_step") else None,
+        digest=message.digest,
+        fetch={f.member_id: tuple(f.sources) for f in message.fetch},
+    )
+
+
+def read_token(token_file: str | os.PathLike[str] | None) -> str:
+    """The job token from ``token_file``, else from ``$ROLLCALL_TOKEN``.
+
+    Raises ``ValueError`` with a message fit for the command line (the token
+    itself never appears in it)."""
+    if token_file is not None:
+        path = Path(token_file)
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read token file {path}: {exc.strerror}") from None
+        if not token:
+            raise ValueError(f"token file {path} is empty")
+        return token
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ValueError(f"no job token: pass --token-file FILE or set {TOKEN_ENV}")
+    return token
+
+
+def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return ((TOKEN_METADATA, f"Bearer {token}"),)
+
+
+def token_matches(presented: str | None, expected_digest: bytes) -> bool:
+    """Constant-time comparison (of fixed-length digests, so the length of
+    the token does not leak either)."""
+    value = presented or ""
+    if value.startswith("Bearer "):
+        value = value[len("Bearer ") :]
+    return hmac.compare_digest(hashlib.sha256(value.encode()).digest(), expected_digest)
+
+
+def token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()

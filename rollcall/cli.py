@@ -1,0 +1,399 @@
+"""The ``rollcall`` command line.
+
+Every failure the user can cause or meet (a bad flag, etcd unreachable, a
+wrong token, no such job) ends as one line on stderr and a non-zero exit,
+never a traceback. Heavy imports happen inside the commands, so ``--help``
+and argument errors are instant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from membership.config import Config
+from membership.errors import RollcallError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Exit codes: 1 for a runtime failure, 2 for bad usage (as click does).
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
+    click.echo(f"rollcall: error: {message}", err=True)
+    sys.exit(code)
+
+
+class RollcallGroup(click.Group):
+    """Turns every expected error into one line on stderr."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        kwargs["standalone_mode"] = False
+        try:
+            return super().main(*args, **kwargs)
+        except click.exceptions.Abort:
+            sys.exit(130)
+        except click.UsageError as exc:
+            hint = f" (see 'rollcall {exc.ctx.info_name} --help')" if exc.ctx else ""
+            if exc.ctx and exc.ctx.info_name == "rollcall":
+                hint = " (see 'rollcall --help')"
+            fail(f"{exc.format_message()}{hint}", EXIT_USAGE)
+        except click.ClickException as exc:
+            fail(exc.format_message(), exc.exit_code or EXIT_FAILURE)
+        except RollcallError as exc:
+            fail(str(exc))
+        except (OSError, ValueError) as exc:
+            fail(str(exc))
+        except KeyboardInterrupt:
+            sys.exit(130)
+
+
+def parse_overrides(values: tuple[str, ...]) -> Config:
+    """``--set name=value`` pairs applied to the default ``Config``."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    changes: dict[str, Any] = {}
+    for item in values:
+        name, sep, raw = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in fields:
+            known = ", ".join(sorted(fields))
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE with NAME one of: {known}")
+        kind = type(getattr(Config(), name))
+        try:
+            changes[name] = kind(raw)
+        except ValueError:
+            raise click.BadParameter(f"{name} needs a {kind.__name__}, got {raw!r}") from None
+    try:
+        return Config(**changes)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def config_option(fn: F) -> F:
+    return click.option(
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="NAME=VALUE",
+        help="Override a config field (see membership/config.py), e.g. --set phi_threshold=10.",
+    )(fn)
+
+
+def token_option(fn: F) -> F:
+    return click.option(
+        "--token-file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="File holding the job token (default: $ROLLCALL_TOKEN).",
+    )(fn)
+
+
+def split_list(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@click.group(cls=RollcallGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="torch-rollcall")
+def main() -> None:
+    """rollcall: keep-alive membership for elastic PyTorch training."""
+
+
+@main.command()
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep etcd's data here (default: a temporary directory, deleted on exit).",
+)
+@click.option(
+    "--client-port",
+    type=click.IntRange(0, 65535),
+    default=2379,
+    show_default=True,
+    help="Client port on 127.0.0.1 (0 picks a free one).",
+)
+@click.option(
+    "--peer-port",
+    type=click.IntRange(0, 65535),
+    default=2380,
+    show_default=True,
+    help="Peer port on 127.0.0.1 (0 picks a free one).",
+)
+def etcd(data_dir: Path | None, client_port: int, peer_port: int) -> None:
+    """Run a local single-member etcd for development until Ctrl-C."""
+    from rendezvous.etcd_local import LocalEtcd
+
+    server = LocalEtcd(data_dir=data_dir, client_port=client_port, peer_port=peer_port)
+    server.start()
+    try:
+        click.echo(f"etcd ready at {server.endpoint} (data in {server.data_dir}); Ctrl-C stops it")
+        wait_for_signal()
+    finally:
+        server.stop()
+        click.echo("etcd stopped", err=True)
+
+
+def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM."""
+    received: list[int] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        received.append(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not received:
+            signal.pause()
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@main.command()
+@click.option(
+    "--etcd",
+    "etcd_urls",
+    required=True,
+    metavar="URL[,URL...]",
+    help="etcd endpoints, e.g. http://127.0.0.1:2379.",
+)
+@click.option("--listen", required=True, metavar="HOST:PORT", help="Address to serve gRPC on.")
+@click.option("--job", required=True, help="Name of the job this replica serves.")
+@click.option(
+    "--advertise",
+    metavar="HOST:PORT",
+    help="Address workers reach this replica at (default: from --listen).",
+)
+@token_option
+@click.option(
+    "--tls-cert", type=click.Path(exists=True, dir_okay=False), help="Server certificate (PEM)."
+)
+@click.option(
+    "--tls-key", type=click.Path(exists=True, dir_okay=False), help="Server private key (PEM)."
+)
+@click.option(
+    "--tls-client-ca",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Require client certificates signed by this CA.",
+)
+@click.option(
+    "--etcd-ca", type=click.Path(exists=True, dir_okay=False), help="CA of etcd's certificate."
+)
+@click.option(
+    "--etcd-cert", type=click.Path(exists=True, dir_okay=False), help="Client certificate for etcd."
+)
+@click.option(
+    "--etcd-key", type=click.Path(exists=True, dir_okay=False), help="Client key for etcd."
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+@config_option
+def rendezvous(
+    etcd_urls: str,
+    listen: str,
+    job: str,
+    advertise: str | None,
+    token_file: Path | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_client_ca: str | None,
+    etcd_ca: str | None,
+    etcd_cert: str | None,
+    etcd_key: str | None,
+    log_level: str,
+    overrides: tuple[str, ...],
+) -> None:
+    """Run a rendezvous replica for one job (several may share one etcd)."""
+    from rendezvous.server import ReplicaOptions, ServerTLS, serve_until_signalled
+    from rendezvous.store import EtcdClientTLS
+    from rendezvous.wire import read_token
+
+    config = parse_overrides(overrides)
+    if bool(tls_cert) != bool(tls_key):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    if tls_client_ca and not tls_cert:
+        raise click.UsageError("--tls-client-ca needs --tls-cert and --tls-key")
+    if (etcd_cert or etcd_key) and not etcd_ca:
+        raise click.UsageError("--etcd-cert/--etcd-key need --etcd-ca")
+    options = ReplicaOptions(
+        etcd=split_list(etcd_urls),
+        job=job,
+        listen=listen,
+        token=read_token(token_file),
+        advertise=advertise,
+        config=config,
+        tls=ServerTLS(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None,
+        etcd_tls=EtcdClientTLS(etcd_ca, etcd_cert, etcd_key) if etcd_ca else None,
+    )
+    setup_logging(log_level)
+    asyncio.run(serve_until_signalled(options, ready="rendezvous ready at {address}"))
+
+
+@main.command()
+@click.option(
+    "--rendezvous",
+    "addresses",
+    required=True,
+    metavar="HOST:PORT[,...]",
+    help="Rendezvous replica addresses.",
+)
+@click.option("--job", required=True, help="Job name.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@token_option
+@click.option(
+    "--tls-ca",
+    type=click.Path(exists=True, dir_okay=False),
+    help="CA of the service's certificate.",
+)
+@click.option(
+    "--tls-cert", type=click.Path(exists=True, dir_okay=False), help="Client certificate."
+)
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="Client key.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0.1),
+    default=10.0,
+    show_default=True,
+    help="Give up after this many seconds.",
+)
+def status(
+    addresses: str,
+    job: str,
+    as_json: bool,
+    token_file: Path | None,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    timeout: float,
+) -> None:
+    """Show a job's current view, leader and last committed step."""
+    from rendezvous.client import ClientTLS, RendezvousClient
+    from rendezvous.wire import read_token
+
+    token = read_token(token_file)
+    tls = ClientTLS(tls_ca, tls_cert, tls_key) if tls_ca else None
+    config = Config(client_call_deadline=timeout)
+
+    async def ask() -> Any:
+        client = RendezvousClient(split_list(addresses), job, token, config, tls)
+        try:
+            return await client.status()
+        finally:
+            await client.close()
+
+    result = asyncio.run(ask())
+    members = [
+        {"id": m.id, "rank": r, "address": m.address} for r, m in enumerate(result.view.members)
+    ]
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "job": job,
+                    "epoch": result.view.epoch,
+                    "members": members,
+                    "leader": result.leader or None,
+                    "step": result.step,
+                    "replica": result.replica,
+                    "rollcall_epoch": result.rollcall_epoch or None,
+                }
+            )
+        )
+        return
+    step = "-" if result.step is None else str(result.step)
+    click.echo(f"job {job}  epoch {result.view.epoch}  step {step}  leader {result.leader or '-'}")
+    if not members:
+        click.echo("no members")
+    for m in members:
+        click.echo(f"  rank {m['rank']:>3}  {m['id']:<24} {m['address']}")
+
+
+@main.command()
+@click.option("--job", default="dev", show_default=True, help="Job name.")
+@click.option(
+    "--listen",
+    default="127.0.0.1:0",
+    show_default=True,
+    metavar="HOST:PORT",
+    help="Address of the rendezvous service (port 0 picks a free one).",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep etcd's data and the job token here (default: a temporary directory).",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+@config_option
+def up(
+    job: str, listen: str, data_dir: Path | None, log_level: str, overrides: tuple[str, ...]
+) -> None:
+    """Run a local cluster: an embedded etcd and a rendezvous service.
+
+    Workers join it with the printed address and token file. Ctrl-C stops
+    everything it started.
+    """
+    from rendezvous.etcd_local import LocalEtcd, free_port
+    from rendezvous.server import ReplicaOptions, serve_until_signalled
+
+    config = parse_overrides(overrides)
+    workdir = data_dir or Path(tempfile.mkdtemp(prefix="rollcall-up-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    token_file = workdir / "token"
+    if not token_file.exists():
+        token_file.write_text(os.environ.get("ROLLCALL_TOKEN") or secrets.token_urlsafe(24))
+        token_file.chmod(0o600)
+    server = LocalEtcd(data_dir=workdir / "etcd", client_port=free_port(), peer_port=free_port())
+    server.start()
+    setup_logging(log_level)
+    try:
+        options = ReplicaOptions(
+            etcd=[server.endpoint],
+            job=job,
+            listen=listen,
+            token=token_file.read_text().strip(),
+            config=config,
+        )
+        ready = (
+            f"rollcall up: etcd at {server.endpoint}, rendezvous at {{address}}, job {job}\n"
+            f"  token file: {token_file}\n"
+            f"  status:     rollcall status --rendezvous {{address}} --job {job} "
+            f"--token-file {token_file}\n"
+            "  Ctrl-C stops everything."
+        )
+        asyncio.run(serve_until_signalled(options, ready=ready))
+    finally:
+        server.stop()
+        click.echo("rollcall up: stopped", err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Real processes for integration tests: rendezvous replicas (the `rollcall`
+CLI) and lightweight members (tests/member_process.py). Every process is
+killed when its owner is cleaned up, and with the test runner if it dies
+(PR_SET_PDEATHSIG)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Process:
+    """A child process whose stdout lines are collected in the background."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None, log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, **(env or {})},
+            cwd=ROOT,
+            preexec_fn=_die_with_parent,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.put(raw.decode(errors="replace").rstrip("\n"))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_line(self, predicate: Callable[[str], bool], timeout: float) -> str:
+        """The first line (seen before or arriving) matching ``predicate``."""
+        for line in self.seen:
+            if predicate(line):
+                return line
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no matching line within {timeout} s; log: {self.log_tail()}")
+            try:
+                line = self.lines.get(timeout=min(remaining, 0.2))
+            except queue.Empty:
+                if self.proc.poll() is not None and self.lines.empty():
+                    raise RuntimeError(
+                        f"process exited ({self.proc.returncode}); log: {self.log_tail()}"
+                    ) from None
+                continue
+            self.seen.append(line)
+            if predicate(line):
+                return line
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM (after SIGCONT, in case it is frozen), then SIGKILL."""
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=10)
+        finally:
+            self._log.close()
+
+
+class ReplicaProcess(Process):
+    """``rollcall rendezvous`` on a free loopback port."""
+
+    def __init__(
+        self,
+        etcd: Sequence[str],
+        job: str,
+        token_file: Path,
+        port: int,
+        log_path: Path,
+        settings: Sequence[str] = (),
+    ) -> None:
+        argv = [
+            sys.executable, "-m", "rollcall.cli", "rendezvous",
+            "--etcd", ",".join(etcd), "--listen", f"127.0.0.1:{port}", "--job", job,
+            "--token-file", str(token_file), "--log-level", "info",
+        ]
+        for item in settings:
+            argv += ["--set", item]
+        super().__init__(argv, None, log_path)
+        self.address = f"127.0.0.1:{port}"
+        self.wait_line(lambda line: line.startswith("rendezvous ready at"), timeout=30)
+
+
+class MemberProcess(Process):
+    """tests/member_process.py: joins, prints its views as JSON lines."""
+
+    def __init__(
+        self,
+        rendezvous: Sequence[str],
+        job: str,
+        token: str,
+        log_path: Path,
+        name: str = "p",
+        progress: bool = False,
+    ) -> None:
+        argv = [
+            sys.executable, "-m", "tests.member_process",
+            "--rendezvous", ",".join(rendezvous), "--job", job, "--name", name,
+        ]
+        if progress:
+            argv.append("--progress")
+        super().__init__(argv, {"ROLLCALL_TOKEN": token}, log_path)
+        joined = self.wait_event(lambda e: e["event"] == "joined", timeout=30)
+        self.member_id: str = joined["member_id"]
+
+    def wait_event(self, predicate: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
+        def match(line: str) -> bool:
+            try:
+                return bool(predicate(json.loads(line)))
+            except (ValueError, KeyError):
+                return False
+
+        return json.loads(self.wait_line(match, timeout))
+
+    def views(self) -> list[dict[str, Any]]:
+        while not self.lines.empty():
+            self.seen.append(self.lines.get_nowait())
+        events = [json.loads(line) for line in self.seen if line.startswith("{")]
+        return [e for e in events if e["event"] == "view"]

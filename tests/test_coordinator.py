@@ -1,0 +1,955 @@
+"""The roll-call state machine: events in, actions out, time passed in.
+
+Unit tests pin one behaviour each; the state machine at the end drives
+generated event sequences and checks the invariants of the committed views.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections import Counter
+from collections.abc import Mapping
+from random import Random
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from membership.config import Config
+from membership.coordinator import (
+    Action,
+    Answer,
+    CommitView,
+    Coordinator,
+    RequestAnswers,
+    plan_resume,
+)
+from membership.errors import InvalidRequest, NotAMember, StaleEpoch
+from membership.view import EMPTY_VIEW, Member, View
+
+CONFIG = Config()
+SETTLE = CONFIG.join_settle
+DEADLINE = CONFIG.rollcall_deadline
+
+
+def worker(member_id: str) -> Member:
+    return Member(member_id, f"{member_id}.example:29500")
+
+
+def established(*member_ids: str, epoch: int = 1) -> Coordinator:
+    """A coordinator whose committed view holds ``member_ids`` and nothing is pending."""
+    return Coordinator(CONFIG, View(epoch, tuple(worker(i) for i in member_ids)), now=0.0)
+
+
+def only_commit(actions: list[Action]) -> CommitView:
+    commits = [a for a in actions if isinstance(a, CommitView)]
+    assert len(commits) == 1, actions
+    return commits[0]
+
+
+def answer_missing(
+    coordinator: Coordinator, now: float, step: int | None = None, digest: str = ""
+) -> None:
+    rollcall = coordinator.rollcall
+    assert rollcall is not None
+    for member_id in rollcall.missing:
+        coordinator.answer(member_id, rollcall.epoch, step, digest, now)
+
+
+def commit(coordinator: Coordinator, now: float) -> View:
+    """Drain the actions, confirm the single proposed view and return it."""
+    view = only_commit(coordinator.take_actions()).view
+    coordinator.committed(view, now)
+    return view
+
+
+def rollcall_over(coordinator: Coordinator, member_id: str, now: float) -> int:
+    """Start a roll call by a join of ``member_id`` and return its epoch."""
+    coordinator.join(worker(member_id), now)
+    coordinator.tick(now + SETTLE)
+    rollcall = coordinator.rollcall
+    assert rollcall is not None
+    coordinator.take_actions()
+    return rollcall.epoch
+
+
+def snapshot(coordinator: Coordinator) -> tuple[Any, ...]:
+    """Everything a caller can observe of the coordinator."""
+    return (
+        coordinator.view,
+        copy.deepcopy(coordinator.rollcall),
+        coordinator.proposal,
+        coordinator.pending_joiners,
+        coordinator.next_wakeup(),
+    )
+
+
+# --- joins -------------------------------------------------------------------
+
+
+def test_first_join_waits_for_join_settle() -> None:
+    coordinator = Coordinator(CONFIG, EMPTY_VIEW, now=0.0)
+
+    coordinator.join(worker("a"), 0.0)
+    coordinator.tick(SETTLE * 0.99)
+
+    assert coordinator.take_actions() == []
+    assert coordinator.rollcall is None
+
+
+def test_first_join_makes_epoch_1_after_settle() -> None:
+    coordinator = Coordinator(CONFIG, EMPTY_VIEW, now=0.0)
+    coordinator.join(worker("a"), 0.0)
+
+    coordinator.tick(SETTLE)
+    assert coordinator.take_actions() == [RequestAnswers(1, ("a",))]
+    coordinator.answer("a", 1, None, "", SETTLE)
+    proposal = only_commit(coordinator.take_actions())
+    coordinator.committed(proposal.view, SETTLE)
+
+    assert proposal == CommitView(
+        view=View(1, (worker("a"),)), previous=EMPTY_VIEW, removed=(), causes=("join:a",)
+    )
+    assert coordinator.view == View(1, (worker("a"),))
+
+
+def test_burst_of_joins_within_settle_makes_one_view_in_arrival_order() -> None:
+    coordinator = Coordinator(CONFIG, EMPTY_VIEW, now=0.0)
+    arrivals = [f"w{(i * 7) % 16:02d}" for i in range(16)]
+
+    for i, member_id in enumerate(arrivals):
+        coordinator.join(worker(member_id), i * SETTLE / 20)
+    assert coordinator.take_actions() == []
+    coordinator.tick(SETTLE)
+    [request] = coordinator.take_actions()
+    answer_missing(coordinator, SETTLE)
+    view = commit(coordinator, SETTLE)
+
+    assert request == RequestAnswers(1, tuple(arrivals))
+    assert view.epoch == 1
+    assert view.ids == tuple(arrivals)
+    assert coordinator.take_actions() == []
+    assert coordinator.next_wakeup() is None
+
+
+def test_join_during_a_rollcall_waits_for_the_next_one() -> None:
+    coordinator = established("a", "b")
+    coordinator.leave("b", 0.0)
+    coordinator.take_actions()
+
+    coordinator.join(worker("c"), 0.1)
+    rollcall = coordinator.rollcall
+    assert rollcall is not None and rollcall.missing == ("a",)
+    coordinator.answer("a", 2, None, "", 0.2)
+    assert commit(coordinator, 0.2).ids == ("a",)
+
+    assert coordinator.take_actions() == [RequestAnswers(3, ("a", "c"))]
+
+
+def test_candidates_are_view_members_in_view_order_then_joiners_in_arrival_order() -> None:
+    coordinator = established("c", "a", "b")
+
+    coordinator.join(worker("z"), 0.0)
+    coordinator.join(worker("y"), 0.01)
+    coordinator.tick(SETTLE)
+
+    assert coordinator.take_actions() == [RequestAnswers(2, ("c", "a", "b", "z", "y"))]
+
+
+def test_joiners_given_to_the_constructor_are_pending() -> None:
+    coordinator = Coordinator(CONFIG, EMPTY_VIEW, now=3.0, joiners=[worker("a"), worker("b")])
+
+    assert coordinator.pending_joiners == (worker("a"), worker("b"))
+    assert coordinator.next_wakeup() == 3.0 + SETTLE
+
+
+@pytest.mark.parametrize("where", ["view", "pending joiner", "candidate", "proposal"])
+def test_join_with_an_id_already_known_is_rejected(where: str) -> None:
+    coordinator = established("a")
+    if where == "pending joiner":
+        coordinator.join(worker("b"), 0.0)
+    elif where in ("candidate", "proposal"):
+        rollcall_over(coordinator, "b", 0.0)
+        if where == "proposal":
+            answer_missing(coordinator, 0.1)
+    coordinator.take_actions()
+    before = snapshot(coordinator)
+
+    with pytest.raises(InvalidRequest):
+        coordinator.join(worker("a" if where == "view" else "b"), 0.1)
+
+    assert snapshot(coordinator) == before
+    assert coordinator.take_actions() == []
+
+
+def test_join_during_a_pending_commit_is_deferred_to_the_next_rollcall() -> None:
+    coordinator = established("a")
+    rollcall_over(coordinator, "b", 0.0)
+    answer_missing(coordinator, 0.1)
+    proposal = only_commit(coordinator.take_actions())
+
+    coordinator.join(worker("c"), 0.2)
+    coordinator.tick(5.0)
+    assert coordinator.take_actions() == []
+    assert coordinator.rollcall is None
+    coordinator.committed(proposal.view, 5.0)
+
+    assert proposal.view.ids == ("a", "b")
+    assert coordinator.take_actions() == [RequestAnswers(3, ("a", "b", "c"))]
+
+
+# --- leaves and suspicions -----------------------------------------------------
+
+
+@pytest.mark.parametrize("depart", ["leave", "suspect"])
+def test_departure_starts_a_rollcall_at_once(depart: str) -> None:
+    coordinator = established("a", "b", "c")
+
+    assert getattr(coordinator, depart)("b", 5.0) is True
+
+    assert coordinator.take_actions() == [RequestAnswers(2, ("a", "c"))]
+    assert coordinator.next_wakeup() == 5.0 + DEADLINE
+
+
+@pytest.mark.parametrize("depart", ["leave", "suspect"])
+def test_departed_member_is_removed_from_the_next_view(depart: str) -> None:
+    coordinator = established("a", "b", "c")
+    getattr(coordinator, depart)("b", 0.0)
+    coordinator.take_actions()
+
+    answer_missing(coordinator, 0.1)
+    proposal = only_commit(coordinator.take_actions())
+
+    assert proposal.view.ids == ("a", "c")
+    assert proposal.removed == ("b",)
+    assert proposal.causes == (f"{depart}:b",)
+
+
+def test_departure_during_a_rollcall_removes_the_candidate_from_it() -> None:
+    coordinator = established("a", "b", "c", "d")
+    coordinator.suspect("d", 0.0)
+    coordinator.take_actions()
+    coordinator.answer("a", 2, 4, "d4", 0.1)
+    coordinator.answer("b", 2, 5, "d5", 0.1)
+
+    coordinator.leave("b", 0.2)
+    rollcall = coordinator.rollcall
+    assert rollcall is not None and [c.id for c in rollcall.candidates] == ["a", "c"]
+    coordinator.answer("c", 2, 4, "d4", 0.3)
+    proposal = only_commit(coordinator.take_actions())
+
+    assert proposal.view.ids == ("a", "c")
+    assert proposal.view.resume_step == 4
+    assert proposal.removed == ("b", "d")
+    assert proposal.causes == ("suspect:d", "leave:b")
+
+
+def test_last_silent_candidate_leaving_completes_the_rollcall_at_once() -> None:
+    coordinator = established("a", "b")
+    rollcall_over(coordinator, "c", 0.0)
+    coordinator.answer("a", 2, None, "", 0.1)
+    coordinator.answer("c", 2, None, "", 0.1)
+
+    coordinator.suspect("b", 0.2)
+
+    assert only_commit(coordinator.take_actions()).view.ids == ("a", "c")
+    assert coordinator.rollcall is None
+
+
+def test_pending_joiner_that_leaves_is_not_called() -> None:
+    coordinator = established("a")
+    coordinator.join(worker("b"), 0.0)
+    coordinator.join(worker("c"), 0.0)
+
+    assert coordinator.leave("b", 0.01) is True
+    coordinator.tick(SETTLE)
+
+    assert coordinator.take_actions() == [RequestAnswers(2, ("a", "c"))]
+
+
+def test_join_withdrawn_before_settle_starts_no_rollcall() -> None:
+    coordinator = established("a")
+    coordinator.join(worker("b"), 0.0)
+
+    assert coordinator.leave("b", 0.01) is True
+    coordinator.tick(SETTLE)
+
+    assert coordinator.take_actions() == []
+    assert coordinator.next_wakeup() is None
+
+
+def test_withdrawn_join_is_not_a_cause_of_the_rollcall() -> None:
+    coordinator = established("a")
+    coordinator.join(worker("b"), 0.0)
+    coordinator.join(worker("c"), 0.0)
+    coordinator.leave("b", 0.01)
+    coordinator.tick(SETTLE)
+
+    rollcall = coordinator.rollcall
+    assert rollcall is not None and rollcall.causes == ("join:c",)
+
+
+def test_suspect_of_a_member_of_the_uncommitted_view_starts_another_rollcall_after_commit() -> None:
+    coordinator = established("a", "b")
+    rollcall_over(coordinator, "c", 0.0)
+    answer_missing(coordinator, 0.1)
+    proposal = only_commit(coordinator.take_actions())
+
+    assert coordinator.suspect("c", 0.2) is True
+    assert coordinator.take_actions() == []
+    coordinator.committed(proposal.view, 0.3)
+    assert coordinator.take_actions() == [RequestAnswers(3, ("a", "b"))]
+    answer_missing(coordinator, 0.4)
+    following = only_commit(coordinator.take_actions())
+
+    assert proposal.view.ids == ("a", "b", "c")
+    assert following.view == View(3, (worker("a"), worker("b")))
+    assert following.removed == ("c",)
+    assert following.causes == ("suspect:c",)
+
+
+def test_suspect_of_a_member_the_uncommitted_view_drops_starts_no_rollcall() -> None:
+    coordinator = established("a", "b")
+    coordinator.suspect("b", 0.0)
+    coordinator.take_actions()
+    answer_missing(coordinator, 0.1)
+    proposal = only_commit(coordinator.take_actions())
+
+    coordinator.suspect("b", 0.2)
+    coordinator.committed(proposal.view, 0.3)
+
+    assert coordinator.take_actions() == []
+    assert coordinator.next_wakeup() is None
+
+
+def test_recheck_starts_a_rollcall_at_once_that_still_calls_the_member() -> None:
+    coordinator = established("a", "b")
+
+    assert coordinator.recheck("b", "reset:b", 1.0) is True
+
+    assert coordinator.take_actions() == [RequestAnswers(2, ("a", "b"))]
+
+
+def test_recheck_of_a_non_member_returns_false_and_changes_nothing() -> None:
+    coordinator = established("a")
+    before = snapshot(coordinator)
+
+    assert coordinator.recheck("nobody", "reset:nobody", 1.0) is False
+
+    assert snapshot(coordinator) == before
+    assert coordinator.take_actions() == []
+
+
+@pytest.mark.parametrize("depart", ["leave", "suspect"])
+def test_departure_of_an_unknown_id_returns_false_and_changes_nothing(depart: str) -> None:
+    coordinator = established("a")
+    before = snapshot(coordinator)
+
+    assert getattr(coordinator, depart)("nobody", 0.0) is False
+
+    assert snapshot(coordinator) == before
+    assert coordinator.take_actions() == []
+
+
+def test_everybody_leaving_gives_an_empty_view() -> None:
+    coordinator = established("a", "b")
+
+    coordinator.leave("a", 0.0)
+    coordinator.leave("b", 0.1)
+    proposal = only_commit(coordinator.take_actions())
+    coordinator.committed(proposal.view, 0.1)
+
+    assert proposal.view == View(2, ())
+    assert proposal.removed == ("a", "b")
+    assert coordinator.view == View(2, ())
+    assert coordinator.next_wakeup() is None
+
+
+# --- the deadline ------------------------------------------------------------
+
+
+def test_silent_candidate_is_out_at_the_deadline() -> None:
+    coordinator = established("a", "b", "c")
+    rollcall_over(coordinator, "d", 0.0)
+    for member_id in ("a", "b", "d"):
+        coordinator.answer(member_id, 2, None, "", 0.1)
+
+    coordinator.tick(SETTLE + DEADLINE * 0.99)
+    assert coordinator.take_actions() == []
+    coordinator.tick(SETTLE + DEADLINE)
+    proposal = only_commit(coordinator.take_actions())
+
+    assert proposal.view.ids == ("a", "b", "d")
+    assert proposal.removed == ("c",)
+
+
+def test_silent_joiner_is_out_at_the_deadline_and_listed_as_removed() -> None:
+    coordinator = established("a")
+    rollcall_over(coordinator, "b", 0.0)
+    coordinator.answer("a", 2, None, "", 0.1)
+
+    coordinator.tick(SETTLE + DEADLINE)
+    proposal = only_commit(coordinator.take_actions())
+
+    assert proposal.view.ids == ("a",)
+    assert proposal.removed == ("b",)
+
+
+def test_rollcall_is_decided_as_soon_as_every_candidate_answered() -> None:
+    coordinator = established("a", "b")
+    rollcall_over(coordinator, "c", 0.0)
+
+    coordinator.answer("a", 2, None, "", 0.1)
+    coordinator.answer("b", 2, None, "", 0.1)
+    assert coordinator.take_actions() == []
+    coordinator.answer("c", 2, None, "", 0.2)
+
+    assert only_commit(coordinator.take_actions()).view.ids == ("a", "b", "c")
+    assert coordinator.rollcall is None
+    assert coordinator.next_wakeup() is None
+
+
+# --- resume step, digest and fetch plan ------------------------------------------
+
+
+def decide(answers: Mapping[str, tuple[int | None, str]]) -> View:
+    """The view a roll call over ``answers``' ids (in that order) produces."""
+    coordinator = established(*answers)
+    rollcall_over(coordinator, "trigger", 0.0)
+    coordinator.leave("trigger", SETTLE)
+    for member_id, (step, digest) in answers.items():
+        coordinator.answer(member_id, 2, step, digest, SETTLE)
+    return only_commit(coordinator.take_actions()).view
+
+
+def test_view_resumes_from_the_highest_committed_step_among_answers() -> None:
+    view = decide({"a": (10, "d10"), "b": (11, "d11"), "c": (11, "d11")})
+
+    assert view.resume_step == 11
+    assert view.digest == "d11"
+
+
+def test_member_behind_fetches_from_every_holder_of_the_resume_step() -> None:
+    view = decide({"a": (10, "d10"), "b": (11, "d11"), "c": (11, "d11")})
+
+    assert view.fetch == {"a": ("b", "c")}
+
+
+def test_joiner_without_a_step_fetches_from_the_holders() -> None:
+    view = decide({"a": (3, "d"), "b": (3, "d"), "new": (None, "")})
+
+    assert view.fetch == {"new": ("a", "b")}
+
+
+def test_member_with_a_minority_digest_fetches_from_the_majority() -> None:
+    view = decide({"a": (7, "x"), "b": (7, "y"), "c": (7, "y")})
+
+    assert view.digest == "y"
+    assert view.fetch == {"a": ("b", "c")}
+
+
+def test_digest_tie_is_resolved_to_the_smallest_digest() -> None:
+    view = decide({"a": (7, "y"), "b": (7, "x"), "c": (6, "x")})
+
+    assert view.digest == "x"
+    assert view.fetch == {"a": ("b",), "c": ("b",)}
+
+
+def test_decision_does_not_depend_on_the_order_answers_arrive_in() -> None:
+    answers = {"a": (7, "y"), "b": (7, "x"), "c": (6, "x"), "d": (None, "")}
+    views = set()
+    for order in itertools.permutations(answers):
+        coordinator = established(*answers)
+        rollcall_over(coordinator, "e", 0.0)
+        coordinator.leave("e", SETTLE)
+        for member_id in order:
+            step, digest = answers[member_id]
+            coordinator.answer(member_id, 2, step, digest, SETTLE)
+        views.add(only_commit(coordinator.take_actions()).view.to_json())
+
+    assert len(views) == 1
+
+
+def test_no_committed_step_means_no_resume_step_and_nothing_to_fetch() -> None:
+    view = decide({"a": (None, ""), "b": (None, "")})
+
+    assert view.resume_step is None
+    assert view.digest == ""
+    assert view.fetch == {}
+
+
+def test_answer_of_a_candidate_that_then_departs_does_not_count() -> None:
+    coordinator = established("a", "b", "c")
+    rollcall_over(coordinator, "d", 0.0)
+    coordinator.answer("c", 2, 9, "ahead", 0.1)
+
+    coordinator.suspect("c", 0.1)
+    answer_missing(coordinator, 0.2, step=8, digest="d8")
+    view = only_commit(coordinator.take_actions()).view
+
+    assert view.resume_step == 8
+    assert view.digest == "d8"
+    assert view.fetch == {}
+
+
+def test_latest_answer_of_a_candidate_counts() -> None:
+    coordinator = established("a", "b")
+    rollcall_over(coordinator, "c", 0.0)
+    coordinator.answer("a", 2, 1, "old", 0.1)
+
+    coordinator.answer("a", 2, 2, "new", 0.1)
+    answer_missing(coordinator, 0.2, step=1, digest="old")
+    view = only_commit(coordinator.take_actions()).view
+
+    assert (view.resume_step, view.digest) == (2, "new")
+    assert view.fetch == {"b": ("a",), "c": ("a",)}
+
+
+# --- answers that must be refused ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("member_id", "epoch", "step", "error"),
+    [
+        pytest.param("b", 4, 0, StaleEpoch, id="stale epoch"),
+        pytest.param("b", 6, 0, InvalidRequest, id="future epoch"),
+        pytest.param("late", 5, 0, NotAMember, id="pending joiner"),
+        pytest.param("nobody", 5, 0, NotAMember, id="unknown id"),
+        pytest.param("b", 5, -1, InvalidRequest, id="negative step"),
+    ],
+)
+def test_bad_answer_during_a_rollcall_is_refused_and_changes_nothing(
+    member_id: str, epoch: int, step: int, error: type[Exception]
+) -> None:
+    coordinator = established("a", "b", epoch=4)
+    assert rollcall_over(coordinator, "c", 0.0) == 5
+    coordinator.answer("a", 5, 3, "d", 0.01)
+    coordinator.join(worker("late"), 0.02)
+    before = snapshot(coordinator)
+
+    with pytest.raises(error):
+        coordinator.answer(member_id, epoch, step, "d", 0.03)
+
+    assert snapshot(coordinator) == before
+    assert coordinator.take_actions() == []
+
+
+# With no roll call open every answer is late, even one for an epoch this
+# coordinator never called: after a leader failover it may belong to the old
+# leader's roll call, and the service ignores StaleEpoch answers.
+
+
+@pytest.mark.parametrize("epoch", [3, 4, 5])
+def test_answer_with_no_rollcall_open_is_refused_as_stale_and_changes_nothing(
+    epoch: int,
+) -> None:
+    coordinator = established("a", "b", epoch=4)
+    before = snapshot(coordinator)
+
+    with pytest.raises(StaleEpoch):
+        coordinator.answer("a", epoch, 0, "d", 0.0)
+
+    assert snapshot(coordinator) == before
+    assert coordinator.take_actions() == []
+
+
+@pytest.mark.parametrize("epoch", [5, 6])
+def test_answer_during_a_pending_commit_is_refused_as_stale_and_changes_nothing(
+    epoch: int,
+) -> None:
+    coordinator = established("a", "b", epoch=4)
+    rollcall_over(coordinator, "c", 0.0)
+    coordinator.answer("a", 5, 0, "d", 0.1)
+    coordinator.answer("c", 5, None, "", 0.1)
+    coordinator.tick(SETTLE + DEADLINE)
+    coordinator.take_actions()
+    before = snapshot(coordinator)
+
+    with pytest.raises(StaleEpoch):
+        coordinator.answer("b", epoch, 0, "d", SETTLE + DEADLINE)
+
+    assert snapshot(coordinator) == before
+    assert coordinator.take_actions() == []
+
+
+def test_commit_of_a_view_that_was_not_proposed_is_refused() -> None:
+    coordinator = established("a")
+    rollcall_over(coordinator, "b", 0.0)
+    answer_missing(coordinator, 0.1)
+    proposal = only_commit(coordinator.take_actions())
+
+    with pytest.raises(ValueError):
+        coordinator.committed(View(proposal.view.epoch + 1, ()), 0.2)
+
+    assert coordinator.proposal == proposal
+    assert coordinator.view.epoch == 1
+
+
+# --- next_wakeup -----------------------------------------------------------------
+
+
+def test_idle_coordinator_needs_no_wakeup() -> None:
+    assert established("a").next_wakeup() is None
+
+
+def test_wakeup_after_a_join_is_the_end_of_join_settle() -> None:
+    coordinator = established("a")
+
+    coordinator.join(worker("b"), 2.0)
+    coordinator.join(worker("c"), 2.01)
+
+    assert coordinator.next_wakeup() == 2.0 + SETTLE
+
+
+def test_wakeup_during_a_rollcall_is_its_deadline() -> None:
+    coordinator = established("a")
+    coordinator.join(worker("b"), 2.0)
+    coordinator.tick(2.0 + SETTLE)
+    coordinator.join(worker("c"), 2.0 + SETTLE)
+
+    assert coordinator.next_wakeup() == 2.0 + SETTLE + DEADLINE
+
+
+def test_no_wakeup_while_a_commit_is_pending() -> None:
+    coordinator = established("a")
+    rollcall_over(coordinator, "b", 0.0)
+    answer_missing(coordinator, 0.1)
+
+    coordinator.join(worker("c"), 0.2)
+
+    assert coordinator.next_wakeup() is None
+
+
+def test_wakeup_after_commit_is_the_deferred_join_settle() -> None:
+    coordinator = established("a")
+    rollcall_over(coordinator, "b", 0.0)
+    answer_missing(coordinator, 0.1)
+    coordinator.join(worker("c"), 0.2)
+
+    commit(coordinator, 0.21)
+
+    assert coordinator.rollcall is None
+    assert coordinator.next_wakeup() == 0.2 + SETTLE
+
+
+# --- plan_resume on its own --------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from("abcdefgh"),
+        st.tuples(st.none() | st.integers(0, 3), st.sampled_from(["x", "y", "z"])),
+        min_size=1,
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_plan_resume_fits_the_answers_whatever_their_arrival_order(
+    raw: dict[str, tuple[int | None, str]], random: Random
+) -> None:
+    order = sorted(raw)
+    arrival = list(raw)
+    random.shuffle(arrival)
+
+    resume, digest, fetch = plan_resume(order, {i: Answer(i, *raw[i]) for i in arrival})
+
+    assert (resume, digest, fetch) == plan_resume(order, {i: Answer(i, *raw[i]) for i in order})
+    check_resume_plan(View(1, tuple(worker(i) for i in order), resume, digest, fetch), raw)
+
+
+def check_resume_plan(view: View, answers: Mapping[str, tuple[int | None, str]]) -> None:
+    """``view``'s resume step, digest and fetch plan fit its members' answers."""
+    steps = [answers[i][0] for i in view.ids if answers[i][0] is not None]
+    expected = max(steps, default=None)
+    assert view.resume_step == expected
+    if expected is None:
+        assert view.digest == ""
+        assert view.fetch == {}
+        return
+    holders = [i for i in view.ids if answers[i][0] == expected]
+    counts = Counter(answers[i][1] for i in holders)
+    assert counts[view.digest] == max(counts.values())
+    assert view.digest == min(d for d, n in counts.items() if n == max(counts.values()))
+    sources = {i for i in holders if answers[i][1] == view.digest}
+    assert set(view.fetch) <= set(view.ids)
+    for member_id in view.ids:
+        if member_id in sources:
+            assert member_id not in view.fetch
+        else:
+            assert view.fetch.get(member_id), f"{member_id} must fetch"
+            assert set(view.fetch[member_id]) <= sources
+
+
+# --- generated event sequences ------------------------------------------------------
+
+DELAYS = st.sampled_from([0.0, 0.001, SETTLE / 2, SETTLE, DEADLINE / 2, DEADLINE, 3.0]) | st.floats(
+    0.0, 3.0, allow_nan=False
+)
+STEPS = st.none() | st.integers(0, 4)
+DIGESTS = st.sampled_from(["x", "y", "z"])
+
+
+class RollCallMachine(RuleBasedStateMachine):
+    """Drives a coordinator the way the leader replica does and checks every
+    action it emits and every view it has committed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.coordinator = Coordinator(CONFIG, EMPTY_VIEW, self.now)
+        self.issued: list[str] = []  # every id that ever joined, in arrival order
+        self.joined_at: dict[str, float] = {}
+        self.departed: set[str] = set()  # ids passed to leave or suspect
+        self.queued: set[str] = set()  # departures and rechecks not yet called
+        self.dropped: set[str] = set()  # candidates left out of their roll call's view
+        self.gone: set[str] = set()  # ids of a committed view missing from a later one
+        self.views: list[View] = [EMPTY_VIEW]  # committed, in order
+        self.called: dict[int, tuple[str, ...]] = {}  # epoch -> candidates at start
+        self.answers: dict[int, dict[str, tuple[int | None, str]]] = {}
+        self.pending: CommitView | None = None
+
+    # --- the caller's loop ---
+
+    def drain(self) -> None:
+        for action in self.coordinator.take_actions():
+            if isinstance(action, RequestAnswers):
+                self.on_request(action)
+            else:
+                self.on_commit_view(action)
+
+    def on_request(self, request: RequestAnswers) -> None:
+        previous = self.views[-1]
+        ids = request.member_ids
+        assert self.pending is None, "roll call started while a commit is pending"
+        assert request.epoch == previous.epoch + 1
+        assert request.epoch not in self.called, "two roll calls for one epoch"
+        assert len(set(ids)) == len(ids)
+        assert not set(ids) & self.departed, "departed member called"
+        assert not set(ids) & (self.gone | self.dropped), "removed member called again"
+        survivors = [i for i in ids if i in previous]
+        assert ids[: len(survivors)] == tuple(survivors), "joiner called before a survivor"
+        assert survivors == [i for i in previous.ids if i in survivors]
+        self.called[request.epoch] = ids
+        self.answers[request.epoch] = {}
+        self.queued.clear()
+
+    def on_commit_view(self, proposal: CommitView) -> None:
+        view = proposal.view
+        assert self.pending is None, "second view proposed before the first was committed"
+        assert proposal.previous == self.views[-1]
+        assert view.epoch == self.views[-1].epoch + 1
+        called = self.called[view.epoch]
+        answered = self.answers[view.epoch]
+        assert set(view.ids) <= set(answered), "member that did not answer is in the view"
+        assert view.ids == tuple(i for i in called if i in view), "view is not in call order"
+        assert not set(view.ids) & self.departed, "departed member kept"
+        assert set(self.views[-1].ids) - set(view.ids) <= set(proposal.removed)
+        check_resume_plan(view, {i: answered[i] for i in view.ids})
+        self.dropped |= set(called) - set(view.ids)
+        self.pending = proposal
+
+    def commit(self) -> None:
+        assert self.pending is not None
+        view, self.pending = self.pending.view, None
+        previous = self.views[-1]
+        assert view.epoch == previous.epoch + 1, "epochs must increase by exactly one"
+        assert [view.rank_of(i) for i in view.ids] == list(range(view.size)), "ranks not dense"
+        assert not set(view.ids) & self.gone, "departed id reappeared"
+        survivors = tuple(i for i in previous.ids if i in view)
+        assert view.ids[: len(survivors)] == survivors, "survivor order changed or joiner first"
+        assert sorted(view.ids, key=self.issued.index) == list(view.ids), "not in arrival order"
+        self.gone |= set(previous.ids) - set(view.ids)
+        self.views.append(view)
+        self.coordinator.committed(view, self.now)
+        assert self.coordinator.view == view
+        self.drain()
+
+    def answer_all(self, data: st.DataObject) -> None:
+        rollcall = self.coordinator.rollcall
+        assert rollcall is not None
+        for member_id in rollcall.missing:
+            self.answer_as(member_id, data.draw(STEPS), data.draw(DIGESTS))
+
+    def answer_as(self, member_id: str, step: int | None, digest: str) -> None:
+        rollcall = self.coordinator.rollcall
+        assert rollcall is not None
+        self.coordinator.answer(member_id, rollcall.epoch, step, digest, self.now)
+        self.answers[rollcall.epoch][member_id] = (step, digest)
+        self.drain()
+
+    def last_called_epoch(self) -> int:
+        rollcall = self.coordinator.rollcall
+        if rollcall is not None:
+            return rollcall.epoch
+        return self.pending.view.epoch if self.pending is not None else self.views[-1].epoch
+
+    # --- events ---
+
+    @initialize(size=st.integers(0, 6), epoch=st.integers(1, 5))
+    def start_from_a_committed_view(self, size: int, epoch: int) -> None:
+        if size:
+            self.issued = [f"w{i}" for i in range(size)]
+            self.joined_at = dict.fromkeys(self.issued, self.now)
+            self.views = [View(epoch, tuple(worker(i) for i in self.issued))]
+            self.coordinator = Coordinator(CONFIG, self.views[0], self.now)
+
+    @rule(count=st.integers(1, 4))
+    def join(self, count: int) -> None:
+        for _ in range(count):
+            member_id = f"w{len(self.issued)}"
+            self.issued.append(member_id)
+            self.joined_at[member_id] = self.now
+            self.coordinator.join(worker(member_id), self.now)
+            self.drain()
+
+    @precondition(lambda self: any(self.coordinator.knows(i) for i in self.issued))
+    @rule(data=st.data(), how=st.sampled_from(["leave", "suspect"]))
+    def depart(self, data: st.DataObject, how: str) -> None:
+        member_id = data.draw(
+            st.sampled_from([i for i in self.issued if self.coordinator.knows(i)])
+        )
+        before = snapshot(self.coordinator)
+        self.departed.add(member_id)
+        if not getattr(self.coordinator, how)(member_id, self.now):
+            assert snapshot(self.coordinator) == before, "refused departure changed state"
+        proposal = self.coordinator.proposal
+        if (
+            self.coordinator.rollcall is None
+            and proposal is not None
+            and member_id in proposal.view
+        ):
+            self.queued.add(member_id)
+        self.drain()
+
+    @precondition(lambda self: any(self.coordinator.knows(i) for i in self.issued))
+    @rule(data=st.data())
+    def peer_reports_a_failure(self, data: st.DataObject) -> None:
+        member_id = data.draw(
+            st.sampled_from([i for i in self.issued if self.coordinator.knows(i)])
+        )
+        before = snapshot(self.coordinator)
+        if self.coordinator.recheck(member_id, f"reset:{member_id}", self.now):
+            self.queued.add(member_id)
+        else:
+            assert snapshot(self.coordinator) == before, "refused recheck changed state"
+        self.drain()
+
+    @rule(data=st.data(), how=st.sampled_from(["leave", "suspect"]))
+    def depart_unknown(self, data: st.DataObject, how: str) -> None:
+        strangers = [i for i in self.issued if not self.coordinator.knows(i)] + ["nobody"]
+        member_id = data.draw(st.sampled_from(strangers))
+        before = snapshot(self.coordinator)
+
+        assert getattr(self.coordinator, how)(member_id, self.now) is False
+
+        assert snapshot(self.coordinator) == before
+        assert self.coordinator.take_actions() == []
+
+    @precondition(lambda self: self.coordinator.rollcall is not None)
+    @rule(data=st.data(), step=STEPS, digest=DIGESTS)
+    def answer(self, data: st.DataObject, step: int | None, digest: str) -> None:
+        rollcall = self.coordinator.rollcall
+        assert rollcall is not None
+        self.answer_as(
+            data.draw(st.sampled_from([c.id for c in rollcall.candidates])), step, digest
+        )
+
+    @precondition(lambda self: self.coordinator.rollcall is not None)
+    @rule(data=st.data())
+    def everyone_answers(self, data: st.DataObject) -> None:
+        self.answer_all(data)
+
+    @rule(data=st.data(), kind=st.sampled_from(["stale", "future", "stranger"]))
+    def bad_answer(self, data: st.DataObject, kind: str) -> None:
+        rollcall = self.coordinator.rollcall
+        called = self.last_called_epoch()
+        member_id = data.draw(st.sampled_from(self.issued + ["nobody"]))
+        error: type[Exception]
+        if rollcall is None:
+            epoch, error = data.draw(st.integers(-1, called + 3)), StaleEpoch
+        elif kind == "future":
+            epoch, error = data.draw(st.integers(called + 1, called + 3)), InvalidRequest
+        elif kind == "stale":
+            epoch, error = data.draw(st.integers(-1, called - 1)), StaleEpoch
+        else:
+            strangers = [i for i in self.issued if not rollcall.is_candidate(i)] + ["nobody"]
+            member_id, epoch, error = data.draw(st.sampled_from(strangers)), called, NotAMember
+        before = snapshot(self.coordinator)
+
+        with pytest.raises(error):
+            self.coordinator.answer(member_id, epoch, data.draw(STEPS), "x", self.now)
+
+        assert snapshot(self.coordinator) == before
+        assert self.coordinator.take_actions() == []
+
+    @rule(delay=DELAYS)
+    def time_passes(self, delay: float) -> None:
+        self.now += delay
+        self.coordinator.tick(self.now)
+        self.drain()
+
+    @rule()
+    def time_passes_to_wakeup(self) -> None:
+        wakeup = self.coordinator.next_wakeup()
+        if wakeup is not None:
+            self.now = max(self.now, wakeup)
+        self.coordinator.tick(self.now)
+        self.drain()
+
+    @precondition(lambda self: self.pending is not None)
+    @rule()
+    def commit_succeeds(self) -> None:
+        self.commit()
+
+    @rule(data=st.data())
+    def run_until_quiet_with_everyone_answering(self, data: st.DataObject) -> None:
+        coordinator = self.coordinator
+        for _ in range(20):
+            if self.pending is not None:
+                self.commit()
+            elif coordinator.rollcall is not None:
+                self.answer_all(data)
+            elif (wakeup := coordinator.next_wakeup()) is not None:
+                self.now = max(self.now, wakeup)
+                coordinator.tick(self.now)
+                self.drain()
+            else:
+                break
+        else:
+            raise AssertionError("the coordinator never became quiet")
+
+        assert coordinator.pending_joiners == ()
+        assert coordinator.proposal is None
+        staying = [i for i in self.issued if i not in self.departed | self.dropped]
+        assert coordinator.view.ids == tuple(staying), "a pending join never made it in"
+
+    # --- invariants ---
+
+    @invariant()
+    def never_stalls(self) -> None:
+        coordinator = self.coordinator
+        wakeup = coordinator.next_wakeup()
+        assert (coordinator.proposal is None) == (self.pending is None)
+        if coordinator.rollcall is not None:
+            assert wakeup == coordinator.rollcall.deadline > self.now
+        elif self.queued:
+            assert coordinator.proposal is not None, "departure or recheck not called at once"
+        elif coordinator.proposal is None and coordinator.pending_joiners:
+            first = min(self.joined_at[j.id] for j in coordinator.pending_joiners)
+            assert wakeup is not None, "pending joiners but no wakeup"
+            assert self.now < wakeup <= first + SETTLE
+
+
+RollCallMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None
+)
+test_rollcall_machine = RollCallMachine.TestCase
