@@ -15,6 +15,7 @@ import pytest
 
 from membership.config import Config
 from rendezvous.etcd_local import LocalEtcd, LocalEtcdCluster, running_etcd_children
+from tests.harness import ControlPlane
 
 
 @pytest.fixture
@@ -102,3 +103,13 @@ def no_etcd_left_behind() -> Iterator[None]:
         except ProcessLookupError:
             pass
     assert not leftovers, f"etcd processes left running after the tests: {leftovers}"
+
+
+@pytest.fixture
+def control_plane(etcd: LocalEtcd, tmp_path: Path) -> Iterator[ControlPlane]:
+    """One rendezvous replica (a real `rollcall rendezvous` process) on a real etcd."""
+    plane = ControlPlane([etcd.endpoint], tmp_path)
+    try:
+        yield plane
+    finally:
+        plane.close()
