@@ -126,7 +126,7 @@ async def run_size(address: str, token: str, size: int, repeats: int) -> dict[st
     }
 
 
-async def bench(sizes: list[int], repeats: int) -> dict[str, object]:
+async def bench(sizes: list[int], repeats: int, settings: list[str]) -> dict[str, object]:
     token = secrets.token_urlsafe(16)
     with tempfile.TemporaryDirectory(prefix="rollcall-bench-") as tmp:
         etcd = LocalEtcd(
@@ -207,7 +207,7 @@ def main() -> int:
     if not 1 <= args.repeats <= 1000 or any(not 2 <= s <= 2000 for s in sizes):
         parser.error("--repeats must be 1..1000 and sizes 2..2000")
     print(HEADER)
-    result = asyncio.run(bench(sizes, args.repeats))
+    result = asyncio.run(bench(sizes, args.repeats, args.settings))
     result.update(
         date=datetime.now(UTC).isoformat(timespec="seconds"),
         machine={
@@ -215,7 +215,12 @@ def main() -> int:
             "platform": platform.platform(),
             "python": platform.python_version(),
         },
-        parameters={"sizes": sizes, "repeats": args.repeats, "config": Config().__dict__},
+        parameters={
+            "sizes": sizes,
+            "repeats": args.repeats,
+            "overrides": args.settings,
+            "config": Config().__dict__,
+        },
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

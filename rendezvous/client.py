@@ -165,12 +165,12 @@ class RendezvousClient:
         raised at once."""
         deadline = time.monotonic() + self._config.client_call_deadline
         backoff = self._config.client_retry_initial
-        last: RollcallError = ControlPlaneUnavailable("no rendezvous replica reachable")
+        last: RollcallError | None = None
         while True:
             for address in self._order():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise last
+                    raise last or ControlPlaneUnavailable("no rendezvous replica reachable")
                 try:
                     rpc = getattr(self._stub(address), method)
                     return await rpc(request, metadata=self._metadata, timeout=min(remaining, 10.0))
@@ -178,7 +178,10 @@ class RendezvousClient:
                     error = error_from_rpc(rpc_error)
                     if rpc_error.code() not in _RETRY_CODES:
                         raise error from None
-                    last = error
+                    # Our own deadline cutting an attempt short says less
+                    # than what a replica answered before.
+                    if rpc_error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or last is None:
+                        last = error
                     if isinstance(error, NotLeader):
                         if not leader_only:
                             raise error from None
@@ -331,8 +334,8 @@ class RendezvousClient:
         self._outbox.put_nowait(request)
 
     def _set_view(self, view: View) -> None:
-        if view.epoch < self._view.epoch:
-            return
+        if view.epoch <= self._view.epoch and self._view is not EMPTY_VIEW:
+            return  # already known (a reconnect sends the current view again)
         self._view = view
         self._view_changed.set()
         if self._on_view is not None:
@@ -394,6 +397,7 @@ class RendezvousClient:
         finally:
             writer.cancel()
             call.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
 
     async def _answer(self, epoch: int) -> None:
         if self._on_roll_call is None:
@@ -412,4 +416,7 @@ class RendezvousClient:
                 request = await asyncio.wait_for(self._outbox.get(), self._heartbeat_interval)
             except TimeoutError:
                 request = pb.SessionRequest(heartbeat=pb.Heartbeat(epoch=self._view.epoch))
-            await call.write(request)
+            try:
+                await call.write(request)
+            except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                return  # the stream ended; the reader reports why

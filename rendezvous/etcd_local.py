@@ -5,11 +5,12 @@ cluster of them. Both listen on 127.0.0.1 only, keep etcd's log in a file
 (shown in the error when a start fails), and make sure no etcd outlives the
 Python process that started it:
 
-- each child gets ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, so the kernel kills it
-  when its parent dies, even by SIGKILL. The signal is tied to the *thread*
-  that forked the child: a server started from a thread that exits while the
-  process lives on is killed at that moment. Start servers from a thread that
-  lives as long as you need them (the main thread, or pytest's);
+- each child is started through ``rollcall.tether``, which sets
+  ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, so the kernel kills it when its parent
+  dies, even by SIGKILL. The signal is tied to the *thread* that started the
+  child: a server started from a thread that exits while the process lives on
+  is killed at that moment. Start servers from a thread that lives as long as
+  you need them (the main thread, or pytest's);
 - an ``atexit`` hook kills whatever is still running at a normal exit.
 
 Timing flags favour quick starts and quick failover on loopback: cluster
@@ -26,8 +27,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import functools
 import os
 import shutil
 import signal
@@ -38,14 +37,15 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
-_PR_SET_PDEATHSIG = 1
+from rollcall.tether import tethered
+
 #: Raft timing of cluster members: quick failover on loopback.
 _CLUSTER_HEARTBEAT_MS = 50
 _CLUSTER_ELECTION_MS = 500
@@ -92,28 +92,6 @@ class EtcdServerTLS:
     key_file: str
     trusted_ca_file: str
     client_cert_auth: bool = False
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    try:
-        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return prctl
-
-
-# Resolved once in the parent: the child between fork and exec must not load
-# libraries or take locks, only call this function pointer.
-_PRCTL = _load_prctl()
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """preexec_fn: ask the kernel to SIGKILL the child when its parent dies."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    # The parent may have died before prctl took effect.
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 _live_lock = threading.Lock()
@@ -266,11 +244,10 @@ class LocalEtcd:
         with open(self.log_file, "ab") as log:
             self._log_offset = log.tell()
             self._proc = subprocess.Popen(
-                [binary, *self._flags()],
+                tethered([binary, *self._flags()]),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
-                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
                 # Keep terminal signals (Ctrl-C) for the parent, which cleans up.
                 start_new_session=True,
             )
@@ -297,12 +274,11 @@ class LocalEtcd:
             "--log-level=warn",
         ]
         if self.tls is not None:
-            flags += [
-                f"--cert-file={self.tls.cert_file}",
-                f"--key-file={self.tls.key_file}",
-                f"--trusted-ca-file={self.tls.trusted_ca_file}",
-                f"--client-cert-auth={'true' if self.tls.client_cert_auth else 'false'}",
-            ]
+            flags += [f"--cert-file={self.tls.cert_file}", f"--key-file={self.tls.key_file}"]
+            if self.tls.client_cert_auth:
+                # etcd 3.4 demands client certificates whenever it is given a
+                # trusted CA, whatever --client-cert-auth says.
+                flags += [f"--trusted-ca-file={self.tls.trusted_ca_file}", "--client-cert-auth"]
         return flags
 
     def wait_ready(self, timeout: float = 15.0) -> None:

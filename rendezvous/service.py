@@ -89,7 +89,6 @@ class _Leadership:
     step: int | None = None
     step_written: tuple[int, int] | None = None
     step_written_at: float = 0.0
-    committing: bool = False
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_reason: str = ""
 
@@ -274,12 +273,19 @@ class Replica(pb_grpc.RendezvousServicer):
     # --- the roll-call driver -------------------------------------------------
 
     async def _drive(self, lead: _Leadership) -> None:
-        """Let time pass for the coordinator and the detector."""
+        """Let time pass for the coordinator and the detector.
+
+        If this loop itself woke up late (the replica is overloaded), late
+        heartbeats may be waiting unread in its own queues: detector
+        suspicions then wait one more round instead of evicting members for
+        the leader's own lag."""
+        lagging = False
         while True:
             now = self._clock()
             lead.coordinator.tick(now)
-            for member_id in lead.detector.suspects(now):
-                self._suspect(lead, member_id, "heartbeat detector")
+            if not lagging:
+                for member_id in lead.detector.suspects(now):
+                    self._suspect(lead, member_id, "heartbeat detector")
             if now >= lead.grace_until:
                 for member in lead.coordinator.view.members:
                     if member.id not in lead.sessions and member.id not in lead.detector:
@@ -298,12 +304,16 @@ class Replica(pb_grpc.RendezvousServicer):
                 )
                 if t is not None
             ]
-            timeout = max(0.0, min(wakeups, default=now + 1.0) - now)
+            timeout = min(max(0.0, min(wakeups, default=now + 1.0) - now), 1.0)
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=min(timeout, 1.0))
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                lagging = False
             except TimeoutError:
-                pass
+                late = self._clock() - (now + timeout)
+                lagging = late > self._config.heartbeat_interval and not lagging
+                if lagging:
+                    log.warning("replica lagging by %.0f ms: suspicions deferred", late * 1000)
 
     def _drain(self, lead: _Leadership) -> None:
         """Carry out the coordinator's actions."""
@@ -314,7 +324,6 @@ class Replica(pb_grpc.RendezvousServicer):
                     if session is not None:
                         self._ask(session, action.epoch)
             elif isinstance(action, CommitView):
-                lead.committing = True
                 asyncio.create_task(self._commit(lead, action), name=f"commit-{action.view.epoch}")
         self._wake.set()
 
@@ -330,10 +339,10 @@ class Replica(pb_grpc.RendezvousServicer):
         backoff = self._config.client_retry_initial
         while not lead.lost.is_set():
             try:
-                revision = await self._etcd(
+                committed = await self._etcd(
                     self._store.commit_view, action.view, lead.view_revision, lead.info
                 )
-                if revision is None:
+                if committed is None:
                     # The comparison failed. Our own earlier attempt may have
                     # landed with its answer lost; anything else means another
                     # replica leads now.
@@ -341,6 +350,8 @@ class Replica(pb_grpc.RendezvousServicer):
                     if current != action.view:
                         self._lose(lead, f"view CAS failed: etcd holds epoch {current.epoch}")
                         return
+                else:
+                    revision = committed
                 break
             except ControlPlaneUnavailable as exc:
                 log.warning("commit of epoch %d waits: %s", action.view.epoch, exc)
@@ -349,7 +360,6 @@ class Replica(pb_grpc.RendezvousServicer):
         else:
             return
         lead.view_revision = revision
-        lead.committing = False
         lead.step = action.view.resume_step
         now = self._clock()
         lead.coordinator.committed(action.view, now)
@@ -604,15 +614,15 @@ class Replica(pb_grpc.RendezvousServicer):
                         await self._abort(context, item)
                     return
                 getter.cancel()
-                error = None if reader.cancelled() else reader.exception()
-                if isinstance(error, RollcallError):
+                failure = None if reader.cancelled() else reader.exception()
+                if isinstance(failure, RollcallError):
                     # A rejected message ends the stream and changes nothing
                     # else: the member may reconnect; if it stays silent the
                     # detector (still watching it) suspects it.
                     ended = True
                     if lead.sessions.get(member_id) is session:
                         del lead.sessions[member_id]
-                    await self._abort(context, error)
+                    await self._abort(context, failure)
                 return
         finally:
             reader.cancel()
@@ -671,13 +681,13 @@ class Replica(pb_grpc.RendezvousServicer):
         elif kind == "answer":
             answer = request.answer
             check.check_counter(answer.epoch, "epoch")
-            step = answer.step if answer.HasField("step") else None
-            if step is not None:
-                check.check_counter(step, "step")
+            held = answer.step if answer.HasField("step") else None
+            if held is not None:
+                check.check_counter(held, "step")
             check.check_digest(answer.digest, self._config)
             lead.detector.heartbeat(member_id, now)
             try:
-                lead.coordinator.answer(member_id, answer.epoch, step, answer.digest, now)
+                lead.coordinator.answer(member_id, answer.epoch, held, answer.digest, now)
             except (StaleEpoch, NotAMember) as late:
                 # A known member answering a roll call that already closed:
                 # harmless, the view it missed will evict or include it.

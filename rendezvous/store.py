@@ -74,19 +74,28 @@ _GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
-    # Detect a frozen or unreachable server under a long-lived watch stream.
-    # etcd refuses pings more often than every 5 s (--grpc-keepalive-min-time).
+    # Detect a frozen or unreachable server under a long-lived watch stream
+    # (about 15 s). etcd refuses pings more often than every 5 s
+    # (--grpc-keepalive-min-time). With grpcio 1.85 the keep-alive timeout has
+    # no effect without ping_timeout_ms: a ping to a frozen server was
+    # measured to wait for an answer indefinitely.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
 #: Pause before retrying an endpoint that just failed.
 _RETRY_PAUSE = 0.05
 #: An attempt gets at least this share of etcd_timeout, or is not made.
 _MIN_ATTEMPT_SHARE = 0.1
+#: How often a watch checks whether the store saw its endpoint fail.
+_WATCH_HEALTH_INTERVAL = 0.25
 #: Watch re-establishment back-off.
 _WATCH_BACKOFF_INITIAL = 0.1
 _WATCH_BACKOFF_MAX = 1.0
+
+#: close() waits this long for each watch thread to end.
+_CLOSE_WAIT = 1.0
 
 _PREFIX = "/rollcall/jobs/"
 
@@ -275,6 +284,9 @@ class EtcdStore:
         deadline = time.monotonic() + budget
         failure: grpc.RpcError | None = None
         for number in range(self._max_attempts):
+            if number and all(e.is_failed() for e in self._client.endpoints.values()):
+                # Nowhere else to go: give the failed endpoint a moment.
+                time.sleep(min(_RETRY_PAUSE, max(0.0, deadline - time.monotonic())))
             remaining = deadline - time.monotonic()
             if number and remaining < _MIN_ATTEMPT_SHARE * self._config.etcd_timeout:
                 break
@@ -287,7 +299,6 @@ class EtcdStore:
                 failure = exc
                 endpoint.fail()
                 _log.debug("etcd %s failed: %s", endpoint, exc.details())
-            time.sleep(min(_RETRY_PAUSE, max(0.0, deadline - time.monotonic())))
         raise self._unavailable() from failure
 
     def _kv_range(self, request: etcdrpc.RangeRequest) -> etcdrpc.RangeResponse:
@@ -341,6 +352,8 @@ class EtcdStore:
             self._watches.clear()
         for watch in watches:
             watch.cancel()
+        for watch in watches:
+            watch.cancel(wait=_CLOSE_WAIT)
         if not self._closed:
             self._closed = True
             self._client.close()
@@ -570,7 +583,8 @@ class EtcdStore:
     ) -> Callable[[], None]:
         """Call ``callback`` with the new leader (``None`` when the key is
         deleted) on every change after ``after_revision`` (default: now).
-        Returns a function that cancels the watch. See :class:`_KeyWatch`."""
+        Returns a function that cancels the watch without blocking. See
+        :class:`_KeyWatch`."""
 
         def handle(kv: Any) -> None:
             callback(None if kv is None else _parse_leader(kv.value))
@@ -585,7 +599,8 @@ class EtcdStore:
     ) -> Callable[[], None]:
         """Call ``callback`` with every view committed after ``after_revision``
         (default: now; pass the revision from ``read_view`` to miss nothing).
-        Returns a function that cancels the watch. See :class:`_KeyWatch`."""
+        Returns a function that cancels the watch without blocking. See
+        :class:`_KeyWatch`."""
 
         def handle(kv: Any) -> None:
             if kv is not None:
@@ -646,9 +661,14 @@ class _KeyWatch:
     selects, from the revision after the last change seen, with a back-off of
     0.1 s doubling to 1 s: no change is missed, as long as etcd still holds
     that history. If it was compacted away, the key's current value is handed
-    over once (if it changed since) and the watch resumes from there. A
-    frozen server is noticed by gRPC keep-alive (about 15 s). Nothing is
-    reported while etcd is unreachable; the store's other calls raise
+    over once (if it changed since) and the watch resumes from there.
+
+    A member that froze or was cut off without closing the connection sends
+    nothing, so the stream cannot break by itself: the watch moves away as
+    soon as one of the store's requests to that endpoint fails (within
+    ``config.etcd_timeout``, checked every 0.25 s), and otherwise gRPC
+    keep-alive closes the stream after about 15 s. Nothing is reported while
+    etcd is unreachable; the store's other calls raise
     :class:`ControlPlaneUnavailable` meanwhile.
     """
 
@@ -667,19 +687,22 @@ class _KeyWatch:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._call: Any = None
+        self._broken = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def cancel(self) -> None:
+    def cancel(self, wait: float = 0.0) -> None:
+        """Stop delivering (a callback already under way may still finish)
+        and end the stream; wait up to ``wait`` seconds for the thread."""
         self._stop.set()
         with self._lock:
             call = self._call
         if call is not None:
             call.cancel()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=self._store._config.etcd_timeout)
+        if wait > 0 and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=wait)
 
     def _run(self) -> None:
         backoff = _WATCH_BACKOFF_INITIAL
@@ -688,19 +711,27 @@ class _KeyWatch:
                 if self._follow():
                     backoff = _WATCH_BACKOFF_INITIAL
             except Exception:  # noqa: BLE001 - the thread must survive anything
-                _log.exception("watch on %s failed", self._key.decode())
+                if not self._stop.is_set():
+                    _log.exception("watch on %s failed", self._key.decode())
             self._stop.wait(backoff)
             backoff = min(2 * backoff, _WATCH_BACKOFF_MAX)
 
     def _follow(self) -> bool:
         """One watch stream, until it breaks. True if it was established."""
         endpoint, channel = self._store._select()
+        started = time.time()  # pyetcd stamps endpoint failures with time.time()
         ended = threading.Event()
 
         def requests() -> Iterator[etcdrpc.WatchRequest]:
             create = etcdrpc.WatchCreateRequest(key=self._key, start_revision=self._next_revision)
             yield etcdrpc.WatchRequest(create_request=create)
-            ended.wait()  # keep the request side open while we follow
+            # Keep the request side open while we follow. If the store's
+            # requests to this endpoint fail meanwhile (a frozen or cut-off
+            # member), leave it rather than wait for gRPC keep-alive.
+            while not ended.wait(_WATCH_HEALTH_INTERVAL):
+                if endpoint.last_failed > started:
+                    self._abandon()
+                    return
 
         call = etcdrpc.WatchStub(channel).Watch(requests(), metadata=_REQUIRE_LEADER)
         with self._lock:
@@ -710,7 +741,16 @@ class _KeyWatch:
         established = False
         try:
             for response in call:
-                established = established or response.created
+                if response.created and not established:
+                    established = True
+                    if self._broken:
+                        self._broken = False
+                        _log.info(
+                            "watch on %s re-established at %s from revision %d",
+                            self._key.decode(),
+                            endpoint,
+                            self._next_revision,
+                        )
                 if response.compact_revision:
                     self._resync()
                     return established
@@ -722,7 +762,14 @@ class _KeyWatch:
                     self._deliver(None if deleted else event.kv)
         except grpc.RpcError as exc:
             if not self._stop.is_set():
-                _log.info("watch on %s broke (%s); re-establishing", self._key.decode(), exc.code())
+                if not self._broken:
+                    self._broken = True
+                    _log.info(
+                        "watch on %s broke (%s: %s); re-establishing",
+                        self._key.decode(),
+                        exc.code().name,
+                        exc.details(),
+                    )
                 if _unreachable(exc):
                     endpoint.fail()
         finally:
@@ -731,6 +778,12 @@ class _KeyWatch:
             with self._lock:
                 self._call = None
         return established
+
+    def _abandon(self) -> None:
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
 
     def _resync(self) -> None:
         """The history we need was compacted: hand over the current value if

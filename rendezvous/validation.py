@@ -13,6 +13,7 @@ from membership.errors import InvalidRequest
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*")
+_PORT = re.compile(r"[0-9]{1,5}")  # ASCII only: str.isdigit() admits "²" and "٢"
 _DIGEST = re.compile(r"[A-Za-z0-9:+/=_-]*")
 #: Largest epoch or step accepted (fits a signed 64-bit integer).
 MAX_COUNTER = 2**63 - 1
@@ -42,7 +43,7 @@ def check_address(value: str, config: Config, listen: bool = False) -> str:
     if not sep or not host:
         raise InvalidRequest(f"address {value[:60]!r} is not host:port")
     lowest = 0 if listen else 1
-    if not port.isdigit() or not lowest <= int(port) < 65536:
+    if not _PORT.fullmatch(port) or not lowest <= int(port) < 65536:
         raise InvalidRequest(f"address {value[:60]!r} has no valid port ({lowest}-65535)")
     if host.startswith("[") and host.endswith("]"):
         try:

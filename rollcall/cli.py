@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -365,6 +366,7 @@ def up(
     from rendezvous.server import ReplicaOptions, serve_until_signalled
 
     config = parse_overrides(overrides)
+    owned = data_dir is None
     workdir = data_dir or Path(tempfile.mkdtemp(prefix="rollcall-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     token_file = workdir / "token"
@@ -392,6 +394,8 @@ def up(
         asyncio.run(serve_until_signalled(options, ready=ready))
     finally:
         server.stop()
+        if owned:
+            shutil.rmtree(workdir, ignore_errors=True)
         click.echo("rollcall up: stopped", err=True)
 
 

@@ -5,7 +5,6 @@ killed when its owner is cleaned up, and with the test runner if it dies
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import queue
@@ -18,12 +17,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rollcall.tether import tethered
+
 ROOT = Path(__file__).resolve().parent.parent
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class Process:
@@ -33,12 +29,11 @@ class Process:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            list(argv),
+            tethered(argv),
             stdout=subprocess.PIPE,
             stderr=self._log,
             env={**os.environ, **(env or {})},
             cwd=ROOT,
-            preexec_fn=_die_with_parent,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
@@ -196,8 +191,12 @@ class ControlPlane:
         self.replicas: list[ReplicaProcess] = []
         self.members: list[MemberProcess] = []
         self._free_port = free_port
-        for _ in range(replicas):
-            self.add_replica()
+        try:
+            for _ in range(replicas):
+                self.add_replica()
+        except BaseException:
+            self.close()
+            raise
 
     def add_replica(self) -> ReplicaProcess:
         index = len(self.replicas)

@@ -17,6 +17,7 @@ from membership.view import EMPTY_VIEW, Member, View
 from rendezvous.etcd_local import EtcdServerTLS, LocalEtcd, LocalEtcdCluster
 from rendezvous.store import EtcdClientTLS, EtcdStore, LeaderInfo
 from tests.conftest import TLSFiles
+from tests.test_etcd_local import client_for
 
 T = TypeVar("T")
 
@@ -445,6 +446,26 @@ def test_watch_resumes_after_etcd_restarts(etcd: LocalEtcd, store: EtcdStore) ->
     cancel()
 
 
+def test_watch_from_compacted_history_hands_over_the_current_view(
+    etcd: LocalEtcd, store: EtcdStore
+) -> None:
+    leader = store.campaign("replica-1", "127.0.0.1:7000")
+    assert leader is not None
+    first = store.commit_view(view(1, "a"), 0, leader)
+    second = store.commit_view(view(2, "a"), first or 0, leader)
+    assert first is not None and second is not None
+    with client_for(etcd.endpoint) as client:
+        client.compact(second)
+
+    seen = Recorder()
+    cancel = store.watch_view(seen, after_revision=first - 1)
+    seen.wait_for(1)
+    store.commit_view(view(3, "a"), second, leader)
+
+    assert seen.wait_for(2) == [view(2, "a"), view(3, "a")]
+    cancel()
+
+
 # --- progress -----------------------------------------------------------------------
 
 
@@ -557,6 +578,27 @@ def test_cluster_reads_and_commits_survive_killing_the_member_in_use(
     assert cluster_store.refresh_leader(leader)
     assert cluster_store.keep_alive([record.lease_id])[record.lease_id] > 0
     assert seen.wait_for(1) == [view(2, "a")]
+    cancel()
+
+
+def test_cluster_watch_leaves_a_frozen_member(
+    etcd_cluster: LocalEtcdCluster, cluster_store: EtcdStore, config: Config
+) -> None:
+    leader = cluster_store.campaign("replica-1", "127.0.0.1:7000")
+    assert leader is not None
+    seen = Recorder()
+    cancel = cluster_store.watch_view(seen)
+    frozen = etcd_cluster.members[etcd_cluster.endpoints.index(cluster_store.endpoint_in_use)]
+    frozen.pause()
+    try:
+        start = time.monotonic()
+        # The first attempt waits etcd_timeout on the frozen member, the retry
+        # goes elsewhere; the watch follows once the store saw the failure.
+        assert cluster_store.commit_view(view(1, "a"), 0, leader) is not None
+        assert seen.wait_for(1, timeout=3.0) == [view(1, "a")]
+        assert time.monotonic() - start < config.etcd_timeout + 2.0
+    finally:
+        frozen.resume()
     cancel()
 
 
