@@ -55,6 +55,8 @@ _SINGLE_ELECTION_MS = 100
 _SNAPSHOT_COUNT = 10_000
 _STOP_GRACE = 3.0
 _POLL_INTERVAL = 0.02
+#: pause()/resume() wait at most this long for the kernel to apply the signal.
+_SIGNAL_SETTLE = 1.0
 _LOG_TAIL_LINES = 30
 _LOG_NAME = "etcd.log"
 # Short gRPC reconnect back-off so the readiness poll notices a fresh server
@@ -111,10 +113,9 @@ def _kill_all_at_exit() -> None:
 atexit.register(_kill_all_at_exit)
 
 
-def running_etcd_children() -> list[int]:
-    """Pids of ``etcd`` processes whose parent is this process (leak check)."""
-    me = os.getpid()
-    pids = []
+def child_processes(pid: int) -> dict[int, str]:
+    """Live (not zombie) child processes of ``pid``: pid -> command name."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -124,10 +125,15 @@ def running_etcd_children() -> list[int]:
             continue
         # "pid (comm) state ppid ..."; comm may contain spaces or parentheses.
         comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if comm == "etcd" and int(fields[1]) == me and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            found[int(entry.name)] = comm
+    return found
+
+
+def running_etcd_children() -> list[int]:
+    """Pids of ``etcd`` processes whose parent is this process (leak check)."""
+    return sorted(pid for pid, name in child_processes(os.getpid()).items() if name == "etcd")
 
 
 class LocalEtcd:
@@ -405,14 +411,30 @@ class LocalEtcd:
             _live.discard(self)
 
     def pause(self) -> None:
-        """SIGSTOP: the server keeps its sockets but answers nothing."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGSTOP)
+        """SIGSTOP: the server keeps its sockets but answers nothing. Returns
+        once the kernel reports the process stopped."""
+        self._signal_and_await(signal.SIGSTOP, stopped=True)
 
     def resume(self) -> None:
-        """SIGCONT after ``pause()``."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGCONT)
+        """SIGCONT after ``pause()``; returns once the process runs again."""
+        self._signal_and_await(signal.SIGCONT, stopped=False)
+
+    def _signal_and_await(self, sig: signal.Signals, stopped: bool) -> None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        # Signals are delivered asynchronously; the state letter in
+        # /proc/PID/stat is "T" once every thread has stopped.
+        deadline = time.monotonic() + _SIGNAL_SETTLE
+        while time.monotonic() < deadline:
+            try:
+                stat = Path(f"/proc/{proc.pid}/stat").read_text()
+            except OSError:
+                return
+            if (stat.rsplit(")", 1)[1].split()[0] == "T") == stopped:
+                return
+            time.sleep(0.001)
 
     def wipe_data(self) -> None:
         """Forget etcd's state (the server must not be running)."""

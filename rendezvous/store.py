@@ -21,8 +21,9 @@ or etcd's own "context deadline exceeded" passed on as UNKNOWN) marks the
 endpoint failed and is retried on the next endpoint, at most
 ``len(endpoints) + 1`` attempts within ``2 * config.etcd_timeout``; then it
 raises :class:`ControlPlaneUnavailable`. Requests carry etcd's "require leader"
-metadata, so a member cut off from its cluster's leader refuses at once rather
-than timing out, and the client moves on to another member.
+metadata: a member that knows it has no leader (one election timeout after
+losing it) refuses at once instead of letting the request time out, and the
+client moves on to another member.
 """
 
 from __future__ import annotations
@@ -386,7 +387,8 @@ class EtcdStore:
         deposed leader, even one re-elected since, is fenced).
 
         Returns the view's new mod_revision, or ``None`` when a comparison
-        failed and nothing was written.
+        failed and nothing was written. (When an attempt's answer was lost and
+        the retry finds exactly this view in place, that counts as success.)
         """
         value = view.to_json().encode()
         if prev_revision == 0:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from membership.config import Config
-from rendezvous.etcd_local import LocalEtcd, free_port
+from rendezvous.etcd_local import LocalEtcd, child_processes, free_port
 from rendezvous.store import EtcdStore
 from tests.harness import ROOT, ControlPlane, Process
 
@@ -52,23 +52,6 @@ def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("rollcall: error: "), lines[0]
     return lines[0]
-
-
-def children(pid: int) -> dict[int, str]:
-    """Live child processes of ``pid``: pid -> command name."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-        if int(ppid) == pid and state != "Z":
-            found[int(entry.name)] = comm
-    return found
 
 
 def alive(pid: int) -> bool:
@@ -239,7 +222,7 @@ def test_etcd_command_serves_until_ctrl_c_and_leaves_nothing(tmp_path: Path) -> 
         endpoint, data_dir = match.group(1), Path(match.group(2))
         with EtcdStore([endpoint], "probe", Config()) as store:
             store.ping()
-        etcd_pids = [pid for pid, name in children(process.pid).items() if name == "etcd"]
+        etcd_pids = [pid for pid, name in child_processes(process.pid).items() if name == "etcd"]
         assert len(etcd_pids) == 1
     finally:
         code = interrupt(process)
@@ -267,7 +250,7 @@ def test_up_serves_a_job_until_ctrl_c_and_leaves_nothing(tmp_path: Path) -> None
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout)["epoch"] == 0
-        started = children(process.pid)
+        started = child_processes(process.pid)
         assert "etcd" in started.values()
     finally:
         code = interrupt(process)

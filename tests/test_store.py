@@ -642,6 +642,22 @@ def test_store_over_tls_with_client_certificate(tls_files: TLSFiles, config: Con
         assert store.read_view()[0] == view(1, "a")
 
 
+def test_store_over_tls_without_client_certificate(tls_files: TLSFiles, config: Config) -> None:
+    server_tls = EtcdServerTLS(
+        cert_file=tls_files.server_cert,
+        key_file=tls_files.server_key,
+        trusted_ca_file=tls_files.ca_cert,
+        client_cert_auth=False,
+    )
+    client_tls = EtcdClientTLS(ca_file=tls_files.ca_cert)
+    with (
+        LocalEtcd(tls=server_tls) as server,
+        EtcdStore([server.endpoint], "job-a", config, tls=client_tls) as store,
+    ):
+        store.write_progress(1, 2)
+        assert store.read_progress() == (1, 2)
+
+
 def test_https_endpoint_without_tls_settings_is_rejected(config: Config) -> None:
     with pytest.raises(ValueError, match="https"):
         EtcdStore(["https://127.0.0.1:2379"], "job-a", config)
