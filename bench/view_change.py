@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from membership.config import Config  # noqa: E402
+from membership.view import View  # noqa: E402
 from rendezvous.client import RendezvousClient  # noqa: E402
 from rendezvous.etcd_local import LocalEtcd, free_port  # noqa: E402
 
@@ -62,67 +64,84 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-async def everyone_sees(clients: list[RendezvousClient], epoch: int) -> None:
-    await asyncio.gather(*(c.wait_view(lambda v: v.epoch >= epoch, EVENT_TIMEOUT) for c in clients))
+class Fleet:
+    """Lightweight members in this process, with the time each view reached
+    each of them (so "first member" and "all members" can be told apart: the
+    members share one Python process here, so the last arrival also measures
+    this process working through hundreds of sessions one after another)."""
 
+    def __init__(self, address: str, token: str) -> None:
+        self.address, self.token = address, token
+        self.clients: list[RendezvousClient] = []
+        self.arrivals: dict[int, list[float]] = {}
+        self._port = 20000
 
-async def everyone_has(clients: list[RendezvousClient], member_id: str) -> None:
-    await asyncio.gather(*(c.wait_view(lambda v: member_id in v, EVENT_TIMEOUT) for c in clients))
+    def _on_view(self, view: View) -> None:
+        self.arrivals.setdefault(view.epoch, []).append(time.perf_counter())
 
+    async def join(self) -> RendezvousClient:
+        client = RendezvousClient([self.address], JOB, self.token, Config())
+        self._port += 1
+        await client.join(f"127.0.0.1:{self._port}", name="b", on_view=self._on_view)
+        self.clients.append(client)
+        return client
 
-async def new_client(address: str, token: str) -> RendezvousClient:
-    return RendezvousClient([address], JOB, token, Config())
+    async def wait(self, predicate: Callable[[View], bool]) -> View:
+        views = await asyncio.gather(*(c.wait_view(predicate, EVENT_TIMEOUT) for c in self.clients))
+        return views[0]
+
+    def spread(self, epoch: int, t0: float) -> tuple[float, float]:
+        """(first, last) arrival of view ``epoch`` after ``t0``, in seconds."""
+        times = self.arrivals[epoch]
+        return min(times) - t0, max(times) - t0
 
 
 async def run_size(address: str, token: str, size: int, repeats: int) -> dict[str, object]:
-    clients = [await new_client(address, token) for _ in range(size)]
+    fleet = Fleet(address, token)
     start = time.perf_counter()
-    await asyncio.gather(
-        *(c.join(f"127.0.0.1:{20000 + i}", name="b") for i, c in enumerate(clients))
-    )
-    ids = {c.member_id for c in clients}
-    await asyncio.gather(
-        *(c.wait_view(lambda v: ids <= set(v.ids), EVENT_TIMEOUT) for c in clients)
-    )
+    await asyncio.gather(*(fleet.join() for _ in range(size)))
+    ids = {c.member_id for c in fleet.clients}
+    burst_view = await fleet.wait(lambda v: ids <= set(v.ids))
     burst = time.perf_counter() - start
-    views_for_burst = clients[0].view.epoch
-    results: dict[str, list[float]] = {"leave": [], "crash": [], "join": []}
-    for i in range(repeats):
-        # leave
-        epoch = clients[0].view.epoch
-        leaver = clients.pop()
+    first: dict[str, list[float]] = {"leave": [], "crash": [], "join": []}
+    everyone: dict[str, list[float]] = {"leave": [], "crash": [], "join": []}
+
+    def record(kind: str, epoch: int, t0: float) -> None:
+        a, b = fleet.spread(epoch, t0)
+        first[kind].append(a)
+        everyone[kind].append(b)
+
+    for _ in range(repeats):
+        # A clean leave.
+        epoch = fleet.clients[0].view.epoch
+        leaver = fleet.clients.pop()
         t0 = time.perf_counter()
         await leaver.leave()
-        await everyone_sees(clients, epoch + 1)
-        results["leave"].append(time.perf_counter() - t0)
+        record("leave", (await fleet.wait(lambda v, e=epoch: v.epoch > e)).epoch, t0)
         await leaver.close()
-        # join (restores the size)
-        joiner = await new_client(address, token)
+        # A join (restores the size).
         t0 = time.perf_counter()
-        member_id = await joiner.join(f"127.0.0.1:{30000 + i}", name="b")
-        clients.append(joiner)
-        await everyone_has(clients, member_id)
-        results["join"].append(time.perf_counter() - t0)
-        # crash: drop a session without leaving
-        epoch = clients[0].view.epoch
-        victim = clients.pop(0)
+        joiner = await fleet.join()
+        view = await fleet.wait(lambda v, m=joiner.member_id: m in v)
+        record("join", view.epoch, t0)
+        # A crash: a session dropped without a Leave.
+        epoch = fleet.clients[0].view.epoch
+        victim = fleet.clients.pop(0)
         t0 = time.perf_counter()
         await victim.close()
-        await everyone_sees(clients, epoch + 1)
-        results["crash"].append(time.perf_counter() - t0)
-        replacement = await new_client(address, token)
-        member_id = await replacement.join(f"127.0.0.1:{40000 + i}", name="b")
-        clients.append(replacement)
-        await everyone_has(clients, member_id)
-    for client in clients:
+        record("crash", (await fleet.wait(lambda v, e=epoch: v.epoch > e)).epoch, t0)
+        replacement = await fleet.join()
+        await fleet.wait(lambda v, m=replacement.member_id: m in v)
+    for client in fleet.clients:
         await client.leave()
         await client.close()
     return {
         "members": size,
         "join_burst_s": burst,
         "join_throughput_per_s": size / burst,
-        "views_during_burst": views_for_burst,
-        **{kind: summary(values) for kind, values in results.items()},
+        "views_during_burst": burst_view.epoch - min(fleet.arrivals),
+        **{f"{kind}_first": summary(values) for kind, values in first.items()},
+        **{f"{kind}_all": summary(values) for kind, values in everyone.items()},
     }
 
 
@@ -152,8 +171,9 @@ async def bench(sizes: list[int], repeats: int, settings: list[str]) -> dict[str
                 "--token-file",
                 str(token_file),
                 "--log-level",
-                "warning",
-            ],
+                "info",
+                *(arg for item in settings for arg in ("--set", item)),
+            ],  # fmt: skip
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -169,6 +189,11 @@ async def bench(sizes: list[int], repeats: int, settings: list[str]) -> dict[str
                 rows.append(await run_size(f"127.0.0.1:{port}", token, size, repeats))
                 print(format_row(rows[-1]), flush=True)
             return {"rows": rows}
+        except BaseException:
+            log.flush()
+            tail = (Path(tmp) / "rendezvous.log").read_text(errors="replace").splitlines()[-40:]
+            print("rendezvous log (last lines):", *tail, sep="\n  ", file=sys.stderr)
+            raise
         finally:
             replica.terminate()
             replica.wait(timeout=10)
@@ -177,21 +202,21 @@ async def bench(sizes: list[int], repeats: int, settings: list[str]) -> dict[str
 
 
 HEADER = (
-    f"{'members':>7} | {'join burst':>10} | {'joins/s':>8} | "
-    f"{'leave p50/p90 ms':>17} | {'crash p50/p90 ms':>17} | {'join p50/p90 ms':>16}"
+    "view change = trigger -> new view received; first member / all members, p50 (p90) in ms\n"
+    f"{'members':>7} | {'join burst':>10} | {'joins/s':>7} | {'leave':>23} | "
+    f"{'crash':>23} | {'join':>23}"
 )
 
 
 def format_row(row: dict[str, object]) -> str:
-    def pair(kind: str) -> str:
-        s = row[kind]
-        assert isinstance(s, dict)
-        return f"{s['p50_ms']:7.1f}/{s['p90_ms']:7.1f}"
+    def cell(kind: str) -> str:
+        a, b = row[f"{kind}_first"], row[f"{kind}_all"]
+        assert isinstance(a, dict) and isinstance(b, dict)
+        return f"{a['p50_ms']:5.0f} ({a['p90_ms']:4.0f}) / {b['p50_ms']:5.0f} ({b['p90_ms']:4.0f})"
 
     return (
         f"{row['members']:>7} | {row['join_burst_s']:9.2f}s | "
-        f"{row['join_throughput_per_s']:8.1f} | "
-        f"{pair('leave'):>17} | {pair('crash'):>17} | {pair('join'):>16}"
+        f"{row['join_throughput_per_s']:7.0f} | {cell('leave')} | {cell('crash')} | {cell('join')}"
     )
 
 
@@ -199,6 +224,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4,64,512", help="member counts, comma-separated")
     parser.add_argument("--repeats", type=int, default=10, help="events of each kind per size")
+    parser.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="config override for the service (as `rollcall rendezvous --set`)",
+    )
     parser.add_argument(
         "--json", type=Path, default=ROOT / "bench" / "results" / "view_change.json"
     )

@@ -24,8 +24,10 @@ class Config:
     #: distribution holds.
     phi_threshold: float = 8.0
     #: Floor on the standard deviation of heartbeat intervals, so a very
-    #: regular history does not make the detector hair-triggered.
-    phi_min_std: float = 0.05
+    #: regular history does not make the detector hair-triggered. With the
+    #: defaults a silent member is suspected ~0.66 s after its last heartbeat
+    #: (100 ms + 5.6 x 100 ms), later when the observed jitter is larger.
+    phi_min_std: float = 0.1
     #: Heartbeat intervals remembered per member.
     phi_window: int = 100
     #: Silence after which a member is suspected whatever phi says. This is

@@ -72,9 +72,19 @@ class RollCall:
     started_at: float
     causes: tuple[str, ...]
     answers: dict[str, Answer] = field(default_factory=dict)
+    _ids: set[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._ids = {c.id for c in self.candidates}
 
     def is_candidate(self, member_id: str) -> bool:
-        return any(c.id == member_id for c in self.candidates)
+        return member_id in self._ids
+
+    def drop(self, member_id: str) -> None:
+        """Remove a candidate (it left or is suspected) and its answer."""
+        self.candidates = tuple(c for c in self.candidates if c.id != member_id)
+        self._ids.discard(member_id)
+        self.answers.pop(member_id, None)
 
     @property
     def complete(self) -> bool:
@@ -126,7 +136,7 @@ class Coordinator:
     ) -> None:
         self._config = config
         self._view = view
-        self._joiners: list[Member] = []
+        self._joiners: dict[str, Member] = {}  # in arrival order
         self._departed: dict[str, str] = {}  # view member id -> cause
         self._causes: list[str] = []
         self._trigger_at: float | None = None
@@ -155,13 +165,13 @@ class Coordinator:
 
     @property
     def pending_joiners(self) -> tuple[Member, ...]:
-        return tuple(self._joiners)
+        return tuple(self._joiners.values())
 
     def knows(self, member_id: str) -> bool:
         """True for members of the view, pending joiners and roll-call candidates."""
         return (
             member_id in self._view
-            or any(j.id == member_id for j in self._joiners)
+            or member_id in self._joiners
             or (self._rollcall is not None and self._rollcall.is_candidate(member_id))
             or (self._proposal is not None and member_id in self._proposal.view)
         )
@@ -185,7 +195,7 @@ class Coordinator:
         """A new member asks to join; it enters with the next roll call."""
         if self.knows(member.id):
             raise InvalidRequest(f"member id {member.id!r} is already known")
-        self._joiners.append(member)
+        self._joiners[member.id] = member
         self._causes.append(f"join:{member.id}")
         self._schedule(now + self._config.join_settle)
         self.tick(now)
@@ -255,14 +265,12 @@ class Coordinator:
 
     def _depart(self, member_id: str, cause: str, now: float) -> bool:
         rollcall = self._rollcall
-        joiners = [j for j in self._joiners if j.id != member_id]
         if rollcall is not None and rollcall.is_candidate(member_id):
             # Still gathering: the decision simply will not include it.
-            rollcall.candidates = tuple(c for c in rollcall.candidates if c.id != member_id)
-            rollcall.answers.pop(member_id, None)
+            rollcall.drop(member_id)
             rollcall.causes = (*rollcall.causes, cause)
-        elif len(joiners) != len(self._joiners):
-            self._joiners = joiners
+        elif member_id in self._joiners:
+            del self._joiners[member_id]
             # A withdrawn join is no reason for a roll call any more: without
             # another cause it would abort every member's step for nothing.
             self._causes.remove(f"join:{member_id}")
@@ -287,7 +295,7 @@ class Coordinator:
     def _start(self, now: float) -> None:
         base = self._view
         candidates = tuple(m for m in base.members if m.id not in self._departed) + tuple(
-            self._joiners
+            self._joiners.values()
         )
         self._rollcall = RollCall(
             epoch=base.epoch + 1,
@@ -296,7 +304,7 @@ class Coordinator:
             started_at=now,
             causes=tuple(self._causes),
         )
-        self._joiners = []
+        self._joiners = {}
         self._departed = {}
         self._causes = []
         self._trigger_at = None

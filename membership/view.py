@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 
@@ -39,9 +40,13 @@ class View:
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate member ids in view {self.epoch}: {ids}")
 
-    @property
+    @cached_property
     def ids(self) -> tuple[str, ...]:
         return tuple(m.id for m in self.members)
+
+    @cached_property
+    def _id_set(self) -> frozenset[str]:
+        return frozenset(self.ids)
 
     @property
     def size(self) -> int:
@@ -54,7 +59,7 @@ class View:
         return None
 
     def __contains__(self, member_id: object) -> bool:
-        return any(m.id == member_id for m in self.members)
+        return member_id in self._id_set
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -280,13 +280,19 @@ class Replica(pb_grpc.RendezvousServicer):
         suspicions then wait one more round instead of evicting members for
         the leader's own lag."""
         lagging = False
+        grace_checked = False
+        next_suspicion: float | None = None
         while True:
             now = self._clock()
             lead.coordinator.tick(now)
-            if not lagging:
+            # Scanning every member's detector costs O(members): only when
+            # one may be due (heartbeats only ever push suspicion later).
+            if not lagging and next_suspicion is not None and now >= next_suspicion:
                 for member_id in lead.detector.suspects(now):
                     self._suspect(lead, member_id, "heartbeat detector")
-            if now >= lead.grace_until:
+                next_suspicion = None
+            if now >= lead.grace_until and not grace_checked:
+                grace_checked = True
                 for member in lead.coordinator.view.members:
                     if member.id not in lead.sessions and member.id not in lead.detector:
                         self._suspect(lead, member.id, "did not reconnect after leader failover")
@@ -294,11 +300,13 @@ class Replica(pb_grpc.RendezvousServicer):
                 if now >= deadline and member_id not in lead.sessions:
                     self._suspect(lead, member_id, "joined but never opened a session")
             self._drain(lead)
+            if next_suspicion is None:
+                next_suspicion = lead.detector.next_check(now)
             wakeups = [
                 t
                 for t in (
                     lead.coordinator.next_wakeup(),
-                    lead.detector.next_check(now),
+                    next_suspicion,
                     lead.grace_until if lead.grace_until > now else None,
                     *lead.join_deadlines.values(),
                 )
@@ -363,12 +371,10 @@ class Replica(pb_grpc.RendezvousServicer):
         lead.step = action.view.resume_step
         now = self._clock()
         lead.coordinator.committed(action.view, now)
-        log.info(
-            "committed epoch %d: %d members (%s)",
-            action.view.epoch,
-            action.view.size,
-            ", ".join(action.causes) or "no cause",
+        causes = ", ".join(action.causes[:8]) + (
+            f" and {len(action.causes) - 8} more" if len(action.causes) > 8 else ""
         )
+        log.info("committed epoch %d: %d members (%s)", action.view.epoch, action.view.size, causes)
         self._observe_view(action.view)
         self._announce(lead, action)
         self._drain(lead)

@@ -284,6 +284,7 @@ class EtcdStore:
         budget = 2 * self._config.etcd_timeout
         deadline = time.monotonic() + budget
         failure: grpc.RpcError | None = None
+        attempts: list[str] = []
         for number in range(self._max_attempts):
             if number and all(e.is_failed() for e in self._client.endpoints.values()):
                 # Nowhere else to go: give the failed endpoint a moment.
@@ -292,6 +293,7 @@ class EtcdStore:
             if number and remaining < _MIN_ATTEMPT_SHARE * self._config.etcd_timeout:
                 break
             endpoint, channel = self._select()
+            started = time.monotonic()
             try:
                 return attempt(channel, min(self._config.etcd_timeout, remaining), number > 0)
             except grpc.RpcError as exc:
@@ -299,8 +301,14 @@ class EtcdStore:
                     raise
                 failure = exc
                 endpoint.fail()
-                _log.debug("etcd %s failed: %s", endpoint, exc.details())
-        raise self._unavailable() from failure
+                attempts.append(
+                    f"{endpoint.netloc}: {exc.code().name} ({exc.details()}) "
+                    f"after {time.monotonic() - started:.2f} s"
+                )
+                _log.debug("etcd attempt failed at %s", attempts[-1])
+        error = self._unavailable()
+        error.add_note("attempts: " + "; ".join(attempts))
+        raise error from failure
 
     def _kv_range(self, request: etcdrpc.RangeRequest) -> etcdrpc.RangeResponse:
         def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> Any:

@@ -87,16 +87,17 @@ def test_heartbeats_at_the_configured_period_are_never_suspected(period: float, 
 
 
 def test_silence_after_regular_100ms_heartbeats_is_suspected_at_the_phi_latency() -> None:
-    # Regular intervals have std 0, floored at phi_min_std = 50 ms: phi
-    # crosses 8 at 100 ms + 5.612 * 50 ms = 380.6 ms, well before max_silence.
+    # Regular intervals have std 0, floored at phi_min_std = 100 ms: phi
+    # crosses 8 at 100 ms + 5.612 * 100 ms = 661.2 ms, well before max_silence.
+    assert DEFAULT.phi_min_std == 0.1
     detector = fed([0.1] * 200)
-    expected = 0.1 + z_for_threshold(8.0) * 0.05
-    assert expected == pytest.approx(0.3806, abs=1e-4)
+    expected = 0.1 + z_for_threshold(8.0) * 0.1
+    assert expected == pytest.approx(0.6612, abs=1e-4)
     assert latency(detector) == pytest.approx(expected, abs=1e-9)
     last = detector.last_heartbeat
     assert not detector.suspected(last + expected - 1e-6)
     assert detector.suspected(last + expected + 1e-6)
-    assert expected < DEFAULT.max_silence / 5
+    assert expected < DEFAULT.max_silence / 3
 
 
 # --- adaptation to jitter --------------------------------------------------
@@ -114,10 +115,13 @@ def test_jitter_below_the_std_floor_does_not_delay_suspicion() -> None:
 
 def test_jitter_above_the_std_floor_delays_suspicion() -> None:
     regular = fed([0.1] * 200)
-    jittery = fed([0.02, 0.18] * 100)
-    assert jittery.mean_interval == pytest.approx(0.1)
-    assert jittery.std_interval == pytest.approx(0.08)
-    assert latency(jittery) == pytest.approx(expected_latency(0.1, 0.08), abs=1e-9)
+    jittery = fed([0.0, 0.3] * 100)
+    assert jittery.mean_interval == pytest.approx(0.15)
+    assert jittery.std_interval == pytest.approx(0.15, rel=0.01)
+    assert jittery.std_interval > DEFAULT.phi_min_std
+    assert latency(jittery) == pytest.approx(
+        expected_latency(0.15, jittery.std_interval), abs=1e-9
+    )
     assert latency(jittery) > latency(regular) + 0.1
 
 
@@ -217,7 +221,7 @@ def test_phi_never_decreases_across_the_switch_to_its_tail_series() -> None:
 def test_the_configured_threshold_sets_the_latency() -> None:
     for threshold in (1.0, 8.0, 12.0):
         config = DEFAULT.replace(phi_threshold=threshold)
-        expected = 0.1 + z_for_threshold(threshold) * 0.05
+        expected = 0.1 + z_for_threshold(threshold) * DEFAULT.phi_min_std
         assert latency(fed([0.1] * 50, config)) == pytest.approx(expected, abs=1e-9)
 
 
@@ -226,7 +230,7 @@ def test_phi_in_the_far_tail_matches_the_normal_distribution() -> None:
     # z = 26 erfc is still representable and serves as the reference.
     detector = fed([0.1] * 10)
     for z in (19.0, 20.0, 20.5, 22.0, 24.0, 26.0):
-        silence = 0.1 + z * math.sqrt(2.0) * 0.05
+        silence = 0.1 + z * math.sqrt(2.0) * DEFAULT.phi_min_std
         reference = -math.log10(0.5 * math.erfc(z))
         assert detector.phi(silence + 1.0) == pytest.approx(reference, rel=1e-12)
 

@@ -581,25 +581,27 @@ def test_cluster_reads_and_commits_survive_killing_the_member_in_use(
     cancel()
 
 
-def test_cluster_watch_leaves_a_frozen_member(
-    etcd_cluster: LocalEtcdCluster, cluster_store: EtcdStore, config: Config
-) -> None:
-    leader = cluster_store.campaign("replica-1", "127.0.0.1:7000")
-    assert leader is not None
-    seen = Recorder()
-    cancel = cluster_store.watch_view(seen)
-    frozen = etcd_cluster.members[etcd_cluster.endpoints.index(cluster_store.endpoint_in_use)]
-    frozen.pause()
-    try:
-        start = time.monotonic()
-        # The first attempt waits etcd_timeout on the frozen member, the retry
-        # goes elsewhere; the watch follows once the store saw the failure.
-        assert cluster_store.commit_view(view(1, "a"), 0, leader) is not None
-        assert seen.wait_for(1, timeout=3.0) == [view(1, "a")]
-        assert time.monotonic() - start < config.etcd_timeout + 2.0
-    finally:
-        frozen.resume()
-    cancel()
+def test_cluster_watch_leaves_a_frozen_member(etcd_cluster: LocalEtcdCluster) -> None:
+    # An election lease that outlives the first, frozen, attempt.
+    config = Config(election_ttl=4)
+    with EtcdStore(etcd_cluster.endpoints, "job-a", config) as store:
+        leader = store.campaign("replica-1", "127.0.0.1:7000")
+        assert leader is not None
+        seen = Recorder()
+        cancel = store.watch_view(seen)
+        frozen = etcd_cluster.members[etcd_cluster.endpoints.index(store.endpoint_in_use)]
+        frozen.pause()
+        try:
+            start = time.monotonic()
+            # The first attempt waits etcd_timeout on the frozen member, the
+            # retry goes elsewhere; the watch follows once the store saw the
+            # failure.
+            assert store.commit_view(view(1, "a"), 0, leader) is not None
+            assert seen.wait_for(1, timeout=3.0) == [view(1, "a")]
+            assert time.monotonic() - start < config.etcd_timeout + 2.0
+        finally:
+            frozen.resume()
+        cancel()
 
 
 def test_cluster_without_quorum_is_unavailable_until_it_returns(
