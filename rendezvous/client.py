@@ -31,9 +31,9 @@ from membership.errors import (
     Unauthenticated,
 )
 from membership.view import EMPTY_VIEW, View
-from rendezvous.pb import rendezvous_pb2 as pb
-from rendezvous.pb import rendezvous_pb2_grpc as pb_grpc
 from rendezvous.wire import LEADER_METADATA, token_metadata, view_from_pb
+from rollcall.pb import rendezvous_pb2 as pb
+from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 
 log = logging.getLogger("rollcall.client")
 T = TypeVar("T")

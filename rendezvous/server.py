@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import grpc
 
 from membership.config import Config
-from rendezvous.pb import rendezvous_pb2_grpc as pb_grpc
-from rendezvous.service import Replica, TokenInterceptor
+from rendezvous.service import Replica
 from rendezvous.store import EtcdClientTLS, EtcdStore
 from rendezvous.validation import check_address, check_id
+from rendezvous.wire import TokenInterceptor
+from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 
 log = logging.getLogger("rollcall.rendezvous")
 

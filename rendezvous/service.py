@@ -33,21 +33,13 @@ from membership.errors import (
     NotLeader,
     RollcallError,
     StaleEpoch,
-    Unauthenticated,
 )
 from membership.view import EMPTY_VIEW, Member, View
 from rendezvous import validation as check
-from rendezvous.pb import rendezvous_pb2 as pb
-from rendezvous.pb import rendezvous_pb2_grpc as pb_grpc
 from rendezvous.store import EtcdStore, LeaderInfo, MemberRecord
-from rendezvous.wire import (
-    LEADER_METADATA,
-    TOKEN_METADATA,
-    status_of,
-    token_digest,
-    token_matches,
-    view_to_pb,
-)
+from rendezvous.wire import LEADER_METADATA, status_of, view_to_pb
+from rollcall.pb import rendezvous_pb2 as pb
+from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 
 log = logging.getLogger("rollcall.rendezvous")
 T = TypeVar("T")
@@ -715,42 +707,3 @@ class Replica(pb_grpc.RendezvousServicer):
             raise InvalidRequest("Open sent twice on one session")
         else:
             raise InvalidRequest("empty session message")
-
-
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects every call whose job token is missing or wrong, before any
-    handler (and so any state) is reached."""
-
-    def __init__(self, token: str) -> None:
-        self._digest = token_digest(token)
-
-        async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(_WRONG_TOKEN))
-
-        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(_WRONG_TOKEN))
-            yield  # pragma: no cover - makes this an async generator
-
-        self._deny = {
-            "unary_unary": grpc.unary_unary_rpc_method_handler(deny_unary),
-            "unary_stream": grpc.unary_stream_rpc_method_handler(deny_stream),
-            "stream_stream": grpc.stream_stream_rpc_method_handler(deny_stream),
-        }
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
-        details: grpc.HandlerCallDetails,
-    ) -> Any:
-        presented = None
-        for key, value in details.invocation_metadata or ():
-            if key == TOKEN_METADATA:
-                presented = value if isinstance(value, str) else value.decode()
-        if token_matches(presented, self._digest):
-            return await continuation(details)
-        method = details.method.rsplit("/", 1)[-1]
-        kind = {"Session": "stream_stream", "Watch": "unary_stream"}.get(method, "unary_unary")
-        return self._deny[kind]
-
-
-_WRONG_TOKEN = Unauthenticated("missing or wrong job token")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -22,7 +24,7 @@ from membership.errors import (
     Unauthenticated,
 )
 from membership.view import Member, View
-from rendezvous.pb import rendezvous_pb2 as pb
+from rollcall.pb import rendezvous_pb2 as pb
 
 #: Metadata key carrying the job token ("Bearer <token>").
 TOKEN_METADATA = "authorization"
@@ -108,3 +110,46 @@ def token_matches(presented: str | None, expected_digest: bytes) -> bool:
 
 def token_digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects every call whose job token is missing or wrong, before any
+    handler (and so any state) is reached. Serves every gRPC service of the
+    project (rendezvous, state transfer)."""
+
+    def __init__(self, token: str) -> None:
+        self._digest = token_digest(token)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        presented = None
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_METADATA:
+                presented = value if isinstance(value, str) else value.decode()
+        if handler is None or token_matches(presented, self._digest):
+            return handler
+        return _deny_like(handler)
+
+
+def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
+    message = str(Unauthenticated("missing or wrong job token"))
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny_stream)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny_stream)
+    return grpc.unary_unary_rpc_method_handler(deny)

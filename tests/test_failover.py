@@ -28,8 +28,8 @@ from membership.config import Config
 from membership.errors import ControlPlaneUnavailable
 from rendezvous.client import RendezvousClient
 from rendezvous.etcd_local import LocalEtcd, LocalEtcdCluster
-from rendezvous.pb import rendezvous_pb2 as pb
-from rendezvous.pb import rendezvous_pb2_grpc as pb_grpc
+from rollcall.pb import rendezvous_pb2 as pb
+from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 from rendezvous.wire import token_metadata
 from tests.harness import ROOT, ControlPlane, MemberProcess, ReplicaProcess
 

@@ -18,6 +18,6 @@ def test_generated_grpc_code_is_up_to_date_with_proto_sources():
 
 
 def test_generated_modules_use_relative_imports():
-    grpc_module = (ROOT / "rendezvous" / "pb" / "rendezvous_pb2_grpc.py").read_text()
+    grpc_module = (ROOT / "rollcall" / "pb" / "rendezvous_pb2_grpc.py").read_text()
     assert "from . import rendezvous_pb2" in grpc_module
     assert "from rollcall.v1" not in grpc_module

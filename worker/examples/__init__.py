@@ -1,0 +1,1 @@
+"""Built-in example jobs that the runtime can train without user code."""
