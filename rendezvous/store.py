@@ -69,12 +69,13 @@ def _unreachable(exc: grpc.RpcError) -> bool:
 
 #: etcd refuses requests (and cancels streams) on a member without a leader.
 _REQUIRE_LEADER = (("hasleader", "true"),)
-#: gRPC reconnects at most this far apart, so a restarted etcd is found again
-#: within about a second (gRPC's own default backs off up to two minutes).
+#: gRPC retries a refused connection at most 200 ms apart, so a restarted etcd
+#: is found again at once (gRPC's own default backs off up to two minutes);
+#: on loopback or a LAN that is one SYN per endpoint every 200 ms while down.
 _GRPC_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 200),
     # Detect a frozen or unreachable server under a long-lived watch stream
     # (about 15 s). etcd refuses pings more often than every 5 s
     # (--grpc-keepalive-min-time). With grpcio 1.85 the keep-alive timeout has
@@ -85,8 +86,9 @@ _GRPC_OPTIONS = [
     ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-#: Pause before retrying an endpoint that just failed.
-_RETRY_PAUSE = 0.05
+#: Longest wait for a failed endpoint's channel to reconnect before retrying
+#: it: a little more than the longest reconnect back-off (200 ms, +20 % jitter).
+_RECONNECT_WAIT = 0.25
 #: An attempt gets at least this share of etcd_timeout, or is not made.
 _MIN_ATTEMPT_SHARE = 0.1
 #: How often a watch checks whether the store saw its endpoint fail.
@@ -143,6 +145,15 @@ def _leader_value(leader: LeaderInfo) -> bytes:
 def _parse_leader(value: bytes) -> LeaderInfo:
     data = json.loads(value)
     return LeaderInfo(str(data["replica_id"]), str(data["address"]), int(data["lease_id"]))
+
+
+def _await_connection(channel: grpc.Channel, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for ``channel`` to be connected."""
+    ready = grpc.channel_ready_future(channel)
+    try:
+        ready.result(timeout=max(0.0, timeout))
+    except grpc.FutureTimeoutError:
+        ready.cancel()
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -261,17 +272,17 @@ class EtcdStore:
             f"control plane unavailable: etcd unreachable at {self._endpoint_urls}"
         )
 
-    def _select(self) -> tuple[Endpoint, grpc.Channel]:
-        """The endpoint to use and its channel; when every endpoint failed
-        recently, the one that failed longest ago is tried again."""
+    def _select(self) -> tuple[Endpoint, grpc.Channel, bool]:
+        """The endpoint to use, its channel, and whether it is one that failed
+        recently: when every endpoint did, the one that failed longest ago is
+        tried again."""
         with self._select_lock:
             try:
-                channel = self._client.channel
+                return self._client.endpoint_in_use, self._client.channel, False
             except NoServerAvailableError:
                 oldest = min(self._client.endpoints.values(), key=lambda e: e.last_failed)
                 oldest.last_failed = 0
-                channel = self._client.channel
-            return self._client.endpoint_in_use, channel
+                return oldest, self._client.channel, True
 
     def _call(self, attempt: Callable[[grpc.Channel, float, bool], T]) -> T:
         """Run ``attempt(channel, timeout, retried)`` with failover and retries.
@@ -286,13 +297,16 @@ class EtcdStore:
         failure: grpc.RpcError | None = None
         attempts: list[str] = []
         for number in range(self._max_attempts):
-            if number and all(e.is_failed() for e in self._client.endpoints.values()):
-                # Nowhere else to go: give the failed endpoint a moment.
-                time.sleep(min(_RETRY_PAUSE, max(0.0, deadline - time.monotonic())))
             remaining = deadline - time.monotonic()
             if number and remaining < _MIN_ATTEMPT_SHARE * self._config.etcd_timeout:
                 break
-            endpoint, channel = self._select()
+            endpoint, channel, failed_before = self._select()
+            if number and failed_before:
+                # Nowhere else to go. A channel whose connection was refused
+                # fails every request at once until gRPC's reconnect back-off
+                # lets it try again: give it that chance.
+                _await_connection(channel, min(_RECONNECT_WAIT, remaining / 2))
+                remaining = deadline - time.monotonic()
             started = time.monotonic()
             try:
                 return attempt(channel, min(self._config.etcd_timeout, remaining), number > 0)
@@ -728,7 +742,9 @@ class _KeyWatch:
 
     def _follow(self) -> bool:
         """One watch stream, until it breaks. True if it was established."""
-        endpoint, channel = self._store._select()
+        endpoint, channel, failed_before = self._store._select()
+        if failed_before:
+            _await_connection(channel, _RECONNECT_WAIT)
         started = time.time()  # pyetcd stamps endpoint failures with time.time()
         ended = threading.Event()
 

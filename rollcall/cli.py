@@ -18,6 +18,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -397,6 +398,107 @@ def up(
         if owned:
             shutil.rmtree(workdir, ignore_errors=True)
         click.echo("rollcall up: stopped", err=True)
+
+
+@main.command()
+@click.option("--rendezvous", "addresses", required=True, metavar="HOST:PORT[,...]",
+              help="Rendezvous replica addresses.")
+@click.option("--job", required=True, help="Job name.")
+@token_option
+@click.option("--example", type=click.Choice(["lm"]), default="lm", show_default=True,
+              help="Built-in job: a char-level transformer LM on the Python stdlib's source.")
+@click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Train until this many global steps are committed.")
+@click.option("--global-batch", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--micro-batch", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--context", type=click.IntRange(min=2), default=64, show_default=True,
+              help="Characters per sample.")
+@click.option("--d-model", type=click.IntRange(min=4), default=64, show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address peers reach this worker at (state transfer, process group).")
+@click.option("--name", default="w", show_default=True, help="Prefix of the member id.")
+@click.option("--ledger", type=click.Path(dir_okay=False, path_type=Path),
+              help="Append the sample ids of every committed step to this JSON-lines file.")
+@click.option("--digest-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Print the state digest every N committed steps (0: never).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line instead of text.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch intra-op threads.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="warning", show_default=True)
+def worker(
+    addresses: str, job: str, token_file: Path | None, example: str, steps: int,
+    global_batch: int, micro_batch: int, seed: int, context: int, d_model: int, layers: int,
+    host: str, name: str, ledger: Path | None, digest_every: int, as_json: bool,
+    threads: int, log_level: str,
+) -> None:  # fmt: skip
+    """Run a training worker of the built-in example job.
+
+    It joins the job, trains, survives other workers dying and arriving, and
+    leaves cleanly when it reaches --steps or on Ctrl-C. If it is evicted (for
+    example after being frozen past the failure detector's bound) it exits
+    with code 3 and says so: its state is stale, start it again to rejoin.
+    """
+    from rendezvous.wire import read_token
+
+    token = read_token(token_file)
+    setup_logging(log_level)
+    import torch
+
+    from membership.errors import Evicted
+    from worker.examples.lm import LMConfig, build, loss_sum
+    from worker.runtime import Elastic
+    from worker.state import capture, digest
+
+    torch.set_num_threads(threads)
+    config = LMConfig(context=context, d_model=d_model, layers=layers)
+    model, optimizer, corpus = build(config, seed)
+
+    def say(**record: Any) -> None:
+        if as_json:
+            click.echo(json.dumps(record))
+        elif record["event"] == "step":
+            click.echo(
+                f"step {record['step']:>6}  loss {record['loss']:.4f}  epoch {record['epoch']}"
+                f"  rank {record['rank']}/{record['world']}  samples/s {record['samples_s']:.1f}"
+                + (f"  {record['digest'][:19]}" if "digest" in record else "")
+            )
+        else:
+            click.echo(" ".join(f"{k}={v}" for k, v in record.items()))
+
+    try:
+        with Elastic(
+            model, optimizer, corpus, global_batch=global_batch, micro_batch=micro_batch,
+            seed=seed, rendezvous=split_list(addresses), job=job, token=token, host=host,
+            name=name, ledger=ledger,
+        ) as elastic:  # fmt: skip
+            say(event="joined", member_id=elastic.member_id, pid=os.getpid(),
+                address=elastic.address)  # fmt: skip
+            last = time.perf_counter()
+            for step in elastic.steps(steps):
+                for batch in step.microbatches():
+                    loss, count = loss_sum(model, batch.inputs, batch.targets)
+                    step.backward(loss, count)
+                if not step.commit():
+                    say(event="aborted", step=step.number, epoch=step.epoch)
+                    continue
+                now = time.perf_counter()
+                record: dict[str, Any] = {
+                    "event": "step", "step": step.number, "loss": step.loss,
+                    "epoch": step.epoch, "rank": step.rank, "world": step.world_size,
+                    "samples_s": global_batch / max(now - last, 1e-9),
+                }  # fmt: skip
+                last = now
+                if digest_every and step.number % digest_every == 0:
+                    record["digest"] = digest(capture(step.number, model, optimizer))
+                say(**record)
+            say(event="done", step=elastic.committed_step)
+    except Evicted as exc:
+        fail(f"evicted from job {job}: {exc}; this worker's state is stale, start it again", 3)
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

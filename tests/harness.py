@@ -243,3 +243,38 @@ class ControlPlane:
                 process.stop(timeout=5)
             except Exception:  # noqa: BLE001 - cleanup must reach every process
                 process.proc.kill()
+
+
+class WorkerProcess(Process):
+    """`rollcall worker --example lm --json`: a real training process."""
+
+    def __init__(
+        self,
+        plane: ControlPlane,
+        log_path: Path,
+        steps: int = 1000,
+        ledger: Path | None = None,
+        extra: Sequence[str] = (),
+    ) -> None:
+        argv = [
+            sys.executable, "-m", "rollcall.cli", "worker",
+            "--rendezvous", ",".join(plane.addresses), "--job", plane.job,
+            "--token-file", str(plane.token_file), "--json", "--digest-every", "1",
+            "--steps", str(steps), "--log-level", "info", *extra,
+        ]  # fmt: skip
+        if ledger is not None:
+            argv += ["--ledger", str(ledger)]
+        super().__init__(argv, None, log_path)
+        self.ledger = ledger
+        joined = self.wait_event(lambda e: e["event"] == "joined", timeout=60)
+        self.member_id: str = joined["member_id"]
+
+    wait_event = MemberProcess.wait_event
+
+    def events(self) -> list[dict[str, Any]]:
+        while not self.lines.empty():
+            self.seen.append(self.lines.get_nowait())
+        return [json.loads(line) for line in self.seen if line.startswith("{")]
+
+    def steps(self) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e["event"] == "step"]

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from membership.config import Config
 from rendezvous.etcd_local import LocalEtcd
-from rollcall.pb import rendezvous_pb2 as pb
-from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 from rendezvous.store import EtcdStore
 from rendezvous.wire import token_metadata
+from rollcall.pb import rendezvous_pb2 as pb
+from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 from tests.harness import ControlPlane, MemberProcess
 
 Code = grpc.StatusCode

@@ -28,9 +28,9 @@ from membership.config import Config
 from membership.errors import ControlPlaneUnavailable
 from rendezvous.client import RendezvousClient
 from rendezvous.etcd_local import LocalEtcd, LocalEtcdCluster
+from rendezvous.wire import token_metadata
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
-from rendezvous.wire import token_metadata
 from tests.harness import ROOT, ControlPlane, MemberProcess, ReplicaProcess
 
 pytestmark = pytest.mark.integration
@@ -376,7 +376,9 @@ def test_client_join_while_etcd_is_down_names_the_cause(etcd: LocalEtcd, tmp_pat
         etcd.kill()
 
         async def join_all() -> list[str]:
-            deadlines = [0.5 + 0.1 * i for i in range(12)]
+            # Each long enough for a replica to answer once even on a loaded
+            # machine; they still end at different points of the retry schedule.
+            deadlines = [1.5 + 0.1 * i for i in range(12)]
             return await asyncio.gather(*(_client_join_error(plane, d) for d in deadlines))
 
         errors = asyncio.run(join_all())

@@ -22,9 +22,9 @@ import pytest
 
 from membership.config import Config
 from membership.view import View
+from rendezvous.wire import token_metadata
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
-from rendezvous.wire import token_metadata
 from tests.harness import ControlPlane, MemberProcess
 
 pytestmark = pytest.mark.integration

@@ -206,9 +206,7 @@ def loss_sum(
     return loss, targets.numel()
 
 
-def build(
-    config: LMConfig, seed: int
-) -> tuple[CharTransformer, torch.optim.Optimizer, CharCorpus]:
+def build(config: LMConfig, seed: int) -> tuple[CharTransformer, torch.optim.Optimizer, CharCorpus]:
     """The example job: model, optimizer and corpus.
 
     The model's weights come from ``torch.manual_seed(seed)``, so workers that

@@ -1,0 +1,381 @@
+"""EpochGroup with real gloo groups in real processes on loopback: sums are
+right, a killed peer fails the survivors' all-reduce at once, a frozen peer is
+escaped by setting `abort`, and the survivors rebuild a smaller group for the
+next epoch and still exit cleanly (exit code 0, no SIGABRT).
+
+Every member is a "spawn" multiprocessing child: it runs a full interpreter
+shutdown on exit, which is where a gloo group left alive aborts the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.context import SpawnProcess
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event as ProcessEvent
+from typing import Any
+
+import pytest
+import torch
+
+from worker.group import (
+    LOOPBACK,
+    EpochGroup,
+    PeerFailed,
+    StepAborted,
+    host_store,
+    parked_count,
+    wait_parked,
+)
+
+CTX = multiprocessing.get_context("spawn")
+#: gloo timeout of the groups under test: long enough never to fire by itself
+#: in a healthy run, short enough that waiting for a parked group is cheap.
+GROUP_TIMEOUT = 5.0
+#: What the tests accept as "promptly"; the target is < 0.1 s.
+PROMPT = 2.0
+#: Bound on process start-up plus one group build (importing torch ~1.5 s).
+START_BOUND = 60.0
+#: 64 MB of float32 gradients: a single all-reduce of it takes tens of ms.
+LARGE_ELEMENTS = 16 * 1024 * 1024
+
+Report = dict[str, Any]
+
+
+# --------------------------------------------------------------------------
+# Member processes (module-level so that "spawn" can import them).
+
+
+def _die_with_parent() -> None:
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
+def _join_epoch(
+    epoch: int, rank: int, size: int, ports: Queue[int], abort: threading.Event
+) -> EpochGroup:
+    """Rank 0 hosts the epoch's store and hands its port to the others."""
+    if rank == 0:
+        _, port = host_store(GROUP_TIMEOUT)
+        for _ in range(size - 1):
+            ports.put(port)
+    else:
+        port = ports.get(timeout=START_BOUND)
+    return EpochGroup.build(epoch, rank, size, LOOPBACK, port, rank == 0, GROUP_TIMEOUT, abort)
+
+
+def _abort_on(trigger: ProcessEvent) -> tuple[threading.Event, dict[str, float]]:
+    """A local abort event set by a watcher thread once the test sets
+    ``trigger``, as the runtime's roll-call thread would; records when."""
+    abort = threading.Event()
+    when: dict[str, float] = {}
+
+    def watch() -> None:
+        trigger.wait()
+        when["abort_set_at"] = time.monotonic()
+        abort.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return abort, when
+
+
+def _expected_sum(size: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    base = torch.arange(torch.Size(shape).numel(), dtype=dtype).reshape(shape)
+    return sum((base + rank for rank in range(size)), torch.zeros(shape, dtype=dtype))
+
+
+def _sum_once(rank: int, size: int, ports: Queue[int], reports: Queue[Report]) -> None:
+    _die_with_parent()
+    group = _join_epoch(1, rank, size, ports, threading.Event())
+    shapes = [((3, 4), torch.float32), ((5,), torch.float64), ((2, 2, 2), torch.int64)]
+    tensors = [
+        torch.arange(torch.Size(shape).numel(), dtype=dtype).reshape(shape) + rank
+        for shape, dtype in shapes
+    ]
+    transposed = torch.arange(6, dtype=torch.float32).reshape(2, 3).t() * (rank + 1)
+    group.allreduce_sum([*tensors, transposed])
+    wrong = [
+        f"{dtype} {shape}"
+        for (shape, dtype), got in zip(shapes, tensors, strict=True)
+        if not torch.equal(got, _expected_sum(size, shape, dtype))
+    ]
+    factor = size * (size + 1) // 2
+    if not torch.equal(transposed, torch.arange(6.0).reshape(2, 3).t() * factor):
+        wrong.append("non-contiguous")
+    group.close()
+    reports.put({"rank": rank, "wrong": wrong})
+
+
+def _broadcast_once(rank: int, size: int, ports: Queue[int], reports: Queue[Report]) -> None:
+    _die_with_parent()
+    group = _join_epoch(1, rank, size, ports, threading.Event())
+    tensors = [torch.full((4,), float(rank)), torch.full((2, 3), rank, dtype=torch.int32)]
+    group.broadcast(tensors, src=1)
+    group.close()
+    reports.put({"rank": rank, "values": [t.flatten().tolist() for t in tensors]})
+
+
+def _build_while_aborted(
+    rank: int, size: int, ports: Queue[int], reports: Queue[Report], trigger: ProcessEvent
+) -> None:
+    _die_with_parent()
+    abort, when = _abort_on(trigger)
+    reports.put({"rank": rank, "event": "building"})
+    try:
+        _join_epoch(1, rank, size, ports, abort)
+        outcome = "built"
+    except StepAborted as exc:
+        outcome = type(exc).__name__
+    raised_at = time.monotonic()
+    reports.put(
+        {
+            "rank": rank,
+            "outcome": outcome,
+            "latency": raised_at - when.get("abort_set_at", raised_at),
+            "all_released": wait_parked(GROUP_TIMEOUT + 5),
+        }
+    )
+
+
+def _allreduce_until_failure(
+    rank: int, size: int, ports: Queue[int], reports: Queue[Report]
+) -> None:
+    _die_with_parent()
+    group = _join_epoch(1, rank, size, ports, threading.Event())
+    grads = [torch.ones(LARGE_ELEMENTS // 4) for _ in range(4)]
+    steps = 0
+    try:
+        while True:
+            group.allreduce_sum(grads)
+            steps += 1
+            if steps == 2:
+                reports.put({"rank": rank, "event": "steady"})
+    except StepAborted as exc:
+        failure: Report = {
+            "rank": rank,
+            "raised_at": time.monotonic(),
+            "error": type(exc).__name__,
+            "message": str(exc),
+        }
+    failure["parked"] = parked_count()
+    failure["all_released"] = wait_parked(GROUP_TIMEOUT + 5)
+    reports.put(failure)
+
+
+def _survive_frozen_peer(
+    rank: int,
+    ports: Queue[int],
+    next_ports: Queue[int],
+    reports: Queue[Report],
+    trigger: ProcessEvent,
+) -> None:
+    """Rank of a 3-member epoch 1 whose rank 2 will be frozen; ranks 0 and 1
+    abort, then form epoch 2 between them."""
+    _die_with_parent()
+    abort, when = _abort_on(trigger)
+    group = _join_epoch(1, rank, 3, ports, abort)
+    grads = [torch.ones(LARGE_ELEMENTS // 4) for _ in range(4)]
+    steps = 0
+    try:
+        while True:
+            group.allreduce_sum(grads)
+            steps += 1
+            if steps == 2:
+                reports.put({"rank": rank, "event": "steady"})
+    except StepAborted as exc:
+        raised_at = time.monotonic()
+        report: Report = {
+            "rank": rank,
+            "error": type(exc).__name__,
+            "latency": raised_at - when["abort_set_at"],
+            "raised_at": raised_at,
+            "parked_after_abort": parked_count(),
+        }
+    started = time.monotonic()
+    smaller = _join_epoch(2, rank, 2, next_ports, threading.Event())
+    report["rebuild_seconds"] = time.monotonic() - started
+    values = torch.full((1000,), float(rank + 1))
+    smaller.allreduce_sum([values])
+    report["new_sum_correct"] = bool(torch.all(values == 3.0))
+    report["parked_while_rebuilt"] = parked_count()
+    smaller.close()
+    started = time.monotonic()
+    report["all_released"] = wait_parked(GROUP_TIMEOUT + 5)
+    report["parked_wait_seconds"] = time.monotonic() - started
+    reports.put(report)
+
+
+# --------------------------------------------------------------------------
+# Test side.
+
+
+class Members:
+    """Spawned member processes, always killed at the end (frozen ones are
+    continued first, so that the kill is delivered)."""
+
+    def __init__(self) -> None:
+        self.processes: list[SpawnProcess] = []
+        self.reports: Queue[Report] = CTX.Queue()
+        self.ports: Queue[int] = CTX.Queue()
+
+    def start(self, target: Callable[..., None], *args: Any) -> SpawnProcess:
+        process = CTX.Process(target=target, args=args, daemon=True)
+        process.start()
+        self.processes.append(process)
+        return process
+
+    def collect(self, count: int, key: str, timeout: float = START_BOUND) -> list[Report]:
+        """The next ``count`` reports that carry ``key``, ordered by rank."""
+        found: list[Report] = []
+        deadline = time.monotonic() + timeout
+        while len(found) < count:
+            try:
+                report = self.reports.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                codes = [p.exitcode for p in self.processes]
+                raise AssertionError(
+                    f"{len(found)}/{count} {key!r} reports; exits {codes}"
+                ) from None
+            if key in report:
+                found.append(report)
+        return sorted(found, key=lambda report: report["rank"])
+
+    def exit_codes(self, processes: list[SpawnProcess], timeout: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        return [process.exitcode for process in processes]
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.exitcode is None and process.pid is not None:
+                os.kill(process.pid, signal.SIGCONT)
+                process.kill()
+            process.join(10)
+
+
+def _signal(process: SpawnProcess, sig: int) -> None:
+    assert process.pid is not None
+    os.kill(process.pid, sig)
+
+
+@pytest.fixture
+def members() -> Iterator[Members]:
+    group = Members()
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_allreduce_sums_mixed_dtypes_across_ranks(members: Members, size: int) -> None:
+    processes = [
+        members.start(_sum_once, r, size, members.ports, members.reports) for r in range(size)
+    ]
+    results = members.collect(size, "wrong")
+    assert [result["wrong"] for result in results] == [[]] * size
+    assert members.exit_codes(processes, START_BOUND) == [0] * size
+
+
+def test_broadcast_copies_the_source_ranks_tensors(members: Members) -> None:
+    processes = [
+        members.start(_broadcast_once, r, 3, members.ports, members.reports) for r in range(3)
+    ]
+    results = members.collect(3, "values")
+    assert [result["values"] for result in results] == [[[1.0] * 4, [1] * 6]] * 3
+    assert members.exit_codes(processes, START_BOUND) == [0] * 3
+
+
+def test_build_waiting_for_an_absent_rank_stops_when_aborted(members: Members) -> None:
+    trigger = CTX.Event()
+    # Rank 2 of the 3-member view never starts.
+    processes = [
+        members.start(_build_while_aborted, r, 3, members.ports, members.reports, trigger)
+        for r in range(2)
+    ]
+    members.collect(2, "event")
+    time.sleep(2.0)  # both are now waiting for rank 2
+    trigger.set()
+    results = members.collect(2, "outcome")
+    print("build abort latency (s):", [round(result["latency"], 4) for result in results])
+    assert [result["outcome"] for result in results] == ["StepAborted"] * 2
+    assert all(result["latency"] < PROMPT for result in results)
+    assert all(result["all_released"] for result in results)
+    # Nothing waited for gloo's timeout: the peers were awaited in the store.
+    assert members.exit_codes(processes, GROUP_TIMEOUT) == [0, 0]
+
+
+def test_build_connecting_to_a_dead_store_host_stops_when_aborted(members: Members) -> None:
+    trigger = CTX.Event()
+    with socket.socket() as unreachable:  # bound, never listening: connects are refused
+        unreachable.bind((LOOPBACK, 0))
+        members.ports.put(unreachable.getsockname()[1])
+        process = members.start(_build_while_aborted, 1, 2, members.ports, members.reports, trigger)
+        members.collect(1, "event")
+        time.sleep(1.0)
+        trigger.set()
+        [result] = members.collect(1, "outcome")
+    print(f"store connect abort latency: {result['latency']:.4f} s")
+    assert result["outcome"] == "StepAborted"
+    assert result["latency"] < PROMPT
+    # The abandoned connect attempt was parked until the store timeout.
+    assert result["all_released"]
+    assert members.exit_codes([process], START_BOUND) == [0]
+
+
+def test_killed_peer_fails_survivors_allreduce_promptly(members: Members) -> None:
+    processes = [
+        members.start(_allreduce_until_failure, r, 3, members.ports, members.reports)
+        for r in range(3)
+    ]
+    members.collect(3, "event")
+    time.sleep(0.05)
+    killed_at = time.monotonic()
+    _signal(processes[2], signal.SIGKILL)
+    results = members.collect(2, "error", timeout=GROUP_TIMEOUT + 10)
+    latencies = [result["raised_at"] - killed_at for result in results]
+    print("SIGKILL -> survivor raised (s):", [round(latency, 4) for latency in latencies])
+    print("survivor errors:", [result["message"] for result in results])
+    assert [result["error"] for result in results] == [PeerFailed.__name__] * 2
+    assert all(latency < PROMPT for latency in latencies)
+    assert [result["parked"] for result in results] == [0, 0], "failed works end at once"
+    assert all(result["all_released"] for result in results)
+    assert members.exit_codes(processes[:2], START_BOUND) == [0, 0]
+
+
+def test_frozen_peer_is_escaped_by_abort_and_survivors_rebuild(members: Members) -> None:
+    trigger = CTX.Event()
+    next_ports: Queue[int] = CTX.Queue()
+    processes = [
+        members.start(_survive_frozen_peer, r, members.ports, next_ports, members.reports, trigger)
+        for r in range(3)
+    ]
+    members.collect(3, "event")
+    _signal(processes[2], signal.SIGSTOP)
+    time.sleep(0.5)  # the survivors are now blocked in an all-reduce
+    set_at = time.monotonic()
+    trigger.set()
+    results = members.collect(2, "error", timeout=3 * GROUP_TIMEOUT + 10)
+    latencies = [result["latency"] for result in results]
+    print("abort set -> StepAborted (s):", [round(latency, 4) for latency in latencies])
+    print("test set trigger -> raised (s):", [round(r["raised_at"] - set_at, 4) for r in results])
+    print("rebuild epoch 2 (s):", [round(r["rebuild_seconds"], 4) for r in results])
+    print(
+        "waiting for the parked group (s):", [round(r["parked_wait_seconds"], 2) for r in results]
+    )
+    assert [result["error"] for result in results] == ["StepAborted", "StepAborted"]
+    assert all(latency < PROMPT for latency in latencies)
+    assert [result["parked_after_abort"] for result in results] == [1, 1]
+    assert [result["new_sum_correct"] for result in results] == [True, True]
+    assert [result["parked_while_rebuilt"] for result in results] == [1, 1]
+    assert all(result["all_released"] for result in results)
+    assert members.exit_codes(processes[:2], START_BOUND) == [0, 0]

@@ -1,0 +1,521 @@
+"""Replica state: capture and restore, canonical digest, byte form, chunks,
+stripes and reassembly (worker/state.py)."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import random
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from membership.errors import RollcallError
+from worker.state import (
+    Assembler,
+    CorruptState,
+    ReplicaState,
+    capture,
+    chunks,
+    digest,
+    from_bytes,
+    ranges,
+    restore,
+    to_bytes,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Replica:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def new_replica(seed: int = 0) -> Replica:
+    """A small model whose dropout draws from the global torch generator, so
+    that a bit-identical next step also needs the RNG state restored."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 4)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return Replica(model, optimizer, scheduler)
+
+
+def train_step(replica: Replica, step: int) -> None:
+    generator = torch.Generator().manual_seed(1000 + step)
+    inputs = torch.randn(32, 8, generator=generator)
+    targets = torch.randn(32, 4, generator=generator)
+    replica.optimizer.zero_grad()
+    loss = nn.functional.mse_loss(replica.model(inputs), targets)
+    loss.backward()
+    replica.optimizer.step()
+    replica.scheduler.step()
+
+
+def trained(steps: int, seed: int = 0) -> Replica:
+    replica = new_replica(seed)
+    for step in range(steps):
+        train_step(replica, step)
+    return replica
+
+
+def capture_replica(replica: Replica, step: int, extras: dict[str, Any] | None = None):
+    return capture(step, replica.model, replica.optimizer, replica.scheduler, extras=extras)
+
+
+def trained_state_digest(steps: int) -> str:
+    """Entry point for the two-process test."""
+    return digest(capture_replica(trained(steps), steps - 1, extras={"run": "a"}))
+
+
+def parameters(replica: Replica) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in replica.model.parameters()]
+
+
+def with_dicts_reversed(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: with_dicts_reversed(tree[k]) for k in reversed(list(tree))}
+    if isinstance(tree, list):
+        return [with_dicts_reversed(item) for item in tree]
+    return tree
+
+
+# ------------------------------------------------------------ capture/restore
+
+
+@pytest.mark.parametrize("via_bytes", [False, True], ids=["in-memory", "via-bytes"])
+def test_restored_replica_takes_a_bit_identical_next_step(via_bytes):
+    original = trained(steps=3)
+    state = capture_replica(original, step=2)
+    if via_bytes:
+        state = from_bytes(to_bytes(state))
+    # The global generator is shared by both replicas in this process, so the
+    # original takes its step before the joiner exists.
+    train_step(original, 3)
+    joiner = new_replica(seed=99)
+
+    restore(state, joiner.model, joiner.optimizer, joiner.scheduler)
+    train_step(joiner, 3)
+
+    for ours, theirs in zip(parameters(original), parameters(joiner), strict=True):
+        assert torch.equal(ours, theirs)
+    assert original.scheduler.get_last_lr() == joiner.scheduler.get_last_lr()
+    assert digest(capture_replica(original, 3)) == digest(capture_replica(joiner, 3))
+
+
+def test_capture_is_a_snapshot_unaffected_by_later_training():
+    replica = trained(steps=2)
+    state = capture_replica(replica, step=1)
+    before = digest(state)
+
+    train_step(replica, 2)
+
+    assert digest(state) == before
+
+
+def test_restore_leaves_the_snapshot_untouched_by_the_joiners_training():
+    state = capture_replica(trained(steps=2), step=1)
+    before = digest(state)
+    joiner = new_replica(seed=5)
+
+    restore(state, joiner.model, joiner.optimizer, joiner.scheduler)
+    train_step(joiner, 2)
+
+    assert digest(state) == before
+
+
+def test_restore_resumes_every_random_sequence():
+    replica = trained(steps=1)
+    state = capture_replica(replica, step=0)
+    expected = (torch.rand(5), random.random(), np.random.rand(3))
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+
+    restore(state, replica.model, replica.optimizer, replica.scheduler)
+
+    assert torch.equal(torch.rand(5), expected[0])
+    assert random.random() == expected[1]
+    assert np.array_equal(np.random.rand(3), expected[2])
+
+
+def test_restore_returns_the_extras():
+    replica = trained(steps=1)
+    extras = {"tokens_seen": 4096, "best_loss": 0.25, "ema": torch.ones(3)}
+    state = capture_replica(replica, step=0, extras=extras)
+
+    restored = restore(state, replica.model, replica.optimizer, replica.scheduler)
+
+    assert restored.keys() == extras.keys()
+    assert restored["tokens_seen"] == 4096 and restored["best_loss"] == 0.25
+    assert torch.equal(restored["ema"], torch.ones(3))
+
+
+def test_capture_records_the_data_position_of_the_step():
+    state = capture_replica(trained(steps=1), step=7)
+
+    assert state.step == 7
+    assert state.data_position == {"step": 7}
+
+
+def test_restore_refuses_a_scheduler_the_state_does_not_hold():
+    replica = trained(steps=1)
+    state = capture(0, replica.model, replica.optimizer)
+
+    with pytest.raises(ValueError, match="configured differently"):
+        restore(state, replica.model, replica.optimizer, replica.scheduler)
+
+
+def test_capture_names_an_extra_that_cannot_be_transferred():
+    replica = trained(steps=1)
+
+    with pytest.raises(TypeError, match=r"extras\['hook'\]"):
+        capture_replica(replica, step=0, extras={"hook": print})
+
+
+# --------------------------------------------------------------------- digest
+
+
+def test_digest_has_the_documented_format():
+    value = digest(capture_replica(trained(steps=1), step=0))
+
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", value)
+    assert re.fullmatch(r"[A-Za-z0-9:+/=_-]{1,128}", value)
+
+
+def test_digest_is_equal_for_equal_states_built_independently():
+    first = capture_replica(trained(steps=3), step=2, extras={"run": "a"})
+    second = capture_replica(trained(steps=3), step=2, extras={"run": "a"})
+
+    assert digest(first) == digest(second)
+
+
+def test_digest_is_equal_across_processes():
+    here = trained_state_digest(3)
+    program = "from tests.test_state import trained_state_digest; print(trained_state_digest(3))"
+
+    there = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.strip()
+
+    assert there == here
+
+
+def test_digest_changes_after_one_more_optimizer_step():
+    replica = trained(steps=3)
+    before = digest(capture_replica(replica, step=2))
+
+    train_step(replica, 3)
+
+    assert digest(capture_replica(replica, step=2)) != before
+
+
+def test_digest_ignores_dict_insertion_order():
+    state = capture_replica(trained(steps=2), step=1, extras={"a": 1, "b": [1, 2], "c": "x"})
+    shuffled = replace(
+        state,
+        model=with_dicts_reversed(state.model),
+        optimizer=with_dicts_reversed(state.optimizer),
+        scheduler=with_dicts_reversed(state.scheduler),
+        extras=with_dicts_reversed(state.extras),
+    )
+
+    assert list(shuffled.model) != list(state.model)
+    assert digest(shuffled) == digest(state)
+
+
+def test_digest_depends_on_tensor_values_not_memory_layout():
+    state = capture_replica(trained(steps=1), step=0)
+    values = torch.arange(12.0).reshape(3, 4)
+
+    contiguous = replace(state, extras={"t": values})
+    transposed_twice = replace(state, extras={"t": values.t().contiguous().t()})
+
+    assert not transposed_twice.extras["t"].is_contiguous()
+    assert digest(contiguous) == digest(transposed_twice)
+
+
+@pytest.mark.parametrize(
+    "one, other",
+    [
+        (1, 1.0),
+        (1, True),
+        (1, "1"),
+        (0.0, -0.0),
+        (None, "None"),
+        ([1, 2], [2, 1]),
+        (torch.zeros(2, 3), torch.zeros(3, 2)),
+        (torch.zeros(4, dtype=torch.float32), torch.zeros(2, dtype=torch.float64)),
+        ({"a": 1}, {"a": 1, "b": 2}),
+    ],
+)
+def test_digest_tells_apart_values_that_differ_in_type_shape_or_content(one, other):
+    state = capture_replica(trained(steps=1), step=0)
+
+    assert digest(replace(state, extras={"x": one})) != digest(replace(state, extras={"x": other}))
+
+
+def test_digest_leaves_out_rng_states():
+    replica = trained(steps=1)
+    state = capture_replica(replica, step=0)
+    torch.rand(10)
+    random.random()
+
+    later = capture_replica(replica, step=0)
+
+    assert not torch.equal(later.rng["torch"], state.rng["torch"])
+    assert digest(later) == digest(state)
+
+
+def test_digest_rejects_values_that_cannot_be_transferred():
+    state = capture_replica(trained(steps=1), step=0)
+
+    with pytest.raises(TypeError):
+        digest(replace(state, extras={"x": object()}))
+
+
+# ---------------------------------------------------------------------- bytes
+
+
+def test_bytes_round_trip_keeps_the_digest_and_the_rng():
+    state = capture_replica(trained(steps=2), step=1, extras={"note": "hi", "t": torch.ones(2)})
+
+    loaded = from_bytes(to_bytes(state), expect_digest=digest(state))
+
+    assert isinstance(loaded, ReplicaState)
+    assert digest(loaded) == digest(state)
+    assert torch.equal(loaded.rng["torch"], state.rng["torch"])
+    assert loaded.rng["python"] == state.rng["python"]
+
+
+def saved(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda blob: b"", id="empty"),
+        pytest.param(lambda blob: b"certainly not a torch.save blob", id="garbage"),
+        pytest.param(lambda blob: blob[:200], id="truncated-head"),
+        pytest.param(lambda blob: blob[: len(blob) // 2], id="truncated-half"),
+        pytest.param(lambda blob: blob[:-1], id="truncated-last-byte"),
+        pytest.param(lambda blob: saved({"x": 1}), id="another-structure"),
+        pytest.param(lambda blob: saved({"d": datetime.date(2020, 1, 1)}), id="forbidden-global"),
+    ],
+)
+def test_from_bytes_raises_corrupt_state_on_bad_bytes(damage):
+    blob = to_bytes(capture_replica(trained(steps=1), step=0))
+
+    with pytest.raises(CorruptState) as raised:
+        from_bytes(damage(blob))
+
+    assert isinstance(raised.value, RollcallError)
+    assert str(raised.value)
+
+
+def test_from_bytes_detects_a_flipped_tensor_byte_given_the_expected_digest():
+    state = capture_replica(trained(steps=1), step=0)
+    blob = bytearray(to_bytes(state))
+    weight = state.model["0.weight"].numpy().tobytes()
+    blob[blob.find(weight) + 1] ^= 0xFF
+
+    with pytest.raises(CorruptState, match="digest"):
+        from_bytes(bytes(blob), expect_digest=digest(state))
+
+
+# ---------------------------------------------------------- chunks and stripes
+
+
+def test_chunks_cover_the_data_exactly_in_order():
+    data = bytes(range(256)) * 4
+
+    pieces = list(chunks(data, 100))
+
+    assert [offset for offset, _ in pieces] == list(range(0, 1024, 100))
+    assert all(len(piece) == 100 for _, piece in pieces[:-1])
+    assert len(pieces[-1][1]) == 24
+    assert b"".join(piece for _, piece in pieces) == data
+
+
+def test_chunks_of_nothing_are_nothing():
+    assert list(chunks(b"", 10)) == []
+
+
+def test_chunks_refuse_a_non_positive_size():
+    with pytest.raises(ValueError):
+        list(chunks(b"abc", 0))
+
+
+@pytest.mark.parametrize(
+    "total, parts, expected",
+    [
+        (10, 3, [(0, 4), (4, 3), (7, 3)]),
+        (9, 3, [(0, 3), (3, 3), (6, 3)]),
+        (2, 5, [(0, 1), (1, 1)]),
+        (0, 3, []),
+        (7, 1, [(0, 7)]),
+    ],
+)
+def test_ranges_split_as_evenly_as_possible(total, parts, expected):
+    assert ranges(total, parts) == expected
+
+
+@pytest.mark.parametrize("total, parts", [(-1, 2), (10, 0)])
+def test_ranges_refuse_bad_arguments(total, parts):
+    with pytest.raises(ValueError):
+        ranges(total, parts)
+
+
+@given(total=st.integers(0, 100_000), parts=st.integers(1, 200))
+def test_ranges_are_contiguous_even_and_cover_exactly(total, parts):
+    result = ranges(total, parts)
+
+    assert len(result) == min(total, parts)
+    position = 0
+    for offset, length in result:
+        assert offset == position and length > 0
+        position += length
+    assert position == total
+    if result:
+        lengths = [length for _, length in result]
+        assert max(lengths) - min(lengths) <= 1
+
+
+def test_assembler_reassembles_pieces_out_of_order():
+    data = bytes(range(100))
+    assembler = Assembler(len(data))
+
+    for offset, length in reversed(ranges(len(data), 7)):
+        assembler.add(offset, data[offset : offset + length])
+
+    assert assembler.complete()
+    assert assembler.missing() == []
+    assert assembler.result() == data
+
+
+def test_assembler_reports_what_is_missing():
+    assembler = Assembler(100)
+    assembler.add(10, b"x" * 10)
+    assembler.add(50, b"y" * 25)
+
+    assert assembler.missing() == [(0, 10), (20, 30), (75, 25)]
+    assert not assembler.complete()
+    with pytest.raises(ValueError, match="incomplete"):
+        assembler.result()
+
+
+@pytest.mark.parametrize("offset, length", [(5, 10), (15, 10), (0, 100), (19, 1), (10, 1)], ids=str)
+def test_assembler_rejects_a_piece_that_overlaps_one_received(offset, length):
+    assembler = Assembler(100)
+    assembler.add(10, b"x" * 10)
+
+    with pytest.raises(ValueError, match="overlaps"):
+        assembler.add(offset, b"y" * length)
+    assert assembler.missing() == [(0, 10), (20, 80)]
+
+
+@pytest.mark.parametrize("offset, length", [(-1, 1), (95, 6), (100, 1)])
+def test_assembler_rejects_a_piece_outside_the_blob(offset, length):
+    assembler = Assembler(100)
+
+    with pytest.raises(ValueError, match="outside"):
+        assembler.add(offset, b"z" * length)
+
+
+def test_an_empty_blob_is_complete_at_once():
+    assembler = Assembler(0)
+
+    assert assembler.complete()
+    assert assembler.result() == b""
+
+
+@given(data=st.binary(max_size=3000), parts=st.integers(1, 40), draw=st.data())
+def test_assembler_rebuilds_any_blob_from_stripes_in_any_order(data, parts, draw):
+    stripes = draw.draw(st.permutations(ranges(len(data), parts)))
+    assembler = Assembler(len(data))
+
+    for offset, length in stripes:
+        assert not assembler.complete()
+        assembler.add(offset, data[offset : offset + length])
+
+    assert assembler.result() == data
+
+
+@given(
+    total=st.integers(1, 200),
+    attempts=st.lists(st.tuples(st.integers(0, 199), st.integers(1, 50)), max_size=30),
+)
+def test_assembler_accepts_exactly_the_pieces_that_fit_and_do_not_overlap(total, attempts):
+    assembler = Assembler(total)
+    received: set[int] = set()
+
+    for offset, length in attempts:
+        span = set(range(offset, offset + length))
+        if offset + length > total or span & received:
+            with pytest.raises(ValueError):
+                assembler.add(offset, bytes(length))
+        else:
+            assembler.add(offset, bytes(length))
+            received |= span
+
+    missing = {i for offset, length in assembler.missing() for i in range(offset, offset + length)}
+    assert missing == set(range(total)) - received
+    assert assembler.complete() == (received == set(range(total)))
+
+
+# ------------------------------------------------------------------- timings
+
+
+def test_report_serialization_and_digest_time_for_a_10_mb_model(capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 512))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 1024)).sum().backward()
+    optimizer.step()
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+    def best_of_3(action):
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            result = action()
+            times.append(time.perf_counter() - started)
+        return min(times), result
+
+    t_capture, state = best_of_3(lambda: capture(0, model, optimizer))
+    t_digest, _ = best_of_3(lambda: digest(state))
+    t_save, blob = best_of_3(lambda: to_bytes(state))
+    t_load, _ = best_of_3(lambda: from_bytes(blob))
+    t_restore, _ = best_of_3(lambda: restore(state, model, optimizer))
+    with capsys.disabled():
+        print(
+            f"\nreplica state: model {model_bytes / 1e6:.1f} MB, blob {len(blob) / 1e6:.1f} MB "
+            "(model + AdamW moments); best of 3: "
+            f"capture {t_capture * 1e3:.1f} ms, digest {t_digest * 1e3:.1f} ms, "
+            f"to_bytes {t_save * 1e3:.1f} ms, from_bytes {t_load * 1e3:.1f} ms, "
+            f"restore {t_restore * 1e3:.1f} ms"
+        )

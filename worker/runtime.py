@@ -1,0 +1,441 @@
+"""The keep-alive runtime inside a training process.
+
+A user keeps an ordinary PyTorch loop and adds a few lines::
+
+    with Elastic(model, optimizer, dataset, global_batch=32, micro_batch=8) as job:
+        for step in job.steps(1000):
+            for batch in step.microbatches():
+                loss_sum, count = my_loss(model, batch.inputs, batch.targets)
+                step.backward(loss_sum, count)
+            step.commit()
+
+``Elastic`` joins the job through the rendezvous service, owns the step loop's
+safe points and, for each committed view, builds a fresh gloo group, pulls the
+current state from live peers when this worker is behind or new, and tells
+each rank which microbatches of the global batch it runs. ``commit`` sums the
+gradients (and sample counts) over the view, divides by the step's global
+count and applies the optimizer step; it returns False when the step was
+aborted by a view change, in which case ``steps`` hands out the same step
+number again once the new view is in place.
+
+Threads: the training thread runs the user's loop; a control thread runs an
+asyncio loop with the rendezvous session and the state server. They meet
+through ``_lock`` (held while an update is applied or state is restored or
+captured) and the ``_abort`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from membership.config import Config
+from membership.errors import Evicted, RollcallError
+from membership.view import EMPTY_VIEW, View
+from rendezvous.client import ClientTLS, RendezvousClient
+from rendezvous.wire import TokenInterceptor, read_token
+from rollcall.pb import state_pb2_grpc
+from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
+from worker.plan import DataPlan, Ledger, Microbatch
+from worker.state import capture, digest, from_bytes, restore, to_bytes
+from worker.transfer import Snapshot, StateFetcher, StateServer
+
+log = logging.getLogger("rollcall.worker")
+T = TypeVar("T")
+
+#: Environment variables read when the constructor is not told.
+ENV_RENDEZVOUS = "ROLLCALL_RENDEZVOUS"
+ENV_JOB = "ROLLCALL_JOB"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One microbatch of this rank: its plan entry and the collated samples."""
+
+    microbatch: Microbatch
+    inputs: Any
+    targets: Any
+
+
+def default_collate(samples: Sequence[Any]) -> tuple[Any, Any]:
+    """Stack ``(input, target)`` pairs into two tensors."""
+    inputs, targets = zip(*samples, strict=True)
+    return torch.stack(list(inputs)), torch.stack(list(targets))
+
+
+class Step:
+    """One global step as this rank sees it."""
+
+    def __init__(self, job: Elastic, number: int, view: View, rank: int) -> None:
+        self.number = number
+        self.epoch = view.epoch
+        self.rank = rank
+        self.world_size = view.size
+        self._job = job
+        self._count = 0
+        self._loss = 0.0
+        self.aborted = False
+        self.committed = False
+        #: Mean loss over the global batch, known after a successful commit.
+        self.loss: float | None = None
+
+    def microbatches(self) -> Iterator[Batch]:
+        """This rank's microbatches of the step, each with the torch RNG seeded
+        from (seed, step, microbatch index) only. Stops early on an abort."""
+        job = self._job
+        for mb in job.plan.for_rank(self.number, self.rank, self.world_size):
+            if job._abort.is_set():
+                self.aborted = True
+                return
+            torch.manual_seed(mb.seed)
+            inputs, targets = job._collate([job._dataset[i] for i in mb.sample_ids])
+            yield Batch(mb, inputs, targets)
+
+    def backward(self, loss_sum: torch.Tensor, count: int) -> None:
+        """Accumulate gradients of a loss *summed* over ``count`` samples or tokens."""
+        loss_sum.backward()
+        self._count += count
+        self._loss += float(loss_sum.detach())
+
+    def commit(self) -> bool:
+        """Sum gradients over the view and apply the update. False if the step
+        was aborted (nothing was applied; the step will be handed out again)."""
+        self.committed = self._job._commit(self)
+        return self.committed
+
+
+class Elastic:
+    """Data-parallel training that survives workers dying and arriving."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Any,
+        *,
+        global_batch: int,
+        micro_batch: int,
+        seed: int = 0,
+        scheduler: Any = None,
+        rendezvous: Sequence[str] | str | None = None,
+        job: str | None = None,
+        token: str | None = None,
+        host: str = "127.0.0.1",
+        name: str = "w",
+        collate: Callable[[Sequence[Any]], tuple[Any, Any]] = default_collate,
+        ledger: Path | None = None,
+        config: Config | None = None,
+        tls: ClientTLS | None = None,
+        group_timeout: float = 30.0,
+    ) -> None:
+        addresses = rendezvous if rendezvous is not None else os.environ.get(ENV_RENDEZVOUS, "")
+        if isinstance(addresses, str):
+            addresses = [a for a in addresses.split(",") if a]
+        if not addresses:
+            raise ValueError(f"no rendezvous address: pass rendezvous= or set {ENV_RENDEZVOUS}")
+        self.job_name = job or os.environ.get(ENV_JOB, "")
+        if not self.job_name:
+            raise ValueError(f"no job name: pass job= or set {ENV_JOB}")
+        self._token = token or read_token(None)
+        self._config = config or Config()
+        self._model = model
+        self._optimizer = optimizer
+        self._scheduler = scheduler
+        self._dataset = dataset
+        self._collate = collate
+        self._host = host
+        self._group_timeout = group_timeout
+        self.plan = DataPlan(len(dataset), global_batch, micro_batch, seed)
+        self.ledger = Ledger(ledger)
+        self.committed_step = -1
+        self.member_id: str | None = None
+        self._params = [p for p in model.parameters() if p.requires_grad]
+
+        self._lock = threading.Lock()
+        self._view_changed = threading.Condition()
+        self._view: View = EMPTY_VIEW
+        self._abort = threading.Event()
+        self._rollcall_epoch = 0
+        self._frozen = False
+        self._snapshot: Snapshot | None = None
+        self._group: EpochGroup | None = None
+        self._stores: dict[int, Any] = {}
+        self._store_ports: dict[int, asyncio.Future[int]] = {}
+        self._closed = False
+        #: Seconds spent in each phase of the last view change (for events).
+        self.last_change: dict[str, float] = {}
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollcall", daemon=True)
+        self._thread.start()
+        self._client = RendezvousClient(addresses, self.job_name, self._token, self._config, tls)
+        self._fetcher: StateFetcher | None = None
+        self._server: grpc.aio.Server | None = None
+        try:
+            self._call(self._start(name))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    # --- the control thread -------------------------------------------------------
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result(timeout)
+
+    async def _start(self, name: str) -> None:
+        server = grpc.aio.server(interceptors=[TokenInterceptor(self._token)])
+        state_pb2_grpc.add_StateTransferServicer_to_server(
+            StateServer(
+                self.job_name,
+                self._config,
+                own_id=lambda: self.member_id,
+                current_view=lambda: self._view,
+                snapshot=lambda: self._snapshot,
+                store_port=self._store_port,
+            ),
+            server,
+        )
+        port = server.add_insecure_port(f"{self._host}:0")
+        await server.start()
+        self._server = server
+        self.address = f"{self._host}:{port}"
+        self.member_id = await self._client.join(
+            self.address, name=name, on_roll_call=self._on_roll_call, on_view=self._on_view
+        )
+        self._fetcher = StateFetcher(self.job_name, self.member_id, self._token)
+        log.info(
+            "joined job %s as %s (state server %s)", self.job_name, self.member_id, self.address
+        )
+
+    def _on_view(self, view: View) -> None:
+        with self._view_changed:
+            self._view = view
+            self._view_changed.notify_all()
+
+    async def _on_roll_call(self, epoch: int) -> tuple[int | None, str]:
+        """Abort the step in flight, then answer with the last committed step
+        and the digest of the state this worker will serve."""
+        self._rollcall_epoch = max(self._rollcall_epoch, epoch)
+        self._abort.set()
+        with self._view_changed:
+            self._view_changed.notify_all()
+        return await asyncio.get_running_loop().run_in_executor(None, self._freeze)
+
+    def _freeze(self) -> tuple[int | None, str]:
+        """(Control side, in a worker thread.) Once an answer is given, no
+        further update may be applied until the next view."""
+        with self._lock:
+            self._frozen = True
+            if self.committed_step < 0:
+                return None, ""
+            if self._snapshot is None or self._snapshot.step != self.committed_step:
+                state = capture(self.committed_step, self._model, self._optimizer, self._scheduler)
+                self._snapshot = Snapshot(self.committed_step, digest(state), to_bytes(state))
+            return self.committed_step, self._snapshot.digest
+
+    async def _store_port(self, epoch: int) -> int:
+        future = self._store_ports.setdefault(epoch, self._loop.create_future())
+        return await asyncio.wait_for(asyncio.shield(future), self._group_timeout)
+
+    def _publish_store_port(self, epoch: int, port: int) -> None:
+        future = self._store_ports.setdefault(epoch, self._loop.create_future())
+        if not future.done():
+            future.set_result(port)
+        for old in [e for e in self._store_ports if e < epoch - 1]:
+            del self._store_ports[old]
+
+    # --- the training thread ---------------------------------------------------------
+
+    def steps(self, max_steps: int) -> Iterator[Step]:
+        """Steps ``committed + 1 .. max_steps - 1``, each handed out again
+        after an aborted attempt, in whatever view is current then."""
+        while self.committed_step + 1 < max_steps:
+            view = self._wait_for_view()
+            try:
+                rank = self._enter(view)
+            except StepAborted as exc:
+                log.info("view %d abandoned while entering it: %s", view.epoch, exc)
+                continue
+            while self.committed_step + 1 < max_steps and not self._abort.is_set():
+                step = Step(self, self.committed_step + 1, view, rank)
+                yield step
+                if not step.committed:
+                    break
+
+    def _wait_for_view(self) -> View:
+        """The newest committed view that contains this worker and that it
+        has not entered yet."""
+        entered = self._group.epoch if self._group is not None else 0
+        with self._view_changed:
+            while True:
+                ended = self._client.ended
+                if ended is not None:
+                    raise ended
+                view = self._view
+                if self.member_id in view and view.epoch > entered:
+                    if self._rollcall_epoch <= view.epoch:
+                        return view
+                self._view_changed.wait(timeout=0.5)
+
+    def _enter(self, view: View) -> int:
+        """Pull state if behind, build the group for ``view``; returns our rank."""
+        started = time.perf_counter()
+        phases: dict[str, float] = {}
+        assert self.member_id is not None and self._fetcher is not None
+        rank = view.rank_of(self.member_id)
+        assert rank is not None
+        behind = view.resume_step is not None and self.committed_step != view.resume_step
+        if self.member_id in view.fetch or behind:
+            sources = view.fetch.get(self.member_id) or tuple(
+                m.id for m in view.members if m.id != self.member_id
+            )
+            addresses = [m.address for m in view.members if m.id in sources]
+            blob, report = self._call(
+                self._fetcher.fetch(addresses, view.epoch, view.digest, self._group_timeout)
+            )
+            state = from_bytes(blob)
+            with self._lock:
+                restore(state, self._model, self._optimizer, self._scheduler)
+                self.committed_step = state.step
+                self._snapshot = Snapshot(state.step, view.digest, blob)
+            phases["state_fetch"] = report.seconds
+            log.info(
+                "pulled step %d (%d bytes) from %d peers in %.3f s",
+                state.step, report.size, len(report.sources), report.seconds,
+            )  # fmt: skip
+        built = time.perf_counter()
+        old, self._group = self._group, None
+        if old is not None:
+            old.close()
+        if rank == 0:
+            store, port = host_store(self._group_timeout)
+            self._stores = {view.epoch: store}
+            self._loop.call_soon_threadsafe(self._publish_store_port, view.epoch, port)
+            host = self._host
+        else:
+            leader = view.members[0]
+            port = self._call(
+                self._fetcher.group_store_port(leader.address, view.epoch, self._group_timeout)
+            )
+            host = leader.address.rpartition(":")[0]
+        with self._lock:
+            self._frozen = False
+            if self._rollcall_epoch <= view.epoch:
+                self._abort.clear()
+        self._group = EpochGroup.build(
+            view.epoch, rank, view.size, host, port, rank == 0, self._group_timeout, self._abort
+        )
+        phases["group_build"] = time.perf_counter() - built
+        phases["enter_total"] = time.perf_counter() - started
+        self.last_change = phases
+        log.info("entered view %d as rank %d of %d", view.epoch, rank, view.size)
+        return rank
+
+    def _commit(self, step: Step) -> bool:
+        group = self._group
+        if step.aborted or self._abort.is_set() or group is None:
+            self._optimizer.zero_grad(set_to_none=True)
+            return False
+        grads = [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype)
+            for p in self._params
+        ]
+        flat = torch.cat(
+            [*grads, torch.tensor([float(step._count), step._loss], dtype=grads[0].dtype)]
+        )
+        try:
+            group.allreduce_sum([flat])
+        except PeerFailed as exc:
+            self._report_peers(step, str(exc))
+            self._optimizer.zero_grad(set_to_none=True)
+            return False
+        except StepAborted:
+            self._optimizer.zero_grad(set_to_none=True)
+            return False
+        count, loss = float(flat[-2]), float(flat[-1])
+        with self._lock:
+            if self._frozen:
+                # Our answer to the roll call already named the previous
+                # step: applying this one now would run it twice.
+                self._optimizer.zero_grad(set_to_none=True)
+                return False
+            offset = 0
+            for p in self._params:
+                n = p.numel()
+                p.grad = (flat[offset : offset + n] / count).view_as(p).clone()
+                offset += n
+            self._optimizer.step()
+            if self._scheduler is not None:
+                self._scheduler.step()
+            self._optimizer.zero_grad(set_to_none=True)
+            self.committed_step = step.number
+        step.loss = loss / count
+        self.ledger.record(
+            step.number, step.epoch, step.world_size, self.plan.step_samples(step.number)
+        )
+        self._loop.call_soon_threadsafe(self._client.report_progress, step.number)
+        return True
+
+    def _report_peers(self, step: Step, reason: str) -> None:
+        """A collective failed and we cannot tell which peer broke it: ask
+        for a roll call that still calls everyone (live ones keep their
+        place)."""
+        for member in self._view.members:
+            if member.id != self.member_id:
+                self._loop.call_soon_threadsafe(
+                    self._client.report_failure, member.id, reason[:200]
+                )
+
+    # --- shutdown ---------------------------------------------------------------------
+
+    def close(self, leave: bool = True) -> None:
+        """Leave the job cleanly (the others reconfigure at once), stop the
+        state server, and wait until no abandoned collective is in flight."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if leave and self._client.ended is None:
+                self._call(self._client.leave(), timeout=self._config.client_call_deadline)
+        except (RollcallError, TimeoutError) as exc:
+            log.warning("leave failed: %s", exc)
+        finally:
+            if self._group is not None:
+                self._group.close()
+            self._stop_loop()
+            wait_parked(self._group_timeout + 5)
+
+    def _stop_loop(self) -> None:
+        async def shutdown() -> None:
+            await self._client.close()
+            if self._fetcher is not None:
+                await self._fetcher.close()
+            if self._server is not None:
+                await self._server.stop(0.5)
+
+        try:
+            self._call(shutdown(), timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> Elastic:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+__all__ = ["Batch", "Elastic", "Evicted", "Step", "default_collate"]

@@ -1,0 +1,297 @@
+"""State transfer between live workers, over gRPC.
+
+Every worker runs a ``StateServer``: it serves the serialized replica state it
+captured at its last roll call, and, on the view's rank 0, the port of the
+process group's bootstrap store. A joiner or a member that is behind calls
+``fetch_state``: the blob is striped across every source in parallel (one
+byte range per source), a range that fails is fetched again from another
+source, and the result is checked against the digest agreed at the roll
+call; a corrupt result is fetched again, one source at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from membership.config import Config
+from membership.errors import InvalidRequest, RollcallError, StaleEpoch
+from membership.view import View
+from rendezvous import validation as check
+from rendezvous.client import ClientTLS
+from rendezvous.wire import status_of, token_metadata
+from rollcall.pb import state_pb2 as pb
+from rollcall.pb import state_pb2_grpc as pb_grpc
+from worker.state import Assembler, CorruptState, digest, from_bytes, ranges
+
+log = logging.getLogger("rollcall.transfer")
+T = TypeVar("T")
+
+#: Bytes per streamed chunk (well under gRPC's 4 MiB message default).
+CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The state a worker serves: captured at a safe point, serialized once."""
+
+    step: int
+    digest: str
+    data: bytes
+
+
+class TransferFailed(RollcallError):
+    """No source could deliver state with the agreed digest."""
+
+
+class StateServer(pb_grpc.StateTransferServicer):
+    """Serves this worker's snapshot to members of its current view."""
+
+    def __init__(
+        self,
+        job: str,
+        config: Config,
+        own_id: Callable[[], str | None],
+        current_view: Callable[[], View],
+        snapshot: Callable[[], Snapshot | None],
+        store_port: Callable[[int], Awaitable[int]],
+    ) -> None:
+        self._job = job
+        self._own_id = own_id
+        self._config = config
+        self._current_view = current_view
+        self._snapshot = snapshot
+        self._store_port = store_port
+        self.bytes_served = 0
+
+    def _admit(self, job: str, member_id: str, epoch: int) -> View:
+        check.check_id(job, "job", self._config)
+        check.check_id(member_id, "member_id", self._config)
+        if job != self._job:
+            raise InvalidRequest(f"job {job!r} is not this worker's job {self._job!r}")
+        view = self._current_view()
+        if epoch != view.epoch or member_id not in view:
+            raise StaleEpoch(
+                f"member {member_id} in epoch {epoch} is not in this worker's view {view.epoch}"
+            )
+        return view
+
+    async def _fail(self, context: grpc.aio.ServicerContext, error: RollcallError) -> None:
+        await context.abort(status_of(error), str(error))
+
+    async def Describe(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._admit(request.job, request.member_id, request.epoch)
+        except RollcallError as error:
+            await self._fail(context, error)
+        snap = self._snapshot()
+        if snap is None:
+            return pb.StateInfo(step=-1, digest="", size=0)
+        return pb.StateInfo(step=snap.step, digest=snap.digest, size=len(snap.data))
+
+    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._admit(request.job, request.member_id, request.epoch)
+            snap = self._snapshot()
+            if snap is None or snap.digest != request.digest:
+                raise StaleEpoch(f"this worker does not hold state {request.digest}")
+            end = request.offset + request.length
+            if request.length == 0 or end > len(snap.data):
+                raise InvalidRequest(
+                    f"range {request.offset}+{request.length} is outside 0..{len(snap.data)}"
+                )
+        except RollcallError as error:
+            await self._fail(context, error)
+            return
+        for offset in range(request.offset, end, CHUNK_BYTES):
+            piece = snap.data[offset : min(offset + CHUNK_BYTES, end)]
+            self.bytes_served += len(piece)
+            yield pb.Chunk(offset=offset, data=piece)
+
+    async def GroupStore(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            view = self._admit(request.job, request.member_id, request.epoch)
+            if not view.members or view.members[0].id != self._own_id():
+                raise InvalidRequest("only the view's rank 0 hosts the group store")
+        except RollcallError as error:
+            await self._fail(context, error)
+        port = await self._store_port(request.epoch)
+        return pb.GroupStoreInfo(port=port)
+
+
+@dataclass
+class FetchReport:
+    """What a fetch cost, for progress lines and benchmarks."""
+
+    size: int
+    seconds: float
+    sources: tuple[str, ...]
+    retries: int
+
+
+class StateFetcher:
+    """Client side of the transfer for one member."""
+
+    def __init__(
+        self,
+        job: str,
+        member_id: str,
+        token: str,
+        tls: ClientTLS | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self._job = job
+        self._member_id = member_id
+        self._metadata = token_metadata(token)
+        self._tls = tls
+        self._progress = progress
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> pb_grpc.StateTransferStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            options = [("grpc.max_receive_message_length", 2 * CHUNK_BYTES)]
+            if self._tls is not None:
+                channel = grpc.aio.secure_channel(address, self._tls.credentials(), options)
+            else:
+                channel = grpc.aio.insecure_channel(address, options)
+            self._channels[address] = channel
+        return pb_grpc.StateTransferStub(channel)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def group_store_port(self, address: str, epoch: int, timeout: float) -> int:
+        """The bootstrap-store port rank 0 hosts for ``epoch``; waits (within
+        ``timeout``) for rank 0 to learn of the view and host it."""
+        deadline = time.monotonic() + timeout
+        info = await self._retrying(
+            lambda: self._stub(address).GroupStore(
+                pb.StateRequest(job=self._job, member_id=self._member_id, epoch=epoch),
+                metadata=self._metadata,
+                timeout=max(0.1, deadline - time.monotonic()),
+            ),
+            deadline,
+        )
+        return int(info.port)
+
+    async def _retrying(self, attempt: Callable[[], Awaitable[T]], deadline: float) -> T:
+        """Retry while the peer has not caught up with the view yet
+        (FAILED_PRECONDITION) or is briefly unreachable."""
+        pause = 0.005
+        while True:
+            try:
+                return await attempt()
+            except grpc.aio.AioRpcError as exc:
+                retryable = exc.code() in (
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.UNAVAILABLE,
+                )
+                if not retryable or time.monotonic() + pause >= deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+    async def fetch(
+        self, sources: Sequence[str], epoch: int, expected: str, timeout: float
+    ) -> tuple[bytes, FetchReport]:
+        """The state blob with digest ``expected``, striped across ``sources``
+        (addresses). Raises ``TransferFailed`` if none can deliver it."""
+        started = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        sizes = await asyncio.gather(
+            *(self._describe(a, epoch, deadline) for a in sources), return_exceptions=True
+        )
+        holders = [
+            (a, s) for a, s in zip(sources, sizes, strict=True) if isinstance(s, pb.StateInfo)
+        ]
+        holders = [(a, s) for a, s in holders if s.digest == expected and s.size > 0]
+        if not holders:
+            raise TransferFailed(f"no source holds state {expected}: {sizes}")
+        size = holders[0][1].size
+        addresses = [a for a, s in holders if s.size == size]
+        retries = 0
+        blob = await self._striped(addresses, epoch, expected, size, deadline)
+        if not self._verify(blob, expected):
+            # Corrupt somewhere: take it whole from one source at a time.
+            blob = b""
+            for address in addresses:
+                retries += 1
+                try:
+                    candidate = await self._striped([address], epoch, expected, size, deadline)
+                except (grpc.aio.AioRpcError, TransferFailed) as exc:
+                    log.warning("refetch from %s failed: %s", address, exc)
+                    continue
+                if self._verify(candidate, expected):
+                    blob = candidate
+                    break
+            if not blob:
+                raise TransferFailed(f"every source delivered state that fails digest {expected}")
+        report = FetchReport(size, time.perf_counter() - started, tuple(addresses), retries)
+        return blob, report
+
+    async def _describe(self, address: str, epoch: int, deadline: float) -> pb.StateInfo:
+        return await self._retrying(
+            lambda: self._stub(address).Describe(
+                pb.StateRequest(job=self._job, member_id=self._member_id, epoch=epoch),
+                metadata=self._metadata,
+                timeout=max(0.1, deadline - time.monotonic()),
+            ),
+            deadline,
+        )
+
+    async def _striped(
+        self, addresses: Sequence[str], epoch: int, expected: str, size: int, deadline: float
+    ) -> bytes:
+        assembler = Assembler(size)
+        work = list(zip(ranges(size, len(addresses)), addresses, strict=False))
+        done = 0
+
+        async def pull(offset: int, length: int, address: str) -> None:
+            nonlocal done
+            call = self._stub(address).Fetch(
+                pb.FetchRequest(
+                    job=self._job, member_id=self._member_id, epoch=epoch, digest=expected,
+                    offset=offset, length=length,
+                ),
+                metadata=self._metadata,
+                timeout=max(0.1, deadline - time.monotonic()),
+            )  # fmt: skip
+            async for chunk in call:
+                assembler.add(chunk.offset, chunk.data)
+                done += len(chunk.data)
+                if self._progress is not None:
+                    self._progress(done, size)
+
+        results = await asyncio.gather(
+            *(pull(o, n, a) for (o, n), a in work), return_exceptions=True
+        )
+        failed = [a for ((_, _), a), r in zip(work, results, strict=True) if r is not None]
+        healthy = [a for a in addresses if a not in failed] or list(addresses)
+        for index, (offset, length) in enumerate(assembler.missing()):
+            # A range whose source failed: fetch it again from the others.
+            for attempt in range(len(healthy)):
+                address = healthy[(index + attempt) % len(healthy)]
+                try:
+                    await pull(offset, length, address)
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    log.warning("range %d+%d from %s failed: %s", offset, length, address, exc)
+        if not assembler.complete():
+            raise TransferFailed(f"could not fetch {assembler.missing()} of state {expected}")
+        return assembler.result()
+
+    @staticmethod
+    def _verify(blob: bytes, expected: str) -> bool:
+        try:
+            return digest(from_bytes(blob)) == expected
+        except CorruptState:
+            return False
