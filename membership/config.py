@@ -34,6 +34,12 @@ class Config:
     #: the detector's hard bound; phi normally fires much earlier.
     max_silence: float = 2.0
 
+    #: A worker applies a step only if its session was never silent for
+    #: longer than this while the step ran (a frozen or starved process may
+    #: have been evicted meanwhile). Must stay below the detector's earliest
+    #: suspicion, heartbeat_interval + 5.6 * phi_min_std (0.66 s by default).
+    fence_window: float = 0.5
+
     # --- roll call ---------------------------------------------------------
     #: How long a roll call waits for answers before deciding without the
     #: silent members.

@@ -213,8 +213,14 @@ class Coordinator:
         """Someone reported ``member_id`` failing (a peer saw its connection
         reset, say). Hold a roll call at once that still calls it: if it is
         alive it answers and keeps its place, if not it misses the deadline.
-        Returns False if it is not a member of the view in force."""
+        Returns whether a roll call was scheduled: not for a non-member of the
+        view in force, nor while a view change is already under way (every
+        member rebuilds its group for that one anyway)."""
         if member_id not in self._view or member_id in self._departed:
+            return False
+        if self._rollcall is not None or self._proposal is not None:
+            # A view change is already under way: every member rebuilds its
+            # group for it, so the report needs no roll call of its own.
             return False
         self._causes.append(cause)
         self._schedule(now)

@@ -132,6 +132,13 @@ class RendezvousClient:
         self._on_view: Callable[[View], None] | None = None
         self._step: int | None = None
         self._ended: RollcallError | None = None
+        self._on_end: Callable[[RollcallError], None] | None = None
+        #: Monotonic time of the last message written on the session.
+        self.last_sent = 0.0
+        #: Monotonic time at which the last silence longer than
+        #: ``config.fence_window`` ended (a frozen process, a stalled loop):
+        #: the leader may have evicted us meanwhile.
+        self.last_long_silence_end = 0.0
         self._closing = False
 
     # --- plumbing ------------------------------------------------------------
@@ -246,6 +253,7 @@ class RendezvousClient:
         name: str = "w",
         on_roll_call: RollCallHandler | None = None,
         on_view: Callable[[View], None] | None = None,
+        on_end: Callable[[RollcallError], None] | None = None,
     ) -> str:
         """Join the job and open the session; returns the member id. The
         member is in the job once a view containing it arrives
@@ -259,6 +267,7 @@ class RendezvousClient:
         self._heartbeat_interval = response.heartbeat_interval_ms / 1000 or self._heartbeat_interval
         self._on_roll_call = on_roll_call
         self._on_view = on_view
+        self._on_end = on_end
         self._set_view(view_from_pb(response.view))
         self._session_task = asyncio.create_task(self._session_forever(), name="session")
         return response.member_id
@@ -373,6 +382,8 @@ class RendezvousClient:
         log.info("session of %s ended: %s", self.member_id, error)
         self._ended = error
         self._view_changed.set()
+        if self._on_end is not None:
+            self._on_end(error)
 
     async def _session_on(self, address: str) -> None:
         assert self.member_id is not None
@@ -420,3 +431,7 @@ class RendezvousClient:
                 await call.write(request)
             except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
                 return  # the stream ended; the reader reports why
+            now = time.monotonic()
+            if self.last_sent and now - self.last_sent > self._config.fence_window:
+                self.last_long_silence_end = now
+            self.last_sent = now

@@ -457,6 +457,8 @@ def worker(
     model, optimizer, corpus = build(config, seed)
 
     def say(**record: Any) -> None:
+        # Flushed per line: a supervisor reading a pipe sees each step as it
+        # commits, and a frozen worker holds back nothing already done.
         if as_json:
             click.echo(json.dumps(record))
         elif record["event"] == "step":
@@ -467,6 +469,7 @@ def worker(
             )
         else:
             click.echo(" ".join(f"{k}={v}" for k, v in record.items()))
+        sys.stdout.flush()
 
     try:
         with Elastic(

@@ -62,6 +62,8 @@ class Process:
             try:
                 line = self.lines.get(timeout=min(remaining, 0.2))
             except queue.Empty:
+                if self.proc.poll() is not None:
+                    self._reader.join(timeout=5)  # lines written before the exit
                 if self.proc.poll() is not None and self.lines.empty():
                     raise RuntimeError(
                         f"process exited ({self.proc.returncode}); log: {self.log_tail()}"

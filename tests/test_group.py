@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from multiprocessing.context import SpawnProcess
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event as ProcessEvent
@@ -54,22 +55,42 @@ Report = dict[str, Any]
 # Member processes (module-level so that "spawn" can import them).
 
 
-def _die_with_parent() -> None:
+@dataclass(frozen=True)
+class Channels:
+    """How members and the test talk: reports to the test, store ports from
+    each epoch's rank 0 to the others, and the start signal."""
+
+    reports: Queue[Report]
+    ports: Queue[int]
+    next_ports: Queue[int]
+    go: ProcessEvent
+
+
+def _started(channels: Channels, rank: int) -> None:
+    """Die with the test runner; then wait until every member has imported
+    torch, so that no build waits on a slow start instead of on a peer."""
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    channels.reports.put({"rank": rank, "up": True})
+    channels.go.wait(START_BOUND)
 
 
 def _join_epoch(
-    epoch: int, rank: int, size: int, ports: Queue[int], abort: threading.Event
+    epoch: int,
+    rank: int,
+    size: int,
+    ports: Queue[int],
+    abort: threading.Event,
+    timeout: float = GROUP_TIMEOUT,
 ) -> EpochGroup:
     """Rank 0 hosts the epoch's store and hands its port to the others."""
     if rank == 0:
-        _, port = host_store(GROUP_TIMEOUT)
+        _, port = host_store(timeout)
         for _ in range(size - 1):
             ports.put(port)
     else:
         port = ports.get(timeout=START_BOUND)
-    return EpochGroup.build(epoch, rank, size, LOOPBACK, port, rank == 0, GROUP_TIMEOUT, abort)
+    return EpochGroup.build(epoch, rank, size, LOOPBACK, port, rank == 0, timeout, abort)
 
 
 def _abort_on(trigger: ProcessEvent) -> tuple[threading.Event, dict[str, float]]:
@@ -92,9 +113,9 @@ def _expected_sum(size: int, shape: tuple[int, ...], dtype: torch.dtype) -> torc
     return sum((base + rank for rank in range(size)), torch.zeros(shape, dtype=dtype))
 
 
-def _sum_once(rank: int, size: int, ports: Queue[int], reports: Queue[Report]) -> None:
-    _die_with_parent()
-    group = _join_epoch(1, rank, size, ports, threading.Event())
+def _sum_once(channels: Channels, rank: int, size: int) -> None:
+    _started(channels, rank)
+    group = _join_epoch(1, rank, size, channels.ports, threading.Event())
     shapes = [((3, 4), torch.float32), ((5,), torch.float64), ((2, 2, 2), torch.int64)]
     tensors = [
         torch.arange(torch.Size(shape).numel(), dtype=dtype).reshape(shape) + rank
@@ -111,45 +132,46 @@ def _sum_once(rank: int, size: int, ports: Queue[int], reports: Queue[Report]) -
     if not torch.equal(transposed, torch.arange(6.0).reshape(2, 3).t() * factor):
         wrong.append("non-contiguous")
     group.close()
-    reports.put({"rank": rank, "wrong": wrong})
+    channels.reports.put({"rank": rank, "wrong": wrong})
 
 
-def _broadcast_once(rank: int, size: int, ports: Queue[int], reports: Queue[Report]) -> None:
-    _die_with_parent()
-    group = _join_epoch(1, rank, size, ports, threading.Event())
+def _broadcast_once(channels: Channels, rank: int, size: int) -> None:
+    _started(channels, rank)
+    group = _join_epoch(1, rank, size, channels.ports, threading.Event())
     tensors = [torch.full((4,), float(rank)), torch.full((2, 3), rank, dtype=torch.int32)]
     group.broadcast(tensors, src=1)
     group.close()
-    reports.put({"rank": rank, "values": [t.flatten().tolist() for t in tensors]})
+    channels.reports.put({"rank": rank, "values": [t.flatten().tolist() for t in tensors]})
 
 
 def _build_while_aborted(
-    rank: int, size: int, ports: Queue[int], reports: Queue[Report], trigger: ProcessEvent
+    channels: Channels, rank: int, size: int, trigger: ProcessEvent, timeout: float
 ) -> None:
-    _die_with_parent()
+    _started(channels, rank)
     abort, when = _abort_on(trigger)
-    reports.put({"rank": rank, "event": "building"})
+    channels.reports.put({"rank": rank, "event": "building"})
     try:
-        _join_epoch(1, rank, size, ports, abort)
+        _join_epoch(1, rank, size, channels.ports, abort, timeout)
         outcome = "built"
     except StepAborted as exc:
         outcome = type(exc).__name__
     raised_at = time.monotonic()
-    reports.put(
+    started = time.monotonic()
+    all_released = wait_parked(timeout + 5)
+    channels.reports.put(
         {
             "rank": rank,
             "outcome": outcome,
             "latency": raised_at - when.get("abort_set_at", raised_at),
-            "all_released": wait_parked(GROUP_TIMEOUT + 5),
+            "all_released": all_released,
+            "parked_wait_seconds": time.monotonic() - started,
         }
     )
 
 
-def _allreduce_until_failure(
-    rank: int, size: int, ports: Queue[int], reports: Queue[Report]
-) -> None:
-    _die_with_parent()
-    group = _join_epoch(1, rank, size, ports, threading.Event())
+def _allreduce_until_failure(channels: Channels, rank: int, size: int) -> None:
+    _started(channels, rank)
+    group = _join_epoch(1, rank, size, channels.ports, threading.Event())
     grads = [torch.ones(LARGE_ELEMENTS // 4) for _ in range(4)]
     steps = 0
     try:
@@ -157,7 +179,7 @@ def _allreduce_until_failure(
             group.allreduce_sum(grads)
             steps += 1
             if steps == 2:
-                reports.put({"rank": rank, "event": "steady"})
+                channels.reports.put({"rank": rank, "event": "steady"})
     except StepAborted as exc:
         failure: Report = {
             "rank": rank,
@@ -167,21 +189,15 @@ def _allreduce_until_failure(
         }
     failure["parked"] = parked_count()
     failure["all_released"] = wait_parked(GROUP_TIMEOUT + 5)
-    reports.put(failure)
+    channels.reports.put(failure)
 
 
-def _survive_frozen_peer(
-    rank: int,
-    ports: Queue[int],
-    next_ports: Queue[int],
-    reports: Queue[Report],
-    trigger: ProcessEvent,
-) -> None:
+def _survive_frozen_peer(channels: Channels, rank: int, triggers: list[ProcessEvent]) -> None:
     """Rank of a 3-member epoch 1 whose rank 2 will be frozen; ranks 0 and 1
     abort, then form epoch 2 between them."""
-    _die_with_parent()
-    abort, when = _abort_on(trigger)
-    group = _join_epoch(1, rank, 3, ports, abort)
+    _started(channels, rank)
+    abort, when = _abort_on(triggers[rank])
+    group = _join_epoch(1, rank, 3, channels.ports, abort)
     grads = [torch.ones(LARGE_ELEMENTS // 4) for _ in range(4)]
     steps = 0
     try:
@@ -189,7 +205,7 @@ def _survive_frozen_peer(
             group.allreduce_sum(grads)
             steps += 1
             if steps == 2:
-                reports.put({"rank": rank, "event": "steady"})
+                channels.reports.put({"rank": rank, "event": "steady"})
     except StepAborted as exc:
         raised_at = time.monotonic()
         report: Report = {
@@ -200,7 +216,7 @@ def _survive_frozen_peer(
             "parked_after_abort": parked_count(),
         }
     started = time.monotonic()
-    smaller = _join_epoch(2, rank, 2, next_ports, threading.Event())
+    smaller = _join_epoch(2, rank, 2, channels.next_ports, threading.Event())
     report["rebuild_seconds"] = time.monotonic() - started
     values = torch.full((1000,), float(rank + 1))
     smaller.allreduce_sum([values])
@@ -210,7 +226,7 @@ def _survive_frozen_peer(
     started = time.monotonic()
     report["all_released"] = wait_parked(GROUP_TIMEOUT + 5)
     report["parked_wait_seconds"] = time.monotonic() - started
-    reports.put(report)
+    channels.reports.put(report)
 
 
 # --------------------------------------------------------------------------
@@ -223,14 +239,23 @@ class Members:
 
     def __init__(self) -> None:
         self.processes: list[SpawnProcess] = []
-        self.reports: Queue[Report] = CTX.Queue()
-        self.ports: Queue[int] = CTX.Queue()
+        self.channels = Channels(CTX.Queue(), CTX.Queue(), CTX.Queue(), CTX.Event())
 
-    def start(self, target: Callable[..., None], *args: Any) -> SpawnProcess:
-        process = CTX.Process(target=target, args=args, daemon=True)
-        process.start()
-        self.processes.append(process)
-        return process
+    def start(
+        self, target: Callable[..., None], ranks: list[int], *args: Any
+    ) -> list[SpawnProcess]:
+        """Start ``target(channels, rank, *args)`` for each rank; return once
+        all of them are running and have been told to go."""
+        started = [
+            CTX.Process(target=target, args=(self.channels, rank, *args), daemon=True)
+            for rank in ranks
+        ]
+        for process in started:
+            process.start()
+            self.processes.append(process)
+        self.collect(len(ranks), "up")
+        self.channels.go.set()
+        return started
 
     def collect(self, count: int, key: str, timeout: float = START_BOUND) -> list[Report]:
         """The next ``count`` reports that carry ``key``, ordered by rank."""
@@ -238,7 +263,7 @@ class Members:
         deadline = time.monotonic() + timeout
         while len(found) < count:
             try:
-                report = self.reports.get(timeout=max(0.0, deadline - time.monotonic()))
+                report = self.channels.reports.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 codes = [p.exitcode for p in self.processes]
                 raise AssertionError(
@@ -278,18 +303,14 @@ def members() -> Iterator[Members]:
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_allreduce_sums_mixed_dtypes_across_ranks(members: Members, size: int) -> None:
-    processes = [
-        members.start(_sum_once, r, size, members.ports, members.reports) for r in range(size)
-    ]
+    processes = members.start(_sum_once, list(range(size)), size)
     results = members.collect(size, "wrong")
     assert [result["wrong"] for result in results] == [[]] * size
     assert members.exit_codes(processes, START_BOUND) == [0] * size
 
 
 def test_broadcast_copies_the_source_ranks_tensors(members: Members) -> None:
-    processes = [
-        members.start(_broadcast_once, r, 3, members.ports, members.reports) for r in range(3)
-    ]
+    processes = members.start(_broadcast_once, [0, 1, 2], 3)
     results = members.collect(3, "values")
     assert [result["values"] for result in results] == [[[1.0] * 4, [1] * 6]] * 3
     assert members.exit_codes(processes, START_BOUND) == [0] * 3
@@ -297,46 +318,44 @@ def test_broadcast_copies_the_source_ranks_tensors(members: Members) -> None:
 
 def test_build_waiting_for_an_absent_rank_stops_when_aborted(members: Members) -> None:
     trigger = CTX.Event()
-    # Rank 2 of the 3-member view never starts.
-    processes = [
-        members.start(_build_while_aborted, r, 3, members.ports, members.reports, trigger)
-        for r in range(2)
-    ]
+    # Rank 2 of the 3-member view never starts; a long timeout shows that
+    # nothing waits for it.
+    processes = members.start(_build_while_aborted, [0, 1], 3, trigger, 30.0)
     members.collect(2, "event")
-    time.sleep(2.0)  # both are now waiting for rank 2
+    time.sleep(0.5)  # both are now waiting for rank 2
     trigger.set()
     results = members.collect(2, "outcome")
     print("build abort latency (s):", [round(result["latency"], 4) for result in results])
     assert [result["outcome"] for result in results] == ["StepAborted"] * 2
     assert all(result["latency"] < PROMPT for result in results)
+    # The peers were awaited in the store, so nothing was left to park.
     assert all(result["all_released"] for result in results)
-    # Nothing waited for gloo's timeout: the peers were awaited in the store.
-    assert members.exit_codes(processes, GROUP_TIMEOUT) == [0, 0]
+    assert all(result["parked_wait_seconds"] < PROMPT for result in results)
+    assert members.exit_codes(processes, START_BOUND) == [0, 0]
 
 
 def test_build_connecting_to_a_dead_store_host_stops_when_aborted(members: Members) -> None:
     trigger = CTX.Event()
+    timeout = 2.0
     with socket.socket() as unreachable:  # bound, never listening: connects are refused
         unreachable.bind((LOOPBACK, 0))
-        members.ports.put(unreachable.getsockname()[1])
-        process = members.start(_build_while_aborted, 1, 2, members.ports, members.reports, trigger)
+        members.channels.ports.put(unreachable.getsockname()[1])
+        processes = members.start(_build_while_aborted, [1], 2, trigger, timeout)
         members.collect(1, "event")
-        time.sleep(1.0)
+        time.sleep(0.5)
         trigger.set()
         [result] = members.collect(1, "outcome")
     print(f"store connect abort latency: {result['latency']:.4f} s")
     assert result["outcome"] == "StepAborted"
     assert result["latency"] < PROMPT
-    # The abandoned connect attempt was parked until the store timeout.
+    # The abandoned connection attempt stayed parked until the store's timeout.
     assert result["all_released"]
-    assert members.exit_codes([process], START_BOUND) == [0]
+    assert 0 < result["parked_wait_seconds"] < timeout + PROMPT
+    assert members.exit_codes(processes, START_BOUND) == [0]
 
 
 def test_killed_peer_fails_survivors_allreduce_promptly(members: Members) -> None:
-    processes = [
-        members.start(_allreduce_until_failure, r, 3, members.ports, members.reports)
-        for r in range(3)
-    ]
+    processes = members.start(_allreduce_until_failure, [0, 1, 2], 3)
     members.collect(3, "event")
     time.sleep(0.05)
     killed_at = time.monotonic()
@@ -353,17 +372,16 @@ def test_killed_peer_fails_survivors_allreduce_promptly(members: Members) -> Non
 
 
 def test_frozen_peer_is_escaped_by_abort_and_survivors_rebuild(members: Members) -> None:
-    trigger = CTX.Event()
-    next_ports: Queue[int] = CTX.Queue()
-    processes = [
-        members.start(_survive_frozen_peer, r, members.ports, next_ports, members.reports, trigger)
-        for r in range(3)
-    ]
+    # One trigger each: setting a shared multiprocessing Event waits for every
+    # process blocked on it to wake up, which a frozen one never does.
+    triggers = [CTX.Event() for _ in range(3)]
+    processes = members.start(_survive_frozen_peer, [0, 1, 2], triggers)
     members.collect(3, "event")
     _signal(processes[2], signal.SIGSTOP)
     time.sleep(0.5)  # the survivors are now blocked in an all-reduce
     set_at = time.monotonic()
-    trigger.set()
+    for trigger in triggers[:2]:
+        trigger.set()
     results = members.collect(2, "error", timeout=3 * GROUP_TIMEOUT + 10)
     latencies = [result["latency"] for result in results]
     print("abort set -> StepAborted (s):", [round(latency, 4) for latency in latencies])

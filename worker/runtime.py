@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,8 +49,8 @@ from rendezvous.wire import TokenInterceptor, read_token
 from rollcall.pb import state_pb2_grpc
 from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
 from worker.plan import DataPlan, Ledger, Microbatch
-from worker.state import capture, digest, from_bytes, restore, to_bytes
-from worker.transfer import Snapshot, StateFetcher, StateServer
+from worker.state import CorruptState, capture, digest, from_bytes, restore, to_bytes
+from worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
 log = logging.getLogger("rollcall.worker")
 T = TypeVar("T")
@@ -57,6 +58,8 @@ T = TypeVar("T")
 #: Environment variables read when the constructor is not told.
 ENV_RENDEZVOUS = "ROLLCALL_RENDEZVOUS"
 ENV_JOB = "ROLLCALL_JOB"
+#: How often a waiting training thread looks at the abort flag.
+ABORT_POLL = 0.005
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,7 @@ class Elastic:
         self._stores: dict[int, Any] = {}
         self._store_ports: dict[int, asyncio.Future[int]] = {}
         self._closed = False
+        self._failure: tuple[float, str] | None = None
         #: Seconds spent in each phase of the last view change (for events).
         self.last_change: dict[str, float] = {}
 
@@ -212,7 +216,11 @@ class Elastic:
         self._server = server
         self.address = f"{self._host}:{port}"
         self.member_id = await self._client.join(
-            self.address, name=name, on_roll_call=self._on_roll_call, on_view=self._on_view
+            self.address,
+            name=name,
+            on_roll_call=self._on_roll_call,
+            on_view=self._on_view,
+            on_end=self._on_end,
         )
         self._fetcher = StateFetcher(self.job_name, self.member_id, self._token)
         log.info(
@@ -222,6 +230,12 @@ class Elastic:
     def _on_view(self, view: View) -> None:
         with self._view_changed:
             self._view = view
+            self._view_changed.notify_all()
+
+    def _on_end(self, error: RollcallError) -> None:
+        """The session ended for good (evicted...): stop the step in flight."""
+        self._abort.set()
+        with self._view_changed:
             self._view_changed.notify_all()
 
     async def _on_roll_call(self, epoch: int) -> tuple[int | None, str]:
@@ -278,6 +292,7 @@ class Elastic:
         """The newest committed view that contains this worker and that it
         has not entered yet."""
         entered = self._group.epoch if self._group is not None else 0
+        reported = False
         with self._view_changed:
             while True:
                 ended = self._client.ended
@@ -286,24 +301,39 @@ class Elastic:
                 view = self._view
                 if self.member_id in view and view.epoch > entered:
                     if self._rollcall_epoch <= view.epoch:
+                        self._failure = None
                         return view
-                self._view_changed.wait(timeout=0.5)
+                failure = self._failure
+                silent = failure is not None and time.monotonic() - failure[0]
+                if silent and silent > self._config.detection_bound() and not reported:
+                    reported = True
+                    self._report_failure()
+                self._view_changed.wait(timeout=ABORT_POLL * 10)
 
     def _enter(self, view: View) -> int:
-        """Pull state if behind, build the group for ``view``; returns our rank."""
+        """Pull state if behind, build the group for ``view``; returns our rank.
+        Raises ``StepAborted`` if a newer roll call, a dead peer or a timeout
+        gets in the way (``steps`` then waits for the next view)."""
         started = time.perf_counter()
         phases: dict[str, float] = {}
         assert self.member_id is not None and self._fetcher is not None
         rank = view.rank_of(self.member_id)
         assert rank is not None
+        with self._lock:
+            self._frozen = False
+            if self._rollcall_epoch <= view.epoch:
+                self._abort.clear()
+        if self._abort.is_set():
+            raise StepAborted(f"epoch {view.epoch}: a newer roll call is under way")
         behind = view.resume_step is not None and self.committed_step != view.resume_step
         if self.member_id in view.fetch or behind:
             sources = view.fetch.get(self.member_id) or tuple(
                 m.id for m in view.members if m.id != self.member_id
             )
             addresses = [m.address for m in view.members if m.id in sources]
-            blob, report = self._call(
-                self._fetcher.fetch(addresses, view.epoch, view.digest, self._group_timeout)
+            blob, report = self._remote(
+                self._fetcher.fetch(addresses, view.epoch, view.digest, self._group_timeout),
+                f"epoch {view.epoch}: state fetch",
             )
             state = from_bytes(blob)
             with self._lock:
@@ -320,28 +350,42 @@ class Elastic:
         if old is not None:
             old.close()
         if rank == 0:
-            store, port = host_store(self._group_timeout)
+            store, port = host_store(self._group_timeout, host=self._host)
             self._stores = {view.epoch: store}
             self._loop.call_soon_threadsafe(self._publish_store_port, view.epoch, port)
             host = self._host
         else:
             leader = view.members[0]
-            port = self._call(
-                self._fetcher.group_store_port(leader.address, view.epoch, self._group_timeout)
+            port = self._remote(
+                self._fetcher.group_store_port(leader.address, view.epoch, self._group_timeout),
+                f"epoch {view.epoch}: asking rank 0 for the group store",
             )
             host = leader.address.rpartition(":")[0]
-        with self._lock:
-            self._frozen = False
-            if self._rollcall_epoch <= view.epoch:
-                self._abort.clear()
         self._group = EpochGroup.build(
-            view.epoch, rank, view.size, host, port, rank == 0, self._group_timeout, self._abort
-        )
+            view.epoch, rank, view.size, host, port, rank == 0, self._group_timeout, self._abort,
+            listen_host=self._host,
+        )  # fmt: skip
         phases["group_build"] = time.perf_counter() - built
         phases["enter_total"] = time.perf_counter() - started
         self.last_change = phases
         log.info("entered view %d as rank %d of %d", view.epoch, rank, view.size)
         return rank
+
+    def _remote(self, coro: Any, what: str) -> Any:
+        """Run a peer call on the control loop; give up (``StepAborted``) as
+        soon as a newer roll call aborts this view, or when the call fails:
+        a failed peer means a new view is coming anyway."""
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        while True:
+            try:
+                return future.result(timeout=ABORT_POLL)
+            except FutureTimeout:
+                if self._abort.is_set():
+                    future.cancel()
+                    raise StepAborted(f"{what}: aborted by a newer roll call") from None
+            except (grpc.aio.AioRpcError, TransferFailed, CorruptState) as exc:
+                self._note_failure(f"{what} failed: {exc}")
+                raise StepAborted(f"{what} failed: {exc}") from exc
 
     def _commit(self, step: Step) -> bool:
         group = self._group
@@ -355,18 +399,22 @@ class Elastic:
         flat = torch.cat(
             [*grads, torch.tensor([float(step._count), step._loss], dtype=grads[0].dtype)]
         )
+        started = time.monotonic()
         try:
             group.allreduce_sum([flat])
         except PeerFailed as exc:
-            self._report_peers(step, str(exc))
+            self._note_failure(f"epoch {step.epoch}: {exc}")
             self._optimizer.zero_grad(set_to_none=True)
             return False
         except StepAborted:
             self._optimizer.zero_grad(set_to_none=True)
             return False
         count, loss = float(flat[-2]), float(flat[-1])
+        if not self._still_a_member(started):
+            self._optimizer.zero_grad(set_to_none=True)
+            return False
         with self._lock:
-            if self._frozen:
+            if self._frozen or self._client.ended is not None:
                 # Our answer to the roll call already named the previous
                 # step: applying this one now would run it twice.
                 self._optimizer.zero_grad(set_to_none=True)
@@ -388,15 +436,41 @@ class Elastic:
         self._loop.call_soon_threadsafe(self._client.report_progress, step.number)
         return True
 
-    def _report_peers(self, step: Step, reason: str) -> None:
-        """A collective failed and we cannot tell which peer broke it: ask
-        for a roll call that still calls everyone (live ones keep their
-        place)."""
+    def _still_a_member(self, since: float) -> bool:
+        """Fencing before an update: the session must not have been silent
+        for longer than ``fence_window`` since ``since`` (a frozen process
+        may have been evicted meanwhile, and must not commit in the old
+        epoch after it thaws)."""
+        client, window = self._client, self._config.fence_window
+        deadline = time.monotonic() + window
+        while time.monotonic() - client.last_sent > window:
+            # Silent right now: wait for the next write to tell whether the
+            # silence was long (it then counts below) or the session is dead.
+            if client.ended is not None or self._abort.is_set() or time.monotonic() > deadline:
+                return False
+            time.sleep(ABORT_POLL)
+        if client.last_long_silence_end >= since:
+            log.warning("session was silent during step: not applying it (may be evicted)")
+            return False
+        return True
+
+    def _note_failure(self, reason: str) -> None:
+        """A peer call or collective failed. Usually the failed peer's own
+        session broke too and a roll call is already coming; if none comes
+        within the detector's bound, ``_wait_for_view`` reports it."""
+        log.info("%s", reason)
+        if self._failure is None:
+            self._failure = (time.monotonic(), reason[:200])
+
+    def _report_failure(self) -> None:
+        """No roll call followed a failure: we cannot tell which peer broke
+        the collective, so ask for a roll call that still calls everyone
+        (live members answer and keep their place)."""
+        assert self._failure is not None
+        reason = self._failure[1]
         for member in self._view.members:
             if member.id != self.member_id:
-                self._loop.call_soon_threadsafe(
-                    self._client.report_failure, member.id, reason[:200]
-                )
+                self._loop.call_soon_threadsafe(self._client.report_failure, member.id, reason)
 
     # --- shutdown ---------------------------------------------------------------------
 

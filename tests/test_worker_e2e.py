@@ -1,0 +1,213 @@
+"""The keep-alive runtime end to end: a real etcd, a real rendezvous service
+and real `rollcall worker` processes training the example LM."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from membership.config import Config
+from rendezvous.etcd_local import LocalEtcd
+from tests.harness import ControlPlane, WorkerProcess
+from worker.plan import DataPlan, Ledger, merge_ledgers
+
+#: Generous safety bound for "training continues" waits on a loaded 2-core box.
+PATIENCE = 60.0
+
+
+@pytest.fixture
+def plane(etcd: LocalEtcd, tmp_path: Path) -> Iterator[ControlPlane]:
+    control = ControlPlane([etcd.endpoint], tmp_path)
+    try:
+        yield control
+    finally:
+        control.close()
+
+
+class Workers:
+    def __init__(self, plane: ControlPlane, tmp_path: Path, steps: int) -> None:
+        self.plane, self.tmp_path, self.steps = plane, tmp_path, steps
+        self.all: list[WorkerProcess] = []
+
+    def start(self) -> WorkerProcess:
+        index = len(self.all)
+        worker = WorkerProcess(
+            self.plane, self.tmp_path / f"worker{index}.log", steps=self.steps,
+            ledger=self.tmp_path / f"ledger{index}.jsonl",
+        )  # fmt: skip
+        self.all.append(worker)
+        return worker
+
+    def close(self) -> None:
+        for worker in self.all:
+            with contextlib.suppress(Exception):
+                worker.stop(timeout=20)
+
+
+@pytest.fixture
+def workers(plane: ControlPlane, tmp_path: Path) -> Iterator[Workers]:
+    group = Workers(plane, tmp_path, steps=10_000)
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+def wait_step(worker: WorkerProcess, predicate, timeout: float = PATIENCE) -> dict:
+    return worker.wait_event(lambda e: e["event"] == "step" and predicate(e), timeout)
+
+
+def epoch_now(workers: list[WorkerProcess]) -> int:
+    """The newest view epoch any of ``workers`` committed a step in so far."""
+    return max(e["epoch"] for w in workers for e in w.steps())
+
+
+def assert_digests_agree(workers: list[WorkerProcess]) -> int:
+    """Every step reported by several workers has one digest; returns how
+    many steps were compared."""
+    by_step: dict[int, set[str]] = {}
+    for worker in workers:
+        for event in worker.steps():
+            by_step.setdefault(event["step"], set()).add(event["digest"])
+    assert by_step, "no committed steps"
+    disagreeing = {s: d for s, d in by_step.items() if len(d) > 1}
+    assert not disagreeing, f"replicas disagree at steps {sorted(disagreeing)}"
+    return len(by_step)
+
+
+def test_survivors_keep_training_without_restart_when_a_worker_is_killed(workers: Workers):
+    team = [workers.start() for _ in range(4)]
+    for worker in team:
+        wait_step(worker, lambda e: e["world"] == 4 and e["step"] >= 3)
+    victim, survivors = team[1], [team[0], *team[2:]]
+    pids = [w.pid for w in survivors]
+    before = epoch_now(team)
+    killed_at = time.monotonic()
+    victim.kill()
+    resumed = [wait_step(w, lambda e: e["epoch"] > before) for w in survivors]
+    recovery = time.monotonic() - killed_at
+    print(f"\nkill -> next committed step on all survivors: {recovery * 1000:.0f} ms")
+    assert [w.pid for w in survivors] == pids
+    assert all(w.proc.poll() is None for w in survivors), "a survivor exited"
+    assert len({e["epoch"] for e in resumed}) == 1
+    assert {e["world"] for e in resumed} == {3}
+    assert recovery < Config().eviction_bound() + 30
+    for worker in survivors:
+        wait_step(worker, lambda e, s=resumed[0]["step"]: e["step"] >= s + 3)
+    print(f"digests compared at {assert_digests_agree(survivors)} steps")
+
+
+def test_joiner_pulls_state_from_peers_and_all_digests_agree(workers: Workers):
+    team = [workers.start() for _ in range(4)]
+    for worker in team:
+        wait_step(worker, lambda e: e["world"] == 4 and e["step"] >= 5)
+    joiner = workers.start()
+    first = wait_step(joiner, lambda e: True)
+    assert first["world"] == 5
+    assert first["step"] > 5, "the joiner started from scratch instead of the peers' state"
+    for worker in [*team, joiner]:
+        wait_step(worker, lambda e, s=first["step"]: e["step"] >= s + 3)
+    compared = assert_digests_agree([*team, joiner])
+    print(f"\njoiner's first step {first['step']}; digests compared at {compared} steps")
+    assert "pulled step" in joiner.log_tail(200)
+
+
+def test_kills_and_joins_consume_exactly_the_samples_of_an_uninterrupted_run(
+    plane: ControlPlane, tmp_path: Path
+):
+    steps = 600  # enough for the kills and joins below to land mid-run
+    group = Workers(plane, tmp_path, steps=steps)
+    try:
+        team = [group.start() for _ in range(3)]
+        for worker in team:
+            wait_step(worker, lambda e: e["world"] == 3 and e["step"] >= 4)
+        team[0].kill()
+        before = epoch_now(team)
+        wait_step(team[1], lambda e: e["epoch"] > before and e["world"] == 2)
+        group.start()
+        wait_step(team[1], lambda e: e["world"] == 3 and e["step"] >= 10)
+        team[2].kill()
+        before = epoch_now(team)
+        wait_step(team[1], lambda e: e["epoch"] > before and e["world"] == 2)
+        group.start()
+        for worker in group.all:
+            if worker not in (team[0], team[2]):
+                assert worker.proc.wait(timeout=PATIENCE) == 0, worker.log_tail()
+    finally:
+        group.close()
+    ledgers = [Ledger.load(w.ledger).steps() for w in group.all if w.ledger and w.ledger.exists()]
+    merged = merge_ledgers(ledgers)
+    plan = DataPlan(num_samples=_corpus_samples(), global_batch=32, micro_batch=8, seed=0)
+    uninterrupted = {s: plan.step_samples(s) for s in range(steps)}
+    differences = Ledger.compare(uninterrupted, merged)
+    assert differences == [], differences
+    assert all(len(samples) == 32 for samples in merged.values())
+
+
+def _corpus_samples() -> int:
+    from worker.examples.lm import CharCorpus, LMConfig
+
+    return len(CharCorpus(LMConfig()))
+
+
+def test_frozen_worker_is_evicted_and_never_commits_in_its_old_epoch(workers: Workers):
+    team = [workers.start() for _ in range(3)]
+    for worker in team:
+        wait_step(worker, lambda e: e["world"] == 3 and e["step"] >= 3)
+    frozen = team[2]
+    before = epoch_now(team)
+    frozen.signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    for worker in team[:2]:
+        wait_step(worker, lambda e: e["epoch"] > before and e["world"] == 2)
+    evicted_after = time.monotonic() - stopped_at
+    print(f"\nfrozen -> survivors commit without it: {evicted_after * 1000:.0f} ms")
+    assert evicted_after < Config().eviction_bound() + 30
+    # Workers flush a line per committed step, and the frozen one has been
+    # stopped for longer than it takes to read what it wrote before.
+    committed_before_thaw = len(frozen.steps())
+    frozen.signal(signal.SIGCONT)
+    assert frozen.proc.wait(timeout=PATIENCE) == 3
+    assert "evicted" in frozen.log_tail(50)
+    assert len(frozen.steps()) == committed_before_thaw, "the thawed worker committed a step"
+    assert all(e["epoch"] <= before for e in frozen.steps())
+
+
+def test_a_worker_that_finishes_leaves_without_a_timeout(workers: Workers, plane, tmp_path):
+    team = [workers.start() for _ in range(2)]
+    for worker in team:
+        wait_step(worker, lambda e: e["world"] == 2 and e["step"] >= 3)
+    before = epoch_now(team)
+    # It joins, trains a few steps with the others, reaches its --steps and leaves.
+    finish = max(e["step"] for e in team[0].steps()) + 200  # past its start-up
+    short = WorkerProcess(plane, tmp_path / "short.log", steps=finish, ledger=None)
+    workers.all.append(short)
+    done = short.wait_event(lambda e: e["event"] == "done", timeout=PATIENCE)
+    left_at = time.monotonic()
+    assert done["step"] == finish - 1
+    assert any(e["world"] == 3 for e in short.steps()), "it never trained with the others"
+    after = wait_step(team[0], lambda e: e["epoch"] > before + 1 and e["world"] == 2)
+    took = time.monotonic() - left_at
+    assert short.proc.wait(timeout=PATIENCE) == 0
+    print(f"\nclean leave -> next committed step without it: {took * 1000:.0f} ms")
+    assert took < Config().detection_bound()
+    assert after["step"] >= finish
+
+
+def test_ctrl_c_leaves_cleanly(workers: Workers):
+    team = [workers.start() for _ in range(3)]
+    for worker in team:
+        wait_step(worker, lambda e: e["world"] == 3)
+    before = epoch_now(team)
+    team[2].signal(signal.SIGINT)
+    interrupted_at = time.monotonic()
+    wait_step(team[0], lambda e: e["epoch"] > before and e["world"] == 2)
+    took = time.monotonic() - interrupted_at
+    assert team[2].proc.wait(timeout=PATIENCE) == 130
+    print(f"\nCtrl-C -> next committed step without it: {took * 1000:.0f} ms")
+    assert took < Config().detection_bound() + 5

@@ -1,0 +1,520 @@
+"""The gloo process group of one committed view (epoch), abortable at every wait.
+
+gloo cannot abort a collective: ``abort()`` and ``shutdown()`` return at once
+while the blocked call keeps waiting for its timeout, and destroying a group
+while one of its threads is blocked aborts the process. So every blocking step
+here (connecting to the bootstrap store, waiting for peers, building the group,
+each collective) runs in the background while the caller polls the ``abort``
+event. What the caller abandons is *parked*: kept referenced until it finishes
+or its own gloo timeout expires, and only then released.
+
+A process that used this module must call :func:`wait_parked` before it exits
+(an ``atexit`` hook does it too, then releases every group still open), because
+a gloo group still alive while the interpreter shuts down can end the process
+with SIGABRT ("terminate called without an active exception").
+
+Typical use, one group per committed view::
+
+    if rank == 0:
+        store, port = host_store(timeout)      # publish `port` out of band
+    group = EpochGroup.build(epoch, rank, size, host, port, rank == 0, timeout, abort)
+    try:
+        group.allreduce_sum(grads)
+    except StepAborted:
+        ...                                     # discard the step, await the next view
+    group.close()
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar, cast
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, Store, TCPStore, Work
+
+from membership.errors import RollcallError
+
+__all__ = [
+    "ABORT_POLL_INTERVAL",
+    "EpochGroup",
+    "PeerFailed",
+    "StepAborted",
+    "host_store",
+    "parked_count",
+    "wait_parked",
+]
+
+log = logging.getLogger(__name__)
+
+#: How often a blocked wait looks at the ``abort`` event: the bound on how
+#: late an abort is noticed. Completions are signalled, not polled, so this
+#: costs no latency on the success path.
+ABORT_POLL_INTERVAL = 0.01
+#: Extra time the exit hook allows beyond a parked group's own gloo timeout.
+EXIT_GRACE = 2.0
+#: Default address the gloo transport and a hosted store bind to.
+LOOPBACK = "127.0.0.1"
+
+T = TypeVar("T")
+
+
+class StepAborted(RollcallError):
+    """The collective was abandoned (abort requested or a peer failed); nothing
+    was applied. Discard the step's partial results and wait for the next view."""
+
+
+class PeerFailed(StepAborted):
+    """A peer failed or vanished: its connection was reset or closed, it never
+    joined, or the group timed out waiting for it. ``reason`` is the transport's
+    own text, e.g. "... Connection reset by peer ..."."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# --------------------------------------------------------------------------
+# Parking: whatever gloo may still be running is kept alive until it stops.
+
+
+@dataclass(eq=False)
+class _Parked:
+    """Objects that must outlive a background operation, and how to tell
+    when it is over."""
+
+    what: str
+    finished: Callable[[], bool]
+    deadline: float  # monotonic time by which gloo's own timeout has fired
+    keep: tuple[object, ...] = field(repr=False)
+
+
+_parked: list[_Parked] = []
+_parked_lock = threading.Lock()
+_open_groups: weakref.WeakSet[EpochGroup] = weakref.WeakSet()
+
+
+def _park(entry: _Parked) -> None:
+    with _parked_lock:
+        _parked.append(entry)
+
+
+def _release_finished() -> int:
+    """Drop every parked entry whose operation is over; return how many remain."""
+    with _parked_lock:
+        done = [entry for entry in _parked if entry.finished()]
+        _parked[:] = [entry for entry in _parked if entry not in done]
+        remaining = len(_parked)
+    # Dropping the last reference destroys the gloo group (10-20 ms, with
+    # the GIL held: gloo joins its threads and closes its connections).
+    done.clear()
+    return remaining
+
+
+def parked_count() -> int:
+    """How many abandoned groups (or builds) are still blocked in gloo;
+    releases the ones that are no longer."""
+    return _release_finished()
+
+
+def wait_parked(timeout: float) -> bool:
+    """Block until every parked operation has finished (at the latest when
+    its gloo timeout fires) and has been released; True if none is left.
+
+    A process that used an EpochGroup must call this before it exits: a gloo
+    group still alive when the interpreter shuts down can abort the process.
+    """
+    deadline = time.monotonic() + timeout
+    while _release_finished():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(ABORT_POLL_INTERVAL)
+    return True
+
+
+def _release_all_at_exit() -> None:
+    """Wait for what is parked (at most until its gloo timeout, plus a grace),
+    then release the groups still open while the interpreter is intact."""
+    with _parked_lock:
+        deadline = max((entry.deadline for entry in _parked), default=time.monotonic())
+    for group in list(_open_groups):
+        group.close()
+    if not wait_parked(max(0.0, deadline + EXIT_GRACE - time.monotonic())):
+        log.warning("exiting with %d gloo operation(s) still blocked", parked_count())
+    _hosted.clear()
+
+
+atexit.register(_release_all_at_exit)
+
+
+# --------------------------------------------------------------------------
+# Running a blocking call in the background, abandoning it on abort.
+#
+# Failures are returned as StepAborted values by the internal helpers and
+# raised only by the public methods, from frames that hold no gloo object: an
+# exception's traceback keeps its frames' locals alive, and a group or work
+# kept alive that way keeps its sockets open (peers then wait for the timeout
+# instead of seeing a reset) and outlives interpreter shutdown (SIGABRT).
+
+
+class _Call(Generic[T]):
+    """``fn()`` on a daemon thread. If the caller abandons it, its result is
+    dropped as soon as it exists."""
+
+    def __init__(self, what: str, fn: Callable[[], T]) -> None:
+        self.what = what
+        self._done = threading.Event()
+        self._fn: Callable[[], T] | None = fn
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._result: T | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, name=f"rollcall {what}", daemon=True).start()
+
+    def _run(self) -> None:
+        fn, self._fn = self._fn, None
+        assert fn is not None
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the waiting caller, never lost
+            with self._lock:
+                if not self._abandoned:
+                    self._error = exc
+        else:
+            with self._lock:
+                if not self._abandoned:
+                    self._result = result
+            del result
+        self._done.set()
+
+    def join(self, abort: threading.Event, deadline: float) -> T | StepAborted:
+        """The call's result, or StepAborted as soon as ``abort`` is set (the
+        call is then parked until it ends, at the latest at ``deadline``), or
+        PeerFailed if it raised one of torch's runtime errors."""
+        while not self._done.wait(ABORT_POLL_INTERVAL):
+            if abort.is_set():
+                with self._lock:
+                    self._abandoned = True
+                    self._result = None
+                _park(_Parked(self.what, self._done.is_set, deadline, ()))
+                return StepAborted(f"{self.what}: aborted")
+        error, self._error = self._error, None
+        result, self._result = self._result, None
+        if error is None:
+            assert result is not None
+            return result
+        if isinstance(error, RuntimeError):  # torch's network, store and gloo errors
+            return PeerFailed(f"{self.what}: {error}", str(error))
+        raise error
+
+
+# --------------------------------------------------------------------------
+# The bootstrap store.
+
+_hosted: dict[int, TCPStore] = {}
+
+
+def host_store(timeout: float, host: str = LOOPBACK) -> tuple[TCPStore, int]:
+    """Host a bootstrap TCPStore on ``host`` at a free port; return it and the port.
+
+    The view's rank 0 calls this, publishes the port to its peers out of band,
+    then passes the port to :meth:`EpochGroup.build` with ``is_store_host=True``
+    (the group then owns the store). The socket is bound here and handed to the
+    store because TCPStore itself, given port 0, listens on every interface.
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(socket.SOMAXCONN)
+        port = listener.getsockname()[1]
+        store = TCPStore(
+            host, port, None, True, _delta(timeout),
+            wait_for_workers=False, master_listen_fd=listener.fileno(),
+        )  # fmt: skip
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the descriptor now and closes it
+    _hosted[port] = store
+    return store, port
+
+
+def _delta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _connect_store(host: str, port: int, is_store_host: bool, timeout: float) -> TCPStore:
+    if is_store_host:
+        hosted = _hosted.pop(port, None)
+        if hosted is not None:
+            return hosted
+        return TCPStore(host, port, None, True, _delta(timeout), wait_for_workers=False)
+    return TCPStore(host, port, None, False, _delta(timeout), wait_for_workers=False)
+
+
+def _wait_for_peers(
+    store: Store, epoch: int, rank: int, size: int, abort: threading.Event, deadline: float
+) -> StepAborted | None:
+    """Store-level barrier before gloo connects: polled, so an absent peer can
+    be given up on at once instead of blocking gloo until its timeout."""
+    store.set(f"rollcall/joined/{rank}", "1")
+    keys = [f"rollcall/joined/{peer}" for peer in range(size)]
+    while not store.check(keys):
+        if abort.is_set():
+            return StepAborted(f"epoch {epoch}: aborted while waiting for peers")
+        if time.monotonic() >= deadline:
+            missing = [peer for peer in range(size) if not store.check([keys[peer]])]
+            reason = f"ranks {missing} did not join"
+            return PeerFailed(f"epoch {epoch}: {reason}", reason)
+        time.sleep(ABORT_POLL_INTERVAL)
+    return None
+
+
+class _Gloo(Protocol):
+    """The collectives used here, which ProcessGroupGloo has at run time but
+    torch's type stubs declare only on the ProcessGroup wrapper."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> Work: ...
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Work: ...
+
+
+def _gloo_group(store: Store, rank: int, size: int, timeout: float, listen_host: str) -> _Gloo:
+    # The private options are the only way to pick the transport's address;
+    # the public constructor resolves the hostname and may bind anywhere.
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = _delta(timeout)
+    options._devices = [ProcessGroupGloo.create_device(hostname=listen_host)]
+    return cast(_Gloo, ProcessGroupGloo(store, rank, size, options))
+
+
+# --------------------------------------------------------------------------
+# The group.
+
+
+class EpochGroup:
+    """A gloo process group for one committed view (epoch), built directly with
+    torch.distributed.ProcessGroupGloo (no global default group, no
+    init_process_group). One collective at a time."""
+
+    def __init__(
+        self,
+        epoch: int,
+        rank: int,
+        size: int,
+        timeout: float,
+        abort: threading.Event,
+        pg: _Gloo,
+        store: TCPStore,
+    ) -> None:
+        self.epoch = epoch
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self._abort = abort
+        self._pg: _Gloo | None = pg
+        self._store: TCPStore | None = store
+        self._broken: str | None = None
+        _open_groups.add(self)
+
+    @classmethod
+    def build(
+        cls,
+        epoch: int,
+        rank: int,
+        size: int,
+        store_host: str,
+        store_port: int,
+        is_store_host: bool,
+        timeout: float,
+        abort: threading.Event,
+        listen_host: str = LOOPBACK,
+    ) -> EpochGroup:
+        """Connect to the epoch's bootstrap store, wait for all ``size`` ranks
+        and build the group; ``listen_host`` is the address gloo binds to.
+
+        Raises StepAborted within ABORT_POLL_INTERVAL once ``abort`` is set,
+        and PeerFailed if a peer is absent or fails within ``timeout`` seconds.
+        """
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} outside a group of {size}")
+        outcome = cls._build(
+            epoch, rank, size, store_host, store_port, is_store_host, timeout, abort, listen_host
+        )
+        if isinstance(outcome, StepAborted):
+            raise outcome
+        return outcome
+
+    @classmethod
+    def _build(
+        cls,
+        epoch: int,
+        rank: int,
+        size: int,
+        store_host: str,
+        store_port: int,
+        is_store_host: bool,
+        timeout: float,
+        abort: threading.Event,
+        listen_host: str,
+    ) -> EpochGroup | StepAborted:
+        if abort.is_set():
+            return StepAborted(f"epoch {epoch}: aborted before building")
+        deadline = time.monotonic() + timeout
+        store = _Call(
+            f"epoch {epoch} store",
+            lambda: _connect_store(store_host, store_port, is_store_host, timeout),
+        ).join(abort, deadline)
+        if isinstance(store, StepAborted):
+            return store
+        scoped = PrefixStore(f"epoch{epoch}", store)
+        failed = _wait_for_peers(scoped, epoch, rank, size, abort, deadline)
+        if failed is not None:
+            return failed
+        pg = _Call(
+            f"epoch {epoch} group",
+            lambda: _gloo_group(scoped, rank, size, timeout, listen_host),
+        ).join(abort, time.monotonic() + timeout)
+        if isinstance(pg, StepAborted):
+            return pg
+        return cls(epoch, rank, size, timeout, abort, pg, store)
+
+    @property
+    def usable(self) -> bool:
+        """False once a collective failed or was abandoned, and after close()."""
+        return self._pg is not None and self._broken is None
+
+    def allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Sum ``tensors`` in place across the group.
+
+        The tensors are packed into one buffer per dtype, so gloo works on a
+        private copy: after StepAborted/PeerFailed they are unspecified
+        (discard them), and a parked collective never writes into them later.
+        """
+        buffers = _pack(tensors)
+        failed = self._collective(
+            "all-reduce", lambda pg: [pg.allreduce([buffer]) for buffer in buffers], buffers
+        )
+        if failed is not None:
+            raise failed
+        _unpack(buffers, tensors)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+        """Overwrite ``tensors`` with rank ``src``'s values; same abort rules
+        as :meth:`allreduce_sum`."""
+        if not 0 <= src < self.size:
+            raise ValueError(f"broadcast source {src} outside a group of {self.size}")
+        buffers = _pack(tensors) if self.rank == src else _empty_packed(tensors)
+        failed = self._collective(
+            "broadcast", lambda pg: [pg.broadcast(buffer, src) for buffer in buffers], buffers
+        )
+        if failed is not None:
+            raise failed
+        if self.rank != src:
+            _unpack(buffers, tensors)
+
+    def close(self) -> None:
+        """Release the group and the store it hosts. Safe to call twice."""
+        self._release([], [])
+
+    def _collective(
+        self,
+        what: str,
+        start: Callable[[_Gloo], list[Work]],
+        buffers: list[torch.Tensor],
+    ) -> StepAborted | None:
+        """Run the works ``start`` issues; None once all succeeded. Otherwise
+        the group is released (or parked while a work still runs) and the
+        reason returned."""
+        if self._pg is None or self._broken is not None:
+            reason = self._broken or "closed"
+            return StepAborted(f"epoch {self.epoch}: group unusable ({reason})")
+        if self._abort.is_set():
+            return StepAborted(f"epoch {self.epoch}: aborted before the {what}")
+        _release_finished()
+        works = start(self._pg)
+        changed = _completion_signal(works)
+        while True:
+            changed.clear()
+            failure = _first_failure(works)
+            if failure is not None:
+                self._broken = f"{what} failed"
+                self._release(works, buffers)
+                return PeerFailed(f"epoch {self.epoch}: {what} failed: {failure}", failure)
+            if all(work.is_completed() for work in works):
+                return None
+            if self._abort.is_set():
+                self._broken = f"{what} aborted"
+                self._release(works, buffers)
+                return StepAborted(f"epoch {self.epoch}: {what} aborted")
+            changed.wait(ABORT_POLL_INTERVAL)
+
+    def _release(self, works: list[Work], buffers: list[torch.Tensor]) -> None:
+        """Destroy the group now if none of ``works`` still runs (which also
+        tells peers blocked on it, by resetting their connections); otherwise
+        park it with them until they end."""
+        pg, store = self._pg, self._store
+        self._pg = self._store = None
+        _open_groups.discard(self)
+        pending = [work for work in works if not work.is_completed()]
+        if pending and pg is not None:
+            _park(
+                _Parked(
+                    f"epoch {self.epoch} group",
+                    lambda: all(work.is_completed() for work in pending),
+                    time.monotonic() + self.timeout,
+                    (pg, store, pending, list(buffers)),
+                )
+            )
+
+
+def _completion_signal(works: Sequence[Work]) -> threading.Event:
+    """An event set each time one of ``works`` completes (successfully or not)."""
+    changed = threading.Event()
+    for work in works:
+        work.get_future().add_done_callback(lambda _: changed.set())
+    return changed
+
+
+def _first_failure(works: Sequence[Work]) -> str | None:
+    for work in works:
+        if work.is_completed():
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                return str(exc)
+    return None
+
+
+def _pack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One flat copy per dtype, in order of first appearance."""
+    return [torch.cat([t.reshape(-1) for t in same]) for same in _by_dtype(tensors).values()]
+
+
+def _empty_packed(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [
+        torch.empty(sum(t.numel() for t in same), dtype=dtype)
+        for dtype, same in _by_dtype(tensors).items()
+    ]
+
+
+def _unpack(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+    for buffer, same in zip(buffers, _by_dtype(tensors).values(), strict=True):
+        offset = 0
+        for tensor in same:
+            tensor.copy_(buffer[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return groups
