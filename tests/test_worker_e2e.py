@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from membership.config import Config
 from rendezvous.etcd_local import LocalEtcd
-from tests.harness import ControlPlane, WorkerProcess
+from tests.harness import ControlPlane, Process, WorkerProcess
 from worker.plan import DataPlan, Ledger, merge_ledgers
 
 #: Generous safety bound for "training continues" waits on a loaded 2-core box.
@@ -211,3 +212,26 @@ def test_ctrl_c_leaves_cleanly(workers: Workers):
     assert team[2].proc.wait(timeout=PATIENCE) == 130
     print(f"\nCtrl-C -> next committed step without it: {took * 1000:.0f} ms")
     assert took < Config().detection_bound() + 5
+
+
+def test_an_exception_in_user_code_leaves_and_the_others_continue(workers: Workers, plane):
+    team = [workers.start() for _ in range(2)]
+    for worker in team:
+        wait_step(worker, lambda e: e["world"] == 2 and e["step"] >= 3)
+    before = epoch_now(team)
+    fail_at = max(e["step"] for e in team[0].steps()) + 150  # past its start-up
+    buggy = Process(
+        [sys.executable, "-m", "tests.raising_worker", ",".join(plane.addresses), plane.job,
+         str(fail_at)],
+        {"ROLLCALL_TOKEN": plane.token}, workers.tmp_path / "buggy.log",
+    )  # fmt: skip
+    workers.all.append(buggy)  # type: ignore[arg-type]
+    buggy.wait_line(lambda line: f'"step": {fail_at},' in line, timeout=PATIENCE)
+    raised_at = time.monotonic()
+    after = wait_step(team[0], lambda e: e["epoch"] > before + 1 and e["world"] == 2)
+    took = time.monotonic() - raised_at
+    print(f"\nexception in user code -> next committed step of the others: {took * 1000:.0f} ms")
+    assert buggy.proc.wait(timeout=PATIENCE) != 0
+    assert "a bug in user code" in buggy.log_tail(40)
+    assert took < Config().detection_bound()
+    assert after["step"] > fail_at
