@@ -73,6 +73,15 @@ class ClientTLS:
         )
 
 
+def open_channel(
+    address: str, tls: ClientTLS | None, options: list[tuple[str, Any]]
+) -> grpc.aio.Channel:
+    """A gRPC channel to ``address``, with TLS when ``tls`` is given."""
+    if tls is not None:
+        return grpc.aio.secure_channel(address, tls.credentials(), options)
+    return grpc.aio.insecure_channel(address, options)
+
+
 @dataclass(frozen=True)
 class Status:
     view: View
@@ -152,10 +161,7 @@ class RendezvousClient:
                 ("grpc.initial_reconnect_backoff_ms", 50),
                 ("grpc.max_reconnect_backoff_ms", 1000),
             ]
-            if self._tls is not None:
-                channel = grpc.aio.secure_channel(address, self._tls.credentials(), options)
-            else:
-                channel = grpc.aio.insecure_channel(address, options)
+            channel = open_channel(address, self._tls, options)
             self._channels[address] = channel
         return pb_grpc.RendezvousStub(channel)
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from membership.config import Config
-from rendezvous.etcd_local import LocalEtcd
 from tests.harness import ControlPlane, Process, WorkerProcess
 from worker.plan import DataPlan, Ledger, merge_ledgers
 
@@ -22,12 +21,8 @@ PATIENCE = 60.0
 
 
 @pytest.fixture
-def plane(etcd: LocalEtcd, tmp_path: Path) -> Iterator[ControlPlane]:
-    control = ControlPlane([etcd.endpoint], tmp_path)
-    try:
-        yield control
-    finally:
-        control.close()
+def plane(control_plane: ControlPlane) -> ControlPlane:
+    return control_plane
 
 
 class Workers:

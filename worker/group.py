@@ -1,17 +1,19 @@
 """The gloo process group of one committed view (epoch), abortable at every wait.
 
 gloo cannot abort a collective: ``abort()`` and ``shutdown()`` return at once
-while the blocked call keeps waiting for its timeout, and destroying a group
-while one of its threads is blocked aborts the process. So every blocking step
-here (connecting to the bootstrap store, waiting for peers, building the group,
-each collective) runs in the background while the caller polls the ``abort``
-event. What the caller abandons is *parked*: kept referenced until it finishes
-or its own gloo timeout expires, and only then released.
+while the blocked call keeps waiting for its timeout. So every blocking step
+here (connecting to the bootstrap store, waiting for peers, building the
+group, each collective) runs in the background while the caller polls the
+``abort`` event. What the caller abandons is *parked*: kept referenced until
+it finishes, at the latest when its own timeout fires, and only then released.
+A failed group is released at once instead: closing its connections is what
+makes peers still blocked on it fail fast.
 
 A process that used this module must call :func:`wait_parked` before it exits
-(an ``atexit`` hook does it too, then releases every group still open), because
-a gloo group still alive while the interpreter shuts down can end the process
-with SIGABRT ("terminate called without an active exception").
+(an ``atexit`` hook does it too, after closing every group still open): a
+gloo group still alive while the interpreter shuts down ends the process with
+SIGABRT ("terminate called without an active exception") in a fair share of
+exits, whether it is healthy or failed.
 
 Typical use, one group per committed view::
 
@@ -45,6 +47,8 @@ from membership.errors import RollcallError
 
 __all__ = [
     "ABORT_POLL_INTERVAL",
+    "LOOPBACK",
+    "PARK_GRACE",
     "EpochGroup",
     "PeerFailed",
     "StepAborted",
@@ -59,8 +63,10 @@ log = logging.getLogger(__name__)
 #: late an abort is noticed. Completions are signalled, not polled, so this
 #: costs no latency on the success path.
 ABORT_POLL_INTERVAL = 0.01
-#: Extra time the exit hook allows beyond a parked group's own gloo timeout.
-EXIT_GRACE = 2.0
+#: How long past its own timeout an abandoned operation is still expected to
+#: end. One that has not is stuck for good (a store request to a frozen host
+#: never times out) and is no longer waited for.
+PARK_GRACE = 2.0
 #: Default address the gloo transport and a hosted store bind to.
 LOOPBACK = "127.0.0.1"
 
@@ -93,7 +99,7 @@ class _Parked:
 
     what: str
     finished: Callable[[], bool]
-    deadline: float  # monotonic time by which gloo's own timeout has fired
+    deadline: float  # monotonic time by which its own timeout has ended it
     keep: tuple[object, ...] = field(repr=False)
 
 
@@ -102,17 +108,20 @@ _parked_lock = threading.Lock()
 _open_groups: weakref.WeakSet[EpochGroup] = weakref.WeakSet()
 
 
-def _park(entry: _Parked) -> None:
+def _park(what: str, finished: Callable[[], bool], timeout: float, *keep: object) -> None:
+    """Keep ``keep`` referenced until ``finished()``; the operation is known
+    to end within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout + PARK_GRACE
     with _parked_lock:
-        _parked.append(entry)
+        _parked.append(_Parked(what, finished, deadline, keep))
 
 
-def _release_finished() -> int:
-    """Drop every parked entry whose operation is over; return how many remain."""
+def _release_finished() -> list[_Parked]:
+    """Drop every parked entry whose operation is over; return the others."""
     with _parked_lock:
         done = [entry for entry in _parked if entry.finished()]
         _parked[:] = [entry for entry in _parked if entry not in done]
-        remaining = len(_parked)
+        remaining = list(_parked)
     # Dropping the last reference destroys the gloo group (10-20 ms, with
     # the GIL held: gloo joins its threads and closes its connections).
     done.clear()
@@ -120,35 +129,39 @@ def _release_finished() -> int:
 
 
 def parked_count() -> int:
-    """How many abandoned groups (or builds) are still blocked in gloo;
-    releases the ones that are no longer."""
-    return _release_finished()
+    """How many abandoned groups (or builds) are still blocked; releases the
+    ones that are no longer."""
+    return len(_release_finished())
 
 
 def wait_parked(timeout: float) -> bool:
-    """Block until every parked operation has finished (at the latest when
-    its gloo timeout fires) and has been released; True if none is left.
+    """Block until every parked operation has finished (at the latest when its
+    own timeout fires) and has been released; True if none is left.
 
     A process that used an EpochGroup must call this before it exits: a gloo
-    group still alive when the interpreter shuts down can abort the process.
+    group still alive when the interpreter shuts down can abort the process
+    (SIGABRT), and so can a helper thread that returns from torch during
+    shutdown. Returns False early when only operations stuck for good remain.
     """
-    deadline = time.monotonic() + timeout
-    while _release_finished():
-        if time.monotonic() >= deadline:
+    give_up = time.monotonic() + timeout
+    while remaining := _release_finished():
+        now = time.monotonic()
+        if now >= give_up or all(entry.deadline <= now for entry in remaining):
             return False
         time.sleep(ABORT_POLL_INTERVAL)
     return True
 
 
 def _release_all_at_exit() -> None:
-    """Wait for what is parked (at most until its gloo timeout, plus a grace),
-    then release the groups still open while the interpreter is intact."""
-    with _parked_lock:
-        deadline = max((entry.deadline for entry in _parked), default=time.monotonic())
+    """Release the groups still open and wait for what is parked, while the
+    interpreter is still intact."""
     for group in list(_open_groups):
         group.close()
-    if not wait_parked(max(0.0, deadline + EXIT_GRACE - time.monotonic())):
-        log.warning("exiting with %d gloo operation(s) still blocked", parked_count())
+    with _parked_lock:
+        deadline = max((entry.deadline for entry in _parked), default=0.0)
+    if not wait_parked(max(0.0, deadline - time.monotonic())):
+        stuck = [entry.what for entry in _release_finished()]
+        log.warning("exiting while gloo or store calls are still blocked: %s", stuck)
     _hosted.clear()
 
 
@@ -195,22 +208,25 @@ class _Call(Generic[T]):
             del result
         self._done.set()
 
-    def join(self, abort: threading.Event, deadline: float) -> T | StepAborted:
+    def join(self, abort: threading.Event, timeout: float) -> T | StepAborted:
         """The call's result, or StepAborted as soon as ``abort`` is set (the
-        call is then parked until it ends, at the latest at ``deadline``), or
-        PeerFailed if it raised one of torch's runtime errors."""
+        call is then parked until it ends, which its own ``timeout`` bounds),
+        or PeerFailed if it raised one of torch's runtime errors (StepAborted
+        raised by ``fn`` is returned as it is)."""
         while not self._done.wait(ABORT_POLL_INTERVAL):
             if abort.is_set():
                 with self._lock:
                     self._abandoned = True
                     self._result = None
-                _park(_Parked(self.what, self._done.is_set, deadline, ()))
+                _park(self.what, self._done.is_set, timeout)
                 return StepAborted(f"{self.what}: aborted")
         error, self._error = self._error, None
         result, self._result = self._result, None
         if error is None:
             assert result is not None
             return result
+        if isinstance(error, StepAborted):
+            return error
         if isinstance(error, RuntimeError):  # torch's network, store and gloo errors
             return PeerFailed(f"{self.what}: {error}", str(error))
         raise error
@@ -222,17 +238,18 @@ class _Call(Generic[T]):
 _hosted: dict[int, TCPStore] = {}
 
 
-def host_store(timeout: float, host: str = LOOPBACK) -> tuple[TCPStore, int]:
-    """Host a bootstrap TCPStore on ``host`` at a free port; return it and the port.
+def host_store(timeout: float, port: int = 0, host: str = LOOPBACK) -> tuple[TCPStore, int]:
+    """Host a bootstrap TCPStore on ``host``:``port`` (0: a free port chosen by
+    the kernel); return it and the bound port.
 
     The view's rank 0 calls this, publishes the port to its peers out of band,
     then passes the port to :meth:`EpochGroup.build` with ``is_store_host=True``
     (the group then owns the store). The socket is bound here and handed to the
-    store because TCPStore itself, given port 0, listens on every interface.
+    store because TCPStore itself listens on every interface.
     """
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.bind((host, 0))
+        listener.bind((host, port))
         listener.listen(socket.SOMAXCONN)
         port = listener.getsockname()[1]
         store = TCPStore(
@@ -251,31 +268,36 @@ def _delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def _connect_store(host: str, port: int, is_store_host: bool, timeout: float) -> TCPStore:
-    if is_store_host:
-        hosted = _hosted.pop(port, None)
-        if hosted is not None:
-            return hosted
-        return TCPStore(host, port, None, True, _delta(timeout), wait_for_workers=False)
-    return TCPStore(host, port, None, False, _delta(timeout), wait_for_workers=False)
-
-
-def _wait_for_peers(
-    store: Store, epoch: int, rank: int, size: int, abort: threading.Event, deadline: float
-) -> StepAborted | None:
-    """Store-level barrier before gloo connects: polled, so an absent peer can
-    be given up on at once instead of blocking gloo until its timeout."""
-    store.set(f"rollcall/joined/{rank}", "1")
+def _meet(
+    epoch: int,
+    rank: int,
+    size: int,
+    store_host: str,
+    store_port: int,
+    hosted: TCPStore | None,
+    timeout: float,
+    abort: threading.Event,
+) -> TCPStore:
+    """Connect to the epoch's store (unless this rank hosts it) and wait there
+    until every rank has arrived: gloo itself would wait for an absent peer
+    until its timeout, unabortably. Runs on a helper thread, because a store
+    request to a host that died blocks while the client reconnects."""
+    deadline = time.monotonic() + timeout
+    store = hosted or TCPStore(
+        store_host, store_port, None, False, _delta(timeout), wait_for_workers=False
+    )
+    scoped = PrefixStore(f"epoch{epoch}", store)
+    scoped.set(f"rollcall/joined/{rank}", "1")
     keys = [f"rollcall/joined/{peer}" for peer in range(size)]
-    while not store.check(keys):
+    while not scoped.check(keys):
         if abort.is_set():
-            return StepAborted(f"epoch {epoch}: aborted while waiting for peers")
+            raise StepAborted(f"epoch {epoch}: aborted while waiting for peers")
         if time.monotonic() >= deadline:
-            missing = [peer for peer in range(size) if not store.check([keys[peer]])]
+            missing = [peer for peer in range(size) if not scoped.check([keys[peer]])]
             reason = f"ranks {missing} did not join"
-            return PeerFailed(f"epoch {epoch}: {reason}", reason)
+            raise PeerFailed(f"epoch {epoch}: {reason}", reason)
         time.sleep(ABORT_POLL_INTERVAL)
-    return None
+    return store
 
 
 class _Gloo(Protocol):
@@ -365,23 +387,24 @@ class EpochGroup:
         abort: threading.Event,
         listen_host: str,
     ) -> EpochGroup | StepAborted:
+        hosted = None
+        if is_store_host:
+            if store_port not in _hosted:
+                host_store(timeout, store_port, store_host)
+            hosted = _hosted.pop(store_port)
         if abort.is_set():
             return StepAborted(f"epoch {epoch}: aborted before building")
-        deadline = time.monotonic() + timeout
         store = _Call(
-            f"epoch {epoch} store",
-            lambda: _connect_store(store_host, store_port, is_store_host, timeout),
-        ).join(abort, deadline)
+            f"epoch {epoch} rendezvous",
+            lambda: _meet(epoch, rank, size, store_host, store_port, hosted, timeout, abort),
+        ).join(abort, timeout)
         if isinstance(store, StepAborted):
             return store
         scoped = PrefixStore(f"epoch{epoch}", store)
-        failed = _wait_for_peers(scoped, epoch, rank, size, abort, deadline)
-        if failed is not None:
-            return failed
         pg = _Call(
             f"epoch {epoch} group",
             lambda: _gloo_group(scoped, rank, size, timeout, listen_host),
-        ).join(abort, time.monotonic() + timeout)
+        ).join(abort, timeout)
         if isinstance(pg, StepAborted):
             return pg
         return cls(epoch, rank, size, timeout, abort, pg, store)
@@ -466,12 +489,13 @@ class EpochGroup:
         pending = [work for work in works if not work.is_completed()]
         if pending and pg is not None:
             _park(
-                _Parked(
-                    f"epoch {self.epoch} group",
-                    lambda: all(work.is_completed() for work in pending),
-                    time.monotonic() + self.timeout,
-                    (pg, store, pending, list(buffers)),
-                )
+                f"epoch {self.epoch} group",
+                lambda: all(work.is_completed() for work in pending),
+                self.timeout,
+                pg,
+                store,
+                pending,
+                list(buffers),
             )
 
 

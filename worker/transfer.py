@@ -24,7 +24,7 @@ from membership.config import Config
 from membership.errors import InvalidRequest, RollcallError, StaleEpoch
 from membership.view import View
 from rendezvous import validation as check
-from rendezvous.client import ClientTLS
+from rendezvous.client import ClientTLS, open_channel
 from rendezvous.wire import status_of, token_metadata
 from rollcall.pb import state_pb2 as pb
 from rollcall.pb import state_pb2_grpc as pb_grpc
@@ -157,10 +157,7 @@ class StateFetcher:
         channel = self._channels.get(address)
         if channel is None:
             options = [("grpc.max_receive_message_length", 2 * CHUNK_BYTES)]
-            if self._tls is not None:
-                channel = grpc.aio.secure_channel(address, self._tls.credentials(), options)
-            else:
-                channel = grpc.aio.insecure_channel(address, options)
+            channel = open_channel(address, self._tls, options)
             self._channels[address] = channel
         return pb_grpc.StateTransferStub(channel)
 
