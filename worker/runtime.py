@@ -177,6 +177,7 @@ class Elastic:
         self._store_ports: dict[int, asyncio.Future[int]] = {}
         self._closed = False
         self._failure: tuple[float, str] | None = None
+        self._abandoned = 0  # epoch of the last view given up while entering it
         #: Seconds spent in each phase of the last view change (for events).
         self.last_change: dict[str, float] = {}
 
@@ -281,6 +282,11 @@ class Elastic:
                 rank = self._enter(view)
             except StepAborted as exc:
                 log.info("view %d abandoned while entering it: %s", view.epoch, exc)
+                if isinstance(exc, PeerFailed):
+                    self._note_failure(str(exc))
+                # Not entered again: the next view (a roll call is coming, or
+                # is asked for by _wait_for_view) replaces it.
+                self._abandoned = view.epoch
                 continue
             while self.committed_step + 1 < max_steps and not self._abort.is_set():
                 step = Step(self, self.committed_step + 1, view, rank)
@@ -291,7 +297,7 @@ class Elastic:
     def _wait_for_view(self) -> View:
         """The newest committed view that contains this worker and that it
         has not entered yet."""
-        entered = self._group.epoch if self._group is not None else 0
+        entered = max(self._group.epoch if self._group is not None else 0, self._abandoned)
         reported = False
         with self._view_changed:
             while True:
