@@ -49,7 +49,7 @@ from rendezvous.wire import TokenInterceptor, read_token
 from rollcall.pb import state_pb2_grpc
 from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
 from worker.plan import DataPlan, Ledger, Microbatch
-from worker.state import CorruptState, capture, digest, from_bytes, restore, to_bytes
+from worker.state import CorruptState, capture, digest, restore, to_bytes
 from worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
 log = logging.getLogger("rollcall.worker")
@@ -337,11 +337,10 @@ class Elastic:
                 m.id for m in view.members if m.id != self.member_id
             )
             addresses = [m.address for m in view.members if m.id in sources]
-            blob, report = self._remote(
+            blob, state, report = self._remote(
                 self._fetcher.fetch(addresses, view.epoch, view.digest, self._group_timeout),
                 f"epoch {view.epoch}: state fetch",
             )
-            state = from_bytes(blob)
             with self._lock:
                 restore(state, self._model, self._optimizer, self._scheduler)
                 self.committed_step = state.step

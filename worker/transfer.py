@@ -28,7 +28,7 @@ from rendezvous.client import ClientTLS, open_channel
 from rendezvous.wire import status_of, token_metadata
 from rollcall.pb import state_pb2 as pb
 from rollcall.pb import state_pb2_grpc as pb_grpc
-from worker.state import Assembler, CorruptState, digest, from_bytes, ranges
+from worker.state import Assembler, CorruptState, ReplicaState, from_bytes, ranges
 
 log = logging.getLogger("rollcall.transfer")
 T = TypeVar("T")
@@ -199,9 +199,10 @@ class StateFetcher:
 
     async def fetch(
         self, sources: Sequence[str], epoch: int, expected: str, timeout: float
-    ) -> tuple[bytes, FetchReport]:
-        """The state blob with digest ``expected``, striped across ``sources``
-        (addresses). Raises ``TransferFailed`` if none can deliver it."""
+    ) -> tuple[bytes, ReplicaState, FetchReport]:
+        """The state with digest ``expected`` (blob and decoded), striped
+        across ``sources`` (addresses). Raises ``TransferFailed`` if none can
+        deliver it."""
         started = time.perf_counter()
         deadline = time.monotonic() + timeout
         sizes = await asyncio.gather(
@@ -217,9 +218,9 @@ class StateFetcher:
         addresses = [a for a, s in holders if s.size == size]
         retries = 0
         blob = await self._striped(addresses, epoch, expected, size, deadline)
-        if not self._verify(blob, expected):
+        state = self._verified(blob, expected)
+        if state is None:
             # Corrupt somewhere: take it whole from one source at a time.
-            blob = b""
             for address in addresses:
                 retries += 1
                 try:
@@ -227,13 +228,14 @@ class StateFetcher:
                 except (grpc.aio.AioRpcError, TransferFailed) as exc:
                     log.warning("refetch from %s failed: %s", address, exc)
                     continue
-                if self._verify(candidate, expected):
+                state = self._verified(candidate, expected)
+                if state is not None:
                     blob = candidate
                     break
-            if not blob:
+            if state is None:
                 raise TransferFailed(f"every source delivered state that fails digest {expected}")
         report = FetchReport(size, time.perf_counter() - started, tuple(addresses), retries)
-        return blob, report
+        return blob, state, report
 
     async def _describe(self, address: str, epoch: int, deadline: float) -> pb.StateInfo:
         return await self._retrying(
@@ -287,8 +289,9 @@ class StateFetcher:
         return assembler.result()
 
     @staticmethod
-    def _verify(blob: bytes, expected: str) -> bool:
+    def _verified(blob: bytes, expected: str) -> ReplicaState | None:
+        """The decoded state if ``blob`` decodes and has digest ``expected``."""
         try:
-            return digest(from_bytes(blob)) == expected
+            return from_bytes(blob, expect_digest=expected)
         except CorruptState:
-            return False
+            return None

@@ -1,0 +1,115 @@
+"""State transfer over real gRPC: striping, digest check, retry elsewhere,
+and the rule that only members of the server's view may pull."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from membership.config import Config
+from membership.view import Member, View
+from rendezvous.etcd_local import free_port
+from rendezvous.wire import TokenInterceptor
+from rollcall.pb import state_pb2_grpc
+from worker.state import capture, digest, to_bytes
+from worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
+
+TOKEN = "transfer-test-token"
+JOB = "job1"
+
+
+def make_snapshot() -> Snapshot:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    state = capture(7, model, optimizer)
+    return Snapshot(7, digest(state), to_bytes(state))
+
+
+def corrupted(snap: Snapshot) -> Snapshot:
+    data = bytearray(snap.data)
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(64)  # zeros inside tensor bytes: still loads
+    return Snapshot(snap.step, snap.digest, bytes(data))
+
+
+async def serve(snapshot: Snapshot, view: View) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server(interceptors=[TokenInterceptor(TOKEN)])
+
+    async def no_store(epoch: int) -> int:
+        raise AssertionError("not used here")
+
+    state_pb2_grpc.add_StateTransferServicer_to_server(
+        StateServer(JOB, Config(), lambda: "src", lambda: view, lambda: snapshot, no_store),
+        server,
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+VIEW = View(epoch=3, members=(Member("src", "127.0.0.1:1"), Member("fetcher", "127.0.0.1:2")))
+
+
+def test_a_corrupt_source_is_detected_and_the_state_fetched_again_elsewhere():
+    good = make_snapshot()
+
+    async def scenario():
+        servers = [await serve(corrupted(good), VIEW), await serve(good, VIEW)]
+        fetcher = StateFetcher(JOB, "fetcher", TOKEN)
+        try:
+            return await fetcher.fetch([a for _, a in servers], 3, good.digest, timeout=20)
+        finally:
+            await fetcher.close()
+            for server, _ in servers:
+                await server.stop(0)
+
+    blob, state, report = asyncio.run(scenario())
+    assert blob == good.data
+    assert digest(state) == good.digest and state.step == 7
+    assert report.retries >= 1
+    assert len(report.sources) == 2  # striped across both at first
+
+
+def test_an_unreachable_source_is_skipped():
+    good = make_snapshot()
+
+    async def scenario():
+        server, address = await serve(good, VIEW)
+        fetcher = StateFetcher(JOB, "fetcher", TOKEN)
+        try:
+            dead = f"127.0.0.1:{free_port()}"
+            return await fetcher.fetch([dead, address], 3, good.digest, timeout=5)
+        finally:
+            await fetcher.close()
+            await server.stop(0)
+
+    blob, _, report = asyncio.run(scenario())
+    assert blob == good.data
+    assert len(report.sources) == 1
+
+
+@pytest.mark.parametrize(
+    ("member_id", "epoch", "token"),
+    [("stranger", 3, TOKEN), ("fetcher", 2, TOKEN), ("fetcher", 3, "wrong-token")],
+    ids=["not a member", "stale epoch", "wrong token"],
+)
+def test_only_members_of_the_current_view_may_pull(member_id, epoch, token):
+    good = make_snapshot()
+
+    async def scenario():
+        server, address = await serve(good, VIEW)
+        fetcher = StateFetcher(JOB, member_id, token)
+        try:
+            await fetcher.fetch([address], epoch, good.digest, timeout=1.5)
+        finally:
+            await fetcher.close()
+            await server.stop(0)
+
+    with pytest.raises(TransferFailed):
+        asyncio.run(scenario())
