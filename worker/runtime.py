@@ -173,13 +173,10 @@ class Elastic:
         self._frozen = False
         self._snapshot: Snapshot | None = None
         self._group: EpochGroup | None = None
-        self._stores: dict[int, Any] = {}
         self._store_ports: dict[int, asyncio.Future[int]] = {}
         self._closed = False
         self._failure: tuple[float, str] | None = None
         self._abandoned = 0  # epoch of the last view given up while entering it
-        #: Seconds spent in each phase of the last view change (for events).
-        self.last_change: dict[str, float] = {}
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollcall", daemon=True)
@@ -320,8 +317,7 @@ class Elastic:
         """Pull state if behind, build the group for ``view``; returns our rank.
         Raises ``StepAborted`` if a newer roll call, a dead peer or a timeout
         gets in the way (``steps`` then waits for the next view)."""
-        started = time.perf_counter()
-        phases: dict[str, float] = {}
+        fetched = 0.0
         assert self.member_id is not None and self._fetcher is not None
         rank = view.rank_of(self.member_id)
         assert rank is not None
@@ -345,7 +341,7 @@ class Elastic:
                 restore(state, self._model, self._optimizer, self._scheduler)
                 self.committed_step = state.step
                 self._snapshot = Snapshot(state.step, view.digest, blob)
-            phases["state_fetch"] = report.seconds
+            fetched = report.seconds
             log.info(
                 "pulled step %d (%d bytes) from %d peers in %.3f s",
                 state.step, report.size, len(report.sources), report.seconds,
@@ -355,8 +351,7 @@ class Elastic:
         if old is not None:
             old.close()
         if rank == 0:
-            store, port = host_store(self._group_timeout, host=self._host)
-            self._stores = {view.epoch: store}
+            _, port = host_store(self._group_timeout, host=self._host)  # the group owns it
             self._loop.call_soon_threadsafe(self._publish_store_port, view.epoch, port)
             host = self._host
         else:
@@ -370,10 +365,10 @@ class Elastic:
             view.epoch, rank, view.size, host, port, rank == 0, self._group_timeout, self._abort,
             listen_host=self._host,
         )  # fmt: skip
-        phases["group_build"] = time.perf_counter() - built
-        phases["enter_total"] = time.perf_counter() - started
-        self.last_change = phases
-        log.info("entered view %d as rank %d of %d", view.epoch, rank, view.size)
+        log.info(
+            "entered view %d as rank %d of %d (state fetch %.3f s, group build %.3f s)",
+            view.epoch, rank, view.size, fetched, time.perf_counter() - built,
+        )  # fmt: skip
         return rank
 
     def _remote(self, coro: Any, what: str) -> Any:

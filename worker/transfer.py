@@ -68,7 +68,6 @@ class StateServer(pb_grpc.StateTransferServicer):
         self._current_view = current_view
         self._snapshot = snapshot
         self._store_port = store_port
-        self.bytes_served = 0
 
     def _admit(self, job: str, member_id: str, epoch: int) -> View:
         check.check_id(job, "job", self._config)
@@ -111,7 +110,6 @@ class StateServer(pb_grpc.StateTransferServicer):
             return
         for offset in range(request.offset, end, CHUNK_BYTES):
             piece = snap.data[offset : min(offset + CHUNK_BYTES, end)]
-            self.bytes_served += len(piece)
             yield pb.Chunk(offset=offset, data=piece)
 
     async def GroupStore(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> Any:
