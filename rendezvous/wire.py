@@ -146,10 +146,26 @@ def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator
 
+    async def take_first(requests: Any) -> None:
+        # Accept the client's first message before refusing: a client whose
+        # first write races the refusal otherwise sees a local INTERNAL error
+        # ("execute_batch") instead of UNAUTHENTICATED.
+        async for _ in requests:
+            return
+
+    async def deny_stream_in(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        await take_first(requests)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def deny_bidi(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        await take_first(requests)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator
+
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny_stream)
+        return grpc.stream_stream_rpc_method_handler(deny_bidi)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny)
+        return grpc.stream_unary_rpc_method_handler(deny_stream_in)
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(deny_stream)
     return grpc.unary_unary_rpc_method_handler(deny)
