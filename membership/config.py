@@ -66,6 +66,10 @@ class Config:
     #: Progress (last committed step) is written to etcd at most this often.
     progress_write_interval: float = 0.5
 
+    #: Durable checkpoint manifests kept in etcd (newest first); a writer
+    #: deletes its files older than the oldest one kept.
+    checkpoint_keep: int = 3
+
     # --- request limits ----------------------------------------------------
     #: Largest gRPC message accepted by the service.
     max_message_bytes: int = 64 * 1024

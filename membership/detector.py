@@ -216,6 +216,11 @@ class FailureDetector:
         """Whether ``member_id`` is suspected; ``KeyError`` if not watched."""
         return self._detector(member_id).suspected(now)
 
+    def silence(self, member_id: str, now: float) -> float:
+        """Seconds since ``member_id``'s last heartbeat (0 if not watched)."""
+        detector = self._detectors.get(member_id)
+        return 0.0 if detector is None else max(0.0, now - detector.last_heartbeat)
+
     def phi(self, member_id: str, now: float) -> float:
         """Suspicion level of ``member_id``; ``KeyError`` if not watched."""
         return self._detector(member_id).phi(now)

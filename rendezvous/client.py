@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from membership.checkpoint import CheckpointManifest
 from membership.config import Config
 from membership.errors import (
     ControlPlaneUnavailable,
@@ -31,7 +32,13 @@ from membership.errors import (
     Unauthenticated,
 )
 from membership.view import EMPTY_VIEW, View
-from rendezvous.wire import LEADER_METADATA, token_metadata, view_from_pb
+from rendezvous.wire import (
+    LEADER_METADATA,
+    manifest_from_pb,
+    manifest_to_pb,
+    token_metadata,
+    view_from_pb,
+)
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 
@@ -89,6 +96,10 @@ class Status:
     step: int | None
     replica: str
     rollcall_epoch: int
+    #: Durable checkpoints, newest first.
+    checkpoints: tuple[CheckpointManifest, ...] = ()
+    #: Last committed step recorded for the job in any view.
+    last_step: int | None = None
 
 
 def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
@@ -220,6 +231,8 @@ class RendezvousClient:
             step=response.step if response.HasField("step") else None,
             replica=response.replica,
             rollcall_epoch=response.rollcall_epoch,
+            checkpoints=tuple(manifest_from_pb(m) for m in response.checkpoints),
+            last_step=response.last_step if response.HasField("last_step") else None,
         )
 
     async def watch(self, after_epoch: int = 0) -> AsyncIterator[View]:
@@ -313,6 +326,34 @@ class RendezvousClient:
                 failure=pb.FailureReport(epoch=self._view.epoch, peer_id=peer_id, reason=reason)
             )
         )
+
+    def report_view(self, report: pb.ViewReport) -> None:
+        """How entering the current view went (after the first commit in it)."""
+        self._send(pb.SessionRequest(view_report=report))
+
+    def request_rollcall(self, reason: str) -> None:
+        """Ask for a roll call: this member's state changed outside a step
+        (it loaded a checkpoint), so the view's resume step must be decided
+        again. Sent as a failure report naming the member itself."""
+        assert self.member_id is not None
+        self.report_failure(self.member_id, reason)
+
+    async def publish_checkpoint(
+        self, manifest: CheckpointManifest
+    ) -> tuple[bool, tuple[CheckpointManifest, ...]]:
+        """Record a complete checkpoint; returns (accepted, manifests kept)."""
+        assert self.member_id is not None
+        response = await self._call(
+            "PublishCheckpoint",
+            pb.PublishCheckpointRequest(
+                job=self._job,
+                member_id=self.member_id,
+                epoch=self._view.epoch,
+                checkpoint=manifest_to_pb(manifest),
+            ),
+            leader_only=True,
+        )
+        return response.accepted, tuple(manifest_from_pb(m) for m in response.checkpoints)
 
     async def leave(self) -> None:
         """Leave cleanly; the others reconfigure at once."""

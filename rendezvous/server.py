@@ -8,10 +8,14 @@ import signal
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import grpc
 
 from membership.config import Config
+from rendezvous.events import EventFile
+from rendezvous.metrics import ServiceMetrics, serve
 from rendezvous.service import Replica
 from rendezvous.store import EtcdClientTLS, EtcdStore
 from rendezvous.validation import check_address, check_id
@@ -53,6 +57,11 @@ class ReplicaOptions:
     config: Config = Config()
     tls: ServerTLS | None = None
     etcd_tls: EtcdClientTLS | None = None
+    #: Append view-change events (docs/events.md) to this file.
+    events: Path | None = None
+    #: Serve Prometheus metrics on this port (0: a free one; None: no metrics).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
 
 def default_advertise(listen: str, port: int) -> str:
@@ -65,16 +74,37 @@ def default_advertise(listen: str, port: int) -> str:
 class RunningReplica:
     """A started replica; ``address`` is what it advertises."""
 
-    def __init__(self, server: grpc.aio.Server, replica: Replica, store: EtcdStore, address: str):
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        replica: Replica,
+        store: EtcdStore,
+        address: str,
+        events: EventFile | None = None,
+        metrics_server: Any = None,
+    ):
         self.server = server
         self.replica = replica
         self.address = address
         self._store = store
+        self._events = events
+        self._metrics_server = metrics_server
+        #: ``host:port`` of the metrics endpoint, if any.
+        self.metrics_address = (
+            f"{metrics_server.server_address[0]}:{metrics_server.server_address[1]}"
+            if metrics_server is not None
+            else None
+        )
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.replica.stop()
         await self.server.stop(grace)
         self._store.close()
+        if self._events is not None:
+            self._events.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
 
 
 async def start_replica(options: ReplicaOptions) -> RunningReplica:
@@ -106,12 +136,22 @@ async def start_replica(options: ReplicaOptions) -> RunningReplica:
         store.close()
         raise
     advertise = options.advertise or default_advertise(options.listen, port)
-    replica = Replica(store, options.job, advertise, config)
+    events = EventFile(options.events) if options.events is not None else None
+    metrics = ServiceMetrics(options.job) if options.metrics_port is not None else None
+    metrics_server = (
+        serve(metrics.registry, options.metrics_port, options.metrics_host)
+        if metrics is not None and options.metrics_port is not None
+        else None
+    )
+    replica = Replica(store, options.job, advertise, config, events=events, metrics=metrics)
     pb_grpc.add_RendezvousServicer_to_server(replica, server)
     await server.start()
     await replica.start()
     log.info("rendezvous replica for job %s listening on %s", options.job, advertise)
-    return RunningReplica(server, replica, store, advertise)
+    running = RunningReplica(server, replica, store, advertise, events, metrics_server)
+    if running.metrics_address:
+        log.info("metrics at http://%s/metrics", running.metrics_address)
+    return running
 
 
 async def serve_until_signalled(options: ReplicaOptions, ready: str | None = None) -> None:

@@ -36,8 +36,16 @@ from membership.errors import (
 )
 from membership.view import EMPTY_VIEW, Member, View
 from rendezvous import validation as check
+from rendezvous.events import EventFile, EventLog, MemberReport
+from rendezvous.metrics import ServiceMetrics
 from rendezvous.store import EtcdStore, LeaderInfo, MemberRecord
-from rendezvous.wire import LEADER_METADATA, status_of, view_to_pb
+from rendezvous.wire import (
+    LEADER_METADATA,
+    manifest_from_pb,
+    manifest_to_pb,
+    status_of,
+    view_to_pb,
+)
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 
@@ -46,6 +54,10 @@ T = TypeVar("T")
 
 #: Longest free text (failure reasons) accepted from a member.
 _MAX_REASON = 256
+#: The suspicion reason of a member whose session stream broke (killed, reset).
+STREAM_BROKEN = "session stream broken"
+#: Largest duration a member may report (anything above is malformed).
+_MAX_REPORTED_SECONDS = 1e6
 
 
 @dataclass
@@ -95,6 +107,8 @@ class Replica(pb_grpc.RendezvousServicer):
         advertise: str,
         config: Config,
         clock: Callable[[], float] = time.monotonic,
+        events: EventFile | None = None,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self._store = store
         self._job = job
@@ -111,6 +125,9 @@ class Replica(pb_grpc.RendezvousServicer):
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._cancel_watches: list[Callable[[], None]] = []
+        self._events = EventLog(job, time.time() - clock())
+        self._event_file = events
+        self._metrics = metrics
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -186,6 +203,10 @@ class Replica(pb_grpc.RendezvousServicer):
     async def _serve_as_leader(self, info: LeaderInfo) -> None:
         view, revision = await self._etcd(self._store.read_view)
         records = {r.member.id: r for r in await self._etcd(self._store.list_members)}
+        checkpoints = await self._etcd(self._store.read_checkpoints)
+        self._events.checkpoint_step = checkpoints[0].step if checkpoints else None
+        if self._metrics is not None:
+            self._metrics.leader.set(1)
         now = self._clock()
         joiners = [r.member for r in records.values() if r.member.id not in view]
         lead = _Leadership(
@@ -224,6 +245,9 @@ class Replica(pb_grpc.RendezvousServicer):
             for session in list(lead.sessions.values()):
                 session.close(NotLeader(f"replica lost leadership: {lead.lost_reason}"))
             lead.sessions.clear()
+            self._emit(self._events.flush())
+            if self._metrics is not None:
+                self._metrics.leader.set(0)
             log.info("replica %s stepped down: %s", self._advertise, lead.lost_reason)
 
     def _lose(self, lead: _Leadership, reason: str) -> None:
@@ -249,6 +273,7 @@ class Replica(pb_grpc.RendezvousServicer):
                     if ttl <= 0 and lease_id in leases:
                         self._suspect(lead, leases[lease_id], "lease expired")
                 await self._write_progress(lead)
+                self._emit(self._events.tick(self._clock()))
             except ControlPlaneUnavailable as exc:
                 log.warning("keep-alive: %s", exc)
             await asyncio.sleep(period)
@@ -319,6 +344,7 @@ class Replica(pb_grpc.RendezvousServicer):
         """Carry out the coordinator's actions."""
         for action in lead.coordinator.take_actions():
             if isinstance(action, RequestAnswers):
+                self._events.rollcall(self._clock())
                 for member_id in action.member_ids:
                     session = lead.sessions.get(member_id)
                     if session is not None:
@@ -326,6 +352,17 @@ class Replica(pb_grpc.RendezvousServicer):
             elif isinstance(action, CommitView):
                 asyncio.create_task(self._commit(lead, action), name=f"commit-{action.view.epoch}")
         self._wake.set()
+
+    def _emit(self, records: list[dict[str, Any]]) -> None:
+        """Write finished event records to the events file and the metrics."""
+        for record in records:
+            if self._metrics is not None:
+                self._metrics.record(record)
+        if self._event_file is not None and records:
+            try:
+                self._event_file.write(records)
+            except OSError as exc:
+                log.warning("events file %s: %s", self._event_file.path, exc)
 
     def _ask(self, session: _Session, epoch: int) -> None:
         if session.asked_epoch >= epoch:
@@ -360,6 +397,10 @@ class Replica(pb_grpc.RendezvousServicer):
         else:
             return
         lead.view_revision = revision
+        if lead.step is not None and (lead.coordinator.view.epoch, lead.step) != lead.step_written:
+            # Record the old view's last step now: if every worker is gone,
+            # it is the step a resumed job has to reach again.
+            asyncio.create_task(self._flush_progress(lead, lead.coordinator.view.epoch, lead.step))
         lead.step = action.view.resume_step
         now = self._clock()
         lead.coordinator.committed(action.view, now)
@@ -367,6 +408,10 @@ class Replica(pb_grpc.RendezvousServicer):
             f" and {len(action.causes) - 8} more" if len(action.causes) > 8 else ""
         )
         log.info("committed epoch %d: %d members (%s)", action.view.epoch, action.view.size, causes)
+        self._emit(self._events.committed(action.view, action.previous, action.causes, now))
+        if self._metrics is not None:
+            self._metrics.epoch.set(action.view.epoch)
+            self._metrics.members.set(action.view.size)
         self._observe_view(action.view)
         self._announce(lead, action)
         self._drain(lead)
@@ -395,8 +440,11 @@ class Replica(pb_grpc.RendezvousServicer):
             pass  # not kept alive any more: the lease expires on its own
 
     def _suspect(self, lead: _Leadership, member_id: str, reason: str) -> None:
-        if lead.coordinator.suspect(member_id, self._clock()):
+        now = self._clock()
+        if lead.coordinator.suspect(member_id, now):
             log.info("suspect %s: %s", member_id, reason)
+            kind = "crash" if reason == STREAM_BROKEN else "suspected"
+            self._events.cause(now, kind, lead.detector.silence(member_id, now))
         lead.detector.forget(member_id)
         lead.join_deadlines.pop(member_id, None)
         session = lead.sessions.pop(member_id, None)
@@ -406,6 +454,13 @@ class Replica(pb_grpc.RendezvousServicer):
         if record is not None:
             asyncio.create_task(self._remove_record(record))
         self._drain(lead)
+
+    async def _flush_progress(self, lead: _Leadership, epoch: int, step: int) -> None:
+        try:
+            await self._etcd(self._store.write_progress, epoch, step)
+            lead.step_written, lead.step_written_at = (epoch, step), self._clock()
+        except ControlPlaneUnavailable as exc:
+            log.warning("progress of epoch %d not recorded: %s", epoch, exc)
 
     async def _write_progress(self, lead: _Leadership) -> None:
         view = lead.coordinator.view
@@ -507,6 +562,7 @@ class Replica(pb_grpc.RendezvousServicer):
             lead.records[member_id] = record
             lead.join_deadlines[member_id] = now + self._config.join_session_timeout
             lead.coordinator.join(record.member, now)
+            self._events.cause(now, "join")
             self._drain(lead)
             log.info("join %s at %s", member_id, request.address)
             return pb.JoinResponse(
@@ -525,6 +581,7 @@ class Replica(pb_grpc.RendezvousServicer):
             self._fence(lead, request.member_id, request.epoch)
             now = self._clock()
             lead.coordinator.leave(request.member_id, now)
+            self._events.cause(now, "leave")
             log.info("leave %s", request.member_id)
             lead.detector.forget(request.member_id)
             lead.join_deadlines.pop(request.member_id, None)
@@ -545,21 +602,60 @@ class Replica(pb_grpc.RendezvousServicer):
             view, _ = await self._etcd(self._store.read_view)
             leader = await self._etcd(self._store.read_leader)
             lead = self._lead
+            progress = await self._etcd(self._store.read_progress)
+            checkpoints = await self._etcd(self._store.read_checkpoints)
             if lead is not None and lead.coordinator.view.epoch == view.epoch:
                 step = lead.step
             else:
-                progress = await self._etcd(self._store.read_progress)
                 step = progress[1] if progress and progress[0] == view.epoch else view.resume_step
             response = pb.StatusResponse(
                 view=view_to_pb(view),
                 leader=leader.address if leader else "",
                 replica=self._advertise,
+                checkpoints=[manifest_to_pb(m) for m in checkpoints],
             )
             if step is not None:
                 response.step = step
+                response.last_step = step
+            elif progress is not None:
+                response.last_step = progress[1]
             if lead is not None and lead.coordinator.rollcall is not None:
                 response.rollcall_epoch = lead.coordinator.rollcall.epoch
             return response
+        except RollcallError as error:
+            await self._abort(context, error)
+
+    async def PublishCheckpoint(
+        self, request: pb.PublishCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        try:
+            self._check_job(request.job)
+            check.check_id(request.member_id, "member_id", self._config)
+            manifest = manifest_from_pb(request.checkpoint)
+            check.check_digest(manifest.digest, self._config)
+            check.check_id(manifest.writer, "checkpoint writer", self._config)
+            check.check_counter(manifest.step, "checkpoint step")
+            lead = self._leader()
+            self._fence(lead, request.member_id, request.epoch)
+            view = lead.coordinator.view
+            if request.epoch != view.epoch or request.member_id not in view:
+                raise StaleEpoch(
+                    f"member {request.member_id} is not in view {view.epoch}: "
+                    "only members of the current view publish checkpoints"
+                )
+            if manifest.epoch > view.epoch:
+                raise InvalidRequest(
+                    f"checkpoint epoch {manifest.epoch} is ahead of view {view.epoch}"
+                )
+            accepted, kept = await self._etcd(
+                self._store.publish_checkpoint, manifest, self._config.checkpoint_keep
+            )
+            if accepted:
+                log.info("checkpoint of step %d published by %s", manifest.step, manifest.writer)
+                self._events.checkpoint_step = manifest.step
+            return pb.PublishCheckpointResponse(
+                accepted=accepted, checkpoints=[manifest_to_pb(m) for m in kept]
+            )
         except RollcallError as error:
             await self._abort(context, error)
 
@@ -627,7 +723,7 @@ class Replica(pb_grpc.RendezvousServicer):
             if not ended and lead.sessions.get(member_id) is session:
                 # The stream broke (process killed, connection cut): the
                 # fastest failure signal there is.
-                self._suspect(lead, member_id, "session stream broken")
+                self._suspect(lead, member_id, STREAM_BROKEN)
 
     def _open(self, first: pb.SessionRequest) -> tuple[_Leadership, _Session]:
         if first.WhichOneof("kind") != "open":
@@ -674,8 +770,12 @@ class Replica(pb_grpc.RendezvousServicer):
             self._fence(lead, member_id, epoch)
             check.check_counter(step, "step")
             lead.detector.heartbeat(member_id, now)
-            if epoch == lead.coordinator.view.epoch and member_id in lead.coordinator.view:
+            view = lead.coordinator.view
+            if epoch == view.epoch and member_id in view:
                 lead.step = max(step, lead.step if lead.step is not None else step)
+                self._emit(self._events.progress(now, view, lead.step))
+                if self._metrics is not None:
+                    self._metrics.progress(lead.step, self._events.global_batch)
         elif kind == "answer":
             answer = request.answer
             check.check_counter(answer.epoch, "epoch")
@@ -701,8 +801,21 @@ class Replica(pb_grpc.RendezvousServicer):
             if report.epoch == lead.coordinator.view.epoch and lead.coordinator.recheck(
                 report.peer_id, cause, now
             ):
+                self._events.cause(now, "report")
                 log.info("%s reports %s failing: %s", member_id, report.peer_id, report.reason)
                 self._drain(lead)
+        elif kind == "view_report":
+            r = request.view_report
+            self._fence(lead, member_id, r.epoch)
+            durations = (r.fetch_s, r.rebuild_s, r.first_step_s, r.lost_work_s, r.step_s)
+            if not all(0 <= d < _MAX_REPORTED_SECONDS for d in (*durations, r.launch_s)):
+                raise InvalidRequest("view report durations must be in [0, 1e6) seconds")
+            lead.detector.heartbeat(member_id, now)
+            account = MemberReport(
+                r.fetch_s, r.rebuild_s, r.first_step_s, r.lost_work_s, r.step_s, r.launch_s,
+                r.global_batch,
+            )  # fmt: skip
+            self._emit(self._events.report(member_id, r.epoch, account, now))
         elif kind == "open":
             raise InvalidRequest("Open sent twice on one session")
         else:

@@ -7,6 +7,8 @@ with ``etcdctl get --prefix /rollcall/jobs/``::
     leader          {"address", "lease_id", "replica_id"}, tied to the leader's lease
     members/<id>    {"address", "id"}, each tied to its own lease
     progress        {"epoch", "step"}: last committed step reported for the view
+    checkpoints     [manifest, ...]: durable checkpoints, newest first
+                    (``membership.checkpoint.CheckpointManifest``)
 
 The store is synchronous: the asyncio service calls it from worker threads.
 
@@ -42,6 +44,7 @@ from pyetcd import etcdrpc
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 from pyetcd.exceptions import NoServerAvailableError
 
+from membership.checkpoint import CheckpointManifest, record
 from membership.config import Config
 from membership.errors import ControlPlaneUnavailable, InvalidRequest
 from membership.view import EMPTY_VIEW, Member, View
@@ -57,6 +60,8 @@ _UNREACHABLE_CODES = frozenset(
 #: etcd passes its own context errors on unmapped, as UNKNOWN: when the
 #: deadline we sent expires inside etcd first, this is what we receive.
 _CONTEXT_ERRORS = ("context deadline exceeded", "context canceled")
+#: Compare-and-swap rounds before a contended update gives up.
+_CAS_ATTEMPTS = 5
 
 
 def _unreachable(exc: grpc.RpcError) -> bool:
@@ -236,6 +241,7 @@ class EtcdStore:
         self._leader_key = f"{base}leader".encode()
         self._members_prefix = f"{base}members/".encode()
         self._progress_key = f"{base}progress".encode()
+        self._checkpoints_key = f"{base}checkpoints".encode()
 
     def _make_endpoint(self, url: str, tls: EtcdClientTLS | None) -> Endpoint:
         parts = urlsplit(url)
@@ -667,6 +673,49 @@ class EtcdStore:
             return None
         data = json.loads(response.kvs[0].value)
         return int(data["epoch"]), int(data["step"])
+
+    # --- checkpoints -----------------------------------------------------------
+    def read_checkpoints(self) -> list[CheckpointManifest]:
+        """The published checkpoint manifests, newest first."""
+        return self._read_checkpoints()[0]
+
+    def _read_checkpoints(self) -> tuple[list[CheckpointManifest], int]:
+        response = self._kv_range(_range(self._checkpoints_key))
+        if not response.kvs:
+            return [], 0
+        kv = response.kvs[0]
+        return [CheckpointManifest.from_dict(d) for d in json.loads(kv.value)], int(kv.mod_revision)
+
+    def publish_checkpoint(
+        self, manifest: CheckpointManifest, keep: int
+    ) -> tuple[bool, list[CheckpointManifest]]:
+        """Record ``manifest`` if it is newer than every recorded one, keeping
+        the ``keep`` newest; a compare-and-swap on the key, retried when
+        another writer got in between. Returns (accepted, manifests kept)."""
+        for _ in range(_CAS_ATTEMPTS):
+            kept, revision = self._read_checkpoints()
+            accepted, updated = record(kept, manifest, keep)
+            if not accepted:
+                # (Or an earlier attempt of ours landed and its answer was lost.)
+                return bool(kept) and kept[0] == manifest, kept
+            value = _dumps([m.to_dict() for m in updated])
+            compare = (
+                _compare(self._checkpoints_key, "MOD", revision)
+                if revision
+                else _compare(self._checkpoints_key, "CREATE", 0)
+            )
+            request = etcdrpc.TxnRequest(
+                compare=[compare], success=[_put_op(self._checkpoints_key, value)]
+            )
+
+            def attempt(
+                channel: grpc.Channel, timeout: float, retried: bool, txn: Any = request
+            ) -> bool:
+                return bool(self._txn_call(txn, channel, timeout).succeeded)
+
+            if self._call(attempt):
+                return True, updated
+        raise ControlPlaneUnavailable("checkpoint manifest: too much contention on etcd")
 
     def snapshot(self) -> dict[str, bytes]:
         """Every key under the job's prefix with its value."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from membership.checkpoint import CheckpointManifest
 from membership.errors import (
     ControlPlaneUnavailable,
     Evicted,
@@ -72,6 +73,25 @@ def view_from_pb(message: pb.View) -> View:
         resume_step=message.resume_step if message.HasField("resume_step") else None,
         digest=message.digest,
         fetch={f.member_id: tuple(f.sources) for f in message.fetch},
+    )
+
+
+def manifest_to_pb(manifest: CheckpointManifest) -> pb.Checkpoint:
+    return pb.Checkpoint(**manifest.to_dict())
+
+
+def manifest_from_pb(message: pb.Checkpoint) -> CheckpointManifest:
+    """Raises ``InvalidRequest`` for a malformed manifest."""
+    return CheckpointManifest(
+        step=message.step,
+        digest=message.digest,
+        uri=message.uri,
+        size=message.size,
+        sha256=message.sha256,
+        epoch=message.epoch,
+        writer=message.writer,
+        created_unix=message.created_unix,
+        step_seconds=message.step_seconds,
     )
 
 

@@ -9,6 +9,7 @@ and argument errors are instant.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -213,6 +214,19 @@ def wait_for_signal() -> None:
     default="info",
     show_default=True,
 )
+@click.option(
+    "--events",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Append one JSON line per view change to this file (docs/events.md).",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    help="Serve Prometheus metrics on this port (0 picks a free one).",
+)
+@click.option(
+    "--metrics-host", default="127.0.0.1", show_default=True, help="Address of the metrics port."
+)
 @config_option
 def rendezvous(
     etcd_urls: str,
@@ -227,6 +241,9 @@ def rendezvous(
     etcd_cert: str | None,
     etcd_key: str | None,
     log_level: str,
+    events: Path | None,
+    metrics_port: int | None,
+    metrics_host: str,
     overrides: tuple[str, ...],
 ) -> None:
     """Run a rendezvous replica for one job (several may share one etcd)."""
@@ -250,20 +267,42 @@ def rendezvous(
         config=config,
         tls=ServerTLS(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None,
         etcd_tls=EtcdClientTLS(etcd_ca, etcd_cert, etcd_key) if etcd_ca else None,
+        events=events,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     setup_logging(log_level)
     asyncio.run(serve_until_signalled(options, ready="rendezvous ready at {address}"))
 
 
+def target_options(fn: F) -> F:
+    """--rendezvous and --job, both optional: without them the command
+    talks to the `rollcall up` running on this machine."""
+    fn = click.option("--job", help="Job name (default: that of the local `rollcall up`).")(fn)
+    return click.option(
+        "--rendezvous",
+        "addresses",
+        metavar="HOST:PORT[,...]",
+        help="Rendezvous replica addresses (default: the local `rollcall up`).",
+    )(fn)
+
+
+def resolve_target(
+    addresses: str | None, job: str | None, token_file: Path | None
+) -> tuple[list[str], str, Path | None]:
+    """Where a command goes: the given deployment, or the local `up`."""
+    if addresses and job:
+        return split_list(addresses), job, token_file
+    if addresses or job:
+        raise click.UsageError("--rendezvous and --job go together")
+    from rollcall.local import find_local
+
+    record = find_local()
+    return [record["rendezvous"]], record["job"], token_file or Path(record["token_file"])
+
+
 @main.command()
-@click.option(
-    "--rendezvous",
-    "addresses",
-    required=True,
-    metavar="HOST:PORT[,...]",
-    help="Rendezvous replica addresses.",
-)
-@click.option("--job", required=True, help="Job name.")
+@target_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @token_option
 @click.option(
@@ -283,8 +322,8 @@ def rendezvous(
     help="Give up after this many seconds.",
 )
 def status(
-    addresses: str,
-    job: str,
+    addresses: str | None,
+    job: str | None,
     as_json: bool,
     token_file: Path | None,
     tls_ca: str | None,
@@ -296,12 +335,13 @@ def status(
     from rendezvous.client import ClientTLS, RendezvousClient
     from rendezvous.wire import read_token
 
+    replicas, job, token_file = resolve_target(addresses, job, token_file)
     token = read_token(token_file)
     tls = ClientTLS(tls_ca, tls_cert, tls_key) if tls_ca else None
     config = Config(client_call_deadline=timeout)
 
     async def ask() -> Any:
-        client = RendezvousClient(split_list(addresses), job, token, config, tls)
+        client = RendezvousClient(replicas, job, token, config, tls)
         try:
             return await client.status()
         finally:
@@ -322,6 +362,8 @@ def status(
                     "step": result.step,
                     "replica": result.replica,
                     "rollcall_epoch": result.rollcall_epoch or None,
+                    "last_step": result.last_step,
+                    "checkpoints": [m.to_dict() for m in result.checkpoints],
                 }
             )
         )
@@ -332,41 +374,61 @@ def status(
         click.echo("no members")
     for m in members:
         click.echo(f"  rank {m['rank']:>3}  {m['id']:<24} {m['address']}")
+    if result.checkpoints:
+        newest = result.checkpoints[0]
+        click.echo(
+            f"newest checkpoint: step {newest.step}  {newest.uri}  ({newest.size} bytes, "
+            f"{len(result.checkpoints)} kept)"
+        )
 
 
 @main.command()
+@click.option("--workers", type=click.IntRange(0, 64), default=4, show_default=True,
+              help="Example workers to start (0: the control plane only).")
+@click.option("--steps", type=click.IntRange(min=1), default=2000, show_default=True,
+              help="Steps the job trains for; `up` ends when the workers are done.")
+@click.option("--events", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write view-change events here (default: in the work directory).")
 @click.option("--job", default="dev", show_default=True, help="Job name.")
-@click.option(
-    "--listen",
-    default="127.0.0.1:0",
-    show_default=True,
-    metavar="HOST:PORT",
-    help="Address of the rendezvous service (port 0 picks a free one).",
-)
-@click.option(
-    "--data-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Keep etcd's data and the job token here (default: a temporary directory).",
-)
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
-    show_default=True,
-)
+@click.option("--listen", default="127.0.0.1:0", show_default=True, metavar="HOST:PORT",
+              help="Address of the rendezvous service (port 0 picks a free one).")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep etcd's data, the token, checkpoints and logs here "
+                   "(default: a temporary directory, deleted on exit).")
+@click.option("--global-batch", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--micro-batch", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--d-model", type=click.IntRange(min=4), default=64, show_default=True,
+              help="Example model width.")
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Example model depth.")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Durable checkpoint every N steps.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Serve the rendezvous service's Prometheus metrics on this port.")
+@click.option("--live/--no-live", default=None,
+              help="Live terminal view (default: when stdout is a terminal).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="warning", show_default=True)
 @config_option
 def up(
-    job: str, listen: str, data_dir: Path | None, log_level: str, overrides: tuple[str, ...]
-) -> None:
-    """Run a local cluster: an embedded etcd and a rendezvous service.
+    workers: int, steps: int, events: Path | None, job: str, listen: str,
+    data_dir: Path | None, global_batch: int, micro_batch: int, d_model: int, layers: int,
+    checkpoint_every: int, metrics_port: int | None, live: bool | None, log_level: str,
+    overrides: tuple[str, ...],
+) -> None:  # fmt: skip
+    """Run a local cluster: an embedded etcd, a rendezvous service and
+    example workers training, with a live view.
 
-    Workers join it with the printed address and token file. Ctrl-C stops
-    everything it started.
+    Operate it from another terminal with `rollcall add`, `rollcall kill`,
+    `rollcall chaos` and `rollcall status` (they find it without flags).
+    It ends when the workers have trained --steps steps, or on Ctrl-C, which
+    stops everything it started.
     """
     from rendezvous.etcd_local import LocalEtcd, free_port
-    from rendezvous.server import ReplicaOptions, serve_until_signalled
 
     config = parse_overrides(overrides)
+    if global_batch % micro_batch:
+        raise click.UsageError("--global-batch must be a multiple of --micro-batch")
     owned = data_dir is None
     workdir = data_dir or Path(tempfile.mkdtemp(prefix="rollcall-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -374,30 +436,221 @@ def up(
     if not token_file.exists():
         token_file.write_text(os.environ.get("ROLLCALL_TOKEN") or secrets.token_urlsafe(24))
         token_file.chmod(0o600)
+    events_path = events or workdir / "events.jsonl"
+    setup_logging(log_level)
     server = LocalEtcd(data_dir=workdir / "etcd", client_port=free_port(), peer_port=free_port())
     server.start()
-    setup_logging(log_level)
     try:
-        options = ReplicaOptions(
-            etcd=[server.endpoint],
-            job=job,
-            listen=listen,
-            token=token_file.read_text().strip(),
-            config=config,
-        )
-        ready = (
-            f"rollcall up: etcd at {server.endpoint}, rendezvous at {{address}}, job {job}\n"
-            f"  token file: {token_file}\n"
-            f"  status:     rollcall status --rendezvous {{address}} --job {job} "
-            f"--token-file {token_file}\n"
-            "  Ctrl-C stops everything."
-        )
-        asyncio.run(serve_until_signalled(options, ready=ready))
+        asyncio.run(
+            _run_up(
+                server.endpoint, workdir, job, listen, token_file, events_path, config,
+                workers, steps, metrics_port,
+                [f"--global-batch={global_batch}", f"--micro-batch={micro_batch}",
+                 f"--d-model={d_model}", f"--layers={layers}",
+                 f"--checkpoint-every={checkpoint_every}"],
+                sys.stdout.isatty() if live is None else live,
+            )
+        )  # fmt: skip
     finally:
         server.stop()
         if owned:
             shutil.rmtree(workdir, ignore_errors=True)
         click.echo("rollcall up: stopped", err=True)
+
+
+async def _run_up(
+    etcd: str, workdir: Path, job: str, listen: str, token_file: Path, events: Path,
+    config: Config, workers: int, steps: int, metrics_port: int | None,
+    worker_args: list[str], live: bool,
+) -> None:  # fmt: skip
+    from rendezvous.client import RendezvousClient
+    from rendezvous.server import ReplicaOptions, start_replica
+    from rollcall.local import LocalCluster, WorkerOptions, summarize
+
+    token = token_file.read_text().strip()
+    running = await start_replica(
+        ReplicaOptions(
+            etcd=[etcd], job=job, listen=listen, token=token, config=config, events=events,
+            metrics_port=metrics_port,
+        )
+    )  # fmt: skip
+    cluster = LocalCluster(
+        workdir, job, token_file, running.address, etcd, events,
+        WorkerOptions(steps=steps, worker_args=worker_args),
+    )  # fmt: skip
+    client = RendezvousClient([running.address], job, token, config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    click.echo(
+        f"rollcall up: etcd at {etcd}, rendezvous at {running.address}, job {job}\n"
+        f"  token file: {token_file}\n  events:     {events}\n"
+        + (f"  metrics:    http://{running.metrics_address}/metrics\n"
+           if running.metrics_address else "")
+        + f"  status:     rollcall status   (or --rendezvous {running.address} --job {job} "
+        f"--token-file {token_file})\n  Ctrl-C stops everything."
+    )  # fmt: skip
+    try:
+        await cluster.open_control()
+        await cluster.add(workers)
+        await _watch_up(cluster, client, stop, live)
+    finally:
+        await cluster.stop()
+        if live:
+            click.echo()
+        summary = summarize(events)
+        goodput = summary["goodput"]
+        click.echo(
+            f"rollcall up: {len(summary['view_changes'])} view changes, goodput "
+            f"{'-' if goodput is None else f'{goodput:.3f}'}; events in {events}"
+        )
+        await client.close()
+        await running.stop()
+
+
+async def _watch_up(cluster: Any, client: Any, stop: asyncio.Event, live: bool) -> None:
+    """Refresh the view until Ctrl-C or the job is done."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from rollcall.live import event_line, headline, render
+    from rollcall.local import summarize
+
+    status = None
+    printed = 0
+    last_line = 0.0
+    console = Console()
+    display = Live(console=console, refresh_per_second=4, transient=False) if live else None
+    with display if display is not None else contextlib.nullcontext():
+        while not stop.is_set() and not cluster.finished:
+            try:
+                status = await asyncio.wait_for(client.status(), 2.0)
+            except (RollcallError, TimeoutError):
+                pass
+            summary = summarize(cluster.events)
+            if display is not None:
+                display.update(render(cluster, status, summary))
+            else:
+                for event in summary["view_changes"][printed:]:
+                    click.echo(event_line(event))
+                printed = len(summary["view_changes"])
+                if time.monotonic() - last_line > 5:
+                    last_line = time.monotonic()
+                    click.echo(headline(cluster, status, summary))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+
+
+@main.command()
+@click.option("--count", type=click.IntRange(1, 64), default=1, show_default=True)
+def add(count: int) -> None:
+    """Hot-add example workers to the `rollcall up` running on this machine.
+
+    (Against a deployment, start a worker with `rollcall worker` or scale
+    the compose service: see deploy/README.md.)
+    """
+    from rollcall.local import control, find_local
+
+    answer = asyncio.run(control(find_local(), {"op": "add", "count": count}))
+    for worker in answer["workers"]:
+        click.echo(f"started {worker['name']} (pid {worker['pid']})")
+
+
+@main.command()
+@click.argument("member", required=False)
+@click.option("--random", "pick_random", is_flag=True, help="Pick a training worker at random.")
+@click.option("--signal", "sig", type=click.Choice(["KILL", "STOP", "CONT", "TERM", "INT"]),
+              default="KILL", show_default=True,
+              help="STOP freezes the worker (the detector evicts it); CONT thaws it.")
+@target_options
+@token_option
+def kill(
+    member: str | None, pick_random: bool, sig: str, addresses: str | None, job: str | None,
+    token_file: Path | None,
+) -> None:  # fmt: skip
+    """Send a signal to a worker: MEMBER (id, name or pid) or --random.
+
+    Against the local `rollcall up` any of its workers; against a deployment
+    (--rendezvous, --job) a member whose process runs on this machine.
+    """
+    if (member is None) == (not pick_random):
+        raise click.UsageError("give either MEMBER or --random")
+    if addresses or job:
+        _kill_in_deployment(member, pick_random, sig, addresses, job, token_file)
+        return
+    from rollcall.local import control, find_local
+
+    answer = asyncio.run(
+        control(find_local(), {"op": "kill", "member": member, "signal": sig})
+    )
+    worker = answer["worker"]
+    click.echo(f"sent SIG{sig} to {worker['member_id'] or worker['name']} (pid {worker['pid']})")
+
+
+def _kill_in_deployment(
+    member: str | None, pick_random: bool, sig: str, addresses: str | None, job: str | None,
+    token_file: Path | None,
+) -> None:  # fmt: skip
+    import random
+
+    from rendezvous.client import RendezvousClient
+    from rendezvous.wire import read_token
+    from rollcall.local import SIGNALS, pid_listening
+
+    replicas, job, token_file = resolve_target(addresses, job, token_file)
+
+    async def ask() -> Any:
+        client = RendezvousClient(replicas, job, read_token(token_file), Config())
+        try:
+            return await client.status()
+        finally:
+            await client.close()
+
+    view = asyncio.run(ask()).view
+    pids = {m.id: pid_listening(m.address) for m in view.members}
+    local = {m: pid for m, pid in pids.items() if pid is not None}
+    if pick_random:
+        if not local:
+            fail(f"no member of job {job} runs on this machine")
+        member = random.choice(sorted(local))
+    assert member is not None
+    if member not in view:
+        fail(f"{member} is not a member of job {job} (epoch {view.epoch})")
+    if member not in local:
+        fail(f"{member} does not run on this machine: stop it where it runs (e.g. docker kill)")
+    os.kill(local[member], SIGNALS[sig])
+    click.echo(f"sent SIG{sig} to {member} (pid {local[member]})")
+
+
+@main.command()
+@click.option("--mtbf", type=click.FloatRange(min=0.1), required=True,
+              help="Mean time between kills, seconds (exponentially distributed).")
+@click.option("--duration", type=click.FloatRange(min=0.1, max=86400), required=True,
+              help="Stop killing after this many seconds.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same schedule.")
+@click.option("--rejoin-after", type=click.FloatRange(min=0), default=None,
+              help="Start a replacement worker this many seconds after each kill.")
+@click.option("--signal", "sig", type=click.Choice(["KILL", "STOP"]), default="KILL",
+              show_default=True, help="STOP freezes instead (thawed when it is replaced).")
+@click.option("--min-workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Never kill below this many training workers.")
+def chaos(
+    mtbf: float, duration: float, seed: int, rejoin_after: float | None, sig: str,
+    min_workers: int,
+) -> None:  # fmt: skip
+    """Kill random workers of the local `rollcall up`, reproducibly and for a
+    bounded time, and optionally start replacements."""
+    from rollcall.local import find_local, run_chaos
+
+    record = find_local()
+    summary = asyncio.run(
+        run_chaos(record, mtbf, duration, seed, rejoin_after, sig, min_workers, click.echo)
+    )
+    click.echo(
+        f"chaos: {summary['kills']} kills, {summary['rejoins']} rejoins in "
+        f"{summary['seconds']:.1f} s (seed {seed})"
+    )
 
 
 @main.command()
@@ -423,6 +676,13 @@ def up(
               help="Append the sample ids of every committed step to this JSON-lines file.")
 @click.option("--digest-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Print the state digest every N committed steps (0: never).")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write durable checkpoints here (storage every worker of the job can "
+                   "read); the job resumes from the newest when no live replica is left.")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Write a checkpoint after every N-th committed step (with --checkpoint-dir).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Serve Prometheus metrics on this port at --host (0 picks a free one).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line instead of text.")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="torch intra-op threads.")
@@ -431,8 +691,8 @@ def up(
 def worker(
     addresses: str, job: str, token_file: Path | None, example: str, steps: int,
     global_batch: int, micro_batch: int, seed: int, context: int, d_model: int, layers: int,
-    host: str, name: str, ledger: Path | None, digest_every: int, as_json: bool,
-    threads: int, log_level: str,
+    host: str, name: str, ledger: Path | None, digest_every: int, checkpoint_dir: Path | None,
+    checkpoint_every: int, metrics_port: int | None, as_json: bool, threads: int, log_level: str,
 ) -> None:  # fmt: skip
     """Run a training worker of the built-in example job.
 
@@ -440,6 +700,11 @@ def worker(
     leaves cleanly when it reaches --steps or on Ctrl-C. If it is evicted (for
     example after being frozen past the failure detector's bound) it exits
     with code 3 and says so: its state is stale, start it again to rejoin.
+
+    When no live replica is left and the job has durable checkpoints, it
+    resumes from the newest usable one and prints the replay cost; if
+    checkpoints exist but none can be loaded it exits with code 4 rather
+    than start the job from scratch.
     """
     from rendezvous.wire import read_token
 
@@ -448,6 +713,7 @@ def worker(
     import torch
 
     from membership.errors import Evicted
+    from worker.checkpoint import CheckpointUnusable
     from worker.examples.lm import LMConfig, build, loss_sum
     from worker.runtime import Elastic
     from worker.state import capture, digest
@@ -475,12 +741,17 @@ def worker(
         with Elastic(
             model, optimizer, corpus, global_batch=global_batch, micro_batch=micro_batch,
             seed=seed, rendezvous=split_list(addresses), job=job, token=token, host=host,
-            name=name, ledger=ledger,
+            name=name, ledger=ledger, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every, metrics_port=metrics_port,
         ) as elastic:  # fmt: skip
             say(event="joined", member_id=elastic.member_id, pid=os.getpid(),
                 address=elastic.address)  # fmt: skip
             last = time.perf_counter()
+            resumed_said = False
             for step in elastic.steps(steps):
+                if elastic.resumed is not None and not resumed_said:
+                    resumed_said = True
+                    say(event="resumed", **elastic.resumed.to_dict())
                 for batch in step.microbatches():
                     loss, count = loss_sum(model, batch.inputs, batch.targets)
                     step.backward(loss, count)
@@ -500,8 +771,19 @@ def worker(
             say(event="done", step=elastic.committed_step)
     except Evicted as exc:
         fail(f"evicted from job {job}: {exc}; this worker's state is stale, start it again", 3)
+    except CheckpointUnusable as exc:
+        fail(f"job {job} cannot resume: {exc}", 4)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _register_report() -> None:
+    from rollcall.report import report
+
+    main.add_command(report)
+
+
+_register_report()
 
 
 if __name__ == "__main__":

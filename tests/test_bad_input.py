@@ -253,6 +253,34 @@ def watch(job: str | None = None, after_epoch: int = 0) -> Build:
     return lambda t: pb.WatchRequest(job=t.job if job is None else job, after_epoch=after_epoch)
 
 
+def publish(
+    member: str | int = 0,
+    epoch: int | None = None,
+    job: str | None = None,
+    checkpoint_epoch: int | None = None,
+    **changes: Any,
+) -> Build:
+    """PublishCheckpoint as ``member`` at ``epoch``, the manifest's fields
+    overridden by ``changes`` (its epoch by ``checkpoint_epoch``)."""
+
+    def build(t: Target) -> pb.PublishCheckpointRequest:
+        fields: dict[str, Any] = {
+            "step": 3, "digest": "sha256:ab", "uri": "/tmp/rollcall-ckpt", "size": 10,
+            "sha256": "0" * 64, "writer": "w-1", "created_unix": 1.0,
+            "epoch": t.epoch if checkpoint_epoch is None else checkpoint_epoch,
+            "step_seconds": 0.05,
+        }  # fmt: skip
+        fields.update(changes)
+        return pb.PublishCheckpointRequest(
+            job=t.job if job is None else job,
+            member_id=t.members[member] if isinstance(member, int) else member,
+            epoch=t.epoch if epoch is None else epoch,
+            checkpoint=pb.Checkpoint(**fields),
+        )
+
+    return build
+
+
 @dataclass(frozen=True)
 class Case:
     rpc: str
@@ -269,6 +297,7 @@ VALID = {
     "Status": status_request(),
     "Watch": watch(),
     "Session": session(open_),
+    "PublishCheckpoint": publish(),
 }
 
 CASES = {
@@ -381,6 +410,72 @@ CASES = {
     "wrong job on Join": Case("Join", join(job="job2"), Code.NOT_FOUND, "no such job"),
     "wrong job on Leave": Case("Leave", leave(job="job2"), Code.NOT_FOUND, "no such job"),
     "wrong job on Watch": Case("Watch", watch(job="job2"), Code.NOT_FOUND, "no such job"),
+    "view report with a negative duration": Case(
+        "Session",
+        session(
+            open_,
+            lambda t: pb.SessionRequest(view_report=pb.ViewReport(epoch=t.epoch, fetch_s=-1.0)),
+        ),
+        Code.INVALID_ARGUMENT,
+        "view report durations must be in",
+    ),
+    "view report with a NaN duration": Case(
+        "Session",
+        session(
+            open_,
+            lambda t: pb.SessionRequest(
+                view_report=pb.ViewReport(epoch=t.epoch, step_s=float("nan"))
+            ),
+        ),
+        Code.INVALID_ARGUMENT,
+        "view report durations must be in",
+    ),
+    # Checkpoint manifests.
+    "checkpoint with an empty uri": Case(
+        "PublishCheckpoint", publish(uri=""), Code.INVALID_ARGUMENT, "checkpoint uri must be"
+    ),
+    "checkpoint with a bad sha256": Case(
+        "PublishCheckpoint", publish(sha256="xyz"), Code.INVALID_ARGUMENT, "64 lowercase hex"
+    ),
+    "checkpoint of zero bytes": Case(
+        "PublishCheckpoint", publish(size=0), Code.INVALID_ARGUMENT, "size must be positive"
+    ),
+    "checkpoint digest with bad characters": Case(
+        "PublishCheckpoint",
+        publish(digest="sha256 <bad>"),
+        Code.INVALID_ARGUMENT,
+        "digest has characters outside",
+    ),
+    "checkpoint step beyond int64": Case(
+        "PublishCheckpoint", publish(step=2**64 - 1), Code.INVALID_ARGUMENT, "out of range"
+    ),
+    "checkpoint from a future view": Case(
+        "PublishCheckpoint",
+        publish(checkpoint_epoch=1_000),
+        Code.INVALID_ARGUMENT,
+        "checkpoint epoch 1000 is ahead",
+    ),
+    "checkpoint sent with a future epoch": Case(
+        "PublishCheckpoint",
+        publish(epoch=1_000),
+        Code.INVALID_ARGUMENT,
+        "epoch 1000 is ahead of the committed",
+    ),
+    "checkpoint sent with an old epoch": Case(
+        "PublishCheckpoint",
+        lambda t: publish(epoch=max(0, t.epoch - 1))(t),
+        Code.FAILED_PRECONDITION,
+        "only members of the current view publish checkpoints",
+    ),
+    "checkpoint from an unknown member": Case(
+        "PublishCheckpoint", publish("ghost-0"), Code.NOT_FOUND, "'ghost-0' is not a member"
+    ),
+    "checkpoint for the wrong job": Case(
+        "PublishCheckpoint", publish(job="job2"), Code.NOT_FOUND, "no such job"
+    ),
+    "oversized checkpoint manifest": Case(
+        "PublishCheckpoint", publish(uri=HUGE), Code.RESOURCE_EXHAUSTED, "larger than max"
+    ),
 }
 
 

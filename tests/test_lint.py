@@ -18,5 +18,5 @@ def test_ruff_finds_nothing():
 
 
 def test_core_packages_type_check_with_mypy():
-    result = run("mypy", "membership", "rendezvous", "rollcall")
+    result = run("mypy", "membership", "rendezvous", "rollcall", "worker")
     assert result.returncode == 0, result.stdout + result.stderr

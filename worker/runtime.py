@@ -41,13 +41,17 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from membership.checkpoint import CheckpointManifest, ReplayCost
 from membership.config import Config
-from membership.errors import Evicted, RollcallError
+from membership.errors import ControlPlaneUnavailable, Evicted, RollcallError
 from membership.view import EMPTY_VIEW, View
 from rendezvous.client import ClientTLS, RendezvousClient
+from rendezvous.metrics import serve
 from rendezvous.wire import TokenInterceptor, read_token
-from rollcall.pb import state_pb2_grpc
+from rollcall.pb import rendezvous_pb2, state_pb2_grpc
+from worker.checkpoint import CheckpointUnusable, CheckpointWriter, load_newest, process_age
 from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
+from worker.metrics import WorkerMetrics
 from worker.plan import DataPlan, Ledger, Microbatch
 from worker.state import CorruptState, capture, digest, restore, to_bytes
 from worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
@@ -86,6 +90,7 @@ class Step:
         self.rank = rank
         self.world_size = view.size
         self._job = job
+        self.started = time.monotonic()
         self._count = 0
         self._loss = 0.0
         self.aborted = False
@@ -141,6 +146,9 @@ class Elastic:
         config: Config | None = None,
         tls: ClientTLS | None = None,
         group_timeout: float = 30.0,
+        checkpoint_dir: Path | None = None,
+        checkpoint_every: int = 100,
+        metrics_port: int | None = None,
     ) -> None:
         addresses = rendezvous if rendezvous is not None else os.environ.get(ENV_RENDEZVOUS, "")
         if isinstance(addresses, str):
@@ -159,6 +167,9 @@ class Elastic:
         self._collate = collate
         self._host = host
         self._group_timeout = group_timeout
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        self._checkpoint_every = checkpoint_every
         self.plan = DataPlan(len(dataset), global_batch, micro_batch, seed)
         self.ledger = Ledger(ledger)
         self.committed_step = -1
@@ -166,6 +177,10 @@ class Elastic:
         self._params = [p for p in model.parameters() if p.requires_grad]
 
         self._lock = threading.Lock()
+        # Signalled when a step whose all-reduce completed has been applied
+        # or dropped; ``_applying`` is true in between.
+        self._applied = threading.Condition(self._lock)
+        self._applying = False
         self._view_changed = threading.Condition()
         self._view: View = EMPTY_VIEW
         self._abort = threading.Event()
@@ -177,6 +192,21 @@ class Elastic:
         self._closed = False
         self._failure: tuple[float, str] | None = None
         self._abandoned = 0  # epoch of the last view given up while entering it
+        #: Set when this worker resumed the job from a durable checkpoint.
+        self.resumed: ReplayCost | None = None
+        self._step_seconds = 0.0  # moving average of a committed step's wall time
+        self._launch_s = 0.0  # process start to joined
+        self._lost_work = 0.0  # compute thrown away since the last view report
+        # (epoch, fetch s, rebuild s, monotonic time the group was ready) of
+        # the view entered last, until its first commit is reported.
+        self._entering: tuple[int, float, float, float] | None = None
+        self.metrics = WorkerMetrics() if metrics_port is not None else None
+        self._metrics_server = (
+            serve(self.metrics.registry, metrics_port, host)
+            if self.metrics is not None and metrics_port is not None
+            else None
+        )
+        self._last_commit: tuple[int, float] | None = None  # (epoch, monotonic time)
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollcall", daemon=True)
@@ -184,10 +214,18 @@ class Elastic:
         self._client = RendezvousClient(addresses, self.job_name, self._token, self._config, tls)
         self._fetcher: StateFetcher | None = None
         self._server: grpc.aio.Server | None = None
+        self.checkpoints = (
+            CheckpointWriter(Path(checkpoint_dir), self._publish_checkpoint)
+            if checkpoint_dir is not None
+            else None
+        )
         try:
             self._call(self._start(name))
         except BaseException:
             self._stop_loop()
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+                self._metrics_server.server_close()
             raise
 
     # --- the control thread -------------------------------------------------------
@@ -220,6 +258,7 @@ class Elastic:
             on_view=self._on_view,
             on_end=self._on_end,
         )
+        self._launch_s = process_age()
         self._fetcher = StateFetcher(self.job_name, self.member_id, self._token)
         log.info(
             "joined job %s as %s (state server %s)", self.job_name, self.member_id, self.address
@@ -249,6 +288,10 @@ class Elastic:
         """(Control side, in a worker thread.) Once an answer is given, no
         further update may be applied until the next view."""
         with self._lock:
+            # A step whose all-reduce completed has every member's
+            # contribution: let it land first, so the answer names it and
+            # every member that completed the reduce answers alike.
+            self._applied.wait_for(lambda: not self._applying)
             self._frozen = True
             if self.committed_step < 0:
                 return None, ""
@@ -289,6 +332,9 @@ class Elastic:
                 step = Step(self, self.committed_step + 1, view, rank)
                 yield step
                 if not step.committed:
+                    self._lost_work += time.monotonic() - step.started
+                    if self.metrics is not None:
+                        self.metrics.aborted.inc()
                     break
 
     def _wait_for_view(self) -> View:
@@ -327,6 +373,19 @@ class Elastic:
                 self._abort.clear()
         if self._abort.is_set():
             raise StepAborted(f"epoch {view.epoch}: a newer roll call is under way")
+        if view.resume_step is None and self.committed_step < 0:
+            self._resume_from_checkpoint(view)
+        if self.committed_step >= 0 and (
+            view.resume_step is None or self.committed_step > view.resume_step
+        ):
+            # Our state is newer than the view says (we loaded a checkpoint
+            # after answering): its resume step must be decided again.
+            reason = (
+                f"holds step {self.committed_step}, view {view.epoch} resumes at {view.resume_step}"
+            )
+            self._note_failure(reason)
+            self._loop.call_soon_threadsafe(self._client.request_rollcall, reason)
+            raise StepAborted(f"epoch {view.epoch}: {reason}; asked for a roll call")
         behind = view.resume_step is not None and self.committed_step != view.resume_step
         if self.member_id in view.fetch or behind:
             sources = view.fetch.get(self.member_id) or tuple(
@@ -365,6 +424,11 @@ class Elastic:
             view.epoch, rank, view.size, host, port, rank == 0, self._group_timeout, self._abort,
             listen_host=self._host,
         )  # fmt: skip
+        ready = time.perf_counter()
+        self._entering = (view.epoch, fetched, ready - built, time.monotonic())
+        if self.metrics is not None:
+            self.metrics.epoch.set(view.epoch)
+            self.metrics.world.set(view.size)
         log.info(
             "entered view %d as rank %d of %d (state fetch %.3f s, group build %.3f s)",
             view.epoch, rank, view.size, fetched, time.perf_counter() - built,
@@ -383,7 +447,12 @@ class Elastic:
                 if self._abort.is_set():
                     future.cancel()
                     raise StepAborted(f"{what}: aborted by a newer roll call") from None
-            except (grpc.aio.AioRpcError, TransferFailed, CorruptState) as exc:
+            except (
+                grpc.aio.AioRpcError,
+                TransferFailed,
+                CorruptState,
+                ControlPlaneUnavailable,
+            ) as exc:
                 self._note_failure(f"{what} failed: {exc}")
                 raise StepAborted(f"{what} failed: {exc}") from exc
 
@@ -410,31 +479,128 @@ class Elastic:
             self._optimizer.zero_grad(set_to_none=True)
             return False
         count, loss = float(flat[-2]), float(flat[-1])
-        if not self._still_a_member(started):
-            self._optimizer.zero_grad(set_to_none=True)
-            return False
         with self._lock:
             if self._frozen or self._client.ended is not None:
                 # Our answer to the roll call already named the previous
                 # step: applying this one now would run it twice.
                 self._optimizer.zero_grad(set_to_none=True)
                 return False
-            offset = 0
-            for p in self._params:
-                n = p.numel()
-                p.grad = (flat[offset : offset + n] / count).view_as(p).clone()
-                offset += n
-            self._optimizer.step()
-            if self._scheduler is not None:
-                self._scheduler.step()
-            self._optimizer.zero_grad(set_to_none=True)
-            self.committed_step = step.number
+            self._applying = True
+        snapshot = None
+        try:
+            if not self._still_a_member(started) or self._client.ended is not None:
+                self._optimizer.zero_grad(set_to_none=True)
+                return False
+            with self._lock:
+                offset = 0
+                for p in self._params:
+                    n = p.numel()
+                    p.grad = (flat[offset : offset + n] / count).view_as(p).clone()
+                    offset += n
+                self._optimizer.step()
+                if self._scheduler is not None:
+                    self._scheduler.step()
+                self._optimizer.zero_grad(set_to_none=True)
+                self.committed_step = step.number
+                if self._checkpoint_due(step):
+                    snapshot = capture(step.number, self._model, self._optimizer, self._scheduler)
+        finally:
+            with self._lock:
+                self._applying = False
+                self._applied.notify_all()
+        self._time_step(step.epoch)
+        self._account(step)
+        if snapshot is not None:
+            assert self.checkpoints is not None and self.member_id is not None
+            self.checkpoints.submit(snapshot, step.epoch, self.member_id, self._step_seconds)
         step.loss = loss / count
         self.ledger.record(
             step.number, step.epoch, step.world_size, self.plan.step_samples(step.number)
         )
         self._loop.call_soon_threadsafe(self._client.report_progress, step.number)
         return True
+
+    def _account(self, step: Step) -> None:
+        """Metrics for a committed step; after the first one of a view, tell
+        the leader how entering the view went (for the events file)."""
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.steps.inc()
+            metrics.samples.inc(self.plan.global_batch)
+            metrics.step_seconds.set(self._step_seconds)
+        entering = self._entering
+        if entering is None or entering[0] != step.epoch:
+            return
+        self._entering = None
+        epoch, fetch_s, rebuild_s, ready = entering
+        report = rendezvous_pb2.ViewReport(
+            epoch=epoch, fetch_s=fetch_s, rebuild_s=rebuild_s,
+            first_step_s=time.monotonic() - ready, lost_work_s=self._lost_work,
+            step_s=self._step_seconds, launch_s=self._launch_s,
+            global_batch=self.plan.global_batch,
+        )  # fmt: skip
+        if metrics is not None:
+            for phase in ("fetch", "rebuild", "first_step"):
+                metrics.stall.labels(phase).observe(getattr(report, f"{phase}_s"))
+            metrics.lost_work.inc(self._lost_work)
+        self._lost_work = 0.0
+        self._loop.call_soon_threadsafe(self._client.report_view, report)
+
+    def _checkpoint_due(self, step: Step) -> bool:
+        """Rank 0 writes a checkpoint after every ``checkpoint_every``-th step."""
+        return (
+            self.checkpoints is not None
+            and step.rank == 0
+            and (step.number + 1) % self._checkpoint_every == 0
+            and self.checkpoints.ready(step.number)
+        )
+
+    def _time_step(self, epoch: int) -> None:
+        """Average wall time between commits within one view (T_step)."""
+        now = time.monotonic()
+        if self._last_commit is not None and self._last_commit[0] == epoch:
+            seconds = now - self._last_commit[1]
+            self._step_seconds = (
+                seconds if self._step_seconds == 0 else 0.9 * self._step_seconds + 0.1 * seconds
+            )
+        self._last_commit = (epoch, now)
+
+    def _publish_checkpoint(
+        self, manifest: CheckpointManifest
+    ) -> tuple[bool, tuple[CheckpointManifest, ...]]:
+        """(Writer thread.) Publish through the rendezvous service."""
+        return self._call(
+            self._client.publish_checkpoint(manifest), timeout=self._config.client_call_deadline
+        )
+
+    def _resume_from_checkpoint(self, view: View) -> None:
+        """No member of ``view`` holds any state: load the newest usable
+        durable checkpoint, if the job has one, and report the replay cost.
+        Raises ``CheckpointUnusable`` when checkpoints exist but none loads
+        (the worker must not start the job from scratch on its own)."""
+        launch = process_age()
+        status = self._remote(self._client.status(), f"epoch {view.epoch}: reading checkpoints")
+        if not status.checkpoints:
+            return
+        loaded = load_newest(status.checkpoints)
+        with self._lock:
+            restore(loaded.state, self._model, self._optimizer, self._scheduler)
+            self.committed_step = loaded.state.step
+            self._snapshot = Snapshot(loaded.state.step, loaded.manifest.digest, loaded.blob)
+        s_ckpt = loaded.manifest.step
+        self.resumed = ReplayCost(
+            s_done=max(s_ckpt, status.last_step if status.last_step is not None else s_ckpt),
+            s_ckpt=s_ckpt,
+            t_step=loaded.manifest.step_seconds,
+            t_launch=launch,
+            t_load=loaded.seconds,
+        )
+        log.warning(
+            "no live replica: resumed from the checkpoint of step %d (%s); replay cost %.2f s "
+            "(%d steps x %.3f s + launch %.2f s + load %.3f s)",
+            s_ckpt, loaded.manifest.uri, self.resumed.seconds, self.resumed.replay_steps,
+            self.resumed.t_step, launch, loaded.seconds,
+        )  # fmt: skip
 
     def _still_a_member(self, since: float) -> bool:
         """Fencing before an update: the session must not have been silent
@@ -464,13 +630,10 @@ class Elastic:
 
     def _report_failure(self) -> None:
         """No roll call followed a failure: we cannot tell which peer broke
-        the collective, so ask for a roll call that still calls everyone
-        (live members answer and keep their place)."""
+        the collective, so ask for a roll call, which calls everyone (live
+        members answer and keep their place)."""
         assert self._failure is not None
-        reason = self._failure[1]
-        for member in self._view.members:
-            if member.id != self.member_id:
-                self._loop.call_soon_threadsafe(self._client.report_failure, member.id, reason)
+        self._loop.call_soon_threadsafe(self._client.request_rollcall, self._failure[1])
 
     # --- shutdown ---------------------------------------------------------------------
 
@@ -480,6 +643,8 @@ class Elastic:
         if self._closed:
             return
         self._closed = True
+        if self.checkpoints is not None and not self.checkpoints.wait(self._group_timeout):
+            log.warning("a checkpoint was still being written at exit; it is not published")
         try:
             if leave and self._client.ended is None:
                 self._call(self._client.leave(), timeout=self._config.client_call_deadline)
@@ -490,6 +655,9 @@ class Elastic:
                 self._group.close()
             self._stop_loop()
             wait_parked(self._group_timeout + 5)
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+                self._metrics_server.server_close()
 
     def _stop_loop(self) -> None:
         async def shutdown() -> None:
@@ -512,4 +680,4 @@ class Elastic:
         self.close()
 
 
-__all__ = ["Batch", "Elastic", "Evicted", "Step", "default_collate"]
+__all__ = ["Batch", "CheckpointUnusable", "Elastic", "Evicted", "Step", "default_collate"]

@@ -60,18 +60,20 @@ class JoinResponse(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("open", "heartbeat", "progress", "answer", "failure")
+    __slots__ = ("open", "heartbeat", "progress", "answer", "failure", "view_report")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    VIEW_REPORT_FIELD_NUMBER: _ClassVar[int]
     open: Open
     heartbeat: Heartbeat
     progress: Progress
     answer: RollCallAnswer
     failure: FailureReport
-    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., answer: _Optional[_Union[RollCallAnswer, _Mapping]] = ..., failure: _Optional[_Union[FailureReport, _Mapping]] = ...) -> None: ...
+    view_report: ViewReport
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., answer: _Optional[_Union[RollCallAnswer, _Mapping]] = ..., failure: _Optional[_Union[FailureReport, _Mapping]] = ..., view_report: _Optional[_Union[ViewReport, _Mapping]] = ...) -> None: ...
 
 class Open(_message.Message):
     __slots__ = ("job", "member_id", "epoch")
@@ -117,6 +119,26 @@ class FailureReport(_message.Message):
     reason: str
     def __init__(self, epoch: _Optional[int] = ..., peer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class ViewReport(_message.Message):
+    __slots__ = ("epoch", "fetch_s", "rebuild_s", "first_step_s", "lost_work_s", "step_s", "launch_s", "global_batch")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FETCH_S_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    LOST_WORK_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_S_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    fetch_s: float
+    rebuild_s: float
+    first_step_s: float
+    lost_work_s: float
+    step_s: float
+    launch_s: float
+    global_batch: int
+    def __init__(self, epoch: _Optional[int] = ..., fetch_s: _Optional[float] = ..., rebuild_s: _Optional[float] = ..., first_step_s: _Optional[float] = ..., lost_work_s: _Optional[float] = ..., step_s: _Optional[float] = ..., launch_s: _Optional[float] = ..., global_batch: _Optional[int] = ...) -> None: ...
+
 class SessionEvent(_message.Message):
     __slots__ = ("roll_call", "view")
     ROLL_CALL_FIELD_NUMBER: _ClassVar[int]
@@ -154,18 +176,64 @@ class StatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("view", "leader", "step", "replica", "rollcall_epoch")
+    __slots__ = ("view", "leader", "step", "replica", "rollcall_epoch", "checkpoints", "last_step")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     ROLLCALL_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     view: View
     leader: str
     step: int
     replica: str
     rollcall_epoch: int
-    def __init__(self, view: _Optional[_Union[View, _Mapping]] = ..., leader: _Optional[str] = ..., step: _Optional[int] = ..., replica: _Optional[str] = ..., rollcall_epoch: _Optional[int] = ...) -> None: ...
+    checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    last_step: int
+    def __init__(self, view: _Optional[_Union[View, _Mapping]] = ..., leader: _Optional[str] = ..., step: _Optional[int] = ..., replica: _Optional[str] = ..., rollcall_epoch: _Optional[int] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., last_step: _Optional[int] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("step", "digest", "uri", "size", "sha256", "epoch", "writer", "created_unix", "step_seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WRITER_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    digest: str
+    uri: str
+    size: int
+    sha256: str
+    epoch: int
+    writer: str
+    created_unix: float
+    step_seconds: float
+    def __init__(self, step: _Optional[int] = ..., digest: _Optional[str] = ..., uri: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., epoch: _Optional[int] = ..., writer: _Optional[str] = ..., created_unix: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+
+class PublishCheckpointRequest(_message.Message):
+    __slots__ = ("job", "member_id", "epoch", "checkpoint")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    member_id: str
+    epoch: int
+    checkpoint: Checkpoint
+    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
+
+class PublishCheckpointResponse(_message.Message):
+    __slots__ = ("accepted", "checkpoints")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    def __init__(self, accepted: _Optional[bool] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("job", "after_epoch")

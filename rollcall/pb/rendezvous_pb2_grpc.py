@@ -60,6 +60,11 @@ class RendezvousStub:
                 request_serializer=rollcall_dot_v1_dot_rendezvous__pb2.WatchRequest.SerializeToString,
                 response_deserializer=rollcall_dot_v1_dot_rendezvous__pb2.View.FromString,
                 _registered_method=True)
+        self.PublishCheckpoint = channel.unary_unary(
+                '/rollcall.v1.Rendezvous/PublishCheckpoint',
+                request_serializer=rollcall_dot_v1_dot_rendezvous__pb2.PublishCheckpointRequest.SerializeToString,
+                response_deserializer=rollcall_dot_v1_dot_rendezvous__pb2.PublishCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class RendezvousServicer:
@@ -102,6 +107,15 @@ class RendezvousServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishCheckpoint(self, request, context):
+        """A member of the current view wrote a complete durable checkpoint: record
+        its manifest (newest first, the oldest beyond the configured number are
+        dropped). A manifest not newer than the newest recorded is ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +143,11 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=rollcall_dot_v1_dot_rendezvous__pb2.WatchRequest.FromString,
                     response_serializer=rollcall_dot_v1_dot_rendezvous__pb2.View.SerializeToString,
+            ),
+            'PublishCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishCheckpoint,
+                    request_deserializer=rollcall_dot_v1_dot_rendezvous__pb2.PublishCheckpointRequest.FromString,
+                    response_serializer=rollcall_dot_v1_dot_rendezvous__pb2.PublishCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +285,33 @@ class Rendezvous:
             '/rollcall.v1.Rendezvous/Watch',
             rollcall_dot_v1_dot_rendezvous__pb2.WatchRequest.SerializeToString,
             rollcall_dot_v1_dot_rendezvous__pb2.View.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollcall.v1.Rendezvous/PublishCheckpoint',
+            rollcall_dot_v1_dot_rendezvous__pb2.PublishCheckpointRequest.SerializeToString,
+            rollcall_dot_v1_dot_rendezvous__pb2.PublishCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

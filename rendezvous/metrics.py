@@ -1,0 +1,79 @@
+"""Prometheus metrics of the rendezvous service (``--metrics-port``).
+
+Each process keeps its own registry (no global state), served over HTTP by
+``prometheus_client`` on the given port. Names are documented in
+docs/events.md ("Metrics").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+#: Stall buckets, seconds: a view change takes milliseconds to seconds.
+STALL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 2, 5, 10, 30)
+PHASES = ("detect_s", "rollcall_s", "fetch_s", "rebuild_s", "first_step_s")
+
+
+def serve(registry: CollectorRegistry, port: int, host: str) -> Any:
+    """Serve ``registry`` at ``http://host:port/metrics``; returns the server."""
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return server
+
+
+class ServiceMetrics:
+    """What the leader knows about the job."""
+
+    def __init__(self, job: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"job": job}
+        self.leader = Gauge(
+            "rollcall_leader", "1 while this replica leads the job", registry=self.registry
+        )
+        self.epoch = Gauge("rollcall_view_epoch", "Epoch of the committed view",
+                           registry=self.registry)  # fmt: skip
+        self.members = Gauge("rollcall_members", "Members in the committed view",
+                             registry=self.registry)  # fmt: skip
+        self.step = Gauge("rollcall_committed_step", "Last committed step reported",
+                          registry=self.registry)  # fmt: skip
+        self.samples = Counter(
+            "rollcall_committed_samples", "Samples committed (steps x global batch)",
+            registry=self.registry,
+        )  # fmt: skip
+        self.view_changes = Counter(
+            "rollcall_view_changes", "Committed view changes by cause", ["cause"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.stall = Histogram(
+            "rollcall_stall_seconds", "View-change stall (trigger to last member's first step)",
+            registry=self.registry, buckets=STALL_BUCKETS,
+        )  # fmt: skip
+        self.phase = Histogram(
+            "rollcall_stall_phase_seconds", "View-change stall by phase", ["phase"],
+            registry=self.registry, buckets=STALL_BUCKETS,
+        )  # fmt: skip
+        self.lost_work = Counter(
+            "rollcall_lost_work_seconds", "Compute thrown away by aborted steps",
+            registry=self.registry,
+        )  # fmt: skip
+        self._job = labels
+        self._last_step: int | None = None
+
+    def progress(self, step: int, global_batch: int | None) -> None:
+        if self._last_step is not None and global_batch and step > self._last_step:
+            self.samples.inc((step - self._last_step) * global_batch)
+        self._last_step = step
+        self.step.set(step)
+
+    def record(self, event: dict[str, Any]) -> None:
+        """Account for one event record (docs/events.md)."""
+        if event["kind"] != "view_change":
+            return
+        self.view_changes.labels(event["cause"]).inc()
+        if event["stall_s"] is not None:
+            self.stall.observe(event["stall_s"])
+        for phase, seconds in event["phases"].items():
+            if seconds is not None:
+                self.phase.labels(phase.removesuffix("_s")).observe(seconds)
+        self.lost_work.inc(event["lost_work_s"])

@@ -1,0 +1,120 @@
+"""What ``rollcall up`` shows: a live terminal view (rich) on a terminal, and
+plain lines otherwise (one per view change, a progress line now and then)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from rollcall.local import LocalCluster
+
+#: View changes listed in the live view.
+SHOWN_EVENTS = 6
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def event_line(event: dict[str, Any]) -> str:
+    """One view change in a line: cause, members, stall and its breakdown."""
+    phases = event.get("phases") or {}
+    before, after = len(event["members_before"]), len(event["members_after"])
+    restart = event.get("restart_cost_s")
+    return (
+        f"epoch {event['epoch']:>3}  {event['cause']:<9} {before}->{after}  "
+        f"stall {ms(event.get('stall_s'))} ms (detect {ms(phases.get('detect_s'))}, "
+        f"roll call {ms(phases.get('rollcall_s'))}, fetch {ms(phases.get('fetch_s'))}, "
+        f"rebuild {ms(phases.get('rebuild_s'))}, first step {ms(phases.get('first_step_s'))})"
+        f"  lost {event.get('lost_work_s', 0):.2f} s"
+        + ("" if restart is None else f"  restart would cost {restart:.1f} s")
+    )
+
+
+def events_table(events: list[dict[str, Any]]) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    columns = ("epoch", "cause", "members", "stall", "detect", "roll call", "fetch", "rebuild",
+               "first step", "lost work", "restart")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("cause", "members") else "right")
+    for event in events:
+        phases = event.get("phases") or {}
+        restart = event.get("restart_cost_s")
+        table.add_row(
+            str(event["epoch"]), event["cause"],
+            f"{len(event['members_before'])}->{len(event['members_after'])}",
+            ms(event.get("stall_s")), ms(phases.get("detect_s")), ms(phases.get("rollcall_s")),
+            ms(phases.get("fetch_s")), ms(phases.get("rebuild_s")),
+            ms(phases.get("first_step_s")), ms(event.get("lost_work_s")),
+            "-" if restart is None else f"{restart:.1f} s",
+        )  # fmt: skip
+    return table
+
+
+def headline(cluster: LocalCluster, status: Any, summary: dict[str, Any]) -> str:
+    training = [w for w in cluster.workers if w.alive and w.samples_s]
+    rate = sum(w.samples_s or 0 for w in training) / max(1, len(training))
+    goodput = summary["goodput"]
+    step = "-" if status is None or status.step is None else str(status.step)
+    epoch = "-" if status is None else str(status.view.epoch)
+    members = "-" if status is None else str(status.view.size)
+    newest = status.checkpoints[0].step if status is not None and status.checkpoints else None
+    return (
+        f"epoch {epoch}  step {step}/{cluster.options.steps}  members {members}  "
+        f"samples/s {rate:.0f}  goodput {'-' if goodput is None else f'{goodput:.3f}'}  "
+        f"view changes {len(summary['view_changes'])}  "
+        f"checkpoint {'-' if newest is None else newest}"
+    )
+
+
+def render(cluster: LocalCluster, status: Any, summary: dict[str, Any]) -> Group:
+    elapsed = time.time() - cluster.started
+    title = Text(
+        f"rollcall up: job {cluster.job}  rendezvous {cluster.rendezvous}  "
+        f"etcd {cluster.etcd}  {elapsed:.0f} s",
+        style="bold",
+    )
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("rank", "member", "pid", "state", "step", "epoch", "samples/s"):
+        table.add_column(column, justify="right" if column != "member" else "left")
+    ranks = {}
+    if status is not None:
+        ranks = {m.id: r for r, m in enumerate(status.view.members)}
+    for worker in sorted(
+        cluster.workers, key=lambda w: (ranks.get(w.member_id or "", 10**6), w.index)
+    ):
+        if not worker.alive and worker.index < len(cluster.workers) - 8:
+            continue  # long-gone workers drop off the table
+        rank = ranks.get(worker.member_id or "")
+        style = {"training": "green", "frozen": "yellow", "joining": "cyan"}.get(
+            worker.state, "dim"
+        )
+        table.add_row(
+            "-" if rank is None else str(rank),
+            worker.member_id or worker.name,
+            str(worker.pid),
+            Text(worker.state, style=style),
+            "-" if worker.step is None else str(worker.step),
+            "-" if worker.epoch is None else str(worker.epoch),
+            "-" if worker.samples_s is None else f"{worker.samples_s:.0f}",
+        )
+    shown = summary["view_changes"][-SHOWN_EVENTS:]
+    return Group(
+        title,
+        Text(headline(cluster, status, summary)),
+        Text(""),
+        table,
+        Text(""),
+        Text("last view changes (ms):", style="bold"),
+        events_table(shown) if shown else Text("  none yet", style="dim"),
+        Text(""),
+        Text(
+            f"operate: rollcall add | rollcall kill --random | rollcall chaos --mtbf 10 "
+            f"--duration 60 | rollcall status        events: {cluster.events}",
+            style="dim",
+        ),
+    )

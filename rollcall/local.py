@@ -1,0 +1,449 @@
+"""A local cluster on one machine: what ``rollcall up`` runs and operates.
+
+:class:`LocalCluster` starts an embedded etcd (a child process), a
+rendezvous replica (in this process) writing the events file, and example
+worker processes; it takes operator commands (``add``, ``kill``, ``list``)
+on a Unix socket in its work directory and advertises itself in a discovery
+file, so that ``rollcall add/kill/chaos/status`` on the same machine find it
+without flags. ``stop`` ends every process it started.
+
+The discovery files live in ``$XDG_RUNTIME_DIR/rollcall`` (or
+``/tmp/rollcall-<uid>``), one ``up-<pid>.json`` per running ``up``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from membership.errors import RollcallError
+
+log = logging.getLogger("rollcall.up")
+
+#: Signals an operator may send to a worker.
+SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM,
+           "INT": signal.SIGINT, "CONT": signal.SIGCONT}  # fmt: skip
+#: A stopping worker gets this long to leave cleanly before SIGKILL.
+STOP_GRACE = 15.0
+
+
+class NoLocalCluster(RollcallError):
+    """No ``rollcall up`` runs on this machine (or several do)."""
+
+
+def discovery_dir() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "rollcall" if runtime else Path(f"/tmp/rollcall-{os.getuid()}")
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return base
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def find_local() -> dict[str, Any]:
+    """The discovery record of the one ``rollcall up`` running here."""
+    found = []
+    for path in sorted(discovery_dir().glob("up-*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(int(record.get("pid", 0))):
+            found.append(record)
+        else:
+            path.unlink(missing_ok=True)  # left behind by an `up` that was killed
+    if not found:
+        raise NoLocalCluster(
+            "no `rollcall up` is running on this machine; start one, or pass "
+            "--rendezvous HOST:PORT and --job NAME"
+        )
+    if len(found) > 1:
+        pids = ", ".join(str(r["pid"]) for r in found)
+        raise NoLocalCluster(
+            f"several `rollcall up` run here (pids {pids}); pass --rendezvous and --job"
+        )
+    return found[0]
+
+
+async def control(record: dict[str, Any], request: dict[str, Any], timeout: float = 30) -> Any:
+    """Send one command to a running ``up`` and return its answer."""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_unix_connection(record["control"]), timeout
+        )
+    except (OSError, TimeoutError) as exc:
+        raise NoLocalCluster(f"cannot reach `rollcall up` (pid {record['pid']}): {exc}") from None
+    try:
+        writer.write(json.dumps(request).encode() + b"\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout)
+    finally:
+        writer.close()
+    if not line:
+        raise NoLocalCluster(f"`rollcall up` (pid {record['pid']}) closed the connection")
+    answer = json.loads(line)
+    if not answer.get("ok"):
+        raise RollcallError(answer.get("error", "command failed"))
+    return answer
+
+
+@dataclass
+class ManagedWorker:
+    """One example worker process started by the cluster."""
+
+    index: int
+    name: str
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    member_id: str | None = None
+    state: str = "starting"
+    step: int | None = None
+    epoch: int | None = None
+    rank: int | None = None
+    world: int | None = None
+    samples_s: float | None = None
+    exit_code: int | None = None
+    done: bool = False
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.exit_code is None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "member_id": self.member_id, "pid": self.pid,
+            "state": self.state, "step": self.step, "epoch": self.epoch, "rank": self.rank,
+            "world": self.world, "exit_code": self.exit_code,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How the cluster's workers run (the example's flags)."""
+
+    steps: int
+    worker_args: Sequence[str] = ()
+
+
+class LocalCluster:
+    """etcd + one rendezvous replica + example workers, on loopback."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        job: str,
+        token_file: Path,
+        rendezvous: str,
+        etcd: str,
+        events: Path,
+        workers: WorkerOptions,
+    ) -> None:
+        self.workdir = workdir
+        self.job = job
+        self.token_file = token_file
+        self.rendezvous = rendezvous
+        self.etcd = etcd
+        self.events = events
+        self.options = workers
+        self.workers: list[ManagedWorker] = []
+        self.started = time.time()
+        self._server: asyncio.AbstractServer | None = None
+        self._discovery: Path | None = None
+        self._readers: set[asyncio.Task[None]] = set()
+        self.control_path = workdir / "control.sock"
+
+    # --- lifecycle -----------------------------------------------------------
+
+    async def open_control(self) -> None:
+        self.control_path.unlink(missing_ok=True)
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.control_path))
+        self.control_path.chmod(0o600)
+        self._discovery = discovery_dir() / f"up-{os.getpid()}.json"
+        self._discovery.write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(), "job": self.job, "rendezvous": self.rendezvous,
+                    "token_file": str(self.token_file), "control": str(self.control_path),
+                    "events": str(self.events), "etcd": self.etcd,
+                    "workdir": str(self.workdir),
+                }  # fmt: skip
+            )
+        )
+
+    async def stop(self) -> None:
+        """Stop every worker (Ctrl-C first, so they leave cleanly; SIGKILL
+        after ``STOP_GRACE``), and the control socket."""
+        if self._server is not None:
+            self._server.close()
+        if self._discovery is not None:
+            self._discovery.unlink(missing_ok=True)
+        for worker in self.workers:
+            if worker.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(signal.SIGCONT)  # a frozen worker must wake to leave
+                    worker.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + STOP_GRACE
+        for worker in self.workers:
+            try:
+                await asyncio.wait_for(worker.proc.wait(), max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.kill()
+                await worker.proc.wait()
+        for task in list(self._readers):
+            task.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        self.control_path.unlink(missing_ok=True)
+
+    @property
+    def finished(self) -> bool:
+        """Some worker reached the last step and no worker is left running."""
+        return any(w.done for w in self.workers) and not any(w.alive for w in self.workers)
+
+    # --- workers ---------------------------------------------------------------
+
+    async def add(self, count: int = 1) -> list[ManagedWorker]:
+        added = []
+        for _ in range(count):
+            index = len(self.workers)
+            name = f"w{index}"
+            log_path = self.workdir / "workers" / f"{name}.log"
+            log_path.parent.mkdir(exist_ok=True)
+            argv = [
+                sys.executable, "-m", "rollcall.cli", "worker", "--rendezvous", self.rendezvous,
+                "--job", self.job, "--token-file", str(self.token_file), "--json",
+                "--name", name, "--steps", str(self.options.steps),
+                "--checkpoint-dir", str(self.workdir / "checkpoints"), "--log-level", "info",
+                *self.options.worker_args,
+            ]  # fmt: skip
+            with open(log_path, "ab") as stderr:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, stdout=asyncio.subprocess.PIPE, stderr=stderr,
+                    stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
+            worker = ManagedWorker(index, name, proc, log_path)
+            self.workers.append(worker)
+            task = asyncio.create_task(self._follow(worker), name=f"follow-{name}")
+            self._readers.add(task)
+            task.add_done_callback(self._readers.discard)
+            added.append(worker)
+        return added
+
+    def find(self, member: str) -> ManagedWorker:
+        for worker in self.workers:
+            if member in (worker.member_id, worker.name, str(worker.pid)) and worker.alive:
+                return worker
+        raise RollcallError(f"no running worker {member!r} in this cluster")
+
+    def kill(self, member: str | None, sig: str) -> ManagedWorker:
+        """Send ``sig`` to a worker (``member`` id, name or pid; None: a
+        random training worker)."""
+        if sig not in SIGNALS:
+            raise RollcallError(f"unknown signal {sig!r}; one of {', '.join(SIGNALS)}")
+        if member is None:
+            candidates = [w for w in self.workers if w.alive and w.state == "training"]
+            if not candidates:
+                raise RollcallError("no training worker to kill")
+            worker = random.choice(candidates)
+        else:
+            worker = self.find(member)
+        worker.proc.send_signal(SIGNALS[sig])
+        if sig == "STOP":
+            worker.state = "frozen"
+        elif sig == "CONT" and worker.state == "frozen":
+            worker.state = "training"
+        log.info("sent SIG%s to %s (pid %d)", sig, worker.member_id or worker.name, worker.pid)
+        return worker
+
+    async def _follow(self, worker: ManagedWorker) -> None:
+        """Read a worker's JSON lines (joined, step, resumed, done, ...)."""
+        assert worker.proc.stdout is not None
+        async for raw in worker.proc.stdout:
+            try:
+                event = json.loads(raw)
+            except ValueError:
+                continue
+            kind = event.get("event")
+            if kind == "joined":
+                worker.member_id = event["member_id"]
+                worker.state = "joining"
+            elif kind == "step":
+                if worker.state != "frozen":
+                    worker.state = "training"
+                worker.step, worker.epoch = event["step"], event["epoch"]
+                worker.rank, worker.world = event["rank"], event["world"]
+                worker.samples_s = event["samples_s"]
+            elif kind == "done":
+                worker.done = True
+                worker.state = "done"
+            elif kind in ("resumed", "aborted"):
+                worker.events.append(event)
+                del worker.events[:-20]
+        worker.exit_code = await worker.proc.wait()
+        if not worker.done:
+            worker.state = {3: "evicted", 4: "cannot resume", -9: "killed"}.get(
+                worker.exit_code, f"exited {worker.exit_code}"
+            )
+
+    # --- operator commands ----------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await reader.readline()
+            try:
+                request = json.loads(line)
+                answer = await self._handle(request)
+            except (ValueError, KeyError, TypeError) as exc:
+                answer = {"ok": False, "error": f"bad request: {exc}"}
+            except RollcallError as exc:
+                answer = {"ok": False, "error": str(exc)}
+            writer.write(json.dumps(answer).encode() + b"\n")
+            await writer.drain()
+        finally:
+            writer.close()
+
+    async def _handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request["op"]
+        if op == "add":
+            count = int(request.get("count", 1))
+            if not 1 <= count <= 64:
+                raise RollcallError("count must be between 1 and 64")
+            added = await self.add(count)
+            return {"ok": True, "workers": [w.describe() for w in added]}
+        if op == "kill":
+            worker = self.kill(request.get("member"), str(request.get("signal", "KILL")))
+            return {"ok": True, "worker": worker.describe()}
+        if op == "list":
+            return {"ok": True, "workers": [w.describe() for w in self.workers]}
+        raise RollcallError(f"unknown command {op!r}")
+
+
+def summarize(events: Path) -> dict[str, Any]:
+    """The run so far, from its events file (docs/events.md): the view-change
+    records and the goodput as ``rollcall report`` computes it."""
+    from rollcall.report import ReportError, goodput, parse_events
+
+    try:
+        text = events.read_text(encoding="utf-8")
+    except OSError:
+        text = ""
+    changes = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("kind") == "view_change":
+                changes.append(record)
+    try:
+        fraction = goodput(parse_events(text, str(events))).fraction
+    except ReportError:
+        fraction = None
+    return {"view_changes": changes, "goodput": fraction}
+
+
+def pid_listening(address: str) -> int | None:
+    """The pid of the process on this machine listening at ``address``
+    (``host:port``), or None if none here does (the member runs elsewhere)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        output = subprocess.run(
+            ["ss", "-Hltnp", f"sport = :{int(port)}"], capture_output=True, text=True,
+            timeout=10, check=False,
+        ).stdout  # fmt: skip
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+    for line in output.splitlines():
+        fields = line.split()
+        local = fields[3] if len(fields) > 3 else ""
+        listen_host = local.rpartition(":")[0].strip("[]")
+        if listen_host not in (host, "0.0.0.0", "*", "::"):
+            continue
+        found = re.search(r"pid=(\d+)", line)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def kill_times(seed: int, mtbf: float, duration: float) -> list[float]:
+    """When chaos kills, in seconds from its start: a Poisson process of
+    rate ``1 / mtbf`` cut at ``duration``. Same seed, same times."""
+    rng = random.Random(f"kill-times-{seed}")
+    times, at = [], rng.expovariate(1 / mtbf)
+    while at < duration:
+        times.append(at)
+        at += rng.expovariate(1 / mtbf)
+    return times
+
+
+async def run_chaos(
+    record: dict[str, Any], mtbf: float, duration: float, seed: int,
+    rejoin_after: float | None, sig: str, min_workers: int, say: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Kill a random training worker at exponentially distributed intervals
+    (mean ``mtbf``) for ``duration`` seconds; with ``rejoin_after``, start a
+    replacement that long after each kill (a frozen one is thawed then, and
+    exits as evicted). Bounded: it ends ``rejoin_after`` after ``duration``."""
+    rng = random.Random(seed)
+    started = time.monotonic()
+    end = started + duration
+    schedule = kill_times(seed, mtbf, duration)
+    next_kill = started + schedule.pop(0) if schedule else end
+    rejoins: list[tuple[float, int | None]] = []  # (when, frozen pid to thaw)
+    kills = rejoined = 0
+    while True:
+        now = time.monotonic()
+        if now >= end and not rejoins:
+            break
+        for due in [r for r in rejoins if r[0] <= now]:
+            rejoins.remove(due)
+            if due[1] is not None:
+                with contextlib.suppress(RollcallError):
+                    await control(record, {"op": "kill", "member": str(due[1]), "signal": "CONT"})
+            answer = await control(record, {"op": "add", "count": 1})
+            rejoined += 1
+            say(f"{now - started:7.2f} s  started {answer['workers'][0]['name']}")
+        if now >= next_kill and now < end:
+            workers = (await control(record, {"op": "list"}))["workers"]
+            training = sorted(
+                (w for w in workers if w["state"] == "training" and w["exit_code"] is None),
+                key=lambda w: w["name"],
+            )
+            if len(training) > min_workers:
+                victim = rng.choice(training)
+                await control(record, {"op": "kill", "member": victim["name"], "signal": sig})
+                kills += 1
+                say(f"{now - started:7.2f} s  SIG{sig} {victim['member_id']} (pid {victim['pid']})")
+                if rejoin_after is not None:
+                    rejoins.append((now + rejoin_after, victim["pid"] if sig == "STOP" else None))
+            else:
+                say(f"{now - started:7.2f} s  skipped: only {len(training)} training workers")
+            next_kill = started + schedule.pop(0) if schedule else end
+        wake = min([next_kill if next_kill < end else end, *(r[0] for r in rejoins)])
+        await asyncio.sleep(max(0.01, min(0.2, wake - time.monotonic())))
+    return {"kills": kills, "rejoins": rejoined, "seconds": time.monotonic() - started}
