@@ -1,7 +1,8 @@
 """Recovery cost of real training workers: crash stall, hot-add stall, state
 transfer throughput and failure-free per-step overhead.
 
-    .venv/bin/python bench/recovery.py [--repeats 3] [--json FILE] [--quick]
+    .venv/bin/python bench/recovery.py [--repeats 3] [--rounds 5] [--json FILE] [--quick]
+        [--only recovery|transfer|overhead ...]
 
 Starts a real etcd and one rendezvous replica (the `rollcall` CLI) on
 loopback, then WORKERS (4) `rollcall worker --example lm` processes (default
@@ -23,15 +24,24 @@ arrives; logs (--log-level info) are parsed for their own timestamps
    worker's median step interval before the join (max over workers). Also the
    joiner's "pulled step ... (B bytes) ... in S s" log line. The 5th worker
    then leaves with SIGINT (clean Leave).
-3. state transfer: B / S from every "pulled" line, next to a raw loopback TCP
-   transfer of the same B (server thread + client thread in this process,
-   connect included), measured in the same run while no worker runs.
-4. overhead: steps/s of 4 failure-free rollcall workers (step events over a
-   window) vs a plain loop: 4 spawned processes, same model/optimizer
-   (`build(LMConfig(), 0)`), plain ProcessGroupGloo over a loopback TCPStore,
-   same global batch 32 / micro batch 8 split (4 microbatches -> one per rank
-   at 4 ranks), loss_sum + backward, one flat allreduce, divide, step;
-   torch.set_num_threads(1).
+3. state transfer in the job: B / S from every "pulled" line, next to a raw
+   loopback TCP transfer of the same B (server thread + client thread in this
+   process, connect included), measured in the same run while no worker runs.
+   (Parts 1-3 are `--only recovery`.)
+4. state transfer alone (`--only transfer`): a StateServer in a child
+   process serves the example LM's state at TRANSFER_MODELS sizes (1.7 MB and
+   78 MB); this process fetches it with a fresh StateFetcher each time
+   (channel set-up, describe, stream, decode, digest check), interleaved with
+   raw TCP of the same bytes. The decode + check alone is timed again after
+   each fetch.
+5. overhead (`--only overhead`): rounds of 4 fresh rollcall workers (own
+   etcd and replica; step events over a window, CPU time of the 4 processes
+   from /proc) and a plain loop, alternating which runs first: 4 spawned
+   processes, same model/optimizer (`build(LMConfig(), 0)`), plain
+   ProcessGroupGloo over a loopback TCPStore, same global batch 32 / micro
+   batch 8 split (4 microbatches -> one per rank at 4 ranks), loss_sum +
+   backward, one flat allreduce, divide, step; torch.set_num_threads(1).
+   Reported per round and as median/min/max: steps/s and CPU ms per step.
 
 Every wait is bounded; every process is killed in `finally`.
 """
@@ -353,7 +363,7 @@ def plain_rank(rank: int, world: int, port: int, duration: float, out: Any) -> N
     mine = [i for i in range(n_micro) if i % world == rank]
     gen = torch.Generator().manual_seed(1)
     model.train()
-    warmup, step, t0, stop = 3, 0, 0.0, False
+    warmup, step, t0, cpu0, stop = 3, 0, 0.0, 0.0, False
     while not stop and step < 100_000:
         ids = torch.randint(len(corpus), (global_batch,), generator=gen).tolist()
         count, total = 0, 0.0
@@ -382,23 +392,26 @@ def plain_rank(rank: int, world: int, port: int, duration: float, out: Any) -> N
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if step == warmup:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
         stop = float(flat[-1]) > 0
-    if rank == 0:
-        out.put((step - warmup) / (time.perf_counter() - t0))
+    out.put((rank, step - warmup, time.perf_counter() - t0, time.process_time() - cpu0))
 
 
-def plain_loop(world: int, duration: float) -> float:
+def plain_loop(world: int, duration: float) -> tuple[float, float]:
+    """Steps/s of rank 0 and CPU seconds per step of all ranks together."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=plain_rank, args=(r, world, port, duration, out)) for r in range(world)
+        ctx.Process(target=plain_rank, args=(r, world, port, duration, out), daemon=True)
+        for r in range(world)
     ]
     try:
         for p in procs:
             p.start()
-        return float(out.get(timeout=duration + 120))
+        ranks = sorted(out.get(timeout=duration + 120) for _ in range(world))
+        _, steps, wall, _ = ranks[0]
+        return steps / wall, sum(cpu for *_, cpu in ranks) / steps
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -407,17 +420,29 @@ def plain_loop(world: int, duration: float) -> float:
                 p.join(timeout=5)
 
 
-def rollcall_rate(workers: list[Worker], duration: float) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rollcall_rate(workers: list[Worker], duration: float) -> tuple[float, float]:
+    """Steps/s (median over workers) and CPU seconds per step of all
+    workers together, over ``duration`` seconds of steady training."""
     epoch = wait_steady(workers, WORKERS, 3, 0)
     t0 = time.time()
+    cpu0 = sum(cpu_seconds(w.proc.pid) for w in workers)
     time.sleep(duration)
-    rates = []
+    cpu = sum(cpu_seconds(w.proc.pid) for w in workers) - cpu0
+    t1 = time.time()
+    rates, counts = [], []
     for w in workers:
-        s = [(t, e) for t, e in w.steps_in(WORKERS, t0) if e["epoch"] == epoch]
+        s = [(t, e) for t, e in w.steps_in(WORKERS, t0) if e["epoch"] == epoch and t <= t1]
         if len(s) < 2:
             raise RuntimeError("too few steps in the overhead window")
         rates.append((s[-1][1]["step"] - s[0][1]["step"]) / (s[-1][0] - s[0][0]))
-    return statistics.median(rates)
+        counts.append(len(s))
+    return statistics.median(rates), cpu / statistics.median(counts)
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -425,71 +450,80 @@ def summary(values: list[float]) -> dict[str, float]:
             "max": max(values)}  # fmt: skip
 
 
-def run(repeats: int, window: float) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="rollcall-recovery-") as tmp_name:
-        tmp = Path(tmp_name)
-        etcd = LocalEtcd(data_dir=tmp / "etcd", client_port=free_port(), peer_port=free_port())
-        etcd.start()
-        procs: list[Proc] = []
-        workers: list[Worker] = []
-        counter = [0]
+class Cluster:
+    """A real etcd and one rendezvous replica on loopback, and the workers
+    started against them; everything is killed on exit."""
 
-        def new_worker() -> Worker:
-            counter[0] += 1
-            w = Worker(address, token_file, tmp / f"worker{counter[0]}.log")
-            procs.append(w)
-            w.wait_joined()
-            return w
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+        self.counter = 0
+        self.etcd = LocalEtcd(data_dir=tmp / "etcd", client_port=free_port(), peer_port=free_port())
+        self.token_file = tmp / "token"
+        self.token_file.write_text(os.urandom(16).hex())
+        self.address = f"127.0.0.1:{free_port()}"
 
+    def __enter__(self) -> Cluster:
+        self.etcd.start()
         try:
-            token_file = tmp / "token"
-            token_file.write_text(os.urandom(16).hex())
-            port = free_port()
-            address = f"127.0.0.1:{port}"
-            replica = Proc(
+            self.replica = Proc(
                 [
-                    sys.executable,
-                    "-m",
-                    "rollcall.cli",
-                    "rendezvous",
-                    "--etcd",
-                    etcd.endpoint,
-                    "--listen",
-                    address,
-                    "--job",
-                    JOB,
-                    "--token-file",
-                    str(token_file),
-                    "--log-level",
-                    "info",
-                ],  # fmt: skip
-                tmp / "replica.log",
-            )
-            procs.append(replica)
-            replica.wait_for(
-                lambda: any(x.startswith("rendezvous ready") for _, x in replica.lines),
+                    sys.executable, "-m", "rollcall.cli", "rendezvous",
+                    "--etcd", self.etcd.endpoint, "--listen", self.address, "--job", JOB,
+                    "--token-file", str(self.token_file), "--log-level", "info",
+                ],
+                self.tmp / "replica.log",
+            )  # fmt: skip
+            self.procs.append(self.replica)
+            self.replica.wait_for(
+                lambda: any(x.startswith("rendezvous ready") for _, x in self.replica.lines),
                 "replica ready", 30,
             )  # fmt: skip
-            for _ in range(WORKERS):
-                workers.append(new_worker())
-            print(f"{WORKERS} workers joined; waiting for steady training", flush=True)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
 
+    def new_worker(self) -> Worker:
+        self.counter += 1
+        w = Worker(self.address, self.token_file, self.tmp / f"worker{self.counter}.log")
+        self.procs.append(w)
+        w.wait_joined()
+        return w
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            try:
+                p.kill()
+            except Exception:  # noqa: BLE001 - reach every process
+                pass
+        self.etcd.stop()
+
+
+def recovery(repeats: int) -> dict[str, Any]:
+    """Crash and hot-add stalls; the state pulls they cause."""
+    with tempfile.TemporaryDirectory(prefix="rollcall-recovery-") as tmp_name:
+        tmp = Path(tmp_name)
+        with Cluster(tmp) as cluster:
+            workers = [cluster.new_worker() for _ in range(WORKERS)]
+            print(f"{WORKERS} workers joined; waiting for steady training", flush=True)
             crashes = []
             for i in range(repeats):
                 # Kill a different position each time (rank 0 is often the store host).
-                crashes.append(crash_once(workers, replica, i % WORKERS))
+                crashes.append(crash_once(workers, cluster.replica, i % WORKERS))
                 print(f"  crash {i + 1}: stall {crashes[-1]['stall_s']:.3f} s", flush=True)
-                workers.append(new_worker())
+                workers.append(cluster.new_worker())
             adds = []
             for i in range(repeats):
-                adds.append(hot_add_once(workers, address, token_file, tmp / f"joiner{i}.log"))
+                adds.append(
+                    hot_add_once(
+                        workers, cluster.address, cluster.token_file, tmp / f"joiner{i}.log"
+                    )
+                )
                 print(f"  hot-add {i + 1}: stall {adds[-1]['stall_s']:.3f} s, "
                       f"fetch {adds[-1]['fetch_s']:.3f} s", flush=True)  # fmt: skip
-            rate = rollcall_rate(workers, window)
-            print(f"  rollcall: {rate:.2f} steps/s", flush=True)
             pulled = []
-            for p in procs:
+            for p in cluster.procs:
                 if isinstance(p, Worker):
                     pulled += p.pulled()
             for i in range(repeats):
@@ -498,50 +532,179 @@ def run(repeats: int, window: float) -> dict[str, Any]:
                      "seconds": float(m[4])}
                     for m in PULLED.finditer((tmp / f"joiner{i}.log").read_text(errors="replace"))
                 ]  # fmt: skip
-        finally:
-            for p in procs:
-                try:
-                    p.kill()
-                except Exception:  # noqa: BLE001 - reach every process
-                    pass
-            etcd.stop()
 
-    # Nothing of rollcall runs from here on.
+    # Nothing of rollcall runs from here on: the raw TCP reference runs alone.
     nbytes = int(statistics.median([p["bytes"] for p in pulled]))
     raw = raw_tcp(nbytes)
     fetch_mbs = [p["bytes"] / p["seconds"] / 1e6 for p in pulled if p["seconds"] > 0]
     raw_mbs = [nbytes / s / 1e6 for s in raw]
-    plain = plain_loop(WORKERS, window)
-    print(f"  plain loop: {plain:.2f} steps/s", flush=True)
-
     keys = ("stall_s", "detect_s", "rollcall_commit_s", "group_rebuild_s", "first_step_s")
-    result["crash"] = {
-        "samples": crashes,
-        **{k: summary([c[k] for c in crashes if k in c]) for k in keys
-           if any(k in c for c in crashes)},
-    }  # fmt: skip
-    result["hot_add"] = {
-        "samples": adds,
-        **{
-            k: summary([a[k] for a in adds]) for k in ("stall_s", "join_to_first_step_s", "fetch_s")
+    return {
+        "crash": {
+            "samples": crashes,
+            **{
+                k: summary([c[k] for c in crashes if k in c])
+                for k in keys
+                if any(k in c for c in crashes)
+            },
         },  # fmt: skip
-        "bytes": nbytes,
+        "hot_add": {
+            "samples": adds,
+            **{
+                k: summary([a[k] for a in adds])
+                for k in ("stall_s", "join_to_first_step_s", "fetch_s")
+            },
+            "bytes": nbytes,
+        },
+        "state_transfer_in_job": {
+            "pulled": pulled,
+            "bytes": nbytes,
+            "fetch_MBps": summary(fetch_mbs),
+            "raw_tcp_seconds": raw,
+            "raw_tcp_MBps": summary(raw_mbs),
+            "ratio": statistics.median(fetch_mbs) / statistics.median(raw_mbs),
+        },
     }
-    result["state_transfer"] = {
-        "pulled": pulled,
+
+
+# ----------------------------------------------------------- state transfer alone
+
+
+def serve_state(d_model: int, layers: int, out: Any, stop: Any) -> None:
+    """(Child process.) Serve the example LM's state, as a worker's state
+    server would, until ``stop`` is set."""
+    import asyncio
+
+    import grpc
+    import torch
+
+    from membership.config import Config
+    from membership.view import Member, View
+    from rendezvous.wire import TokenInterceptor
+    from rollcall.pb import state_pb2_grpc
+    from worker.examples.lm import LMConfig, build, loss_sum
+    from worker.state import capture, digest, to_bytes
+    from worker.transfer import Snapshot, StateServer
+
+    torch.set_num_threads(1)
+    model, optimizer, corpus = build(LMConfig(d_model=d_model, layers=layers), 0)
+    inputs, targets = (torch.stack(t) for t in zip(*(corpus[i] for i in range(8)), strict=True))
+    loss_sum(model, inputs, targets)[0].backward()
+    optimizer.step()  # the AdamW moments exist from the first step on
+    state = capture(1, model, optimizer)
+    snap = Snapshot(1, digest(state), to_bytes(state))
+    view = View(epoch=1, members=(Member("source", "127.0.0.1:1"), Member("joiner", "x:2")))
+
+    async def main() -> None:
+        server = grpc.aio.server(interceptors=[TokenInterceptor(JOB)])
+
+        async def no_store(epoch: int) -> int:
+            raise RuntimeError("not hosted here")
+
+        state_pb2_grpc.add_StateTransferServicer_to_server(
+            StateServer(JOB, Config(), lambda: "source", lambda: view, lambda: snap, no_store),
+            server,
+        )  # fmt: skip
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        out.put((port, snap.digest, len(snap.data)))
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+def transfer_alone(d_model: int, layers: int, repeats: int) -> dict[str, Any]:
+    """A joiner's fetch (new channel, describe, stream, decode, digest check)
+    from a state server in another process, nothing else running, next to
+    raw loopback TCP of the same bytes."""
+    import asyncio
+
+    from worker.state import from_bytes
+    from worker.transfer import StateFetcher
+
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=serve_state, args=(d_model, layers, out, stop))
+    server.start()
+    try:
+        port, expected, nbytes = out.get(timeout=120)
+
+        async def fetch_once() -> tuple[float, float]:
+            fetcher = StateFetcher(JOB, "joiner", JOB)
+            try:
+                blob, _, report = await fetcher.fetch([f"127.0.0.1:{port}"], 1, expected, 60)
+            finally:
+                await fetcher.close()
+            started = time.perf_counter()  # the decode and check fetch() did, again
+            from_bytes(blob, expect_digest=expected)
+            return report.seconds, time.perf_counter() - started
+
+        fetches, decodes = [], []
+        raw: list[float] = []
+        for _ in range(repeats):  # interleaved, so drifts hit both alike
+            fetch_s, decode_s = asyncio.run(fetch_once())
+            fetches.append(fetch_s)
+            decodes.append(decode_s)
+            raw += raw_tcp(nbytes, 1)
+    finally:
+        stop.set()
+        server.join(timeout=10)
+        if server.is_alive():
+            server.kill()
+            server.join(timeout=5)
+    fetch_mbs = [nbytes / s / 1e6 for s in fetches]
+    raw_mbs = [nbytes / s / 1e6 for s in raw]
+    return {
+        "d_model": d_model,
+        "layers": layers,
         "bytes": nbytes,
+        "fetch_s": summary(fetches),
+        "decode_verify_s": summary(decodes),
         "fetch_MBps": summary(fetch_mbs),
-        "raw_tcp_seconds": raw,
         "raw_tcp_MBps": summary(raw_mbs),
         "ratio": statistics.median(fetch_mbs) / statistics.median(raw_mbs),
     }
-    result["overhead"] = {
-        "rollcall_steps_s": rate,
-        "plain_steps_s": plain,
-        "overhead_pct": (plain / rate - 1) * 100,
+
+
+# ------------------------------------------------------------- per-step overhead
+
+
+def overhead(rounds: int, window: float) -> dict[str, Any]:
+    """Steps/s and CPU seconds per step of 4 fresh rollcall workers vs the
+    plain gloo loop, in alternating order, one pair per round. On a shared
+    machine the wall-clock rate moves with whatever else runs; CPU time per
+    step (all processes, all threads) much less, so both are reported."""
+    pairs = []
+    for index in range(rounds):
+        measured: dict[str, tuple[float, float]] = {}
+        order = ("rollcall", "plain") if index % 2 == 0 else ("plain", "rollcall")
+        for kind in order:
+            if kind == "plain":
+                measured[kind] = plain_loop(WORKERS, window)
+                continue
+            with tempfile.TemporaryDirectory(prefix="rollcall-overhead-") as tmp_name:
+                with Cluster(Path(tmp_name)) as cluster:
+                    workers = [cluster.new_worker() for _ in range(WORKERS)]
+                    measured[kind] = rollcall_rate(workers, window)
+        (rate, cpu), (plain_rate, plain_cpu) = measured["rollcall"], measured["plain"]
+        pair = {
+            "rollcall_steps_s": rate, "plain_steps_s": plain_rate,
+            "overhead_pct": (plain_rate / rate - 1) * 100,
+            "rollcall_cpu_ms_per_step": cpu * 1000, "plain_cpu_ms_per_step": plain_cpu * 1000,
+            "cpu_overhead_pct": (cpu / plain_cpu - 1) * 100,
+        }  # fmt: skip
+        pairs.append(pair)
+        print(f"  round {index + 1}: rollcall {rate:.2f}, plain {plain_rate:.2f} steps/s "
+              f"({pair['overhead_pct']:+.1f} %); CPU {cpu * 1000:.0f} vs "
+              f"{plain_cpu * 1000:.0f} ms/step ({pair['cpu_overhead_pct']:+.1f} %)",
+              flush=True)  # fmt: skip
+    return {
+        "rounds": pairs,
+        **{key: summary([p[key] for p in pairs]) for key in pairs[0]},
         "window_s": window,
     }
-    return result
 
 
 def print_table(r: dict[str, Any]) -> None:
@@ -549,48 +712,96 @@ def print_table(r: dict[str, Any]) -> None:
         if key not in d:
             return "n/a"
         s = d[key]
-        return (f"{s['median'] * 1000:7.0f} ms (min {s['min'] * 1000:.0f}, "
-                f"max {s['max'] * 1000:.0f}, n={s['n']})")  # fmt: skip
+        return (f"{s['median'] * 1000:7.1f} ms (min {s['min'] * 1000:.1f}, "
+                f"max {s['max'] * 1000:.1f}, n={s['n']})")  # fmt: skip
 
-    c, a, t, o = r["crash"], r["hot_add"], r["state_transfer"], r["overhead"]
-    rows = [
-        ("crash: stall (kill -> step on every survivor)", ms(c, "stall_s")),
-        ("  detect (kill -> replica 'suspect')", ms(c, "detect_s")),
-        ("  roll call + commit (-> 'committed epoch')", ms(c, "rollcall_commit_s")),
-        ("  group rebuild (-> last 'entered view')", ms(c, "group_rebuild_s")),
-        ("  first step (-> last survivor's step)", ms(c, "first_step_s")),
-        ("hot-add: stall of existing workers", ms(a, "stall_s")),
-        ("  joiner start -> its first step", ms(a, "join_to_first_step_s")),
-        ("  joiner state fetch", ms(a, "fetch_s") + f", {a['bytes']} bytes"),
-        ("state transfer: fetch throughput",
-         f"{t['fetch_MBps']['median']:7.1f} MB/s (n={t['fetch_MBps']['n']})"),
-        ("  raw loopback TCP, same bytes",
-         f"{t['raw_tcp_MBps']['median']:7.1f} MB/s (connect incl., n={t['raw_tcp_MBps']['n']})"),
-        ("  ratio fetch / raw", f"{t['ratio']:7.2f} (aim >= 0.5)"),
-        ("overhead: rollcall 4 workers", f"{o['rollcall_steps_s']:7.2f} steps/s"),
-        ("  plain gloo loop, 4 processes", f"{o['plain_steps_s']:7.2f} steps/s"),
-        ("  overhead", f"{o['overhead_pct']:7.1f} % (aim < 3 %)"),
-    ]  # fmt: skip
+    def rate(t: dict[str, Any], what: str) -> list[tuple[str, str]]:
+        f, raw = t["fetch_MBps"], t["raw_tcp_MBps"]
+        return [
+            (f"state transfer {what}, {t['bytes'] / 1e6:.1f} MB: fetch",
+             f"{f['median']:7.1f} MB/s (min {f['min']:.0f}, max {f['max']:.0f}, n={f['n']})"),
+            ("  raw loopback TCP, same bytes",
+             f"{raw['median']:7.1f} MB/s (min {raw['min']:.0f}, max {raw['max']:.0f}, "
+             f"connect incl.)"),
+            ("  ratio fetch / raw", f"{t['ratio']:7.2f} (aim >= 0.5)"),
+        ]  # fmt: skip
+
+    rows: list[tuple[str, str]] = []
+    if "crash" in r:
+        c, a = r["crash"], r["hot_add"]
+        rows += [
+            ("crash: stall (kill -> step on every survivor)", ms(c, "stall_s")),
+            ("  detect (kill -> replica 'suspect')", ms(c, "detect_s")),
+            ("  roll call + commit (-> 'committed epoch')", ms(c, "rollcall_commit_s")),
+            ("  group rebuild (-> last 'entered view')", ms(c, "group_rebuild_s")),
+            ("  first step (-> last survivor's step)", ms(c, "first_step_s")),
+            ("hot-add: stall of existing workers", ms(a, "stall_s")),
+            ("  joiner start -> its first step", ms(a, "join_to_first_step_s")),
+            ("  joiner state fetch", ms(a, "fetch_s") + f", {a['bytes']} bytes"),
+        ]
+        rows += rate(r["state_transfer_in_job"], "in the job")
+    for t in r.get("state_transfer_alone", []):
+        rows += rate(t, f"alone (d_model {t['d_model']}, {t['layers']} layers)")
+        rows.append(("  of which decode + digest check", ms(t, "decode_verify_s")))
+    if "overhead" in r:
+        o = r["overhead"]
+        pct, cpu = o["overhead_pct"], o["cpu_overhead_pct"]
+        rows += [
+            ("overhead: rollcall 4 workers",
+             f"{o['rollcall_steps_s']['median']:7.2f} steps/s, "
+             f"{o['rollcall_cpu_ms_per_step']['median']:.0f} CPU ms/step "
+             f"(median of {pct['n']} rounds)"),
+            ("  plain gloo loop, 4 processes",
+             f"{o['plain_steps_s']['median']:7.2f} steps/s, "
+             f"{o['plain_cpu_ms_per_step']['median']:.0f} CPU ms/step"),
+            ("  overhead per round, steps/s",
+             f"{pct['median']:7.1f} % (min {pct['min']:.1f}, max {pct['max']:.1f}; aim < 3 %)"),
+            ("  overhead per round, CPU time per step",
+             f"{cpu['median']:7.1f} % (min {cpu['min']:.1f}, max {cpu['max']:.1f})"),
+        ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     print()
     for k, v in rows:
         print(f"{k:<{width}} | {v}")
 
 
+#: State sizes of the stand-alone transfer: the example's default model
+#: (1.7 MB with its AdamW moments) and a wider, deeper one (~78 MB).
+TRANSFER_MODELS = ((64, 2), (256, 8))
+PARTS = ("recovery", "transfer", "overhead")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="crashes and hot-adds each")
-    parser.add_argument("--quick", action="store_true", help="1 repeat, 5 s rate windows")
+    parser.add_argument("--rounds", type=int, default=5, help="overhead rounds (pairs)")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 repeat, 2 overhead rounds of 5 s windows")  # fmt: skip
+    parser.add_argument("--only", choices=PARTS, action="append",
+                        help="run only this part (repeatable)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "recovery.json")
     args = parser.parse_args()
     if not 1 <= args.repeats <= 20:
         parser.error("--repeats must be 1..20")
+    if not 1 <= args.rounds <= 20:
+        parser.error("--rounds must be 1..20")
     repeats = 1 if args.quick else args.repeats
+    rounds = 2 if args.quick else args.rounds
     window = 5.0 if args.quick else 10.0
+    parts = args.only or PARTS
     import torch
 
     started = time.monotonic()
-    result = run(repeats, window)
+    result: dict[str, Any] = {}
+    if "recovery" in parts:
+        result.update(recovery(repeats))
+    if "transfer" in parts:
+        result["state_transfer_alone"] = [
+            transfer_alone(d_model, layers, 3 if args.quick else 10)
+            for d_model, layers in TRANSFER_MODELS
+        ]
+    if "overhead" in parts:
+        result["overhead"] = overhead(rounds, window)
     print_table(result)
     result.update(
         date=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -602,11 +813,14 @@ def main() -> int:
         },  # fmt: skip
         versions={"torch": torch.__version__},
         parameters={
+            "parts": list(parts),
             "workers": WORKERS,
             "repeats": repeats,
+            "overhead_rounds": rounds,
             "quick": args.quick,
             "rate_window_s": window,
             "example": "lm (default LMConfig)",
+            "transfer_models": [list(m) for m in TRANSFER_MODELS],
             "global_batch": 32,
             "micro_batch": 8,
             "threads": 1,

@@ -85,6 +85,10 @@ class Config:
     #: Client back-off between attempts on the replica list.
     client_retry_initial: float = 0.05
     client_retry_max: float = 1.0
+    #: A replica must answer a session's Open within this time, or the
+    #: client moves on to the next one (a replica whose host vanished does
+    #: not reset the connection). Must stay below ``takeover_grace``.
+    session_open_timeout: float = 1.0
     #: Give up on an RPC after trying the replicas for this long.
     client_call_deadline: float = 30.0
 
@@ -95,6 +99,11 @@ class Config:
                 raise ValueError(f"config {field.name} must be positive, got {value!r}")
         if self.election_ttl < 2:
             raise ValueError("config election_ttl must be at least 2 s (etcd's minimum lease)")
+        if self.session_open_timeout >= self.takeover_grace:
+            raise ValueError(
+                "config session_open_timeout must be below takeover_grace, or members "
+                "stuck on a vanished replica miss the new leader's grace period"
+            )
         if self.member_lease_ttl <= self.election_ttl + self.takeover_grace:
             raise ValueError(
                 "config member_lease_ttl must exceed election_ttl + takeover_grace, "

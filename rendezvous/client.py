@@ -153,12 +153,10 @@ class RendezvousClient:
         self._step: int | None = None
         self._ended: RollcallError | None = None
         self._on_end: Callable[[RollcallError], None] | None = None
-        #: Monotonic time of the last message written on the session.
-        self.last_sent = 0.0
-        #: Monotonic time at which the last silence longer than
-        #: ``config.fence_window`` ended (a frozen process, a stalled loop):
-        #: the leader may have evicted us meanwhile.
-        self.last_long_silence_end = 0.0
+        #: Monotonic send time of the newest heartbeat the leader acknowledged:
+        #: the leader heard this member at or after it, so it cannot have
+        #: evicted it before ``last_acked`` + the detector's earliest suspicion.
+        self.last_acked = 0.0
         self._closing = False
 
     # --- plumbing ------------------------------------------------------------
@@ -408,7 +406,16 @@ class RendezvousClient:
         while not self._closing:
             for address in self._order():
                 try:
-                    await self._session_on(address)
+                    if await self._session_on(address):
+                        backoff = self._config.client_retry_initial
+                except TimeoutError:
+                    # A replica that does not answer at all (its host is gone:
+                    # no connection reset) must not hold the session longer
+                    # than the new leader's takeover grace.
+                    log.info("session on %s: no answer to Open, trying the next replica", address)
+                    if address == self._leader_hint:
+                        self._leader_hint = None
+                    continue
                 except grpc.aio.AioRpcError as rpc_error:
                     error = error_from_rpc(rpc_error)
                     if isinstance(error, NotLeader) and error.leader:
@@ -432,30 +439,43 @@ class RendezvousClient:
         if self._on_end is not None:
             self._on_end(error)
 
-    async def _session_on(self, address: str) -> None:
+    async def _session_on(self, address: str) -> bool:
+        """Hold the session on ``address`` until it ends; whether it was
+        established (the replica answered the Open). ``TimeoutError`` if the
+        replica does not answer within ``session_open_timeout``."""
         assert self.member_id is not None
         call = self._stub(address).Session(metadata=self._metadata)
-        await call.write(
-            pb.SessionRequest(
-                open=pb.Open(job=self._job, member_id=self.member_id, epoch=self._view.epoch)
-            )
-        )
-        writer = asyncio.create_task(self._write_session(call))
+        opened = False
+        writer: asyncio.Task[None] | None = None
         try:
-            while True:
+            async with asyncio.timeout(self._config.session_open_timeout):
+                await call.write(
+                    pb.SessionRequest(
+                        open=pb.Open(
+                            job=self._job, member_id=self.member_id, epoch=self._view.epoch
+                        )
+                    )
+                )
                 event = await call.read()
+            writer = asyncio.create_task(self._write_session(call))
+            while True:
                 if event is grpc.aio.EOF:
-                    return  # ended cleanly (a failed stream raises instead)
+                    return opened  # ended cleanly (a failed stream raises instead)
+                opened = True
                 self._leader_hint = address
                 kind = event.WhichOneof("kind")
-                if kind == "view":
+                if kind == "ack":
+                    self.last_acked = max(self.last_acked, event.ack.sent_at)
+                elif kind == "view":
                     self._set_view(view_from_pb(event.view))
                 elif kind == "roll_call":
                     await self._answer(event.roll_call.epoch)
+                event = await call.read()
         finally:
-            writer.cancel()
             call.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
+            if writer is not None:
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
 
     async def _answer(self, epoch: int) -> None:
         if self._on_roll_call is None:
@@ -469,16 +489,23 @@ class RendezvousClient:
         self._outbox.put_nowait(pb.SessionRequest(answer=answer))
 
     async def _write_session(self, call: Any) -> None:
+        """Send queued messages, and a heartbeat every heartbeat interval
+        whatever else is sent (each is acknowledged by the leader)."""
+        next_beat = 0.0
         while True:
+            request: pb.SessionRequest | None
             try:
-                request = await asyncio.wait_for(self._outbox.get(), self._heartbeat_interval)
+                wait = max(0.0, next_beat - time.monotonic())
+                request = await asyncio.wait_for(self._outbox.get(), wait)
             except TimeoutError:
-                request = pb.SessionRequest(heartbeat=pb.Heartbeat(epoch=self._view.epoch))
+                request = None
+            now = time.monotonic()
             try:
-                await call.write(request)
+                if now >= next_beat:
+                    next_beat = now + self._heartbeat_interval
+                    beat = pb.Heartbeat(epoch=self._view.epoch, sent_at=now)
+                    await call.write(pb.SessionRequest(heartbeat=beat))
+                if request is not None:
+                    await call.write(request)
             except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
                 return  # the stream ended; the reader reports why
-            now = time.monotonic()
-            if self.last_sent and now - self.last_sent > self._config.fence_window:
-                self.last_long_silence_end = now
-            self.last_sent = now

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -764,7 +765,13 @@ class Replica(pb_grpc.RendezvousServicer):
         kind = request.WhichOneof("kind")
         if kind == "heartbeat":
             self._fence(lead, member_id, request.heartbeat.epoch)
+            sent_at = request.heartbeat.sent_at
+            if not (math.isfinite(sent_at) and sent_at >= 0):
+                raise InvalidRequest("heartbeat sent_at must be a finite, non-negative number")
             lead.detector.heartbeat(member_id, now)
+            session = lead.sessions.get(member_id)
+            if session is not None and sent_at:
+                session.send(pb.SessionEvent(ack=pb.HeartbeatAck(sent_at=sent_at)))
         elif kind == "progress":
             epoch, step = request.progress.epoch, request.progress.step
             self._fence(lead, member_id, epoch)

@@ -542,19 +542,52 @@ async def _watch_up(cluster: Any, client: Any, stop: asyncio.Event, live: bool) 
                 await asyncio.wait_for(stop.wait(), 0.5)
 
 
+def operator_options(fn: F) -> F:
+    """Where workers started against a deployment run and log."""
+    fn = click.option(
+        "--log-dir", type=click.Path(file_okay=False, path_type=Path),
+        help="Deployment only: logs of the workers started here "
+             "(default: /tmp/rollcall-workers-UID).",
+    )(fn)  # fmt: skip
+    return click.option(
+        "--host", default="127.0.0.1", show_default=True,
+        help="Deployment only: address peers reach the workers started here at.",
+    )(fn)  # fmt: skip
+
+
+def make_operator(
+    addresses: str | None, job: str | None, token_file: Path | None, host: str,
+    log_dir: Path | None,
+) -> Any:  # fmt: skip
+    """The local `up`'s operator, or one for the given deployment."""
+    from rollcall.local import DeploymentOperator, LocalOperator, find_local
+
+    if not addresses and not job:
+        return LocalOperator(find_local())
+    replicas, job, token_file = resolve_target(addresses, job, token_file)
+    directory = log_dir or Path(tempfile.gettempdir()) / f"rollcall-workers-{os.getuid()}"
+    return DeploymentOperator(replicas, job, token_file, host, directory)
+
+
 @main.command()
 @click.option("--count", type=click.IntRange(1, 64), default=1, show_default=True)
-def add(count: int) -> None:
-    """Hot-add example workers to the `rollcall up` running on this machine.
+@target_options
+@token_option
+@operator_options
+def add(
+    count: int, addresses: str | None, job: str | None, token_file: Path | None, host: str,
+    log_dir: Path | None,
+) -> None:  # fmt: skip
+    """Hot-add example workers: to the `rollcall up` running on this machine,
+    or (with --rendezvous and --job) to a deployment, as detached worker
+    processes on this machine."""
+    operator = make_operator(addresses, job, token_file, host, log_dir)
 
-    (Against a deployment, start a worker with `rollcall worker` or scale
-    the compose service: see deploy/README.md.)
-    """
-    from rollcall.local import control, find_local
+    async def start() -> list[str]:
+        return [await operator.add() for _ in range(count)]
 
-    answer = asyncio.run(control(find_local(), {"op": "add", "count": count}))
-    for worker in answer["workers"]:
-        click.echo(f"started {worker['name']} (pid {worker['pid']})")
+    for started in asyncio.run(start()):
+        click.echo(f"started {started}")
 
 
 @main.command()
@@ -635,17 +668,23 @@ def _kill_in_deployment(
               show_default=True, help="STOP freezes instead (thawed when it is replaced).")
 @click.option("--min-workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Never kill below this many training workers.")
+@target_options
+@token_option
+@operator_options
 def chaos(
     mtbf: float, duration: float, seed: int, rejoin_after: float | None, sig: str,
-    min_workers: int,
+    min_workers: int, addresses: str | None, job: str | None, token_file: Path | None,
+    host: str, log_dir: Path | None,
 ) -> None:  # fmt: skip
-    """Kill random workers of the local `rollcall up`, reproducibly and for a
-    bounded time, and optionally start replacements."""
-    from rollcall.local import find_local, run_chaos
+    """Kill random workers, reproducibly and for a bounded time, and
+    optionally start replacements: in the local `rollcall up`, or (with
+    --rendezvous and --job) among a deployment's members running on this
+    machine, replacements starting here."""
+    from rollcall.local import run_chaos
 
-    record = find_local()
+    operator = make_operator(addresses, job, token_file, host, log_dir)
     summary = asyncio.run(
-        run_chaos(record, mtbf, duration, seed, rejoin_after, sig, min_workers, click.echo)
+        run_chaos(operator, mtbf, duration, seed, rejoin_after, sig, min_workers, click.echo)
     )
     click.echo(
         f"chaos: {summary['kills']} kills, {summary['rejoins']} rejoins in "

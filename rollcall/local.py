@@ -381,7 +381,7 @@ def pid_listening(address: str) -> int | None:
     for line in output.splitlines():
         fields = line.split()
         local = fields[3] if len(fields) > 3 else ""
-        listen_host = local.rpartition(":")[0].strip("[]")
+        listen_host = local.rpartition(":")[0].strip("[]").removeprefix("::ffff:")
         if listen_host not in (host, "0.0.0.0", "*", "::"):
             continue
         found = re.search(r"pid=(\d+)", line)
@@ -401,8 +401,77 @@ def kill_times(seed: int, mtbf: float, duration: float) -> list[float]:
     return times
 
 
+class LocalOperator:
+    """Chaos and hot-adds on the local ``rollcall up`` (its control socket)."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self._record = record
+
+    async def training(self) -> list[dict[str, Any]]:
+        workers = (await control(self._record, {"op": "list"}))["workers"]
+        return [w for w in workers if w["state"] == "training" and w["exit_code"] is None]
+
+    async def signal(self, worker: dict[str, Any], sig: str) -> None:
+        await control(self._record, {"op": "kill", "member": str(worker["pid"]), "signal": sig})
+
+    async def add(self) -> str:
+        answer = await control(self._record, {"op": "add", "count": 1})
+        return str(answer["workers"][0]["name"])
+
+
+class DeploymentOperator:
+    """Chaos and hot-adds on a deployment, from this machine: it signals the
+    members whose processes run here (found by their listening port) and
+    starts new example workers here, detached, logging to ``log_dir``."""
+
+    def __init__(
+        self, addresses: Sequence[str], job: str, token_file: Path | None, host: str,
+        log_dir: Path, worker_args: Sequence[str] = (),
+    ) -> None:  # fmt: skip
+        self.addresses, self.job, self.token_file = list(addresses), job, token_file
+        self.host, self.log_dir, self.worker_args = host, log_dir, list(worker_args)
+
+    async def training(self) -> list[dict[str, Any]]:
+        from membership.config import Config
+        from rendezvous.client import RendezvousClient
+        from rendezvous.wire import read_token
+
+        client = RendezvousClient(self.addresses, self.job, read_token(self.token_file), Config())
+        try:
+            view = (await client.status()).view
+        finally:
+            await client.close()
+        found = []
+        for member in view.members:
+            pid = pid_listening(member.address)
+            if pid is not None:
+                found.append({"name": member.id, "member_id": member.id, "pid": pid})
+        return found
+
+    async def signal(self, worker: dict[str, Any], sig: str) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(worker["pid"]), SIGNALS[sig])
+
+    async def add(self) -> str:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"worker-{time.time_ns()}.log"
+        argv = [
+            sys.executable, "-m", "rollcall.cli", "worker",
+            "--rendezvous", ",".join(self.addresses), "--job", self.job,
+            "--host", self.host, "--json", "--log-level", "info",
+            *(["--token-file", str(self.token_file)] if self.token_file else []),
+            *self.worker_args,
+        ]  # fmt: skip
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                argv, stdout=log_file, stderr=log_file, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        return f"pid {proc.pid}, log {log_path}"
+
+
 async def run_chaos(
-    record: dict[str, Any], mtbf: float, duration: float, seed: int,
+    operator: LocalOperator | DeploymentOperator, mtbf: float, duration: float, seed: int,
     rejoin_after: float | None, sig: str, min_workers: int, say: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """Kill a random training worker at exponentially distributed intervals
@@ -414,7 +483,7 @@ async def run_chaos(
     end = started + duration
     schedule = kill_times(seed, mtbf, duration)
     next_kill = started + schedule.pop(0) if schedule else end
-    rejoins: list[tuple[float, int | None]] = []  # (when, frozen pid to thaw)
+    rejoins: list[tuple[float, dict[str, Any] | None]] = []  # (when, frozen worker to thaw)
     kills = rejoined = 0
     while True:
         now = time.monotonic()
@@ -424,23 +493,19 @@ async def run_chaos(
             rejoins.remove(due)
             if due[1] is not None:
                 with contextlib.suppress(RollcallError):
-                    await control(record, {"op": "kill", "member": str(due[1]), "signal": "CONT"})
-            answer = await control(record, {"op": "add", "count": 1})
+                    await operator.signal(due[1], "CONT")
+            started_what = await operator.add()
             rejoined += 1
-            say(f"{now - started:7.2f} s  started {answer['workers'][0]['name']}")
+            say(f"{now - started:7.2f} s  started {started_what}")
         if now >= next_kill and now < end:
-            workers = (await control(record, {"op": "list"}))["workers"]
-            training = sorted(
-                (w for w in workers if w["state"] == "training" and w["exit_code"] is None),
-                key=lambda w: w["name"],
-            )
+            training = sorted(await operator.training(), key=lambda w: w["name"])
             if len(training) > min_workers:
                 victim = rng.choice(training)
-                await control(record, {"op": "kill", "member": victim["name"], "signal": sig})
+                await operator.signal(victim, sig)
                 kills += 1
                 say(f"{now - started:7.2f} s  SIG{sig} {victim['member_id']} (pid {victim['pid']})")
                 if rejoin_after is not None:
-                    rejoins.append((now + rejoin_after, victim["pid"] if sig == "STOP" else None))
+                    rejoins.append((now + rejoin_after, victim if sig == "STOP" else None))
             else:
                 say(f"{now - started:7.2f} s  skipped: only {len(training)} training workers")
             next_kill = started + schedule.pop(0) if schedule else end

@@ -410,6 +410,17 @@ CASES = {
     "wrong job on Join": Case("Join", join(job="job2"), Code.NOT_FOUND, "no such job"),
     "wrong job on Leave": Case("Leave", leave(job="job2"), Code.NOT_FOUND, "no such job"),
     "wrong job on Watch": Case("Watch", watch(job="job2"), Code.NOT_FOUND, "no such job"),
+    "heartbeat with a NaN send time": Case(
+        "Session",
+        session(
+            open_,
+            lambda t: pb.SessionRequest(
+                heartbeat=pb.Heartbeat(epoch=t.epoch, sent_at=float("nan"))
+            ),
+        ),
+        Code.INVALID_ARGUMENT,
+        "heartbeat sent_at must be a finite",
+    ),
     "view report with a negative duration": Case(
         "Session",
         session(

@@ -125,6 +125,7 @@ def test_bad_usage_is_one_line_with_exit_2(args: Sequence[str]) -> None:
         ("no_such_field=1", "no_such_field=1"),
         ("phi_threshold=high", "phi_threshold needs a float"),
         ("rollcall_deadline=-1", "must be positive"),
+        ("session_open_timeout=5", "session_open_timeout must be below takeover_grace"),
     ],
 )
 def test_bad_config_override_is_one_line_with_exit_2(setting: str, says: str) -> None:

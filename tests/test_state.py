@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import json
 import random
 import re
 import subprocess
@@ -319,12 +320,15 @@ def saved(obj: Any) -> bytes:
     "damage",
     [
         pytest.param(lambda blob: b"", id="empty"),
-        pytest.param(lambda blob: b"certainly not a torch.save blob", id="garbage"),
+        pytest.param(lambda blob: b"certainly not a replica state", id="garbage"),
         pytest.param(lambda blob: blob[:200], id="truncated-head"),
         pytest.param(lambda blob: blob[: len(blob) // 2], id="truncated-half"),
         pytest.param(lambda blob: blob[:-1], id="truncated-last-byte"),
-        pytest.param(lambda blob: saved({"x": 1}), id="another-structure"),
-        pytest.param(lambda blob: saved({"d": datetime.date(2020, 1, 1)}), id="forbidden-global"),
+        pytest.param(
+            lambda blob: with_header({"tensors": [], "state": {"d": [["x", 1]]}}, b""),
+            id="another-structure",
+        ),
+        pytest.param(lambda blob: saved({"d": datetime.date(2020, 1, 1)}), id="a-pickle"),
     ],
 )
 def test_from_bytes_raises_corrupt_state_on_bad_bytes(damage):
@@ -345,6 +349,79 @@ def test_from_bytes_detects_a_flipped_tensor_byte_given_the_expected_digest():
 
     with pytest.raises(CorruptState, match="digest"):
         from_bytes(bytes(blob), expect_digest=digest(state))
+
+
+def test_bytes_keep_types_the_digest_does_not_see():
+    extras = {
+        "tuple": (1, 2.0, "3"),
+        "list": [True, None, -0.0, float("inf")],
+        "keys": {1: "int", "1": "str", 2.5: "float", None: "none"},
+        "bf16": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "bool": torch.tensor([True, False]),
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0, 3),
+        "strided": torch.arange(12.0).reshape(3, 4).t(),
+    }
+    state = capture_replica(trained(steps=1), step=0, extras=extras)
+
+    loaded = from_bytes(to_bytes(state))
+
+    for name in ("tuple", "list", "keys"):
+        assert loaded.extras[name] == extras[name]
+        assert type(loaded.extras[name]) is type(extras[name])
+    assert [type(k) for k in loaded.extras["keys"]] == [int, str, float, type(None)]
+    for name in ("bf16", "bool", "scalar", "empty", "strided"):
+        assert loaded.extras[name].dtype == extras[name].dtype
+        assert torch.equal(loaded.extras[name], extras[name])
+
+
+def test_equal_states_give_equal_bytes():
+    state = capture_replica(trained(steps=2), step=1)
+
+    assert to_bytes(from_bytes(to_bytes(state))) == to_bytes(state)
+
+
+def test_loaded_tensors_are_views_of_a_bytearray_passed_in_and_copies_of_bytes():
+    blob = to_bytes(capture_replica(trained(steps=1), step=0))
+    buffer = bytearray(blob)
+
+    shared = from_bytes(buffer).model["0.weight"]
+    private = from_bytes(blob).model["0.weight"]
+    shared.zero_()
+    private.add_(1)
+
+    assert buffer != blob  # the state was decoded in place
+    assert from_bytes(blob).model["0.weight"].abs().sum() > 0  # bytes stay untouched
+
+
+def header_and_tail(blob: bytes) -> tuple[dict[str, Any], bytes]:
+    length = int.from_bytes(blob[16:24], "little")
+    return json.loads(blob[24 : 24 + length]), blob[24 + length :]
+
+
+def with_header(header: dict[str, Any], tail: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return b"rollcall.state.2" + len(text).to_bytes(8, "little") + text + tail
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        pytest.param(lambda h: h["tensors"][0].__setitem__(1, [10**9]), id="tensor-past-the-end"),
+        pytest.param(lambda h: h["tensors"][0].__setitem__(2, -64), id="tensor-before-data"),
+        pytest.param(lambda h: h["tensors"][0].__setitem__(2, 3), id="misaligned-tensor"),
+        pytest.param(lambda h: h["tensors"][0].__setitem__(0, "torch.storage"), id="bad-dtype"),
+        pytest.param(lambda h: h.__setitem__("state", {"t": 10**6}), id="unknown-tensor"),
+        pytest.param(lambda h: h["state"].__setitem__("x", 1), id="unknown-node"),
+        pytest.param(lambda h: h.__setitem__("state", {"d": [[{"t": 0}, 1]]}), id="tensor-key"),
+    ],
+)
+def test_from_bytes_refuses_a_header_that_lies(tamper):
+    header, tail = header_and_tail(to_bytes(capture_replica(trained(steps=1), step=0)))
+    tamper(header)
+
+    with pytest.raises(CorruptState):
+        from_bytes(with_header(header, tail))
 
 
 # ---------------------------------------------------------- chunks and stripes
@@ -519,3 +596,32 @@ def test_report_serialization_and_digest_time_for_a_10_mb_model(capsys):
             f"to_bytes {t_save * 1e3:.1f} ms, from_bytes {t_load * 1e3:.1f} ms, "
             f"restore {t_restore * 1e3:.1f} ms"
         )
+
+
+def test_a_state_captured_without_rng_restores_and_leaves_this_process_rng_alone():
+    replica = trained(3)
+    state = capture(2, replica.model, replica.optimizer, replica.scheduler, with_rng=False)
+    assert state.rng == {}
+    assert digest(state) == digest(capture_replica(replica, 2))
+    loaded = from_bytes(to_bytes(state), expect_digest=digest(state))
+    other = new_replica(seed=5)
+    torch.manual_seed(1234)
+    expected = torch.get_rng_state()
+    restore(loaded, other.model, other.optimizer, other.scheduler)
+    assert torch.equal(torch.get_rng_state(), expected)
+    pairs = zip(parameters(other), parameters(replica), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_replicas_with_different_rng_streams_serve_identical_bytes_without_rng():
+    replica = trained(3)
+
+    def served() -> bytes:
+        state = capture(2, replica.model, replica.optimizer, replica.scheduler, with_rng=False)
+        return to_bytes(state)
+
+    torch.manual_seed(1)
+    first = served()
+    torch.manual_seed(2)
+    random.seed(2)
+    assert served() == first

@@ -22,7 +22,9 @@ from tests.test_etcd_local import client_for
 T = TypeVar("T")
 
 #: member_lease_ttl as short as Config allows with etcd's 2 s minimum election TTL.
-SHORT_LEASES = Config(member_lease_ttl=3, election_ttl=2, takeover_grace=0.5)
+SHORT_LEASES = Config(
+    member_lease_ttl=3, election_ttl=2, takeover_grace=0.5, session_open_timeout=0.25
+)
 
 
 @pytest.fixture

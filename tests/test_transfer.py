@@ -33,8 +33,9 @@ def make_snapshot() -> Snapshot:
 
 def corrupted(snap: Snapshot) -> Snapshot:
     data = bytearray(snap.data)
-    middle = len(data) // 2
-    data[middle : middle + 64] = bytes(64)  # zeros inside tensor bytes: still loads
+    # Zeros inside tensor bytes (it still loads), in the first of two stripes.
+    quarter = len(data) // 4
+    data[quarter : quarter + 64] = bytes(64)
     return Snapshot(snap.step, snap.digest, bytes(data))
 
 

@@ -173,6 +173,41 @@ def test_chaos_kills_and_replaces_workers_within_its_bound(up: Up):
     wait_for(lambda: members(up) >= 3, "the replacements to join")
 
 
+def deployment_flags(up: Up) -> list[str]:
+    """Address the `up` as a deployment would be addressed, with flags."""
+    (record,) = [
+        json.loads(path.read_text())
+        for path in Path(up.env["XDG_RUNTIME_DIR"]).glob("rollcall/up-*.json")
+    ]
+    return ["--rendezvous", record["rendezvous"], "--job", record["job"],
+            "--token-file", record["token_file"]]  # fmt: skip
+
+
+def test_add_and_kill_against_a_deployment_by_address(up: Up, tmp_path: Path):
+    flags = deployment_flags(up)
+    before = {m["id"] for m in up.status()["members"]}
+    result = up.run("add", *flags, "--log-dir", str(tmp_path))
+    assert result.returncode == 0 and "started pid" in result.stdout, result.stderr
+    joined = wait_for(
+        lambda: {m["id"] for m in up.status()["members"]} - before, "the added worker to join"
+    )
+    (member,) = joined
+    result = up.run("kill", member, *flags)
+    assert result.returncode == 0 and f"SIGKILL to {member}" in result.stdout, result.stderr
+    wait_for(lambda: member not in {m["id"] for m in up.status()["members"]}, "it to leave")
+    assert list(tmp_path.glob("worker-*.log")), "the added worker's log"
+
+
+def test_chaos_against_a_deployment_kills_its_local_members(up: Up):
+    wait_for(lambda: members(up) >= 3, "at least 3 members")
+    result = up.run(
+        "chaos", *deployment_flags(up), "--mtbf", "1", "--duration", "2.5", "--seed", "3",
+        "--min-workers", "2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "SIGKILL" in result.stdout and "0 rejoins" in result.stdout, result.stdout
+
+
 def test_report_draws_the_run(up: Up, tmp_path: Path):
     output = tmp_path / "report.png"
     result = up.run("report", str(up.events), "-o", str(output))

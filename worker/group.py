@@ -60,7 +60,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: How often a blocked wait looks at the ``abort`` event: the bound on how
-#: late an abort is noticed. Completions are signalled, not polled, so this
+#: late an abort is noticed. Completions wake the waiter at once, so this
 #: costs no latency on the success path.
 ABORT_POLL_INTERVAL = 0.01
 #: How long past its own timeout an abandoned operation is still expected to
@@ -461,23 +461,32 @@ class EpochGroup:
             return StepAborted(f"epoch {self.epoch}: group unusable ({reason})")
         if self._abort.is_set():
             return StepAborted(f"epoch {self.epoch}: aborted before the {what}")
-        _release_finished()
+        if _parked:
+            _release_finished()
         works = start(self._pg)
-        changed = _completion_signal(works)
-        while True:
-            changed.clear()
-            failure = _first_failure(works)
-            if failure is not None:
-                self._broken = f"{what} failed"
-                self._release(works, buffers)
-                return PeerFailed(f"epoch {self.epoch}: {what} failed: {failure}", failure)
-            if all(work.is_completed() for work in works):
-                return None
-            if self._abort.is_set():
-                self._broken = f"{what} aborted"
-                self._release(works, buffers)
-                return StepAborted(f"epoch {self.epoch}: {what} aborted")
-            changed.wait(ABORT_POLL_INTERVAL)
+        poll = _delta(ABORT_POLL_INTERVAL)
+        for work in works:
+            while True:
+                # The wait sleeps in C++ without the GIL and is woken by gloo
+                # itself: no Python callback has to run on gloo's thread (it
+                # would need the GIL, and on a busy machine wait for it) and
+                # no other thread is woken on the success path.
+                try:
+                    work.wait(poll)
+                    break
+                except RuntimeError:
+                    if work.is_completed():  # failed, or ended just after the timeout
+                        failure = _failure_of(work)
+                        if failure is None:
+                            break
+                        self._broken = f"{what} failed"
+                        self._release(works, buffers)
+                        return PeerFailed(f"epoch {self.epoch}: {what} failed: {failure}", failure)
+                if self._abort.is_set():
+                    self._broken = f"{what} aborted"
+                    self._release(works, buffers)
+                    return StepAborted(f"epoch {self.epoch}: {what} aborted")
+        return None
 
     def _release(self, works: list[Work], buffers: list[torch.Tensor]) -> None:
         """Destroy the group now if none of ``works`` still runs (which also
@@ -499,21 +508,13 @@ class EpochGroup:
             )
 
 
-def _completion_signal(works: Sequence[Work]) -> threading.Event:
-    """An event set each time one of ``works`` completes (successfully or not)."""
-    changed = threading.Event()
-    for work in works:
-        work.get_future().add_done_callback(lambda _: changed.set())
-    return changed
-
-
-def _first_failure(works: Sequence[Work]) -> str | None:
-    for work in works:
-        if work.is_completed():
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                return str(exc)
+def _failure_of(work: Work) -> str | None:
+    """Why the completed ``work`` failed, or None if it succeeded (it ended
+    just after a wait on it timed out)."""
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        return str(exc)
     return None
 
 

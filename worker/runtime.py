@@ -296,7 +296,10 @@ class Elastic:
             if self.committed_step < 0:
                 return None, ""
             if self._snapshot is None or self._snapshot.step != self.committed_step:
-                state = capture(self.committed_step, self._model, self._optimizer, self._scheduler)
+                state = capture(
+                    self.committed_step, self._model, self._optimizer, self._scheduler,
+                    with_rng=False,
+                )  # fmt: skip
                 self._snapshot = Snapshot(self.committed_step, digest(state), to_bytes(state))
             return self.committed_step, self._snapshot.digest
 
@@ -468,7 +471,6 @@ class Elastic:
         flat = torch.cat(
             [*grads, torch.tensor([float(step._count), step._loss], dtype=grads[0].dtype)]
         )
-        started = time.monotonic()
         try:
             group.allreduce_sum([flat])
         except PeerFailed as exc:
@@ -488,8 +490,14 @@ class Elastic:
             self._applying = True
         snapshot = None
         try:
-            if not self._still_a_member(started) or self._client.ended is not None:
+            if not self._still_a_member() or self._client.ended is not None:
                 self._optimizer.zero_grad(set_to_none=True)
+                if self._client.ended is None:
+                    # The others may have applied this step: a roll call
+                    # realigns the view (this worker then pulls the state).
+                    reason = f"epoch {step.epoch}: step {step.number} dropped (silent session)"
+                    self._note_failure(reason)
+                    self._loop.call_soon_threadsafe(self._client.request_rollcall, reason)
                 return False
             with self._lock:
                 offset = 0
@@ -586,7 +594,7 @@ class Elastic:
         with self._lock:
             restore(loaded.state, self._model, self._optimizer, self._scheduler)
             self.committed_step = loaded.state.step
-            self._snapshot = Snapshot(loaded.state.step, loaded.manifest.digest, loaded.blob)
+            self._snapshot = None  # served without RNG states, captured at the roll call
         s_ckpt = loaded.manifest.step
         self.resumed = ReplayCost(
             s_done=max(s_ckpt, status.last_step if status.last_step is not None else s_ckpt),
@@ -602,22 +610,20 @@ class Elastic:
             self.resumed.t_step, launch, loaded.seconds,
         )  # fmt: skip
 
-    def _still_a_member(self, since: float) -> bool:
-        """Fencing before an update: the session must not have been silent
-        for longer than ``fence_window`` since ``since`` (a frozen process
-        may have been evicted meanwhile, and must not commit in the old
-        epoch after it thaws)."""
+    def _still_a_member(self) -> bool:
+        """Fencing before an update: the leader must have acknowledged a
+        heartbeat sent within ``fence_window`` (it evicts a member only after
+        the detector's earliest suspicion, later than that). A frozen or
+        cut-off worker (a partition drops its writes silently) has no such
+        acknowledgement and must not commit in its old epoch; a live one
+        gets the next within a heartbeat interval."""
         client, window = self._client, self._config.fence_window
         deadline = time.monotonic() + window
-        while time.monotonic() - client.last_sent > window:
-            # Silent right now: wait for the next write to tell whether the
-            # silence was long (it then counts below) or the session is dead.
+        while time.monotonic() - client.last_acked > window:
             if client.ended is not None or self._abort.is_set() or time.monotonic() > deadline:
+                log.warning("no recent heartbeat acknowledgement: not applying the step")
                 return False
             time.sleep(ABORT_POLL)
-        if client.last_long_silence_end >= since:
-            log.warning("session was silent during step: not applying it (may be evicted)")
-            return False
         return True
 
     def _note_failure(self, reason: str) -> None:

@@ -86,10 +86,12 @@ class Open(_message.Message):
     def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("epoch",)
+    __slots__ = ("epoch", "sent_at")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
-    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+    sent_at: float
+    def __init__(self, epoch: _Optional[int] = ..., sent_at: _Optional[float] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("epoch", "step")
@@ -140,12 +142,20 @@ class ViewReport(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., fetch_s: _Optional[float] = ..., rebuild_s: _Optional[float] = ..., first_step_s: _Optional[float] = ..., lost_work_s: _Optional[float] = ..., step_s: _Optional[float] = ..., launch_s: _Optional[float] = ..., global_batch: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("roll_call", "view")
+    __slots__ = ("roll_call", "view", "ack")
     ROLL_CALL_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
     roll_call: RollCallRequest
     view: View
-    def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ...) -> None: ...
+    ack: HeartbeatAck
+    def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
+
+class HeartbeatAck(_message.Message):
+    __slots__ = ("sent_at",)
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    sent_at: float
+    def __init__(self, sent_at: _Optional[float] = ...) -> None: ...
 
 class RollCallRequest(_message.Message):
     __slots__ = ("epoch", "causes")

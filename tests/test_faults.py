@@ -1,0 +1,353 @@
+"""The fault matrix, short version for CI: etcd, a rendezvous replica and four
+training workers, each on a host of its own (tests/netns.py), under faults a
+loopback test cannot produce: a machine lost without a TCP reset, a
+partition, etcd losing its quorum, and a frozen worker thawed after its
+eviction.
+
+Every test ends with the shared invariant check (``tests.netns.check_invariants``:
+one view per epoch, every step committed once, nobody commits after leaving,
+digests agree, the ledgers hold exactly the samples of an uninterrupted run),
+and its fixture fails the test if anything (process, namespace) is left.
+Measured stalls are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from membership.config import Config
+from tests.netns import (
+    Cluster,
+    Network,
+    Worker,
+    check_invariants,
+    freeze,
+    kill,
+    namespaces,
+    thaw,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+#: Generous bound for "training goes on" waits on a loaded 2-core machine.
+PATIENCE = 60.0
+#: Added to the documented bounds in assertions (scheduling on 2 loaded cores).
+SLACK = 15.0
+#: How long a fault is held to show that nothing happens meanwhile.
+HOLD = 4.0
+#: The example job's data plan (rollcall worker's defaults).
+GLOBAL_BATCH, MICRO_BATCH, SEED = 32, 8, 0
+
+
+@pytest.fixture(scope="module")
+def plan() -> Any:
+    from worker.examples.lm import CharCorpus, LMConfig
+    from worker.plan import DataPlan
+
+    samples = len(CharCorpus(LMConfig()))
+    return DataPlan(num_samples=samples, global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH,
+                    seed=SEED)  # fmt: skip
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
+    """Builds the test's cluster; stops it and removes its network after the
+    test, failing it if any process or namespace outlives that."""
+    made: list[Cluster] = []
+
+    def make(etcd_members: int = 1, replicas: int = 1) -> Cluster:
+        cluster = Cluster(tmp_path / f"cluster{len(made)}", etcd_members, replicas)
+        made.append(cluster)
+        return cluster.__enter__()
+
+    try:
+        yield make
+    finally:
+        for cluster in made:
+            cluster.close()
+        left = [item for cluster in made for item in cluster.leftovers()]
+        assert not left, f"left behind: {left}"
+
+
+def epoch_now(workers: list[Worker]) -> int:
+    """The newest view epoch any of ``workers`` committed a step in so far."""
+    return max(e["epoch"] for w in workers for e in w.steps())
+
+
+def wait_training(team: list[Worker], steps: int = 3) -> None:
+    """Every worker of ``team`` committed ``steps`` steps in a view of all of them."""
+    for worker in team:
+        seen = 0
+
+        def counts(event: dict[str, Any]) -> bool:
+            nonlocal seen
+            seen += event["world"] == len(team)
+            return seen >= steps
+
+        worker.wait_step(counts, PATIENCE)
+
+
+def wait_resumed(survivors: list[Worker], after_epoch: int) -> list[dict[str, Any]]:
+    """Each survivor's first committed step in a view newer than ``after_epoch``."""
+    return [w.wait_step(lambda e: e["epoch"] > after_epoch, PATIENCE) for w in survivors]
+
+
+def train_on(workers: list[Worker], past_step: int, steps: int = 3) -> None:
+    for worker in workers:
+        worker.wait_step(lambda e: e["step"] >= past_step + steps, PATIENCE)
+
+
+def timeline(cluster: Cluster, focus: list[Worker]) -> str:
+    """The test's faults, every committed step of the ``focus`` workers and
+    the first one of every other worker in each epoch, in time order."""
+    start = cluster.timeline[0][0] if cluster.timeline else 0.0
+    rows = [(at, f"-- {what}") for at, what in cluster.timeline]
+    for worker in cluster.workers:
+        epochs: set[int] = set()
+        for at, e in worker.timed_steps():
+            if at < start - 1.0 or (worker not in focus and e["epoch"] in epochs):
+                continue
+            epochs.add(e["epoch"])
+            rows.append(
+                (at, f"{worker.host.name} committed step {e['step']} in epoch {e['epoch']}")
+            )
+    return "\n".join(f"{at - start:+8.3f} s  {text}" for at, text in sorted(rows))
+
+
+def assert_no_commit_since(cluster: Cluster, worker: Worker, committed: int) -> None:
+    """``worker`` committed no step after its first ``committed`` ones."""
+    late = worker.steps()[committed:]
+    story = timeline(cluster, [worker])
+    assert not late, f"{worker} committed {len(late)} step(s) after it left the view:\n{story}"
+
+
+def finish(cluster: Cluster, plan: Any) -> None:
+    """Stop the workers and check the run's invariants."""
+    cluster.stop_workers()
+    violations = check_invariants(cluster, plan)
+    samples = cluster.sampler.samples
+    errors = sum(s.error is not None for s in samples)
+    epochs = sorted({s.epoch for s in samples if s.epoch is not None})
+    stalls = "  ".join(f"{k} {v * 1000:.0f} ms" for k, v in cluster.stalls.items())
+    steps = max(e["step"] for w in cluster.workers for e in w.steps())
+    print(
+        f"\n{stalls}\nsteps 0..{steps}; status: {len(samples)} samples ({errors} failed), "
+        f"epochs {epochs}"
+    )
+    assert violations == [], (
+        "\n".join(violations) + "\n" + timeline(cluster, list(cluster.left_after))
+    )
+
+
+#: How long the reachability probes of one check run (they start one by one).
+PROBE_WINDOW = 4.0
+_UDP_PROBE = """
+import socket, sys, time
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.bind((sys.argv[2], 9999))
+sock.settimeout(0.05)
+heard, until = set(), float(sys.argv[1])  # one wall-clock end for every probe
+while time.time() < until:
+    for target in sys.argv[3:]:
+        try:
+            sock.sendto(b"x", (target, 9999))
+        except OSError:
+            pass
+    try:
+        while True:
+            heard.add(sock.recvfrom(16)[1][0])
+    except (TimeoutError, OSError):
+        pass
+print(" ".join(sorted(heard)))
+"""
+
+
+def reachability(network: Network, logs: Path) -> set[tuple[str, str]]:
+    """(sender, receiver) host-name pairs whose UDP datagram arrived: every
+    host sends one to every other at once and reports what it heard."""
+    hosts = list(network.hosts.values())
+    by_address = {h.address: h.name for h in hosts}
+    # Every probe sends and listens until the same moment, so that their
+    # windows overlap however late each one starts.
+    until = time.time() + PROBE_WINDOW
+    probes = [
+        h.spawn(
+            [
+                sys.executable,
+                "-c",
+                _UDP_PROBE,
+                str(until),
+                h.address,
+                *(o.address for o in hosts if o is not h),
+            ],
+            logs / f"probe-{h.name}.log",
+        )
+        for h in hosts
+    ]
+    pairs = set()
+    for host, probe in zip(hosts, probes, strict=True):
+        line = probe.wait_line(lambda line: True, timeout=30)
+        pairs |= {(by_address[a], host.name) for a in line.split()}
+        probe.stop()
+    return pairs
+
+
+def test_network_partitions_isolates_and_heals(tmp_path: Path) -> None:
+    with Network() as network:
+        a, b, c = (network.add_host(name) for name in "abc")
+        everyone = {(x, y) for x in "abc" for y in "abc" if x != y}
+        assert reachability(network, tmp_path) == everyone
+        network.partition([a], [b], one_way=True)
+        assert reachability(network, tmp_path) == everyone - {("a", "b")}
+        network.partition([a], [b])
+        assert reachability(network, tmp_path) == everyone - {("a", "b"), ("b", "a")}
+        network.heal()
+        network.isolate(c)
+        assert reachability(network, tmp_path) == {("a", "b"), ("b", "a")}
+        network.heal()
+        assert reachability(network, tmp_path) == everyone
+    assert network.leftovers() == []
+    assert not [name for name in namespaces() if name.startswith(network.prefix)]
+
+
+def test_lost_worker_machine_leaves_a_view_of_the_others_without_restarting_them(
+    make_cluster: Callable[..., Cluster], plan: Any
+) -> None:
+    cluster = make_cluster()
+    team = cluster.start_workers(4)
+    wait_training(team)
+    lost, survivors = team[3], team[:3]
+    pids = [w.pid for w in survivors]
+    before = epoch_now(team)
+    cut_at = cluster.note(f"isolate {lost.host.name}")
+    cluster.network.isolate(lost.host)
+    cluster.mark_left(lost, before)
+    resumed = wait_resumed(survivors, before)
+    cluster.stalls["cut off -> all survivors committed"] = time.monotonic() - cut_at
+    assert {e["world"] for e in resumed} == {3}
+    assert len({e["epoch"] for e in resumed}) == 1
+    assert cluster.stalls["cut off -> all survivors committed"] < Config().eviction_bound() + SLACK
+    assert [w.pid for w in survivors] == pids
+    assert all(w.proc.poll() is None for w in survivors), "a survivor exited"
+    committed = len(lost.steps())
+    train_on(survivors, resumed[0]["step"])
+    assert_no_commit_since(cluster, lost, committed)
+    # Back on the network it finds itself evicted: stale state, exit 3.
+    healed_at = cluster.note("heal")
+    cluster.network.heal()
+    assert lost.proc.wait(timeout=PATIENCE) == 3, lost.log_tail()
+    cluster.stalls["healed -> lost worker exited 3"] = time.monotonic() - healed_at
+    assert_no_commit_since(cluster, lost, committed)
+    train_on(survivors, max(e["step"] for e in survivors[0].steps()))
+    finish(cluster, plan)
+
+
+def test_partition_stops_the_side_without_the_control_plane_and_the_other_side_goes_on(
+    make_cluster: Callable[..., Cluster], plan: Any
+) -> None:
+    cluster = make_cluster()
+    team = cluster.start_workers(4)
+    wait_training(team)
+    with_plane, cut_off = team[:2], team[2:]
+    before = epoch_now(team)
+    cut_hosts = [w.host for w in cut_off]
+    split_at = cluster.note(f"partition {[h.name for h in cut_hosts]} | the rest")
+    cluster.network.partition(
+        cut_hosts, [h for h in cluster.network.hosts.values() if h not in cut_hosts]
+    )
+    for worker in cut_off:
+        cluster.mark_left(worker, before)
+    resumed = wait_resumed(with_plane, before)
+    cluster.stalls["partition -> control-plane side committed"] = time.monotonic() - split_at
+    assert {e["world"] for e in resumed} == {2}
+    assert cluster.stalls["partition -> control-plane side committed"] < (
+        Config().eviction_bound() + SLACK
+    )
+    committed = {w: len(w.steps()) for w in cut_off}
+    time.sleep(HOLD)
+    train_on(with_plane, resumed[0]["step"])
+    for worker in cut_off:
+        assert_no_commit_since(cluster, worker, committed[worker])
+        assert worker.proc.poll() in (None, 3), worker.log_tail()
+    healed_at = cluster.note("heal")
+    cluster.network.heal()
+    for worker in cut_off:
+        assert worker.proc.wait(timeout=PATIENCE) == 3, worker.log_tail()
+    for worker in cut_off:
+        assert_no_commit_since(cluster, worker, committed[worker])
+    cluster.stalls["healed -> cut-off side exited 3"] = time.monotonic() - healed_at
+    assert all(w.proc.poll() is None for w in with_plane)
+    train_on(with_plane, max(e["step"] for e in with_plane[0].steps()))
+    finish(cluster, plan)
+
+
+def test_etcd_quorum_lost_pauses_view_changes_safely_and_training_resumes_when_it_returns(
+    make_cluster: Callable[..., Cluster], plan: Any
+) -> None:
+    cluster = make_cluster(etcd_members=3)
+    team = cluster.start_workers(4)
+    wait_training(team)
+    before = epoch_now(team)
+    steps_before = len(team[0].steps())
+    cluster.note("kill etcd1, etcd2")
+    for member in cluster.etcd[1:]:
+        member.kill()
+    # Without a membership change nothing needs etcd: no view change happens.
+    time.sleep(HOLD)
+    assert epoch_now(team) == before, "a view changed while etcd had no quorum"
+    assert all(w.proc.poll() is None for w in team)
+    print(f"\nsteps committed by one worker in {HOLD} s without quorum: "
+          f"{len(team[0].steps()) - steps_before}")  # fmt: skip
+    # A worker crashes: no view can be committed, so the survivors pause.
+    crashed, survivors = team[3], team[:3]
+    cluster.note(f"kill {crashed.host.name}")
+    kill(crashed)
+    cluster.mark_left(crashed, before)
+    time.sleep(HOLD)
+    assert epoch_now(team) == before, "a view was committed while etcd had no quorum"
+    assert all(w.proc.poll() is None for w in survivors)
+    paused = {w: len(w.steps()) for w in survivors}
+    time.sleep(1.0)
+    assert {w: len(w.steps()) for w in survivors} == paused, "survivors kept committing"
+    restored_at = cluster.note("restart etcd1, etcd2")
+    for member in cluster.etcd[1:]:
+        cluster.restart_etcd(member)
+    resumed = wait_resumed(survivors, before)
+    cluster.stalls["quorum restored -> survivors committed"] = time.monotonic() - restored_at
+    assert {e["world"] for e in resumed} == {3}
+    assert len({e["epoch"] for e in resumed}) == 1
+    for member in cluster.etcd:
+        cluster.wait_etcd_healthy(member)
+    train_on(survivors, resumed[0]["step"])
+    finish(cluster, plan)
+
+
+def test_frozen_worker_thawed_after_its_eviction_never_commits_in_its_old_epoch(
+    make_cluster: Callable[..., Cluster], plan: Any
+) -> None:
+    cluster = make_cluster()
+    team = cluster.start_workers(4)
+    wait_training(team)
+    frozen, survivors = team[3], team[:3]
+    before = epoch_now(team)
+    frozen_at = cluster.note(f"freeze {frozen.host.name}")
+    freeze(frozen)
+    cluster.mark_left(frozen, before)
+    resumed = wait_resumed(survivors, before)
+    cluster.stalls["frozen -> all survivors committed"] = time.monotonic() - frozen_at
+    assert {e["world"] for e in resumed} == {3}
+    assert cluster.stalls["frozen -> all survivors committed"] < Config().eviction_bound() + SLACK
+    committed = len(frozen.steps())
+    cluster.note(f"thaw {frozen.host.name}")
+    thaw(frozen)
+    assert frozen.proc.wait(timeout=PATIENCE) == 3, frozen.log_tail()
+    assert "evicted" in frozen.log_tail(50)
+    assert_no_commit_since(cluster, frozen, committed)
+    train_on(survivors, resumed[0]["step"])
+    finish(cluster, plan)
