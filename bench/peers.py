@@ -623,9 +623,10 @@ def one_repeat(name: str, settings: Settings, repeat: int, tmp: Path) -> dict[st
         out["error"] = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
     finally:
+        # Before close(), which kills every worker still running.
+        out["worker_exits"] = system.exits()
         system.close()
     out["workers_started"] = system.count
-    out["worker_exits"] = system.exits()
     return out
 
 

@@ -280,3 +280,15 @@ class WorkerProcess(Process):
 
     def steps(self) -> list[dict[str, Any]]:
         return [e for e in self.events() if e["event"] == "step"]
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    """Poll ``check`` until it returns something true (returned); fail the
+    test naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -4,12 +4,11 @@ the newest durable checkpoint (real etcd, real rendezvous, real workers)."""
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.harness import ControlPlane, WorkerProcess
+from tests.harness import ControlPlane, WorkerProcess, wait_for
 from tests.test_worker_e2e import PATIENCE, _corpus_samples, assert_digests_agree, wait_step
 from worker.plan import DataPlan, Ledger, merge_ledgers
 
@@ -24,20 +23,10 @@ def start(plane: ControlPlane, tmp_path: Path, index: int, steps: int) -> Worker
     )  # fmt: skip
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def kill_everyone(plane: ControlPlane, team: list[WorkerProcess]) -> None:
     for worker in team:
         worker.kill()
-    wait_for(lambda: not plane.status_json()["members"], PATIENCE, "the view to empty")
+    wait_for(lambda: not plane.status_json()["members"], "the view to empty", PATIENCE)
 
 
 def test_every_worker_killed_then_new_workers_resume_from_the_newest_checkpoint(
@@ -108,7 +97,7 @@ def test_when_no_checkpoint_can_be_loaded_the_worker_says_so_and_changes_nothing
     plane = control_plane
     workers = [start(plane, tmp_path, 0, 1000)]
     try:
-        wait_for(lambda: plane.status_json()["checkpoints"], PATIENCE, "a published checkpoint")
+        wait_for(lambda: plane.status_json()["checkpoints"], "a published checkpoint", PATIENCE)
         kill_everyone(plane, workers)
         directory = tmp_path / "ckpt"
         for path in directory.iterdir():  # same size, one byte flipped

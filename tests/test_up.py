@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import pytest
 
 from rendezvous.etcd_local import child_processes, free_port
 from rollcall.local import kill_times
-from tests.harness import ROOT, Process
+from tests.harness import ROOT, Process, wait_for
 
 PATIENCE = 60.0
 
@@ -60,16 +60,6 @@ def isolated_env(tmp: Path) -> dict[str, str]:
     runtime = tmp / "runtime"
     runtime.mkdir(exist_ok=True)
     return {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = PATIENCE) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def start_up(tmp: Path, workers: int, *extra: str) -> Up:
