@@ -60,9 +60,10 @@ def test_every_worker_killed_then_new_workers_resume_from_the_newest_checkpoint(
         assert resumed_events, "no worker reported resuming from the checkpoint"
         for resumed in resumed_events:
             assert resumed["s_ckpt"] == newest["step"]
-            # The job's last step as the control plane recorded it; a kill
-            # may land between a commit and its progress report.
-            assert done - 1 <= resumed["s_done"] <= done
+            # The job's last step as the control plane recorded it: workers
+            # report progress at most once per heartbeat interval (a couple
+            # of steps here), and a kill may land before the report.
+            assert done - 4 <= resumed["s_done"] <= done
             assert resumed["replay_steps"] == resumed["s_done"] - resumed["s_ckpt"]
             cost = resumed["replay_steps"] * resumed["t_step"]
             cost += resumed["t_launch"] + resumed["t_load"]

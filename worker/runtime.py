@@ -207,6 +207,7 @@ class Elastic:
             else None
         )
         self._last_commit: tuple[int, float] | None = None  # (epoch, monotonic time)
+        self._progress_sent = (0, 0.0)  # (epoch, monotonic time) of the last report
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollcall", daemon=True)
@@ -525,7 +526,15 @@ class Elastic:
         self.ledger.record(
             step.number, step.epoch, step.world_size, self.plan.step_samples(step.number)
         )
-        self._loop.call_soon_threadsafe(self._client.report_progress, step.number)
+        now = time.monotonic()
+        if step.epoch != self._progress_sent[0] or now - self._progress_sent[1] >= (
+            self._config.heartbeat_interval
+        ):
+            # Waking the control thread costs the training thread a GIL
+            # hand-off: report the first step of a view, then at most once
+            # per heartbeat interval.
+            self._progress_sent = (step.epoch, now)
+            self._loop.call_soon_threadsafe(self._client.report_progress, step.number)
         return True
 
     def _account(self, step: Step) -> None:
