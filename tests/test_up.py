@@ -178,14 +178,19 @@ def test_add_and_kill_against_a_deployment_by_address(up: Up, tmp_path: Path):
     before = {m["id"] for m in up.status()["members"]}
     result = up.run("add", *flags, "--log-dir", str(tmp_path))
     assert result.returncode == 0 and "started pid" in result.stdout, result.stderr
-    joined = wait_for(
-        lambda: {m["id"] for m in up.status()["members"]} - before, "the added worker to join"
-    )
-    (member,) = joined
-    result = up.run("kill", member, *flags)
-    assert result.returncode == 0 and f"SIGKILL to {member}" in result.stdout, result.stderr
-    wait_for(lambda: member not in {m["id"] for m in up.status()["members"]}, "it to leave")
-    assert list(tmp_path.glob("worker-*.log")), "the added worker's log"
+    pid = int(result.stdout.split()[2].rstrip(","))  # "started pid N, log PATH"
+    try:
+        joined = wait_for(
+            lambda: {m["id"] for m in up.status()["members"]} - before, "the added worker to join"
+        )
+        (member,) = joined
+        result = up.run("kill", member, *flags)
+        assert result.returncode == 0 and f"SIGKILL to {member}" in result.stdout, result.stderr
+        wait_for(lambda: member not in {m["id"] for m in up.status()["members"]}, "it to leave")
+        assert list(tmp_path.glob("worker-*.log")), "the added worker's log"
+    finally:
+        if _alive(pid):  # detached from the test: it must not outlive a failure
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_chaos_against_a_deployment_kills_its_local_members(up: Up):
