@@ -131,6 +131,15 @@ def child_processes(pid: int) -> dict[int, str]:
     return found
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+
 def running_etcd_children() -> list[int]:
     """Pids of ``etcd`` processes whose parent is this process (leak check)."""
     return sorted(pid for pid, name in child_processes(os.getpid()).items() if name == "etcd")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,6 +252,3 @@ class EventFile:
     def close(self) -> None:
         self._file.close()
 
-
-def wall_offset() -> float:
-    return time.time() - time.monotonic()

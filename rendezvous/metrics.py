@@ -27,7 +27,6 @@ class ServiceMetrics:
 
     def __init__(self, job: str) -> None:
         self.registry = CollectorRegistry()
-        labels = {"job": job}
         self.leader = Gauge(
             "rollcall_leader", "1 while this replica leads the job", registry=self.registry
         )
@@ -57,7 +56,6 @@ class ServiceMetrics:
             "rollcall_lost_work_seconds", "Compute thrown away by aborted steps",
             registry=self.registry,
         )  # fmt: skip
-        self._job = labels
         self._last_step: int | None = None
 
     def progress(self, step: int, global_batch: int | None) -> None:

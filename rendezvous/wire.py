@@ -3,6 +3,7 @@ and the job-token metadata."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import os
@@ -83,15 +84,7 @@ def manifest_to_pb(manifest: CheckpointManifest) -> pb.Checkpoint:
 def manifest_from_pb(message: pb.Checkpoint) -> CheckpointManifest:
     """Raises ``InvalidRequest`` for a malformed manifest."""
     return CheckpointManifest(
-        step=message.step,
-        digest=message.digest,
-        uri=message.uri,
-        size=message.size,
-        sha256=message.sha256,
-        epoch=message.epoch,
-        writer=message.writer,
-        created_unix=message.created_unix,
-        step_seconds=message.step_seconds,
+        **{f.name: getattr(message, f.name) for f in dataclasses.fields(CheckpointManifest)}
     )
 
 

@@ -565,8 +565,7 @@ def make_operator(
     if not addresses and not job:
         return LocalOperator(find_local())
     replicas, job, token_file = resolve_target(addresses, job, token_file)
-    directory = log_dir or Path(tempfile.gettempdir()) / f"rollcall-workers-{os.getuid()}"
-    return DeploymentOperator(replicas, job, token_file, host, directory)
+    return DeploymentOperator(replicas, job, token_file, host, log_dir)
 
 
 @main.command()
@@ -627,33 +626,23 @@ def _kill_in_deployment(
 ) -> None:  # fmt: skip
     import random
 
-    from rendezvous.client import RendezvousClient
-    from rendezvous.wire import read_token
-    from rollcall.local import SIGNALS, pid_listening
+    from rollcall.local import DeploymentOperator
 
     replicas, job, token_file = resolve_target(addresses, job, token_file)
-
-    async def ask() -> Any:
-        client = RendezvousClient(replicas, job, read_token(token_file), Config())
-        try:
-            return await client.status()
-        finally:
-            await client.close()
-
-    view = asyncio.run(ask()).view
-    pids = {m.id: pid_listening(m.address) for m in view.members}
-    local = {m: pid for m, pid in pids.items() if pid is not None}
+    operator = DeploymentOperator(replicas, job, token_file)
+    local = {w["member_id"]: w for w in asyncio.run(operator.training())}
     if pick_random:
         if not local:
             fail(f"no member of job {job} runs on this machine")
         member = random.choice(sorted(local))
     assert member is not None
-    if member not in view:
-        fail(f"{member} is not a member of job {job} (epoch {view.epoch})")
     if member not in local:
-        fail(f"{member} does not run on this machine: stop it where it runs (e.g. docker kill)")
-    os.kill(local[member], SIGNALS[sig])
-    click.echo(f"sent SIG{sig} to {member} (pid {local[member]})")
+        fail(
+            f"{member} is not a member of job {job} whose process runs on this machine: "
+            "stop it where it runs (e.g. docker kill)"
+        )
+    asyncio.run(operator.signal(local[member], sig))
+    click.echo(f"sent SIG{sig} to {member} (pid {local[member]['pid']})")
 
 
 @main.command()

@@ -4,6 +4,7 @@ plain lines otherwise (one per view change, a progress line now and then)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Group
@@ -11,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rollcall.local import LocalCluster
+from rollcall.report import ViewChange
 
 #: View changes listed in the live view.
 SHOWN_EVENTS = 6
@@ -20,38 +22,37 @@ def ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
-def event_line(event: dict[str, Any]) -> str:
-    """One view change in a line: cause, members, stall and its breakdown."""
-    phases = event.get("phases") or {}
-    before, after = len(event["members_before"]), len(event["members_after"])
-    restart = event.get("restart_cost_s")
-    return (
-        f"epoch {event['epoch']:>3}  {event['cause']:<9} {before}->{after}  "
-        f"stall {ms(event.get('stall_s'))} ms (detect {ms(phases.get('detect_s'))}, "
-        f"roll call {ms(phases.get('rollcall_s'))}, fetch {ms(phases.get('fetch_s'))}, "
-        f"rebuild {ms(phases.get('rebuild_s'))}, first step {ms(phases.get('first_step_s'))})"
-        f"  lost {event.get('lost_work_s', 0):.2f} s"
-        + ("" if restart is None else f"  restart would cost {restart:.1f} s")
+#: Columns of a view change: the live table's headers, in event_cells' order.
+EVENT_COLUMNS = ("epoch", "cause", "members", "stall", "detect", "roll call", "fetch",
+                 "rebuild", "first step", "lost work", "restart")  # fmt: skip
+
+
+def event_cells(event: ViewChange) -> list[str]:
+    """One view change as EVENT_COLUMNS (durations in ms, restart in s)."""
+    phases = event.phases
+    restart = event.restart_cost_s
+    return [
+        str(event.epoch), event.cause,
+        f"{len(event.members_before)}->{len(event.members_after)}",
+        ms(event.stall_s), ms(phases.detect_s), ms(phases.rollcall_s), ms(phases.fetch_s),
+        ms(phases.rebuild_s), ms(phases.first_step_s), ms(event.lost_work_s),
+        "-" if restart is None else f"{restart:.1f} s",
+    ]  # fmt: skip
+
+
+def event_line(event: ViewChange) -> str:
+    """One view change in a line (the plain, non-terminal output)."""
+    return "view change (ms): " + "  ".join(
+        f"{column} {cell}" for column, cell in zip(EVENT_COLUMNS, event_cells(event), strict=True)
     )
 
 
-def events_table(events: list[dict[str, Any]]) -> Table:
+def events_table(events: Sequence[ViewChange]) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
-    columns = ("epoch", "cause", "members", "stall", "detect", "roll call", "fetch", "rebuild",
-               "first step", "lost work", "restart")  # fmt: skip
-    for column in columns:
+    for column in EVENT_COLUMNS:
         table.add_column(column, justify="left" if column in ("cause", "members") else "right")
     for event in events:
-        phases = event.get("phases") or {}
-        restart = event.get("restart_cost_s")
-        table.add_row(
-            str(event["epoch"]), event["cause"],
-            f"{len(event['members_before'])}->{len(event['members_after'])}",
-            ms(event.get("stall_s")), ms(phases.get("detect_s")), ms(phases.get("rollcall_s")),
-            ms(phases.get("fetch_s")), ms(phases.get("rebuild_s")),
-            ms(phases.get("first_step_s")), ms(event.get("lost_work_s")),
-            "-" if restart is None else f"{restart:.1f} s",
-        )  # fmt: skip
+        table.add_row(*event_cells(event))
     return table
 
 

@@ -23,6 +23,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from membership.errors import RollcallError
+from rendezvous.etcd_local import pid_alive
 
 log = logging.getLogger("rollcall.up")
 
@@ -51,16 +53,6 @@ def discovery_dir() -> Path:
     return base
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def find_local() -> dict[str, Any]:
     """The discovery record of the one ``rollcall up`` running here."""
     found = []
@@ -69,7 +61,7 @@ def find_local() -> dict[str, Any]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if _alive(int(record.get("pid", 0))):
+        if pid_alive(int(record.get("pid", 0))):
             found.append(record)
         else:
             path.unlink(missing_ok=True)  # left behind by an `up` that was killed
@@ -345,25 +337,16 @@ class LocalCluster:
 
 
 def summarize(events: Path) -> dict[str, Any]:
-    """The run so far, from its events file (docs/events.md): the view-change
-    records and the goodput as ``rollcall report`` computes it."""
+    """The run so far, from its events file (docs/events.md): its view
+    changes (``rollcall.report.ViewChange``) and the goodput as ``rollcall
+    report`` computes it (None before there is any)."""
     from rollcall.report import ReportError, goodput, parse_events
 
     try:
-        text = events.read_text(encoding="utf-8")
-    except OSError:
-        text = ""
-    changes = []
-    for line in text.splitlines():
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict) and record.get("kind") == "view_change":
-                changes.append(record)
-    try:
-        fraction = goodput(parse_events(text, str(events))).fraction
-    except ReportError:
-        fraction = None
-    return {"view_changes": changes, "goodput": fraction}
+        run = parse_events(events.read_text(encoding="utf-8"), str(events))
+    except (OSError, ReportError):
+        return {"view_changes": (), "goodput": None}
+    return {"view_changes": run.view_changes, "goodput": goodput(run).fraction}
 
 
 def pid_listening(address: str) -> int | None:
@@ -425,11 +408,12 @@ class DeploymentOperator:
     starts new example workers here, detached, logging to ``log_dir``."""
 
     def __init__(
-        self, addresses: Sequence[str], job: str, token_file: Path | None, host: str,
-        log_dir: Path, worker_args: Sequence[str] = (),
+        self, addresses: Sequence[str], job: str, token_file: Path | None,
+        host: str = "127.0.0.1", log_dir: Path | None = None, worker_args: Sequence[str] = (),
     ) -> None:  # fmt: skip
         self.addresses, self.job, self.token_file = list(addresses), job, token_file
-        self.host, self.log_dir, self.worker_args = host, log_dir, list(worker_args)
+        self.host, self.worker_args = host, list(worker_args)
+        self.log_dir = log_dir or Path(tempfile.gettempdir()) / f"rollcall-workers-{os.getuid()}"
 
     async def training(self) -> list[dict[str, Any]]:
         from membership.config import Config

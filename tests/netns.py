@@ -25,6 +25,7 @@ a network is created). Needs root, ``ip`` (iproute2) and ``nft`` (nftables):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -41,6 +42,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from rendezvous.etcd_local import pid_alive
 from tests.harness import Process
 
 #: Every namespace this harness makes starts with this.
@@ -102,23 +104,11 @@ def _kill_and_delete(netns: str) -> None:
         if not pids:
             break
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         time.sleep(0.05)
     if netns in namespaces():
         _run(["ip", "netns", "delete", netns])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 #: Prefixes of the networks this process has created and not destroyed.
@@ -132,7 +122,7 @@ def _is_stale(name: str) -> bool:
     pid = int(match.group(1))
     if pid == os.getpid():  # ours, or a dead runner's whose pid was reused
         return not any(name.startswith(prefix) for prefix in _live_prefixes)
-    return not _alive(pid)
+    return not pid_alive(pid)
 
 
 def remove_stale() -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from rendezvous.etcd_local import child_processes, free_port
+from rendezvous.etcd_local import child_processes, free_port, pid_alive
 from rollcall.local import kill_times
 from tests.harness import ROOT, Process, wait_for
 
@@ -189,7 +189,7 @@ def test_add_and_kill_against_a_deployment_by_address(up: Up, tmp_path: Path):
         wait_for(lambda: member not in {m["id"] for m in up.status()["members"]}, "it to leave")
         assert list(tmp_path.glob("worker-*.log")), "the added worker's log"
     finally:
-        if _alive(pid):  # detached from the test: it must not outlive a failure
+        if pid_alive(pid):  # detached from the test: it must not outlive a failure
             os.kill(pid, signal.SIGKILL)
 
 
@@ -228,7 +228,7 @@ def test_ctrl_c_stops_everything_up_started(tmp_path: Path):
     finally:
         stop_up(up)
     assert up.process.proc.returncode == 0, up.process.log_tail()
-    alive = [pid for pid in children if _alive(pid)]
+    alive = [pid for pid in children if pid_alive(pid)]
     assert alive == [], f"left running: {alive}"
     assert not list((tmp_path / "runtime").glob("rollcall/up-*.json")), "discovery file left"
 
@@ -240,14 +240,6 @@ def test_up_ends_when_the_job_is_done(tmp_path: Path):
         lambda line: line.startswith("rollcall up:") and "view changes" in line, 5
     )
     assert "goodput" in summary, summary
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 @pytest.mark.parametrize(

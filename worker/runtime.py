@@ -387,8 +387,7 @@ class Elastic:
             reason = (
                 f"holds step {self.committed_step}, view {view.epoch} resumes at {view.resume_step}"
             )
-            self._note_failure(reason)
-            self._loop.call_soon_threadsafe(self._client.request_rollcall, reason)
+            self._ask_for_rollcall(reason)
             raise StepAborted(f"epoch {view.epoch}: {reason}; asked for a roll call")
         behind = view.resume_step is not None and self.committed_step != view.resume_step
         if self.member_id in view.fetch or behind:
@@ -496,9 +495,9 @@ class Elastic:
                 if self._client.ended is None:
                     # The others may have applied this step: a roll call
                     # realigns the view (this worker then pulls the state).
-                    reason = f"epoch {step.epoch}: step {step.number} dropped (silent session)"
-                    self._note_failure(reason)
-                    self._loop.call_soon_threadsafe(self._client.request_rollcall, reason)
+                    self._ask_for_rollcall(
+                        f"epoch {step.epoch}: step {step.number} dropped (no fresh heartbeat ack)"
+                    )
                 return False
             with self._lock:
                 offset = 0
@@ -642,6 +641,12 @@ class Elastic:
         log.info("%s", reason)
         if self._failure is None:
             self._failure = (time.monotonic(), reason[:200])
+
+    def _ask_for_rollcall(self, reason: str) -> None:
+        """Our state or group no longer matches the view: ask for a roll call
+        now, and again after the detector's bound if no view follows."""
+        self._note_failure(reason)
+        self._loop.call_soon_threadsafe(self._client.request_rollcall, reason)
 
     def _report_failure(self) -> None:
         """No roll call followed a failure: we cannot tell which peer broke
