@@ -57,6 +57,9 @@ _NS_NAME = re.compile(r"^rcf-(\d+)-[0-9a-f]+-")
 #: freeze()/thaw() wait at most this long for the kernel to apply the signal.
 _SIGNAL_SETTLE = 2.0
 _COMMAND_TIMEOUT = 30.0
+#: The cgroup v1 cpu controller: a throttled host's processes go into a
+#: child group named like the host's namespace, with a CFS quota.
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
 
 
 class NetworkError(RuntimeError):
@@ -126,14 +129,45 @@ def _is_stale(name: str) -> bool:
 
 
 def remove_stale() -> list[str]:
-    """Delete this harness's namespaces whose creating process is gone
-    (a runner killed before its cleanup); returns their names."""
+    """Delete this harness's namespaces and CPU cgroups whose creating
+    process is gone (a runner killed before its cleanup); returns their names."""
     stale = []
     for name in namespaces():
         if _is_stale(name):
             _kill_and_delete(name)
             stale.append(name)
+    for group in _cpu_groups(PREFIX):
+        if _is_stale(group.name):
+            _remove_cpu_group(group)
+            stale.append(str(group))
     return stale
+
+
+def _cpu_groups(prefix: str) -> list[Path]:
+    if not CPU_CGROUPS.is_dir():
+        return []
+    return [group for group in CPU_CGROUPS.iterdir() if group.name.startswith(prefix)]
+
+
+def _remove_cpu_group(group: Path) -> None:
+    """Move the group's processes back to the root group and remove it."""
+    for _ in range(50):
+        try:
+            pids = (group / "cgroup.procs").read_text().split()
+        except FileNotFoundError:
+            return
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(OSError):  # ended meanwhile
+                (CPU_CGROUPS / "cgroup.procs").write_text(pid)
+        time.sleep(0.02)
+    try:
+        group.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise NetworkError(f"cannot remove cgroup {group}: {exc}") from exc
 
 
 class Host:
@@ -162,6 +196,36 @@ class Host:
 
     def pids(self) -> list[int]:
         return _namespace_pids(self.netns)
+
+    def throttle(self, share: float, period: float = 0.1) -> None:
+        """Limit this host's processes (those running now) to ``share`` of
+        one CPU, granted as ``share * period`` of CPU time per ``period``
+        seconds (a CFS quota: within a period the processes run until the
+        quota is used, then wait for the next period). Throttling again
+        replaces the limit."""
+        if not (CPU_CGROUPS / "cpu.cfs_quota_us").exists():
+            raise NetworkError(f"throttling needs the cgroup v1 cpu controller at {CPU_CGROUPS}")
+        period_us = round(period * 1_000_000)
+        quota_us = round(share * period_us)
+        if not 1_000 <= period_us <= 1_000_000 or quota_us < 1_000:
+            raise ValueError(
+                f"period {period} s must be 1 ms..1 s and share x period at least 1 ms"
+            )
+        group = self.cpu_group
+        group.mkdir(exist_ok=True)
+        (group / "cpu.cfs_period_us").write_text(str(period_us))
+        (group / "cpu.cfs_quota_us").write_text(str(quota_us))
+        for pid in self.pids():
+            with contextlib.suppress(OSError):  # ended meanwhile
+                (group / "cgroup.procs").write_text(str(pid))
+
+    def unthrottle(self) -> None:
+        """Lift :meth:`throttle` (nothing if not throttled)."""
+        _remove_cpu_group(self.cpu_group)
+
+    @property
+    def cpu_group(self) -> Path:
+        return CPU_CGROUPS / self.netns
 
     def __repr__(self) -> str:
         return f"Host({self.name!r}, {self.address})"
@@ -239,14 +303,20 @@ class Network:
                 _kill_and_delete(name)
             except NetworkError as exc:
                 errors.append(str(exc))
+        for group in _cpu_groups(self.prefix):
+            try:
+                _remove_cpu_group(group)
+            except NetworkError as exc:
+                errors.append(str(exc))
         self._created = []
         _live_prefixes.discard(self.prefix)
         if errors:
             raise NetworkError("; ".join(errors))
 
     def leftovers(self) -> list[str]:
-        """This network's namespaces that still exist."""
-        return [name for name in namespaces() if name.startswith(self.prefix)]
+        """This network's namespaces and CPU cgroups that still exist."""
+        left = [name for name in namespaces() if name.startswith(self.prefix)]
+        return left + [str(group) for group in _cpu_groups(self.prefix)]
 
     def __enter__(self) -> Network:
         try:
@@ -444,7 +514,7 @@ class Worker(Process):
 
     def __init__(
         self, host: Host, rendezvous: Sequence[str], job: str, token_file: Path,
-        log_path: Path, ledger: Path, steps: int,
+        log_path: Path, ledger: Path, steps: int, env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         self.host = host
         self.ledger = ledger
@@ -457,7 +527,7 @@ class Worker(Process):
             "--name", host.name, "--json", "--digest-every", "1", "--steps", str(steps),
             "--ledger", str(ledger), "--log-level", "info",
         ]  # fmt: skip
-        super().__init__(host.argv(argv), None, log_path)
+        super().__init__(host.argv(argv), env, log_path)
 
     def wait_event(
         self, predicate: Callable[[dict[str, Any]], bool], timeout: float
@@ -521,6 +591,7 @@ class StatusSample:
     epoch: int | None = None
     members: tuple[str, ...] = ()
     step: int | None = None
+    leader: str | None = None
     error: str | None = None
 
 
@@ -584,6 +655,12 @@ class Cluster:
         self.left_after: dict[Worker, int] = {}
         #: (time.monotonic(), what) of every fault injected, for the report.
         self.timeline: list[tuple[float, str]] = []
+        #: [start, end] of each time the control plane was down on purpose
+        #: (etcd without quorum): no view can change, so a stall there is
+        #: excused until ``stall_bound`` after its end (end inf: still down).
+        self.outages: list[list[float]] = []
+        #: The longest time without any committed step outside an outage.
+        self.stall_bound = stall_bound(self.settings)
 
     # --- life cycle ---------------------------------------------------------------
     def __enter__(self) -> Cluster:
@@ -630,6 +707,22 @@ class Cluster:
             log = member.process.log_tail(30) if member.process else "(not started)"
             raise NetworkError(f"etcd {member.host.name} not healthy in {timeout} s:\n{log}")
 
+    def etcd_leader(self) -> EtcdMember:
+        """The etcd member that is the raft leader now (asked with etcdctl
+        from the observer host)."""
+        done = self.observer.run(
+            ["etcdctl", f"--endpoints={','.join(self.etcd_urls)}", "--command-timeout=5s",
+             "endpoint", "status", "-w", "json"],
+            timeout=20,
+        )  # fmt: skip
+        try:
+            answers = json.loads(done.stdout)
+            by_id = {a["Status"]["header"]["member_id"]: a["Endpoint"] for a in answers}
+            leader_url = by_id[answers[0]["Status"]["leader"]]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise NetworkError(f"no etcd leader in {done.stdout!r} {done.stderr!r}") from exc
+        return next(m for m in self.etcd if m.client_url == leader_url)
+
     def restart_etcd(self, member: EtcdMember) -> None:
         """Start a killed member again with its data (returns without
         waiting: with quorum lost, one member alone never becomes healthy)."""
@@ -648,20 +741,34 @@ class Cluster:
         self.replicas.append(replica)
         return replica
 
+    def rendezvous_leader(self, timeout: float = _START_TIMEOUT) -> Replica:
+        """The replica that leads now, by `rollcall status` (which names it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            sample = self.sample_status()
+            for replica in self.replicas:
+                if sample.leader == replica.address and replica.proc.poll() is None:
+                    return replica
+            if time.monotonic() > deadline:
+                raise NetworkError(f"no live leading replica within {timeout} s: {sample}")
+            time.sleep(0.2)
+
     @property
     def rendezvous(self) -> list[str]:
         return [r.address for r in self.replicas]
 
-    def start_workers(self, count: int, timeout: float = _START_TIMEOUT) -> list[Worker]:
-        """``count`` new workers, each on a new host, started together;
-        returns once each has joined."""
+    def start_workers(
+        self, count: int, timeout: float = _START_TIMEOUT, env: dict[str, str] | None = None
+    ) -> list[Worker]:
+        """``count`` new workers, each on a new host, started together (with
+        ``env`` added to their environment); returns once each has joined."""
         started = []
         for _ in range(count):
             host = self.network.add_host(f"w{len(self.workers)}")
             worker = Worker(
                 host, self.rendezvous, self.job, self.token_file,
                 self.workdir / f"{host.name}.log", self.workdir / f"{host.name}.ledger.jsonl",
-                self.worker_steps,
+                self.worker_steps, env,
             )  # fmt: skip
             self.workers.append(worker)
             started.append(worker)
@@ -688,6 +795,7 @@ class Cluster:
             return StatusSample(
                 at, epoch=int(answer["epoch"]),
                 members=tuple(m["id"] for m in answer["members"]), step=answer.get("step"),
+                leader=answer.get("leader"),
             )  # fmt: skip
         except (ValueError, KeyError, TypeError) as exc:
             return StatusSample(at, error=f"unreadable status: {exc}: {done.stdout[:200]}")
@@ -701,6 +809,18 @@ class Cluster:
         """Record a fault (or other event of the test) now; returns the time."""
         at = time.monotonic()
         self.timeline.append((at, what))
+        return at
+
+    def outage_begins(self, what: str) -> float:
+        """Note the start of a deliberate control-plane outage (see ``outages``)."""
+        at = self.note(what)
+        self.outages.append([at, float("inf")])
+        return at
+
+    def outage_ends(self, what: str) -> float:
+        """Note the end of the outage in progress."""
+        at = self.note(what)
+        self.outages[-1][1] = at
         return at
 
     def stop_workers(self) -> None:
@@ -723,7 +843,7 @@ class Cluster:
 
     def leftovers(self) -> list[str]:
         """What is still there after ``close()``: running processes and namespaces."""
-        left = [f"namespace {name}" for name in self.network.leftovers()]
+        left = list(self.network.leftovers())
         processes: list[Process] = [*self.workers, *self.replicas]
         processes += [m.process for m in self.etcd if m.process is not None]
         left += [f"process {p.pid}" for p in processes if p.proc.poll() is None]
@@ -731,6 +851,30 @@ class Cluster:
 
 
 # --- invariants ---------------------------------------------------------------------------
+
+
+#: Scheduling on 2 loaded cores, added to every computed bound.
+BOUND_SLACK = 10.0
+
+
+def stall_bound(settings: Sequence[str]) -> float:
+    """The longest time a job with replica ``settings`` (``NAME=VALUE``) may
+    go without a committed step while its control plane is up: a rendezvous
+    leader failover (the old leader's election lease runs out, the new one
+    waits out its grace) followed by the eviction of a member lost meanwhile
+    (detection, join settle, roll call), plus :data:`BOUND_SLACK`."""
+    from rollcall.cli import parse_overrides
+
+    config = parse_overrides(tuple(settings))
+    failover = config.election_ttl + config.takeover_grace
+    return failover + config.eviction_bound() + BOUND_SLACK
+
+
+def commit_gaps(cluster: Cluster) -> list[tuple[float, float]]:
+    """(start, end) of every interval between two consecutive committed
+    steps of the job (any worker's, by the time the harness read them)."""
+    times = sorted({at for worker in cluster.workers for at, _ in worker.timed_steps()})
+    return list(zip(times, times[1:], strict=False))
 
 
 #: A worker's stdout line is read at most this long after it was written
@@ -753,6 +897,10 @@ def check_invariants(cluster: Cluster, plan: Any) -> list[str]:
       let off, its state is discarded; one that applied it after is not);
     - among the workers that stayed, every step was committed in one epoch;
     - digests agree at every step of an epoch;
+    - every stall is bounded: no two consecutive committed steps of the job
+      are further apart than ``cluster.stall_bound``, except across a
+      deliberate control-plane outage (``Cluster.outage_begins``), where the
+      bound counts from its end;
     - the merged ledgers agree where they overlap, cover a contiguous range
       of steps from 0, and hold exactly the samples of an uninterrupted run
       (``plan``: a ``worker.plan.DataPlan``).
@@ -804,6 +952,7 @@ def check_invariants(cluster: Cluster, plan: Any) -> list[str]:
             violations.append(f"epoch {epoch} step {step}: digests disagree ({len(found)})")
     violations += _check_status(cluster, worlds)
     violations += _check_left(cluster)
+    violations += _check_stalls(cluster)
 
     try:
         merged = merge_ledgers(ledgers)
@@ -848,6 +997,22 @@ def _check_status(cluster: Cluster, worlds: dict[int, set[int]]) -> list[str]:
     return violations
 
 
+def _check_stalls(cluster: Cluster) -> list[str]:
+    violations = []
+    origin = cluster.timeline[0][0] if cluster.timeline else 0.0
+    for start, end in commit_gaps(cluster):
+        excused_until = max(
+            (o_end for o_start, o_end in cluster.outages if o_start < end and o_end > start),
+            default=start,
+        )
+        if end > max(start, excused_until) + cluster.stall_bound:
+            violations.append(
+                f"no step committed for {end - start:.1f} s (from {start - origin:+.1f} s; "
+                f"bound {cluster.stall_bound:.1f} s after any control-plane outage)"
+            )
+    return violations
+
+
 def _check_left(cluster: Cluster) -> list[str]:
     violations = []
     for worker, last_epoch in cluster.left_after.items():
@@ -885,6 +1050,8 @@ __all__ = [
     "StatusSampler",
     "Worker",
     "check_invariants",
+    "commit_gaps",
+    "stall_bound",
     "freeze",
     "kill",
     "namespaces",

@@ -1,8 +1,10 @@
-"""The fault matrix, short version for CI: etcd, a rendezvous replica and four
-training workers, each on a host of its own (tests/netns.py), under faults a
-loopback test cannot produce: a machine lost without a TCP reset, a
-partition, etcd losing its quorum, and a frozen worker thawed after its
-eviction.
+"""The fault matrix, short version for CI: etcd, rendezvous replicas and four
+training workers, each on a host of its own (tests/netns.py), under every
+fault of the design's taxonomy: a worker crash (and its replacement pulling
+the state), a machine lost without a TCP reset, a partition, a frozen worker
+thawed after its eviction, a CPU-throttled worker below and above the
+failure detector's threshold, the rendezvous leader killed, the etcd leader
+killed, etcd losing its quorum, and a peer serving corrupt state.
 
 Every test ends with the shared invariant check (``tests.netns.check_invariants``:
 one view per epoch, every step committed once, nobody commits after leaving,
@@ -13,7 +15,9 @@ Measured stalls are printed (``pytest -s``).
 
 from __future__ import annotations
 
+import re
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +36,7 @@ from tests.netns import (
     namespaces,
     thaw,
 )
+from worker.faults import ENV as FAULTS_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -145,16 +150,25 @@ def finish(cluster: Cluster, plan: Any) -> None:
     )
 
 
-#: How long the reachability probes of one check run (they start one by one).
-PROBE_WINDOW = 4.0
+#: How long the reachability probes of one check send and listen, all at once.
+PROBE_WINDOW = 2.0
+#: Longest wait for every probe to start (python start-up on loaded cores).
+PROBE_START = 30.0
 _UDP_PROBE = """
-import socket, sys, time
+import pathlib, socket, sys, time
+barrier, me, peers = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-sock.bind((sys.argv[2], 9999))
+sock.bind((me, 9999))
 sock.settimeout(0.05)
-heard, until = set(), float(sys.argv[1])  # one wall-clock end for every probe
-while time.time() < until:
-    for target in sys.argv[3:]:
+# Barrier: every probe is bound before any window starts, so the windows
+# overlap however late each process started.
+(barrier / me).touch()
+deadline = time.monotonic() + {start}
+while len(list(barrier.iterdir())) < len(peers) + 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+heard, until = set(), time.monotonic() + {window}
+while time.monotonic() < until:
+    for target in peers:
         try:
             sock.sendto(b"x", (target, 9999))
         except OSError:
@@ -170,31 +184,31 @@ print(" ".join(sorted(heard)))
 
 def reachability(network: Network, logs: Path) -> set[tuple[str, str]]:
     """(sender, receiver) host-name pairs whose UDP datagram arrived: every
-    host sends one to every other at once and reports what it heard."""
+    host sends to every other during the same window and reports what it heard."""
     hosts = list(network.hosts.values())
     by_address = {h.address: h.name for h in hosts}
-    # Every probe sends and listens until the same moment, so that their
-    # windows overlap however late each one starts.
-    until = time.time() + PROBE_WINDOW
+    barrier = Path(tempfile.mkdtemp(prefix="barrier-", dir=logs))
+    script = _UDP_PROBE.format(start=PROBE_START, window=PROBE_WINDOW)
     probes = [
         h.spawn(
             [
                 sys.executable,
                 "-c",
-                _UDP_PROBE,
-                str(until),
+                script,
+                str(barrier),
                 h.address,
                 *(o.address for o in hosts if o is not h),
             ],
             logs / f"probe-{h.name}.log",
-        )
+        )  # fmt: skip
         for h in hosts
     ]
     pairs = set()
     for host, probe in zip(hosts, probes, strict=True):
-        line = probe.wait_line(lambda line: True, timeout=30)
+        line = probe.wait_line(lambda line: True, timeout=PROBE_START + 30)
         pairs |= {(by_address[a], host.name) for a in line.split()}
         probe.stop()
+    assert len(list(barrier.iterdir())) == len(hosts), "a probe never reached its barrier"
     return pairs
 
 
@@ -295,7 +309,7 @@ def test_etcd_quorum_lost_pauses_view_changes_safely_and_training_resumes_when_i
     wait_training(team)
     before = epoch_now(team)
     steps_before = len(team[0].steps())
-    cluster.note("kill etcd1, etcd2")
+    cluster.outage_begins("kill etcd1, etcd2")
     for member in cluster.etcd[1:]:
         member.kill()
     # Without a membership change nothing needs etcd: no view change happens.
@@ -315,7 +329,7 @@ def test_etcd_quorum_lost_pauses_view_changes_safely_and_training_resumes_when_i
     paused = {w: len(w.steps()) for w in survivors}
     time.sleep(1.0)
     assert {w: len(w.steps()) for w in survivors} == paused, "survivors kept committing"
-    restored_at = cluster.note("restart etcd1, etcd2")
+    restored_at = cluster.outage_ends("restart etcd1, etcd2")
     for member in cluster.etcd[1:]:
         cluster.restart_etcd(member)
     resumed = wait_resumed(survivors, before)
@@ -349,5 +363,177 @@ def test_frozen_worker_thawed_after_its_eviction_never_commits_in_its_old_epoch(
     assert frozen.proc.wait(timeout=PATIENCE) == 3, frozen.log_tail()
     assert "evicted" in frozen.log_tail(50)
     assert_no_commit_since(cluster, frozen, committed)
+    train_on(survivors, resumed[0]["step"])
+    finish(cluster, plan)
+
+
+def test_crashed_worker_leaves_a_view_of_the_others_and_a_replacement_pulls_the_state(
+    make_cluster: Callable[..., Cluster], plan: Any
+) -> None:
+    cluster = make_cluster()
+    team = cluster.start_workers(4)
+    wait_training(team)
+    crashed, survivors = team[3], team[:3]
+    pids = [w.pid for w in survivors]
+    before = epoch_now(team)
+    killed_at = cluster.note(f"kill {crashed.host.name}")
+    kill(crashed)
+    cluster.mark_left(crashed, before)
+    resumed = wait_resumed(survivors, before)
+    cluster.stalls["kill -> all survivors committed"] = time.monotonic() - killed_at
+    assert {e["world"] for e in resumed} == {3}
+    assert len({e["epoch"] for e in resumed}) == 1
+    assert [w.pid for w in survivors] == pids
+    assert all(w.proc.poll() is None for w in survivors), "a survivor exited"
+    # A replacement on a new host joins the running job and pulls the state.
+    started_at = cluster.note("start a replacement")
+    (replacement,) = cluster.start_workers(1)
+    first = replacement.wait_step(lambda e: True, PATIENCE)
+    cluster.stalls["replacement started -> committed"] = time.monotonic() - started_at
+    assert first["world"] == 4 and first["step"] > 0, first
+    assert "pulled step" in replacement.log_tail(200), replacement.log_tail()
+    train_on([*survivors, replacement], first["step"])
+    finish(cluster, plan)
+
+
+def test_corrupt_state_chunk_is_detected_and_the_state_fetched_again_elsewhere(
+    make_cluster: Callable[..., Cluster], plan: Any
+) -> None:
+    cluster = make_cluster()
+    # One source corrupts every state range it serves (worker/faults.py). It
+    # joins after two others, so it is never the only source.
+    team = cluster.start_workers(2)
+    wait_training(team)
+    (corrupter,) = cluster.start_workers(1, env={FAULTS_ENV: "corrupt_serves=1000"})
+    team.append(corrupter)
+    wait_training(team)
+    cluster.note("start a joiner")
+    (joiner,) = cluster.start_workers(1)
+    first = joiner.wait_step(lambda e: True, PATIENCE)
+    assert first["world"] == 4 and first["step"] > 0, first
+    log = joiner.log_tail(200)
+    assert "fails its digest: fetching it again whole" in log, log
+    assert re.search(r"pulled step \d+ .* \([12] whole refetches\)", log), log
+    assert "fault injection: corrupting" in corrupter.log_tail(200)
+    # The joiner holds the others' state: the shared check compares digests.
+    train_on(team + [joiner], first["step"])
+    finish(cluster, plan)
+
+
+#: CPU throttles (share of one CPU, CFS period in s). Below the detector's
+#: threshold a worker gets 25 ms of CPU every 100 ms: slow, but heartbeats
+#: still go out every ~100 ms. Above it, 1 ms every second: the heartbeat
+#: thread runs at most once a second, later than phi's ~0.66 s suspicion.
+SLOW_BELOW = (0.25, 0.1)
+SLOW_ABOVE = (0.001, 1.0)
+
+
+def test_slow_worker_below_the_detector_threshold_slows_the_job_but_stays_in_its_view(
+    make_cluster: Callable[..., Cluster], plan: Any
+) -> None:
+    cluster = make_cluster()
+    team = cluster.start_workers(4)
+    wait_training(team)
+    slow = team[3]
+    before = epoch_now(team)
+    counts = [len(w.steps()) for w in team]
+    cluster.note(f"throttle {slow.host.name} to {SLOW_BELOW}")
+    slow.host.throttle(*SLOW_BELOW)
+    time.sleep(2 * HOLD)
+    slowed = [len(w.steps()) - n for w, n in zip(team, counts, strict=True)]
+    cluster.note(f"unthrottle {slow.host.name}")
+    slow.host.unthrottle()
+    print(f"\nsteps committed by each worker in {2 * HOLD} s with one throttled: {slowed}")
+    assert epoch_now(team) == before, "the slow worker's view was replaced"
+    assert min(slowed) > 0, "the job stopped while one worker was slow"
+    assert all(w.proc.poll() is None for w in team)
+    train_on(team, max(e["step"] for e in team[0].steps()))
+    assert epoch_now(team) == before
+    finish(cluster, plan)
+
+
+def test_slow_worker_above_the_detector_threshold_is_evicted_and_fenced(
+    make_cluster: Callable[..., Cluster], plan: Any
+) -> None:
+    cluster = make_cluster()
+    team = cluster.start_workers(4)
+    wait_training(team)
+    slow, survivors = team[3], team[:3]
+    before = epoch_now(team)
+    throttled_at = cluster.note(f"throttle {slow.host.name} to {SLOW_ABOVE}")
+    slow.host.throttle(*SLOW_ABOVE)
+    cluster.mark_left(slow, before)
+    resumed = wait_resumed(survivors, before)
+    cluster.stalls["throttled -> all survivors committed"] = time.monotonic() - throttled_at
+    assert {e["world"] for e in resumed} == {3}
+    committed = len(slow.steps())
+    train_on(survivors, resumed[0]["step"])
+    cluster.note(f"unthrottle {slow.host.name}")
+    slow.host.unthrottle()
+    assert slow.proc.wait(timeout=PATIENCE) == 3, slow.log_tail()
+    assert_no_commit_since(cluster, slow, committed)
+    train_on(survivors, max(e["step"] for e in survivors[0].steps()))
+    finish(cluster, plan)
+
+
+def test_rendezvous_leader_killed_training_goes_on_and_the_new_leader_runs_view_changes(
+    make_cluster: Callable[..., Cluster], plan: Any
+) -> None:
+    cluster = make_cluster(replicas=2)
+    team = cluster.start_workers(4)
+    wait_training(team)
+    leader = cluster.rendezvous_leader()
+    before = epoch_now(team)
+    killed_at = cluster.note(f"kill the rendezvous leader {leader.host.name}")
+    kill(leader)
+    successor = cluster.rendezvous_leader()
+    cluster.stalls["leader killed -> successor leads"] = time.monotonic() - killed_at
+    assert successor is not leader
+    # The members reconnect to the successor within its grace: nobody is
+    # evicted or restarted. Steps that ran while no leader could acknowledge
+    # heartbeats are dropped (the fence), which may cost a roll call among
+    # the same four members.
+    pids = [w.pid for w in team]
+    last = max(e["step"] for w in team for e in w.steps())
+    for worker in team:
+        worker.wait_step(lambda e: e["step"] > last and e["world"] == 4, PATIENCE)
+    cluster.stalls["leader killed -> all four committed"] = time.monotonic() - killed_at
+    assert [w.pid for w in team] == pids
+    assert all(w.proc.poll() is None for w in team)
+    before = epoch_now(team)
+    crashed, survivors = team[3], team[:3]
+    crashed_at = cluster.note(f"kill {crashed.host.name}")
+    kill(crashed)
+    cluster.mark_left(crashed, before)
+    resumed = wait_resumed(survivors, before)
+    cluster.stalls["kill -> survivors committed (new leader)"] = time.monotonic() - crashed_at
+    assert {e["world"] for e in resumed} == {3}
+    train_on(survivors, resumed[0]["step"])
+    finish(cluster, plan)
+
+
+def test_etcd_leader_killed_training_and_view_changes_go_on(
+    make_cluster: Callable[..., Cluster], plan: Any
+) -> None:
+    cluster = make_cluster(etcd_members=3)
+    team = cluster.start_workers(4)
+    wait_training(team)
+    victim = cluster.etcd_leader()
+    before = epoch_now(team)
+    cluster.note(f"kill etcd leader {victim.host.name}")
+    victim.kill()
+    train_on(team, max(e["step"] for e in team[0].steps()))
+    assert all(w.proc.poll() is None for w in team)
+    # Two of three members are a quorum: a membership change still commits.
+    crashed, survivors = team[3], team[:3]
+    crashed_at = cluster.note(f"kill {crashed.host.name}")
+    kill(crashed)
+    cluster.mark_left(crashed, before)
+    resumed = wait_resumed(survivors, before)
+    cluster.stalls["kill -> survivors committed (2 of 3 etcd)"] = time.monotonic() - crashed_at
+    assert {e["world"] for e in resumed} == {3}
+    cluster.note(f"restart {victim.host.name}")
+    cluster.restart_etcd(victim)
+    cluster.wait_etcd_healthy(victim)
     train_on(survivors, resumed[0]["step"])
     finish(cluster, plan)

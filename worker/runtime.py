@@ -50,6 +50,7 @@ from rendezvous.metrics import serve
 from rendezvous.wire import TokenInterceptor, read_token
 from rollcall.pb import rendezvous_pb2, state_pb2_grpc
 from worker.checkpoint import CheckpointUnusable, CheckpointWriter, load_newest, process_age
+from worker.faults import Faults
 from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
 from worker.metrics import WorkerMetrics
 from worker.plan import DataPlan, Ledger, Microbatch
@@ -160,6 +161,7 @@ class Elastic:
             raise ValueError(f"no job name: pass job= or set {ENV_JOB}")
         self._token = token or read_token(None)
         self._config = config or Config()
+        self._faults = Faults.from_env()
         self._model = model
         self._optimizer = optimizer
         self._scheduler = scheduler
@@ -245,6 +247,7 @@ class Elastic:
                 current_view=lambda: self._view,
                 snapshot=lambda: self._snapshot,
                 store_port=self._store_port,
+                faults=self._faults,
             ),
             server,
         )
@@ -405,8 +408,8 @@ class Elastic:
                 self._snapshot = Snapshot(state.step, view.digest, blob)
             fetched = report.seconds
             log.info(
-                "pulled step %d (%d bytes) from %d peers in %.3f s",
-                state.step, report.size, len(report.sources), report.seconds,
+                "pulled step %d (%d bytes) from %d peers in %.3f s (%d whole refetches)",
+                state.step, report.size, len(report.sources), report.seconds, report.retries,
             )  # fmt: skip
         built = time.perf_counter()
         old, self._group = self._group, None

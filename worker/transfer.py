@@ -28,6 +28,7 @@ from rendezvous.client import ClientTLS, open_channel
 from rendezvous.wire import status_of, token_metadata
 from rollcall.pb import state_pb2 as pb
 from rollcall.pb import state_pb2_grpc as pb_grpc
+from worker.faults import Faults
 from worker.state import Assembler, CorruptState, ReplicaState, from_bytes, ranges
 
 log = logging.getLogger("rollcall.transfer")
@@ -65,8 +66,10 @@ class StateServer(pb_grpc.StateTransferServicer):
         current_view: Callable[[], View],
         snapshot: Callable[[], Snapshot | None],
         store_port: Callable[[int], Awaitable[int]],
+        faults: Faults | None = None,
     ) -> None:
         self._job = job
+        self._faults = faults or Faults()
         self._own_id = own_id
         self._config = config
         self._current_view = current_view
@@ -114,7 +117,10 @@ class StateServer(pb_grpc.StateTransferServicer):
             return
         data = memoryview(snap.data)
         for offset in range(request.offset, end, CHUNK_BYTES):
-            yield pb.Chunk(offset=offset, data=bytes(data[offset : min(offset + CHUNK_BYTES, end)]))
+            chunk = bytes(data[offset : min(offset + CHUNK_BYTES, end)])
+            if offset == request.offset:
+                chunk = self._faults.corrupt(chunk)
+            yield pb.Chunk(offset=offset, data=chunk)
 
     async def GroupStore(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -224,6 +230,10 @@ class StateFetcher:
         state = self._verified(blob, expected)
         if state is None:
             # Corrupt somewhere: take it whole from one source at a time.
+            log.warning(
+                "state %s from %s fails its digest: fetching it again whole, one source at a time",
+                expected, ", ".join(addresses),
+            )  # fmt: skip
             for address in addresses:
                 retries += 1
                 try:
@@ -235,6 +245,7 @@ class StateFetcher:
                 if state is not None:
                     blob = candidate
                     break
+                log.warning("state %s from %s alone fails its digest", expected, address)
             if state is None:
                 raise TransferFailed(f"every source delivered state that fails digest {expected}")
         report = FetchReport(size, time.perf_counter() - started, tuple(addresses), retries)

@@ -1,0 +1,63 @@
+"""Fault injection for the fault-matrix tests, off unless asked for.
+
+A worker started with ``ROLLCALL_FAULTS`` in its environment injects the
+faults named there into its own behaviour, so that a test can reach code
+paths no outside action produces reliably. The value is a comma-separated
+list of ``name=count`` items:
+
+- ``corrupt_serves=N``: the state server flips one byte in the first chunk
+  of each of its next N ``Fetch`` answers (a peer whose memory or disk
+  corrupted the state it serves). The fetching worker must detect it by the
+  digest and take the state from another source.
+
+Every injected fault is logged at WARNING. An unknown name or a malformed
+count is an error at start: a misspelt fault must not pass silently as "no
+fault".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+#: The environment variable naming the faults to inject.
+ENV = "ROLLCALL_FAULTS"
+
+
+@dataclass
+class Faults:
+    """Counts of faults still to inject (all zero: none)."""
+
+    corrupt_serves: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Faults:
+        """Faults from ``name=count[,name=count...]``; raises ``ValueError``
+        naming the bad item."""
+        faults = cls()
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, value = item.partition("=")
+            if not sep or name not in cls.__dataclass_fields__:
+                known = ", ".join(cls.__dataclass_fields__)
+                raise ValueError(f"{ENV}: unknown fault {item!r} (known: {known}, as name=count)")
+            if not value.isdigit():
+                raise ValueError(f"{ENV}: count of {name} must be a whole number, got {value!r}")
+            setattr(faults, name, int(value))
+        return faults
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        return cls.parse(os.environ.get(ENV, ""))
+
+    def corrupt(self, data: bytes) -> bytes:
+        """``data`` with one byte flipped if a ``corrupt_serves`` fault is
+        left (using it up), else ``data`` itself."""
+        if self.corrupt_serves <= 0 or not data:
+            return data
+        self.corrupt_serves -= 1
+        log.warning("fault injection: corrupting a state chunk (%d more)", self.corrupt_serves)
+        middle = len(data) // 2
+        return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
