@@ -646,6 +646,8 @@ class Cluster:
         self.etcd: list[EtcdMember] = []
         self.replicas: list[Replica] = []
         self.workers: list[Worker] = []
+        #: Replicas replaced by ``restart_replica`` (checked for leftovers).
+        self.retired: list[Replica] = []
         self.sampler = StatusSampler(self)
         self._etcd_token = f"rollcall-faults-{secrets.token_hex(4)}"
         self._sizes = (etcd_members, replicas)
@@ -741,6 +743,17 @@ class Cluster:
         self.replicas.append(replica)
         return replica
 
+    def restart_replica(self, replica: Replica) -> Replica:
+        """Start a killed replica again on its host, in its place in the list."""
+        index = self.replicas.index(replica)
+        self.retired.append(replica)
+        again = Replica(
+            replica.host, self.etcd_urls, self.job, self.token_file,
+            self.workdir / f"{replica.host.name}-{len(self.retired)}.log", self.settings,
+        )  # fmt: skip
+        self.replicas[index] = again
+        return again
+
     def rendezvous_leader(self, timeout: float = _START_TIMEOUT) -> Replica:
         """The replica that leads now, by `rollcall status` (which names it)."""
         deadline = time.monotonic() + timeout
@@ -831,7 +844,7 @@ class Cluster:
     def close(self) -> None:
         """Stop everything and delete the network. Idempotent."""
         self.sampler.stop()
-        for process in [*self.workers, *self.replicas]:
+        for process in [*self.workers, *self.replicas, *self.retired]:
             try:
                 if process.proc.poll() is None:
                     kill(process)
@@ -844,7 +857,7 @@ class Cluster:
     def leftovers(self) -> list[str]:
         """What is still there after ``close()``: running processes and namespaces."""
         left = list(self.network.leftovers())
-        processes: list[Process] = [*self.workers, *self.replicas]
+        processes: list[Process] = [*self.workers, *self.replicas, *self.retired]
         processes += [m.process for m in self.etcd if m.process is not None]
         left += [f"process {p.pid}" for p in processes if p.proc.poll() is None]
         return left

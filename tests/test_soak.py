@@ -1,0 +1,40 @@
+"""bench/soak.py, short: a seeded schedule of faults on hosts in network
+namespaces ends with its fault matrix, zero invariant violations and
+nothing left behind (the long run is a benchmark: bench/README.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+
+def test_short_soak_reports_its_fault_matrix_with_zero_violations(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    done = subprocess.run(
+        [sys.executable, "bench/soak.py", "--duration", "15", "--seed", "7",
+         "--kinds", "crash,freeze,slow_below", "--gap", "1", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=360,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["violations"] == 0
+    assert result["left_behind"] == []
+    episodes = result["episodes"]
+    assert episodes, "no fault was injected"
+    counts = {kind: row["count"] for kind, row in result["faults"].items()}
+    assert sum(counts.values()) == len(episodes)
+    assert set(counts) >= {"crash", "partition", "quorum_loss", "corrupt_chunk"}
+    for episode in episodes:
+        assert episode["kind"] in {"crash", "freeze", "slow_below"}
+        assert episode["violations"] == []
+        assert 0 < episode["stall_s"] < 30
+    assert "fault matrix (0 violations)" in done.stdout
+    assert result["steps_committed"] > 0
