@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from worker.faults import ENV, Faults
@@ -44,3 +49,18 @@ def test_corruption_flips_one_byte_per_serve_until_used_up() -> None:
         assert sum(a != b for a, b in zip(damaged, data, strict=True)) == 1
     assert faults.corrupt_serves == 0
     assert faults.corrupt(data) == data
+
+
+def test_worker_with_a_misspelt_fault_stops_with_one_clear_line(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t")
+    done = subprocess.run(
+        [sys.executable, "-m", "rollcall.cli", "worker", "--rendezvous", "127.0.0.1:9",
+         "--job", "j", "--token-file", str(token)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, ENV: "corupt=1"},
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "rollcall: error: ROLLCALL_FAULTS: unknown fault 'corupt=1' "
+        "(known: corrupt_serves, as name=count)"
+    )

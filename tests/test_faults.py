@@ -15,6 +15,7 @@ Measured stalls are printed (``pytest -s``).
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import tempfile
@@ -228,6 +229,39 @@ def test_network_partitions_isolates_and_heals(tmp_path: Path) -> None:
         assert reachability(network, tmp_path) == everyone
     assert network.leftovers() == []
     assert not [name for name in namespaces() if name.startswith(network.prefix)]
+
+
+_BUSY = "import time\nprint('spinning', flush=True)\nwhile True:\n    pass\n"
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _cpu_share(pid: int, seconds: float = 1.5) -> float:
+    before, start = _cpu_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return (_cpu_seconds(pid) - before) / (time.monotonic() - start)
+
+
+def test_throttle_limits_a_hosts_cpu_and_is_lifted(tmp_path: Path) -> None:
+    with Network() as network:
+        host = network.add_host("busy")
+        spinner = host.spawn([sys.executable, "-c", _BUSY], tmp_path / "busy.log")
+        spinner.wait_line(lambda line: line == "spinning", timeout=30)
+        pid = spinner.pid  # the tether and `ip netns exec` exec into the spinner
+        assert host.pids() == [pid]
+        host.throttle(0.1, period=0.1)
+        throttled = _cpu_share(pid)
+        host.unthrottle()
+        assert not host.cpu_group.exists()
+        free = _cpu_share(pid)
+        print(f"\nCPU share throttled to 10 %: {throttled:.3f}; lifted: {free:.3f}")
+        assert throttled < 0.15, throttled
+        assert free > 2 * throttled, (throttled, free)
+        host.throttle(0.5)
+    assert network.leftovers() == []
 
 
 def test_lost_worker_machine_leaves_a_view_of_the_others_without_restarting_them(
