@@ -19,7 +19,7 @@ from rendezvous.metrics import ServiceMetrics, serve
 from rendezvous.service import Replica
 from rendezvous.store import EtcdClientTLS, EtcdStore
 from rendezvous.validation import check_address, check_id
-from rendezvous.wire import TokenInterceptor
+from rendezvous.wire import TRANSPORT_LIMIT, TokenInterceptor
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 
 log = logging.getLogger("rollcall.rendezvous")
@@ -117,9 +117,11 @@ async def start_replica(options: ReplicaOptions) -> RunningReplica:
     try:
         await asyncio.get_running_loop().run_in_executor(None, store.ping)
         server = grpc.aio.server(
-            interceptors=[TokenInterceptor(options.token)],
+            # The interceptor refuses requests above max_message_bytes; gRPC's
+            # own limit only stops what is too large to buffer.
+            interceptors=[TokenInterceptor(options.token, config.max_message_bytes)],
             options=[
-                ("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.max_receive_message_length", TRANSPORT_LIMIT),
                 ("grpc.so_reuseport", 0),
             ],
         )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -636,6 +635,8 @@ class Replica(pb_grpc.RendezvousServicer):
             check.check_digest(manifest.digest, self._config)
             check.check_id(manifest.writer, "checkpoint writer", self._config)
             check.check_counter(manifest.step, "checkpoint step")
+            check.check_time(manifest.created_unix, "checkpoint created_unix")
+            check.check_time(manifest.step_seconds, "checkpoint step_seconds")
             lead = self._leader()
             self._fence(lead, request.member_id, request.epoch)
             view = lead.coordinator.view
@@ -684,11 +685,10 @@ class Replica(pb_grpc.RendezvousServicer):
         self, request_iterator: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SessionEvent]:
         try:
-            first = await anext(request_iterator)
+            # The first message may not even decode (wire.Undecodable).
+            lead, session = self._open(await anext(request_iterator))
         except StopAsyncIteration:
             return
-        try:
-            lead, session = self._open(first)
         except RollcallError as error:
             await self._abort(context, error)
             return
@@ -765,9 +765,7 @@ class Replica(pb_grpc.RendezvousServicer):
         kind = request.WhichOneof("kind")
         if kind == "heartbeat":
             self._fence(lead, member_id, request.heartbeat.epoch)
-            sent_at = request.heartbeat.sent_at
-            if not (math.isfinite(sent_at) and sent_at >= 0):
-                raise InvalidRequest("heartbeat sent_at must be a finite, non-negative number")
+            sent_at = check.check_time(request.heartbeat.sent_at, "heartbeat sent_at")
             lead.detector.heartbeat(member_id, now)
             session = lead.sessions.get(member_id)
             if session is not None and sent_at:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 
 from membership.config import Config
@@ -66,6 +67,13 @@ def check_digest(value: str, config: Config) -> str:
 def check_counter(value: int, what: str) -> int:
     if value > MAX_COUNTER:
         raise InvalidRequest(f"{what} {value} is out of range")
+    return value
+
+
+def check_time(value: float, what: str) -> float:
+    """A time or duration in seconds: finite (JSON has no infinity) and >= 0."""
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidRequest(f"{what} must be a finite, non-negative number")
     return value
 
 

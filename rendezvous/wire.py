@@ -7,11 +7,13 @@ import dataclasses
 import hashlib
 import hmac
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from membership.checkpoint import CheckpointManifest
 from membership.errors import (
@@ -35,12 +37,30 @@ LEADER_METADATA = "rollcall-leader"
 #: Environment variable holding the job token when no file is given.
 TOKEN_ENV = "ROLLCALL_TOKEN"
 
+
+class Undecodable(InvalidRequest):
+    """The bytes of a request are not a message of the method's type."""
+
+
+class Oversized(InvalidRequest):
+    """A request is larger than the service accepts (``RESOURCE_EXHAUSTED``)."""
+
+
+#: gRPC's own receive limit on the services whose interceptor checks the
+#: size: above ``Config.max_message_bytes`` so that an oversized request
+#: reaches the interceptor and is refused like any malformed one (gRPC would
+#: end a session stream under the service, as if its member had crashed).
+#: Requests above this one are still cut off by the transport.
+TRANSPORT_LIMIT = 4 * 1024 * 1024
+
+
 #: Which gRPC status each named error travels as (documented in the .proto).
 STATUS_OF: dict[type[RollcallError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     StaleEpoch: grpc.StatusCode.FAILED_PRECONDITION,
     Evicted: grpc.StatusCode.FAILED_PRECONDITION,
+    Oversized: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotAMember: grpc.StatusCode.NOT_FOUND,
     NoSuchJob: grpc.StatusCode.NOT_FOUND,
     NotLeader: grpc.StatusCode.UNAVAILABLE,
@@ -127,11 +147,14 @@ def token_digest(token: str) -> bytes:
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects every call whose job token is missing or wrong, before any
-    handler (and so any state) is reached. Serves every gRPC service of the
-    project (rendezvous, state transfer)."""
+    handler (and so any state) is reached, and refuses a request whose bytes
+    do not decode (``INVALID_ARGUMENT``) or, with ``max_request_bytes``, are
+    more than that (``RESOURCE_EXHAUSTED``) as an ordinary malformed request.
+    Serves every gRPC service of the project (rendezvous, state transfer)."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, max_request_bytes: int | None = None) -> None:
         self._digest = token_digest(token)
+        self._max_request_bytes = max_request_bytes
 
     async def intercept_service(
         self,
@@ -143,9 +166,80 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         for key, value in details.invocation_metadata or ():
             if key == TOKEN_METADATA:
                 presented = value if isinstance(value, str) else value.decode()
-        if handler is None or token_matches(presented, self._digest):
+        if handler is None:
             return handler
+        if token_matches(presented, self._digest):
+            return _refusing_malformed(handler, self._max_request_bytes)
         return _deny_like(handler)
+
+
+def _refusing_malformed(
+    handler: grpc.RpcMethodHandler, max_bytes: int | None
+) -> grpc.RpcMethodHandler:
+    """``handler``, except that a request that does not decode is refused
+    with ``INVALID_ARGUMENT``, one of more than ``max_bytes`` (if given) with
+    ``RESOURCE_EXHAUSTED``. Left to gRPC it would be answered ``UNKNOWN``
+    with a traceback in the log, and in the middle of a session stream the
+    handler would see only the stream end, as if the member had crashed.
+
+    The decoder hands an ``Undecodable`` or ``Oversized`` error on as the
+    request; on a request stream it is raised to the handler like any
+    malformed message."""
+    decode = handler.request_deserializer
+    if decode is None:
+        return handler
+
+    def deserialize(data: bytes) -> Any:
+        if max_bytes is not None and len(data) > max_bytes:
+            return Oversized(f"request of {len(data)} bytes is larger than max {max_bytes}")
+        try:
+            return decode(data)
+        except DecodeError as error:
+            return Undecodable(f"undecodable request: {error}")
+
+    async def refuse(context: grpc.aio.ServicerContext, error: InvalidRequest) -> None:
+        await context.abort(status_of(error), str(error))
+
+    async def decoded(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for request in requests:
+            if isinstance(request, InvalidRequest):
+                raise request
+            yield request
+
+    serialize = handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        bidi = handler.stream_stream
+
+        async def checked_bidi(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                async with aclosing(bidi(decoded(requests), context)) as responses:
+                    async for response in responses:
+                        yield response
+            except InvalidRequest as error:  # not handled by the handler itself
+                await refuse(context, error)
+
+        return grpc.stream_stream_rpc_method_handler(checked_bidi, deserialize, serialize)
+    if handler.request_streaming:
+        return handler  # client streaming: no such method in our services
+    if handler.response_streaming:
+        stream_out = handler.unary_stream
+
+        async def checked_stream_out(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, InvalidRequest):
+                await refuse(context, request)
+            async with aclosing(stream_out(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+        return grpc.unary_stream_rpc_method_handler(checked_stream_out, deserialize, serialize)
+    unary = handler.unary_unary
+
+    async def checked_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, InvalidRequest):
+            await refuse(context, request)
+        return await unary(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(checked_unary, deserialize, serialize)
 
 
 def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

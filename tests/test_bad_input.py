@@ -1,28 +1,39 @@
-"""Hostile and malformed requests against a real replica (raw gRPC stubs, real
-etcd): each is refused with its documented status code and a clear message,
-and none changes anything, neither in etcd nor in the view the job reports."""
+"""Hostile and malformed requests against a real replica (real etcd) and a
+real worker state server, sent as raw bytes over real gRPC: each is refused
+with its documented status code (docs/protocol.md) and a clear message, none
+changes anything (neither etcd, nor the view, step and checkpoints the job
+reports, nor what a worker serves), and the service goes on serving.
+
+This file holds the hand-picked cases and the helpers; generated requests
+for every method are in tests/test_fuzz.py."""
 
 from __future__ import annotations
 
 import asyncio
-import re
+import hashlib
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, Phase, assume, given, settings
-from hypothesis import strategies as st
+from google.protobuf.message import DecodeError, Message
 
 from membership.config import Config
+from membership.view import Member, View
 from rendezvous.etcd_local import LocalEtcd
 from rendezvous.store import EtcdStore
-from rendezvous.wire import token_metadata
+from rendezvous.wire import TokenInterceptor, token_metadata
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
-from tests.harness import ControlPlane, MemberProcess
+from rollcall.pb import state_pb2 as state_pb
+from rollcall.pb import state_pb2_grpc as state_pb_grpc
+from tests.harness import TEST_SETTINGS, ControlPlane, MemberProcess
+from worker.transfer import Snapshot, StateServer
 
 Code = grpc.StatusCode
 
@@ -31,26 +42,130 @@ CALL_TIMEOUT = 10.0
 #: Time given to anything a rejected request might have set off (a join
 #: settles in 50 ms) before the state is compared.
 SETTLE = 0.1
-#: Codes the service may answer a malformed request with (docs/protocol.md).
+#: Codes the replica may answer a malformed request with (docs/protocol.md).
 DOCUMENTED_REJECTIONS = {
     Code.INVALID_ARGUMENT,
     Code.RESOURCE_EXHAUSTED,
     Code.FAILED_PRECONDITION,
     Code.NOT_FOUND,
 }
+#: Codes a worker's state server may answer a malformed request with.
+STATE_REJECTIONS = {Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION}
 #: A well-formed peer address (nobody listens there; it is never dialled).
 ADDRESS = "127.0.0.1:29500"
-#: Over the service's 64 KiB message limit.
+#: Over the replica's 64 KiB message limit.
 HUGE = "x" * 100_000
+#: Over gRPC's default 4 MiB limit, which a worker's state server keeps.
+HUGER = "x" * (5 << 20)
+#: Not a protobuf message of any type: field 1 says 5 bytes follow, 2 do.
+UNDECODABLE = b"\x0a\x05ab"
+#: The replica's config for the shared jobs: a member that no process runs
+#: (the puppet) keeps its place between the sessions the tests open for it.
+PUPPET_SETTINGS = (*TEST_SETTINGS, "max_silence=600", "phi_min_std=60", "member_lease_ttl=900")
+#: Step of the checkpoint the shared jobs have published.
+CHECKPOINT_STEP = 1000
+
+
+# --- the methods, called with raw bytes -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Method:
+    """One RPC as its .proto declares it. Calls pass bytes through, so that
+    a request need not be a message at all."""
+
+    path: str
+    request: type[Message]
+    request_streaming: bool
+    response_streaming: bool
+
+
+def methods(module: ModuleType, service: str) -> dict[str, Method]:
+    """Every method of ``service``, read from its compiled .proto."""
+    descriptor = module.DESCRIPTOR.services_by_name[service]
+    return {
+        m.name: Method(
+            f"/{descriptor.full_name}/{m.name}",
+            getattr(module, m.input_type.name),
+            m.client_streaming,
+            m.server_streaming,
+        )
+        for m in descriptor.methods
+    }
+
+
+RENDEZVOUS = methods(pb, "Rendezvous")
+STATE = methods(state_pb, "StateTransfer")
+
+
+def encode(message: Message | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def decodes(message_type: type[Message], data: bytes) -> bool:
+    try:
+        message_type.FromString(data)
+    except DecodeError:
+        return False
+    return True
+
+
+async def send(
+    channel: grpc.aio.Channel, method: Method, request: Any, md: Sequence[tuple[str, str]]
+) -> None:
+    """One call (a message or bytes; for a request stream, a list of them);
+    returns only if the service accepted it (response streams: if it ended
+    them cleanly). A session's request stream stays open, so the service,
+    not the end of our input, has to end it."""
+    if method.request_streaming:
+        assert method.response_streaming, "no .proto declares a client-streaming RPC"
+        call = channel.stream_stream(method.path)(metadata=md, timeout=CALL_TIMEOUT)
+        for message in request:
+            try:
+                await call.write(encode(message))
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                break  # refused already: the status is read below
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    elif method.response_streaming:
+        responses = channel.unary_stream(method.path)(
+            encode(request), metadata=md, timeout=CALL_TIMEOUT
+        )
+        async for _ in responses:
+            pass
+    else:
+        await channel.unary_unary(method.path)(encode(request), metadata=md, timeout=CALL_TIMEOUT)
+
+
+def token_for(token: str, right: str) -> tuple[tuple[str, str], ...]:
+    if token == "right":
+        return token_metadata(right)
+    if token == "wrong":
+        return token_metadata(right + "-not")
+    assert token == "missing"
+    return ()
+
+
+def assert_refusal(
+    error: grpc.aio.AioRpcError | None, request: Any, codes: Collection[Code], says: str
+) -> None:
+    assert error is not None, f"accepted: {request!r:.300}"
+    assert error.code() in codes, f"{error.code()}: {error.details()}"
+    assert error.details() and says in error.details(), error.details()
+
+
+# --- a job on a real replica ------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Job:
-    """A running job with two members, as the requests below see it."""
+    """A running job, as the requests below see it: member processes and,
+    in the shared jobs, a puppet in the view."""
 
     plane: ControlPlane
     store: EtcdStore
-    members: tuple[str, str]
+    members: tuple[str, ...]
+    puppet: str | None = None
 
     @property
     def address(self) -> str:
@@ -63,11 +178,13 @@ class Job:
 
 @dataclass(frozen=True)
 class Target:
-    """What a request may refer to: the job, its members, its current epoch."""
+    """What a request may refer to: the job, its members and current view."""
 
     job: str
-    members: tuple[str, str]
+    members: tuple[str, ...]
+    puppet: str | None
     epoch: int
+    in_view: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -77,73 +194,118 @@ class JobState:
 
 
 def add_two_members(plane: ControlPlane) -> tuple[str, str]:
-    """Two members, both in the committed view."""
+    """Two member processes, both in the committed view."""
     first, second = plane.add_member("a"), plane.add_member("b")
     both = {first.member_id, second.member_id}
     for member in (first, second):
-        member.wait_event(lambda e: e["event"] == "view" and set(e["members"]) == both, 30)
+        member.wait_event(lambda e: e["event"] == "view" and both <= set(e["members"]), 30)
     return first.member_id, second.member_id
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
-    """Shared by the cases that must change nothing (so they may share it)."""
+async def enlist_puppet(plane: ControlPlane) -> str:
+    """A member of the view that no process runs: the tests speak for it.
+    It joins, answers its first roll call, and ends its session with a
+    message the replica refuses, which (unlike a broken stream) does not make
+    the leader suspect it. A test may then open sessions as the puppet
+    without a process reconnecting behind its back; the replica's relaxed
+    detector (``PUPPET_SETTINGS``) lets it stay silent in between."""
+    md = token_metadata(plane.token)
+    async with grpc.aio.insecure_channel(plane.addresses[0]) as channel:
+        stub = pb_grpc.RendezvousStub(channel)
+        joined = await stub.Join(
+            pb.JoinRequest(job=plane.job, address=ADDRESS, name="puppet"),
+            metadata=md,
+            timeout=CALL_TIMEOUT,
+        )
+        call = stub.Session(metadata=md, timeout=30)
+        puppet = joined.member_id
+        await call.write(
+            pb.SessionRequest(
+                open=pb.Open(job=plane.job, member_id=puppet, epoch=joined.view.epoch)
+            )
+        )
+        while True:
+            event = await call.read()
+            assert event is not grpc.aio.EOF, "session ended before the puppet entered the view"
+            if event.HasField("roll_call"):
+                answer = pb.RollCallAnswer(epoch=event.roll_call.epoch)
+                await call.write(pb.SessionRequest(answer=answer))
+            elif event.HasField("view") and puppet in {m.id for m in event.view.members}:
+                break
+        await call.write(pb.SessionRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        assert refused.value.code() == Code.INVALID_ARGUMENT, refused.value.details()
+        return puppet
+
+
+async def publish_checkpoint(plane: ControlPlane, member_id: str, step: int) -> None:
+    md = token_metadata(plane.token)
+    async with grpc.aio.insecure_channel(plane.addresses[0]) as channel:
+        stub = pb_grpc.RendezvousStub(channel)
+        epoch = (await stub.Status(pb.StatusRequest(job=plane.job), metadata=md)).view.epoch
+        target = Target(plane.job, (member_id,), None, epoch, frozenset())
+        response = await stub.PublishCheckpoint(
+            publish(member_id, step=step)(target), metadata=md, timeout=CALL_TIMEOUT
+        )
+        assert response.accepted
+
+
+@contextmanager
+def running_job(workdir: Path) -> Iterator[Job]:
+    """A job of two member processes and a puppet, with a published
+    checkpoint, on its own etcd and replica."""
     with LocalEtcd() as etcd:
-        plane = ControlPlane([etcd.endpoint], tmp_path_factory.mktemp("bad-input"))
+        plane = ControlPlane([etcd.endpoint], workdir, settings=PUPPET_SETTINGS)
         try:
             members = add_two_members(plane)
+            puppet = asyncio.run(enlist_puppet(plane))
+            asyncio.run(publish_checkpoint(plane, members[0], CHECKPOINT_STEP))
             with EtcdStore([etcd.endpoint], plane.job, Config()) as store:
-                yield Job(plane, store, members)
+                job = Job(plane, store, members, puppet)
+                settled_target(job)
+                yield job
         finally:
             plane.close()
 
 
+def unchanging_job(workdir: Path) -> Iterator[Job]:
+    """``running_job`` for cases that must change nothing (so they may share
+    it), checked to report the same view at the end."""
+    with running_job(workdir) as job:
+        before = reported_view(job)
+        yield job
+        assert reported_view(job) == before, "the job reports another view"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
+    yield from unchanging_job(tmp_path_factory.mktemp("bad-input"))
+
+
 @pytest.fixture
 def own_job(control_plane: ControlPlane, etcd: LocalEtcd) -> Iterator[Job]:
-    """A job of its own, for tests that change it first."""
+    """A job of its own (default detector, no puppet), for tests that change it."""
     members = add_two_members(control_plane)
     with EtcdStore([etcd.endpoint], control_plane.job, Config()) as store:
         yield Job(control_plane, store, members)
 
 
+@pytest.fixture
+def puppet_job(tmp_path: Path) -> Iterator[Job]:
+    """A job with a puppet of its own, for tests that may change it."""
+    with running_job(tmp_path) as job:
+        yield job
+
+
 # --- talking to the replica -------------------------------------------------------
 
 
-def metadata(job: Job, token: str) -> tuple[tuple[str, str], ...]:
-    if token == "right":
-        return token_metadata(job.plane.token)
-    if token == "wrong":
-        return token_metadata(job.plane.token + "-not")
-    assert token == "missing"
-    return ()
-
-
-async def status(stub: pb_grpc.RendezvousStub, job: Job) -> pb.StatusResponse:
-    return await stub.Status(
-        pb.StatusRequest(job=job.name), metadata=metadata(job, "right"), timeout=CALL_TIMEOUT
+async def status(channel: grpc.aio.Channel, job: Job) -> pb.StatusResponse:
+    return await pb_grpc.RendezvousStub(channel).Status(
+        pb.StatusRequest(job=job.name), metadata=token_metadata(job.plane.token), timeout=5
     )
-
-
-async def send(
-    stub: pb_grpc.RendezvousStub, rpc: str, request: Any, md: Sequence[tuple[str, str]]
-) -> None:
-    """One call; returns only if the service accepted it (streams: if it
-    ended them cleanly). A session's request stream stays open, so the
-    service, not the end of our input, has to end it."""
-    if rpc == "Session":
-        call = stub.Session(metadata=md, timeout=CALL_TIMEOUT)
-        for message in request:
-            try:
-                await call.write(message)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                break  # refused already: the status is read below
-        while await call.read() is not grpc.aio.EOF:
-            pass
-    elif rpc == "Watch":
-        async for _ in stub.Watch(request, metadata=md, timeout=CALL_TIMEOUT):
-            pass
-    else:
-        await getattr(stub, rpc)(request, metadata=md, timeout=CALL_TIMEOUT)
 
 
 def job_state(job: Job, status_response: pb.StatusResponse) -> JobState:
@@ -160,56 +322,56 @@ def reported_view(job: Job) -> dict[str, Any]:
 def current_status(job: Job) -> pb.StatusResponse:
     async def ask() -> pb.StatusResponse:
         async with grpc.aio.insecure_channel(job.address) as channel:
-            return await status(pb_grpc.RendezvousStub(channel), job)
+            return await status(channel, job)
 
     return asyncio.run(ask())
 
 
 def settled_target(job: Job) -> Target:
-    """The job's current epoch, once no roll call is running."""
+    """The job's current view, once no roll call is running."""
     deadline = time.monotonic() + CALL_TIMEOUT
     while True:
         response = current_status(job)
         if response.rollcall_epoch == 0 or time.monotonic() > deadline:
-            return Target(job.name, job.members, response.view.epoch)
+            in_view = frozenset(m.id for m in response.view.members)
+            return Target(job.name, job.members, job.puppet, response.view.epoch, in_view)
         time.sleep(0.05)
 
 
 def assert_refused(
     job: Job,
-    rpc: str,
+    rpc: str | Method,
     request: Any,
-    codes: Collection[grpc.StatusCode],
+    codes: Collection[Code],
     says: str = "",
     token: str = "right",
-    check_cli: bool = True,
 ) -> None:
-    """Send one request and check that the service refuses it with one of
-    ``codes`` and a message containing ``says``, and that the job is the
-    same after it as before: in etcd, in ``Status`` and (with ``check_cli``)
-    in what `rollcall status --json` reports."""
+    """Send one request (a method's name or a ``Method``) and check that the
+    replica refuses it with one of ``codes`` and a message containing
+    ``says``, that it still serves (``Status``) and that the job is the same
+    after it as before: in etcd and in ``Status`` (view, leader, step, roll
+    call, checkpoints)."""
+    method = RENDEZVOUS[rpc] if isinstance(rpc, str) else rpc
 
-    async def exchange() -> tuple[grpc.aio.AioRpcError | None, pb.StatusResponse]:
+    async def exchange() -> tuple[grpc.aio.AioRpcError | None, JobState, JobState]:
         async with grpc.aio.insecure_channel(job.address) as channel:
-            stub = pb_grpc.RendezvousStub(channel)
+            before = job_state(job, await status(channel, job))
             try:
-                await send(stub, rpc, request, metadata(job, token))
+                await send(channel, method, request, token_for(token, job.plane.token))
                 error = None
             except grpc.aio.AioRpcError as rpc_error:
                 error = rpc_error
             await asyncio.sleep(SETTLE)
-            return error, await status(stub, job)
+            return error, before, job_state(job, await status(channel, job))
 
-    reported_before = reported_view(job) if check_cli else None
-    before = job_state(job, current_status(job))
-    error, status_after = asyncio.run(exchange())
-    after = job_state(job, status_after)
-    assert error is not None, f"{rpc} was accepted: {request}"
-    assert error.code() in codes, f"{error.code()}: {error.details()}"
-    assert error.details() and says in error.details(), error.details()
-    assert after == before, f"{rpc} refused with {error.code()} but changed the job"
-    if check_cli:
-        assert reported_view(job) == reported_before
+    error, before, after = asyncio.run(exchange())
+    assert_refusal(error, request, codes, says)
+    assert after == before, f"refused with {error.code()}, but changed"
+    assert job.plane.replicas[0].proc.poll() is None, "the replica died"
+
+
+def assert_refused_with_a_documented_code(job: Job, rpc: str, request: Any) -> None:
+    assert_refused(job, rpc, request, DOCUMENTED_REJECTIONS)
 
 
 # --- requests -------------------------------------------------------------------------
@@ -217,32 +379,47 @@ def assert_refused(
 Build = Callable[[Target], Any]
 
 
+def member(t: Target, who: str | int | None) -> str:
+    """``who``: an index into the member processes, an id, or (None) the puppet."""
+    if who is None:
+        assert t.puppet is not None, "this job has no puppet"
+        return t.puppet
+    return t.members[who] if isinstance(who, int) else who
+
+
 def join(job: str | None = None, address: str = ADDRESS, name: str = "intruder") -> Build:
     return lambda t: pb.JoinRequest(job=t.job if job is None else job, address=address, name=name)
 
 
-def leave(member: str | int = 0, epoch: int | None = None, job: str | None = None) -> Build:
-    """Leave as ``member`` (an index into the job's members, or an id) at
-    ``epoch`` (default: the current one)."""
+def leave(who: str | int = 0, epoch: int | None = None, job: str | None = None) -> Build:
+    """Leave as ``who`` at ``epoch`` (default: the current one)."""
     return lambda t: pb.LeaveRequest(
         job=t.job if job is None else job,
-        member_id=t.members[member] if isinstance(member, int) else member,
+        member_id=member(t, who),
         epoch=t.epoch if epoch is None else epoch,
     )
 
 
-def open_(t: Target, member: str | int = 0, epoch: int | None = None) -> pb.SessionRequest:
+def open_(
+    t: Target, who: str | int | None = None, epoch: int | None = None, job: str | None = None
+) -> pb.SessionRequest:
+    """Open a session as ``who`` (default: the puppet)."""
     return pb.SessionRequest(
         open=pb.Open(
-            job=t.job,
-            member_id=t.members[member] if isinstance(member, int) else member,
+            job=t.job if job is None else job,
+            member_id=member(t, who),
             epoch=t.epoch if epoch is None else epoch,
         )
     )
 
 
-def session(*messages: Callable[[Target], pb.SessionRequest]) -> Build:
+def session(*messages: Callable[[Target], pb.SessionRequest | bytes]) -> Build:
     return lambda t: [message(t) for message in messages]
+
+
+def after_open(build: Callable[[Target], pb.SessionRequest | bytes]) -> Build:
+    """A session of the puppet with ``build``'s message after its Open."""
+    return session(open_, build)
 
 
 def status_request(job: str | None = None) -> Build:
@@ -254,13 +431,13 @@ def watch(job: str | None = None, after_epoch: int = 0) -> Build:
 
 
 def publish(
-    member: str | int = 0,
+    who: str | int = 0,
     epoch: int | None = None,
     job: str | None = None,
     checkpoint_epoch: int | None = None,
     **changes: Any,
 ) -> Build:
-    """PublishCheckpoint as ``member`` at ``epoch``, the manifest's fields
+    """PublishCheckpoint as ``who`` at ``epoch``, the manifest's fields
     overridden by ``changes`` (its epoch by ``checkpoint_epoch``)."""
 
     def build(t: Target) -> pb.PublishCheckpointRequest:
@@ -273,12 +450,41 @@ def publish(
         fields.update(changes)
         return pb.PublishCheckpointRequest(
             job=t.job if job is None else job,
-            member_id=t.members[member] if isinstance(member, int) else member,
+            member_id=member(t, who),
             epoch=t.epoch if epoch is None else epoch,
             checkpoint=pb.Checkpoint(**fields),
         )
 
     return build
+
+
+def heartbeat(epoch: int | None = None, sent_at: float = 1.0) -> Callable[[Target], Any]:
+    return lambda t: pb.SessionRequest(
+        heartbeat=pb.Heartbeat(epoch=t.epoch if epoch is None else epoch, sent_at=sent_at)
+    )
+
+
+def answer(epoch: int | None = None, step: int | None = None, digest: str = "") -> Build:
+    """A roll-call answer (default: for the roll call that made the view)."""
+    return lambda t: pb.SessionRequest(
+        answer=pb.RollCallAnswer(
+            epoch=t.epoch if epoch is None else epoch, step=step, digest=digest
+        )
+    )
+
+
+def report(peer: str | int = 0, epoch: int | None = None, reason: str = "reset") -> Build:
+    return lambda t: pb.SessionRequest(
+        failure=pb.FailureReport(
+            epoch=t.epoch if epoch is None else epoch, peer_id=member(t, peer), reason=reason
+        )
+    )
+
+
+def view_report(epoch: int | None = None, **durations: float) -> Build:
+    return lambda t: pb.SessionRequest(
+        view_report=pb.ViewReport(epoch=t.epoch if epoch is None else epoch, **durations)
+    )
 
 
 @dataclass(frozen=True)
@@ -299,6 +505,13 @@ VALID = {
     "Session": session(open_),
     "PublishCheckpoint": publish(),
 }
+assert VALID.keys() == RENDEZVOUS.keys(), "a method without hostile cases"
+
+
+def undecodable(rpc: str) -> Build:
+    """Bytes that are no message, in place of ``rpc``'s request."""
+    return lambda t: [UNDECODABLE] if RENDEZVOUS[rpc].request_streaming else UNDECODABLE
+
 
 CASES = {
     **{
@@ -308,12 +521,32 @@ CASES = {
         for rpc, request in VALID.items()
         for token in ("wrong", "missing")
     },
+    # Bytes that do not decode: refused like any malformed request (gRPC
+    # alone would answer UNKNOWN), after the token check.
+    **{
+        f"undecodable {rpc}": Case(
+            rpc, undecodable(rpc), Code.INVALID_ARGUMENT, "undecodable request"
+        )
+        for rpc in RENDEZVOUS
+    },
+    **{
+        f"undecodable {rpc} with a wrong token": Case(
+            rpc, undecodable(rpc), Code.UNAUTHENTICATED, "missing or wrong job token", "wrong"
+        )
+        for rpc in RENDEZVOUS
+    },
+    "undecodable message after Open": Case(
+        "Session", after_open(lambda t: UNDECODABLE), Code.INVALID_ARGUMENT, "undecodable request"
+    ),
     # Malformed fields.
     "job name charset on Join": Case(
         "Join", join(job="job 1!"), Code.INVALID_ARGUMENT, "job 'job 1!' has characters outside"
     ),
     "job name charset on Status": Case(
         "Status", status_request("jöb"), Code.INVALID_ARGUMENT, "has characters outside"
+    ),
+    "job name charset on Watch": Case(
+        "Watch", watch("a/b"), Code.INVALID_ARGUMENT, "has characters outside"
     ),
     "empty address": Case("Join", join(address=""), Code.INVALID_ARGUMENT, "address is empty"),
     "address without port": Case(
@@ -354,7 +587,7 @@ CASES = {
     ),
     "session starting with a heartbeat": Case(
         "Session",
-        session(lambda t: pb.SessionRequest(heartbeat=pb.Heartbeat(epoch=t.epoch))),
+        session(heartbeat()),
         Code.INVALID_ARGUMENT,
         "must start with an Open message",
     ),
@@ -364,17 +597,127 @@ CASES = {
         Code.INVALID_ARGUMENT,
         "must start with an Open message",
     ),
+    "session starting with a roll-call answer": Case(
+        "Session", session(answer()), Code.INVALID_ARGUMENT, "must start with an Open message"
+    ),
     "Open twice": Case("Session", session(open_, open_), Code.INVALID_ARGUMENT, "Open sent twice"),
+    "empty message after Open": Case(
+        "Session",
+        after_open(lambda t: pb.SessionRequest()),
+        Code.INVALID_ARGUMENT,
+        "empty session message",
+    ),
     "digest with bad characters": Case(
         "Session",
-        session(
-            open_,
-            lambda t: pb.SessionRequest(
-                answer=pb.RollCallAnswer(epoch=t.epoch + 1, step=1, digest="sha256 <bad>")
-            ),
-        ),
+        after_open(answer(digest="sha256 <bad>")),
         Code.INVALID_ARGUMENT,
         "digest has characters outside",
+    ),
+    "overlong digest in a roll-call answer": Case(
+        "Session",
+        after_open(answer(digest="a" * 129)),
+        Code.INVALID_ARGUMENT,
+        "digest is longer than 128 characters",
+    ),
+    "roll-call answer with a step beyond int64": Case(
+        "Session", after_open(answer(step=2**63)), Code.INVALID_ARGUMENT, "out of range"
+    ),
+    "roll-call answer with an epoch beyond int64": Case(
+        "Session", after_open(answer(epoch=2**64 - 1)), Code.INVALID_ARGUMENT, "out of range"
+    ),
+    "progress with a step beyond int64": Case(
+        "Session",
+        after_open(lambda t: pb.SessionRequest(progress=pb.Progress(epoch=t.epoch, step=2**63))),
+        Code.INVALID_ARGUMENT,
+        "step 9223372036854775808 is out of range",
+    ),
+    "progress from a future epoch": Case(
+        "Session",
+        after_open(lambda t: pb.SessionRequest(progress=pb.Progress(epoch=t.epoch + 1, step=1))),
+        Code.INVALID_ARGUMENT,
+        "is ahead of the committed epoch",
+    ),
+    "heartbeat from a future epoch": Case(
+        "Session",
+        after_open(lambda t: heartbeat(t.epoch + 1)(t)),
+        Code.INVALID_ARGUMENT,
+        "is ahead of the committed epoch",
+    ),
+    "heartbeat with a NaN send time": Case(
+        "Session",
+        after_open(heartbeat(sent_at=float("nan"))),
+        Code.INVALID_ARGUMENT,
+        "heartbeat sent_at must be a finite",
+    ),
+    "heartbeat with an infinite send time": Case(
+        "Session",
+        after_open(heartbeat(sent_at=float("inf"))),
+        Code.INVALID_ARGUMENT,
+        "heartbeat sent_at must be a finite",
+    ),
+    "heartbeat with a negative send time": Case(
+        "Session",
+        after_open(heartbeat(sent_at=-1.0)),
+        Code.INVALID_ARGUMENT,
+        "heartbeat sent_at must be a finite",
+    ),
+    "failure report naming a malformed peer": Case(
+        "Session", after_open(report("peer one")), Code.INVALID_ARGUMENT, "peer_id 'peer one'"
+    ),
+    "failure report with an overlong reason": Case(
+        "Session",
+        after_open(report(reason="r" * 257)),
+        Code.INVALID_ARGUMENT,
+        "reason is longer than 256 characters",
+    ),
+    "failure report from a future epoch": Case(
+        "Session",
+        after_open(lambda t: report(epoch=t.epoch + 1)(t)),
+        Code.INVALID_ARGUMENT,
+        "is ahead of the committed epoch",
+    ),
+    "view report with a negative duration": Case(
+        "Session",
+        after_open(view_report(fetch_s=-1.0)),
+        Code.INVALID_ARGUMENT,
+        "view report durations must be in",
+    ),
+    "view report with a NaN duration": Case(
+        "Session",
+        after_open(view_report(step_s=float("nan"))),
+        Code.INVALID_ARGUMENT,
+        "view report durations must be in",
+    ),
+    "view report with an infinite duration": Case(
+        "Session",
+        after_open(view_report(launch_s=float("inf"))),
+        Code.INVALID_ARGUMENT,
+        "view report durations must be in",
+    ),
+    # Harmless messages, then a refused one: nothing changes either.
+    "replayed roll-call answer, then garbage": Case(
+        "Session",
+        session(open_, answer(step=5, digest="sha256:ab"), lambda t: UNDECODABLE),
+        Code.INVALID_ARGUMENT,
+        "undecodable request",
+    ),
+    "answer for a roll call not yet held, then garbage": Case(
+        "Session",
+        session(open_, lambda t: answer(t.epoch + 1)(t), lambda t: UNDECODABLE),
+        Code.INVALID_ARGUMENT,
+        "undecodable request",
+    ),
+    "messages of an old epoch, then garbage": Case(
+        "Session",
+        session(
+            lambda t: open_(t, epoch=t.epoch - 1),
+            lambda t: heartbeat(t.epoch - 1)(t),
+            lambda t: report(0, epoch=t.epoch - 1)(t),
+            lambda t: pb.SessionRequest(progress=pb.Progress(epoch=t.epoch - 1, step=1)),
+            lambda t: UNDECODABLE,
+        ),
+        Code.INVALID_ARGUMENT,
+        "undecodable request",
     ),
     "epoch from the future on Leave": Case(
         "Leave", leave(epoch=1_000), Code.INVALID_ARGUMENT, "epoch 1000 is ahead of the committed"
@@ -393,10 +736,15 @@ CASES = {
     ),
     # Oversized.
     "oversized Join": Case("Join", join(name=HUGE), Code.RESOURCE_EXHAUSTED, "larger than max"),
+    "oversized Leave": Case("Leave", leave(HUGE), Code.RESOURCE_EXHAUSTED, "larger than max"),
+    "oversized Status": Case(
+        "Status", status_request(HUGE), Code.RESOURCE_EXHAUSTED, "larger than max"
+    ),
+    "oversized Watch": Case("Watch", watch(HUGE), Code.RESOURCE_EXHAUSTED, "larger than max"),
     "oversized Open": Case(
         "Session", session(lambda t: open_(t, HUGE)), Code.RESOURCE_EXHAUSTED, "larger than max"
     ),
-    # Unknown member, unknown job.
+    # Unknown or departed members, unknown job.
     "unknown member on Leave": Case(
         "Leave", leave("ghost-0"), Code.NOT_FOUND, "'ghost-0' is not a member of job"
     ),
@@ -406,44 +754,31 @@ CASES = {
         Code.NOT_FOUND,
         "'ghost-0' is not a member of job",
     ),
+    "unknown member with an old epoch on Leave": Case(
+        "Leave",
+        lambda t: leave("ghost-0", epoch=t.epoch - 1)(t),
+        Code.FAILED_PRECONDITION,
+        "is stale: member ghost-0 is not in view",
+    ),
+    "unknown member with an old epoch on Open": Case(
+        "Session",
+        session(lambda t: open_(t, "ghost-0", epoch=t.epoch - 1)),
+        Code.FAILED_PRECONDITION,
+        "is stale: member ghost-0 is not in view",
+    ),
     "wrong job on Status": Case("Status", status_request("job2"), Code.NOT_FOUND, "no such job"),
     "wrong job on Join": Case("Join", join(job="job2"), Code.NOT_FOUND, "no such job"),
     "wrong job on Leave": Case("Leave", leave(job="job2"), Code.NOT_FOUND, "no such job"),
     "wrong job on Watch": Case("Watch", watch(job="job2"), Code.NOT_FOUND, "no such job"),
-    "heartbeat with a NaN send time": Case(
-        "Session",
-        session(
-            open_,
-            lambda t: pb.SessionRequest(
-                heartbeat=pb.Heartbeat(epoch=t.epoch, sent_at=float("nan"))
-            ),
-        ),
-        Code.INVALID_ARGUMENT,
-        "heartbeat sent_at must be a finite",
-    ),
-    "view report with a negative duration": Case(
-        "Session",
-        session(
-            open_,
-            lambda t: pb.SessionRequest(view_report=pb.ViewReport(epoch=t.epoch, fetch_s=-1.0)),
-        ),
-        Code.INVALID_ARGUMENT,
-        "view report durations must be in",
-    ),
-    "view report with a NaN duration": Case(
-        "Session",
-        session(
-            open_,
-            lambda t: pb.SessionRequest(
-                view_report=pb.ViewReport(epoch=t.epoch, step_s=float("nan"))
-            ),
-        ),
-        Code.INVALID_ARGUMENT,
-        "view report durations must be in",
+    "wrong job on Open": Case(
+        "Session", session(lambda t: open_(t, job="job2")), Code.NOT_FOUND, "no such job"
     ),
     # Checkpoint manifests.
     "checkpoint with an empty uri": Case(
         "PublishCheckpoint", publish(uri=""), Code.INVALID_ARGUMENT, "checkpoint uri must be"
+    ),
+    "checkpoint uri with a NUL": Case(
+        "PublishCheckpoint", publish(uri="/a\x00b"), Code.INVALID_ARGUMENT, "without NUL"
     ),
     "checkpoint with a bad sha256": Case(
         "PublishCheckpoint", publish(sha256="xyz"), Code.INVALID_ARGUMENT, "64 lowercase hex"
@@ -457,8 +792,35 @@ CASES = {
         Code.INVALID_ARGUMENT,
         "digest has characters outside",
     ),
+    "checkpoint with an empty digest": Case(
+        "PublishCheckpoint", publish(digest=""), Code.INVALID_ARGUMENT, "digest is empty"
+    ),
+    "checkpoint writer with bad characters": Case(
+        "PublishCheckpoint",
+        publish(writer="w 1"),
+        Code.INVALID_ARGUMENT,
+        "checkpoint writer 'w 1' has characters",
+    ),
     "checkpoint step beyond int64": Case(
         "PublishCheckpoint", publish(step=2**64 - 1), Code.INVALID_ARGUMENT, "out of range"
+    ),
+    "checkpoint with a NaN step time": Case(
+        "PublishCheckpoint",
+        publish(step_seconds=float("nan")),
+        Code.INVALID_ARGUMENT,
+        "checkpoint times must be non-negative",
+    ),
+    "checkpoint with an infinite step time": Case(
+        "PublishCheckpoint",
+        publish(step_seconds=float("inf")),
+        Code.INVALID_ARGUMENT,
+        "checkpoint step_seconds must be a finite",
+    ),
+    "checkpoint with an infinite creation time": Case(
+        "PublishCheckpoint",
+        publish(created_unix=float("inf")),
+        Code.INVALID_ARGUMENT,
+        "checkpoint created_unix must be a finite",
     ),
     "checkpoint from a future view": Case(
         "PublishCheckpoint",
@@ -496,6 +858,72 @@ def test_bad_request_is_refused_with_its_code_and_changes_nothing(job: Job, case
     assert_refused(job, case.rpc, request, {case.code}, case.says, case.token)
 
 
+def test_a_method_the_service_lacks_is_unimplemented(job: Job) -> None:
+    missing = Method("/rollcall.v1.Rendezvous/Reset", pb.StatusRequest, False, False)
+    request = status_request()(settled_target(job))
+    assert_refused(job, missing, request, {Code.UNIMPLEMENTED}, "Method not found")
+
+
+def test_an_oversized_message_on_an_open_session_changes_nothing(puppet_job: Job) -> None:
+    big = report(reason=HUGE)
+    request = after_open(big)(settled_target(puppet_job))
+    assert_refused(puppet_job, "Session", request, {Code.RESOURCE_EXHAUSTED}, "larger than max")
+
+
+def test_watch_from_a_future_epoch_waits_instead_of_refusing(job: Job) -> None:
+    """Not refused: a client failing over to a replica that has not seen
+    its last view yet must not be turned away. The stream sends nothing
+    until a view with a larger epoch exists."""
+    ahead = settled_target(job).epoch + 5
+
+    async def watch_briefly() -> tuple[list[pb.View], grpc.aio.AioRpcError]:
+        async with grpc.aio.insecure_channel(job.address) as channel:
+            call = pb_grpc.RendezvousStub(channel).Watch(
+                pb.WatchRequest(job=job.name, after_epoch=ahead),
+                metadata=token_metadata(job.plane.token),
+                timeout=0.5,
+            )
+            views = []
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async for view in call:
+                    views.append(view)
+            return views, ended.value
+
+    before = job_state(job, current_status(job))
+    views, ended = asyncio.run(watch_briefly())
+    assert views == [] and ended.code() == Code.DEADLINE_EXCEEDED, ended.details()
+    assert job_state(job, current_status(job)) == before
+
+
+@pytest.mark.parametrize("replayed", ["the newest", "an older step", "the newest step, changed"])
+def test_a_replayed_checkpoint_changes_nothing(job: Job, replayed: str) -> None:
+    """Publishing is idempotent: a retry of the newest manifest (its answer
+    lost) is answered ``accepted``; anything not newer is not accepted."""
+    t = settled_target(job)
+    before = job_state(job, current_status(job))
+    newest = before.status.checkpoints[0]
+    manifest = pb.Checkpoint()
+    manifest.CopyFrom(newest)
+    if replayed == "an older step":
+        manifest.step = newest.step - 1
+    elif replayed == "the newest step, changed":
+        manifest.uri = newest.uri + ".other"
+    request = pb.PublishCheckpointRequest(
+        job=t.job, member_id=t.members[0], epoch=t.epoch, checkpoint=manifest
+    )
+
+    async def republish() -> pb.PublishCheckpointResponse:
+        async with grpc.aio.insecure_channel(job.address) as channel:
+            return await pb_grpc.RendezvousStub(channel).PublishCheckpoint(
+                request, metadata=token_metadata(job.plane.token), timeout=CALL_TIMEOUT
+            )
+
+    response = asyncio.run(republish())
+    assert response.accepted == (replayed == "the newest")
+    assert list(response.checkpoints) == list(before.status.checkpoints)
+    assert job_state(job, current_status(job)) == before
+
+
 @pytest.mark.parametrize("departure", ["leave", "kill"])
 def test_old_member_with_its_old_epoch_is_refused_as_stale(own_job: Job, departure: str) -> None:
     old = settled_target(own_job)
@@ -513,107 +941,205 @@ def test_old_member_with_its_old_epoch_is_refused_as_stale(own_job: Job, departu
         assert_refused(own_job, rpc, request, {Code.FAILED_PRECONDITION}, stale)
 
 
-# --- arbitrary input ------------------------------------------------------------------
-#
-# Each example starts from a request the service would accept and replaces
-# one or more of its fields with arbitrary values.
+# --- a worker's state server -------------------------------------------------------------
 
-#: ASCII-only reading of the documented grammar, independent of the code under test.
-_STRICT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_STRICT_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):([0-9]{1,5})")
-
-
-def might_join(job: Job, request: pb.JoinRequest) -> bool:
-    address = _STRICT_ADDRESS.fullmatch(request.address)
-    return (
-        request.job == job.name
-        and address is not None
-        and 0 < int(address.group(2)) < 65536
-        and (request.name == "" or _STRICT_ID.fullmatch(request.name) is not None)
-    )
+#: The worker's job and view: it is ``SERVER``, rank 0, and ``PEER`` may pull from it.
+STATE_JOB = "job1"
+SERVER, PEER = "src", "peer"
+STATE_VIEW = View(epoch=3, members=(Member(SERVER, "127.0.0.1:1"), Member(PEER, "127.0.0.1:2")))
+STATE_TOKEN = "state-token"
+_DATA = bytes(range(256)) * 1200  # two chunks
+SNAPSHOT = Snapshot(step=7, digest="sha256:" + hashlib.sha256(_DATA).hexdigest(), data=_DATA)
 
 
-texts = st.one_of(
-    st.text(max_size=80),
-    st.sampled_from(["", "w", "job1", "a b", "-x", "\u00e9", "\x00", "x" * 65]),
-    st.integers(60_000, 70_000).map("n".__mul__),
-)
-#: Digits of every kind: str.isdigit() accepts more than int() and than ASCII.
-ports = st.one_of(
-    st.integers(-10, 70_000).map(str),
-    st.text(st.characters(categories=["Nd", "No"]), min_size=1, max_size=6),
-    st.text(max_size=8),
-)
-addresses = st.one_of(
-    st.builds("{}:{}".format, st.sampled_from(["127.0.0.1", "localhost", "[::1]"]), ports),
-    st.builds("{}:{}".format, texts, ports),
-    st.text(max_size=300),
-)
-counters = st.one_of(
-    st.integers(0, 2**64 - 1),
-    st.sampled_from([0, 1, 2, 3, 2**63 - 1, 2**63, 2**64 - 1]),
-)
-JOIN_FIELDS = {"job": texts, "address": addresses, "name": texts}
-LEAVE_FIELDS = {"job": texts, "member_id": texts, "epoch": counters}
+@dataclass
+class Worker:
+    """What a worker's state server did: the stores it hosted (GroupStore)."""
+
+    own_id: str
+    hosted: list[int] = field(default_factory=list)
+
+    async def store_port(self, epoch: int) -> int:
+        self.hosted.append(epoch)
+        return 29400
 
 
-def fuzzed_fields(
-    data: st.DataObject, valid: dict[str, Any], strategies: dict[str, st.SearchStrategy[Any]]
-) -> dict[str, Any]:
-    fields = dict(valid)
-    for name in data.draw(st.sets(st.sampled_from(sorted(fields)), min_size=1), label="fuzzed"):
-        fields[name] = data.draw(strategies[name], label=name)
-    return fields
+@dataclass(frozen=True)
+class Served:
+    """What the server answers well-formed requests with, after the hostile one."""
+
+    info: state_pb.StateInfo
+    data: bytes
+    hosted: tuple[int, ...]
 
 
-def fuzzing(examples: int) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """No shrinking: every failing example a shrinker would try again could
-    change the live job (an accepted Join does) and so the examples after it."""
-    return settings(
-        max_examples=examples,
-        deadline=None,
-        phases=[Phase.explicit, Phase.reuse, Phase.generate],
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-    )
+#: What it answers before any hostile request.
+UNTOUCHED = Served(state_pb.StateInfo(step=7, digest=SNAPSHOT.digest, size=len(_DATA)), _DATA, ())
 
 
-def assert_refused_with_a_documented_code(job: Job, rpc: str, request: Any) -> None:
-    assert_refused(job, rpc, request, DOCUMENTED_REJECTIONS, check_cli=False)
-    assert job.plane.replicas[0].proc.poll() is None, "the replica died"
+def state_request(
+    member_id: str = PEER, epoch: int = STATE_VIEW.epoch, job: str = STATE_JOB
+) -> state_pb.StateRequest:
+    return state_pb.StateRequest(job=job, member_id=member_id, epoch=epoch)
 
 
-@pytest.fixture
-def fuzzed_job(own_job: Job) -> Iterator[Job]:
-    """``own_job``, checked to report the same view after the fuzzing."""
-    before = reported_view(own_job)
-    yield own_job
-    assert reported_view(own_job) == before
+def fetch_request(**changes: Any) -> state_pb.FetchRequest:
+    """Fetch of the whole state by ``PEER``, with ``changes``."""
+    fields: dict[str, Any] = {
+        "job": STATE_JOB, "member_id": PEER, "epoch": STATE_VIEW.epoch,
+        "digest": SNAPSHOT.digest, "offset": 0, "length": len(_DATA),
+    }  # fmt: skip
+    return state_pb.FetchRequest(**{**fields, **changes})
 
 
-@fuzzing(examples=50)
-@given(data=st.data())
-def test_arbitrary_join_is_refused_with_a_documented_code(
-    fuzzed_job: Job, data: st.DataObject
+async def served(channel: grpc.aio.Channel, worker: Worker) -> Served:
+    stub = state_pb_grpc.StateTransferStub(channel)
+    md = token_metadata(STATE_TOKEN)
+    info = await stub.Describe(state_request(), metadata=md, timeout=CALL_TIMEOUT)
+    chunks = stub.Fetch(fetch_request(), metadata=md, timeout=CALL_TIMEOUT)
+    data = b"".join([chunk.data async for chunk in chunks])
+    return Served(info, data, tuple(worker.hosted))
+
+
+def assert_state_refused(
+    rpc: str,
+    request: Any,
+    codes: Collection[Code],
+    says: str = "",
+    token: str = "right",
+    own_id: str = SERVER,
 ) -> None:
-    valid = {"job": fuzzed_job.name, "address": ADDRESS, "name": "fuzz"}
-    request = pb.JoinRequest(**fuzzed_fields(data, valid, JOIN_FIELDS))
-    assume(not might_join(fuzzed_job, request))
-    assert_refused_with_a_documented_code(fuzzed_job, "Join", request)
+    """Send one request to a worker's state server (a real ``StateServer``
+    on a real gRPC server, set up as the worker runtime sets it up) and check
+    that it is refused with one of ``codes`` and a message containing
+    ``says``, that it hosted no store and still serves the same state."""
+    worker = Worker(own_id)
+
+    async def exchange() -> tuple[grpc.aio.AioRpcError | None, Served]:
+        server = grpc.aio.server(interceptors=[TokenInterceptor(STATE_TOKEN)])
+        state_pb_grpc.add_StateTransferServicer_to_server(
+            StateServer(
+                STATE_JOB, Config(), lambda: worker.own_id, lambda: STATE_VIEW,
+                lambda: SNAPSHOT, worker.store_port,
+            ),
+            server,
+        )  # fmt: skip
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                try:
+                    await send(channel, STATE[rpc], request, token_for(token, STATE_TOKEN))
+                    error = None
+                except grpc.aio.AioRpcError as rpc_error:
+                    error = rpc_error
+                return error, await served(channel, worker)
+        finally:
+            await server.stop(0)
+
+    error, after = asyncio.run(exchange())
+    assert_refusal(error, request, codes, says)
+    assert after == UNTOUCHED, f"refused with {error.code()}, but changed"
 
 
-@fuzzing(examples=30)
-@given(data=st.data())
-def test_arbitrary_leave_is_refused_with_a_documented_code(
-    fuzzed_job: Job, data: st.DataObject
-) -> None:
-    epoch = settled_target(fuzzed_job).epoch
-    valid = {"job": fuzzed_job.name, "member_id": fuzzed_job.members[0], "epoch": epoch}
-    request = pb.LeaveRequest(**fuzzed_fields(data, valid, LEAVE_FIELDS))
-    assume(
-        not (
-            request.job == fuzzed_job.name
-            and request.member_id in fuzzed_job.members
-            and request.epoch <= epoch
+@dataclass(frozen=True)
+class StateCase:
+    rpc: str
+    request: Any
+    code: grpc.StatusCode
+    says: str
+    token: str = "right"
+    own_id: str = SERVER
+
+
+STATE_VALID = {
+    "Describe": state_request(),
+    "Fetch": fetch_request(),
+    "GroupStore": state_request(),
+}
+assert STATE_VALID.keys() == STATE.keys(), "a method without hostile cases"
+NOT_IN_VIEW = "is not in this worker's view"
+
+STATE_CASES = {
+    **{
+        f"{token} token on {rpc}": StateCase(
+            rpc, request, Code.UNAUTHENTICATED, "missing or wrong job token", token
         )
-    )
-    assert_refused_with_a_documented_code(fuzzed_job, "Leave", request)
+        for rpc, request in STATE_VALID.items()
+        for token in ("wrong", "missing")
+    },
+    **{
+        f"undecodable {rpc}": StateCase(
+            rpc, UNDECODABLE, Code.INVALID_ARGUMENT, "undecodable request"
+        )
+        for rpc in STATE
+    },
+    **{
+        f"oversized {rpc}": StateCase(
+            rpc, state_request(member_id=HUGER), Code.RESOURCE_EXHAUSTED, "larger than max"
+        )
+        for rpc in ("Describe", "GroupStore")
+    },
+    "oversized Fetch": StateCase(
+        "Fetch", fetch_request(digest=HUGER), Code.RESOURCE_EXHAUSTED, "larger than max"
+    ),
+    **{
+        f"{what} on {rpc}": StateCase(rpc, request, code, says)
+        for rpc, build in [
+            ("Describe", state_request),
+            ("GroupStore", state_request),
+            ("Fetch", fetch_request),
+        ]
+        for what, request, code, says in [
+            ("non-member", build(member_id="ghost-0"), Code.FAILED_PRECONDITION, NOT_IN_VIEW),
+            ("stale epoch", build(epoch=2), Code.FAILED_PRECONDITION, NOT_IN_VIEW),
+            ("future epoch", build(epoch=4), Code.FAILED_PRECONDITION, NOT_IN_VIEW),
+            ("epoch beyond int64", build(epoch=2**64 - 1), Code.FAILED_PRECONDITION, NOT_IN_VIEW),
+            ("another job", build(job="job2"), Code.INVALID_ARGUMENT, "is not this worker's job"),
+            ("malformed member id", build(member_id="a b"), Code.INVALID_ARGUMENT, "member_id"),
+            ("empty job", build(job=""), Code.INVALID_ARGUMENT, "job is empty"),
+        ]
+    },
+    "GroupStore asked of a worker that is not rank 0": StateCase(
+        "GroupStore",
+        state_request(member_id=SERVER),
+        Code.INVALID_ARGUMENT,
+        "only the view's rank 0",
+        own_id=PEER,
+    ),  # fmt: skip
+    "Fetch of another digest": StateCase(
+        "Fetch", fetch_request(digest="sha256:00"), Code.FAILED_PRECONDITION, "does not hold state"
+    ),
+    "Fetch with an overlong digest": StateCase(
+        "Fetch",
+        fetch_request(digest="a" * 10_000),
+        Code.INVALID_ARGUMENT,
+        "digest is longer than 128 characters",
+    ),
+    "Fetch with a digest of bad characters": StateCase(
+        "Fetch",
+        fetch_request(digest="sha256:\x00"),
+        Code.INVALID_ARGUMENT,
+        "digest has characters outside",
+    ),
+    "Fetch of zero bytes": StateCase(
+        "Fetch", fetch_request(length=0), Code.INVALID_ARGUMENT, "is outside"
+    ),
+    "Fetch past the end": StateCase(
+        "Fetch", fetch_request(offset=len(_DATA), length=1), Code.INVALID_ARGUMENT, "is outside"
+    ),
+    "Fetch one byte too many": StateCase(
+        "Fetch", fetch_request(offset=1), Code.INVALID_ARGUMENT, "is outside"
+    ),
+    "Fetch of a huge length": StateCase(
+        "Fetch", fetch_request(length=2**64 - 1), Code.INVALID_ARGUMENT, "is outside"
+    ),
+    "Fetch from a huge offset": StateCase(
+        "Fetch", fetch_request(offset=2**64 - 1, length=1), Code.INVALID_ARGUMENT, "is outside"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", STATE_CASES.values(), ids=STATE_CASES.keys())
+def test_bad_state_request_is_refused_with_its_code_and_changes_nothing(case: StateCase) -> None:
+    assert_state_refused(case.rpc, case.request, {case.code}, case.says, case.token, case.own_id)

@@ -104,6 +104,7 @@ class StateServer(pb_grpc.StateTransferServicer):
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
             self._admit(request.job, request.member_id, request.epoch)
+            check.check_digest(request.digest, self._config)  # it is echoed below
             snap = self._snapshot()
             if snap is None or snap.digest != request.digest:
                 raise StaleEpoch(f"this worker does not hold state {request.digest}")
