@@ -422,7 +422,8 @@ def up(
     Operate it from another terminal with `rollcall add`, `rollcall kill`,
     `rollcall chaos` and `rollcall status` (they find it without flags).
     It ends when the workers have trained --steps steps, or on Ctrl-C, which
-    stops everything it started.
+    stops everything it started. --set applies to the rendezvous service and
+    to every worker it starts.
     """
     from rendezvous.etcd_local import LocalEtcd, free_port
 
@@ -447,7 +448,8 @@ def up(
                 workers, steps, metrics_port,
                 [f"--global-batch={global_batch}", f"--micro-batch={micro_batch}",
                  f"--d-model={d_model}", f"--layers={layers}",
-                 f"--checkpoint-every={checkpoint_every}"],
+                 f"--checkpoint-every={checkpoint_every}",
+                 *(f"--set={item}" for item in overrides)],
                 sys.stdout.isatty() if live is None else live,
             )
         )  # fmt: skip
@@ -716,11 +718,13 @@ def chaos(
               help="torch intra-op threads.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="warning", show_default=True)
+@config_option
 def worker(
     addresses: str, job: str, token_file: Path | None, example: str, steps: int,
     global_batch: int, micro_batch: int, seed: int, context: int, d_model: int, layers: int,
     host: str, name: str, ledger: Path | None, digest_every: int, checkpoint_dir: Path | None,
     checkpoint_every: int, metrics_port: int | None, as_json: bool, threads: int, log_level: str,
+    overrides: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Run a training worker of the built-in example job.
 
@@ -733,9 +737,14 @@ def worker(
     resumes from the newest usable one and prints the replay cost; if
     checkpoints exist but none can be loaded it exits with code 4 rather
     than start the job from scratch.
+
+    Its control-plane settings (--set) should match the rendezvous
+    service's: fence_window must stay below the service's earliest
+    suspicion, and a silent peer is reported after max_silence.
     """
     from rendezvous.wire import read_token
 
+    config = parse_overrides(overrides)
     token = read_token(token_file)
     setup_logging(log_level)
     import torch
@@ -747,8 +756,8 @@ def worker(
     from worker.state import capture, digest
 
     torch.set_num_threads(threads)
-    config = LMConfig(context=context, d_model=d_model, layers=layers)
-    model, optimizer, corpus = build(config, seed)
+    lm_config = LMConfig(context=context, d_model=d_model, layers=layers)
+    model, optimizer, corpus = build(lm_config, seed)
 
     def say(**record: Any) -> None:
         # Flushed per line: a supervisor reading a pipe sees each step as it
@@ -770,7 +779,7 @@ def worker(
             model, optimizer, corpus, global_batch=global_batch, micro_batch=micro_batch,
             seed=seed, rendezvous=split_list(addresses), job=job, token=token, host=host,
             name=name, ledger=ledger, checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every, metrics_port=metrics_port,
+            checkpoint_every=checkpoint_every, metrics_port=metrics_port, config=config,
         ) as elastic:  # fmt: skip
             say(event="joined", member_id=elastic.member_id, pid=os.getpid(),
                 address=elastic.address)  # fmt: skip

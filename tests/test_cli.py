@@ -99,7 +99,9 @@ def status_args(plane: ControlPlane, *extra: str) -> list[str]:
 # --- help and usage --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [[], ["etcd"], ["rendezvous"], ["status"], ["up"]], ids=str)
+@pytest.mark.parametrize(
+    "command", [[], ["etcd"], ["rendezvous"], ["status"], ["up"], ["worker"]], ids=str
+)
 def test_help_of_every_command_exits_zero(command: Sequence[str]) -> None:
     result = rollcall(*command, "--help")
     assert result.returncode == 0, result.stderr
@@ -119,6 +121,19 @@ def test_bad_usage_is_one_line_with_exit_2(args: Sequence[str]) -> None:
     assert "--help" in line
 
 
+def command_args(command: str) -> list[str]:
+    """``command`` aimed at a port where nothing listens."""
+    return {
+        "status": ["status", "--rendezvous", f"127.0.0.1:{free_port()}", "--job", "j"],
+        "rendezvous": [
+            "rendezvous", "--etcd", f"http://127.0.0.1:{free_port()}",
+            "--listen", "127.0.0.1:0", "--job", "j",
+        ],
+        "worker": ["worker", "--rendezvous", f"127.0.0.1:{free_port()}", "--job", "j"],
+    }[command]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["rendezvous", "worker"])
 @pytest.mark.parametrize(
     ("setting", "says"),
     [
@@ -128,26 +143,22 @@ def test_bad_usage_is_one_line_with_exit_2(args: Sequence[str]) -> None:
         ("session_open_timeout=5", "session_open_timeout must be below takeover_grace"),
     ],
 )
-def test_bad_config_override_is_one_line_with_exit_2(setting: str, says: str) -> None:
-    result = rollcall(
-        "rendezvous", "--etcd", f"http://127.0.0.1:{free_port()}", "--listen", "127.0.0.1:0",
-        "--job", "j", "--set", setting, token="t",
-    )  # fmt: skip
+def test_bad_config_override_is_one_line_with_exit_2(command: str, setting: str, says: str) -> None:
+    result = rollcall(*command_args(command), "--set", setting, token="t")
     line = one_error_line(result)
     assert result.returncode == 2
     assert says in line
 
 
-@pytest.mark.parametrize("command", ["status", "rendezvous"])
+def test_worker_accepts_a_valid_config_override() -> None:
+    # Past the override, the worker goes on to want its token.
+    result = rollcall(*command_args("worker"), "--set", "fence_window=0.2")
+    assert "ROLLCALL_TOKEN" in one_error_line(result)
+
+
+@pytest.mark.parametrize("command", ["status", "rendezvous", "worker"])
 def test_missing_token_is_one_line(command: str) -> None:
-    args = {
-        "status": ["status", "--rendezvous", f"127.0.0.1:{free_port()}", "--job", "j"],
-        "rendezvous": [
-            "rendezvous", "--etcd", f"http://127.0.0.1:{free_port()}",
-            "--listen", "127.0.0.1:0", "--job", "j",
-        ],
-    }[command]  # fmt: skip
-    result = rollcall(*args)
+    result = rollcall(*command_args(command))
     line = one_error_line(result)
     assert result.returncode in (1, 2)
     assert "--token-file" in line and "ROLLCALL_TOKEN" in line

@@ -102,6 +102,17 @@ def test_status_finds_the_local_up_without_flags_and_training_advances(up: Up):
     wait_for(lambda: up.status()["step"] > first["step"] + 5, "the step to advance")
 
 
+def test_up_hands_its_config_overrides_to_the_workers_it_starts(up: Up):
+    workers = [
+        Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        for pid in child_processes(up.process.pid)
+        if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    ]
+    assert workers, "no worker among up's children"
+    for argv in workers:
+        assert b"--set=member_lease_ttl=6" in argv and b"--set=takeover_grace=2" in argv, argv
+
+
 def test_add_hot_adds_a_worker_that_joins_the_view(up: Up):
     before = members(up)
     result = up.run("add")
