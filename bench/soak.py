@@ -38,6 +38,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -192,9 +193,12 @@ class Soak:
         """Start workers until the team is full again; wait until all of
         them commit in a view of the full team."""
         missing = self.size - len(self.team)
-        started = self.cluster.start_workers(missing, env=env) if missing > 0 else []
+        if missing <= 0:
+            return []
+        epoch = self.epoch() if self.team else 0
+        started = self.cluster.start_workers(missing, env=env)
         self.team += started
-        self.wait_all(lambda e, world: e["world"] == world)
+        self.wait_all(lambda e, world: e["epoch"] > epoch and e["world"] == world)
         return [w for w in started if w in self.team]
 
     def victim(self) -> Worker:
@@ -440,6 +444,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "soak",
         "started": started_wall,
+        "commit": _commit(),
         "seed": args.seed,
         "duration_s": args.duration,
         "elapsed_s": round(elapsed, 1),
@@ -453,6 +458,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average": os.getloadavg(),
         "logs": str(workdir),
     }
+
+
+def _commit() -> str:
+    """The checked-out commit, with ``+dirty`` if the tree has changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}+dirty" if dirty else head or "unknown"  # fmt: skip
 
 
 def main() -> int:
