@@ -191,6 +191,25 @@ def fixed(timeout: float) -> Detector:
 ADAPTIVE = Detector("adaptive", None, ())
 
 
+def adaptive_detector(overrides: list[str]) -> Detector:
+    """The adaptive detector with ``NAME=VALUE`` overrides of its own
+    settings (phi_threshold, phi_min_std, phi_window, max_silence)."""
+    if not overrides:
+        return ADAPTIVE
+    pairs = []
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        if not sep or name not in ADAPTIVE_KNOBS:
+            raise ValueError(f"{item!r} is not NAME=VALUE with NAME one of {ADAPTIVE_KNOBS}")
+        pairs.append((name, type(getattr(Config(), name))(value)))
+    detector = Detector(f"adaptive ({', '.join(overrides)})", None, tuple(pairs))
+    detector.config()  # raises ValueError for an invalid combination
+    return detector
+
+
+ADAPTIVE_KNOBS = ("phi_threshold", "phi_min_std", "phi_window", "max_silence")
+
+
 @dataclass(frozen=True)
 class FaultModel:
     #: Mean seconds between pauses of one worker (Poisson).
@@ -873,7 +892,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
         alpha=0.6,
         label="fixed T, 1 device per worker (model)",
     )
-    adaptive_line(ax, adaptive and 100 * adaptive["goodput_lost"], "adaptive (phi 8, max 2 s)")
+    adaptive_name = adaptive["detector"] if adaptive else "adaptive"
+    if adaptive_name == "adaptive":
+        adaptive_name = "adaptive (phi 8, max 2 s)"
+    adaptive_line(ax, adaptive and 100 * adaptive["goodput_lost"], adaptive_name)
     if adaptive is not None:
         ax.axhline(
             100 * adaptive["goodput_lost_one_device_per_worker"],
@@ -961,6 +983,9 @@ def main() -> int:
     parser.add_argument("--thresholds", default=",".join(f"{t:g}" for t in DEFAULT_THRESHOLDS),
                         help="fixed timeouts T to sweep, seconds, comma-separated")  # fmt: skip
     parser.add_argument("--no-adaptive", action="store_true", help="skip the adaptive detector")
+    parser.add_argument("--adaptive-set", action="append", default=[], metavar="NAME=VALUE",
+                        help="tune the adaptive detector (phi_threshold, phi_min_std, "
+                        "phi_window, max_silence); default: the Config defaults")  # fmt: skip
     parser.add_argument("--duration", type=float, default=60.0, help="fault phase per setting, s")
     parser.add_argument("--warmup", type=float, default=6.0, help="quiet phase per setting, s")
     parser.add_argument("--seed", type=int, default=1)
@@ -1005,7 +1030,11 @@ def main() -> int:
     model = FaultModel(args.pause_every, args.pause_median, args.pause_sigma, args.pause_max,
                        args.kill_every, args.kill_mode, args.rejoin_after)  # fmt: skip
     faults = schedule(model, duration, WORKERS, args.seed)
-    detectors = [fixed(t) for t in thresholds] + ([] if args.no_adaptive else [ADAPTIVE])
+    try:
+        tuned = adaptive_detector(args.adaptive_set)
+    except ValueError as exc:
+        parser.error(f"--adaptive-set: {exc}")
+    detectors = [fixed(t) for t in thresholds] + ([] if args.no_adaptive else [tuned])
     random.Random(f"{args.seed}/order").shuffle(detectors)
     out = args.json or ROOT / "bench" / "results" / (
         "detector-sweep-quick.json" if args.quick else "detector-sweep.json")  # fmt: skip
@@ -1035,7 +1064,7 @@ def main() -> int:
             "fixed_overrides": "phi_threshold=1e300, max_silence=T, "
             f"fence_window=min(0.5, {FENCE_SHARE} T)",
             "adaptive_config": {
-                k: getattr(Config(), k)
+                k: getattr(tuned.config(), k)
                 for k in (
                     "heartbeat_interval",
                     "phi_threshold",
