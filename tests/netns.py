@@ -164,10 +164,9 @@ def _remove_cpu_group(group: Path) -> None:
         time.sleep(0.02)
     try:
         group.rmdir()
-    except FileNotFoundError:
-        pass
     except OSError as exc:
-        raise NetworkError(f"cannot remove cgroup {group}: {exc}") from exc
+        if not isinstance(exc, FileNotFoundError):  # already gone is what we want
+            raise NetworkError(f"cannot remove cgroup {group}: {exc}") from exc
 
 
 class Host:

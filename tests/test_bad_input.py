@@ -110,6 +110,15 @@ def decodes(message_type: type[Message], data: bytes) -> bool:
     return True
 
 
+async def drain(call: Any) -> int:
+    """Read a response stream to its end, so that its status is known (an
+    error status raises); returns how many messages came first."""
+    count = 0
+    while await call.read() is not grpc.aio.EOF:
+        count += 1
+    return count
+
+
 async def send(
     channel: grpc.aio.Channel, method: Method, request: Any, md: Sequence[tuple[str, str]]
 ) -> None:
@@ -125,14 +134,11 @@ async def send(
                 await call.write(encode(message))
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 break  # refused already: the status is read below
-        while await call.read() is not grpc.aio.EOF:
-            pass
+        await drain(call)
     elif method.response_streaming:
-        responses = channel.unary_stream(method.path)(
-            encode(request), metadata=md, timeout=CALL_TIMEOUT
+        await drain(
+            channel.unary_stream(method.path)(encode(request), metadata=md, timeout=CALL_TIMEOUT)
         )
-        async for _ in responses:
-            pass
     else:
         await channel.unary_unary(method.path)(encode(request), metadata=md, timeout=CALL_TIMEOUT)
 
@@ -234,8 +240,7 @@ async def enlist_puppet(plane: ControlPlane) -> str:
                 break
         await call.write(pb.SessionRequest())
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            while await call.read() is not grpc.aio.EOF:
-                pass
+            await drain(call)
         assert refused.value.code() == Code.INVALID_ARGUMENT, refused.value.details()
         return puppet
 

@@ -104,8 +104,8 @@ def test_stop_ends_the_process_and_deletes_owned_data() -> None:
 
 
 def test_stop_keeps_a_data_dir_it_was_given(tmp_path: Path) -> None:
-    with LocalEtcd(data_dir=tmp_path / "etcd"):
-        pass
+    with LocalEtcd(data_dir=tmp_path / "etcd") as server:
+        assert server.pid is not None  # it ran, with its data in the given dir
     assert (tmp_path / "etcd" / "member").is_dir()
 
 
