@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +117,6 @@ class ManagedWorker:
     samples_s: float | None = None
     exit_code: int | None = None
     done: bool = False
-    events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -294,9 +293,6 @@ class LocalCluster:
             elif kind == "done":
                 worker.done = True
                 worker.state = "done"
-            elif kind in ("resumed", "aborted"):
-                worker.events.append(event)
-                del worker.events[:-20]
         worker.exit_code = await worker.proc.wait()
         if not worker.done:
             worker.state = {3: "evicted", 4: "cannot resume", -9: "killed"}.get(
@@ -336,17 +332,34 @@ class LocalCluster:
         raise RollcallError(f"unknown command {op!r}")
 
 
+#: The last summary per events file, with the (size, mtime) it was made from:
+#: the live view asks twice a second, the file changes about once a second.
+_summaries: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}
+
+
 def summarize(events: Path) -> dict[str, Any]:
     """The run so far, from its events file (docs/events.md): its view
     changes (``rollcall.report.ViewChange``) and the goodput as ``rollcall
-    report`` computes it (None before there is any)."""
-    from rollcall.report import ReportError, goodput, parse_events
+    report`` computes it (None before there is any). Parsed again only when
+    the file has changed."""
+    from rollcall.report import ReportError, goodput, read_events
 
+    empty: dict[str, Any] = {"view_changes": (), "goodput": None}
     try:
-        run = parse_events(events.read_text(encoding="utf-8"), str(events))
-    except (OSError, ReportError):
-        return {"view_changes": (), "goodput": None}
-    return {"view_changes": run.view_changes, "goodput": goodput(run).fraction}
+        stat = events.stat()
+    except OSError:
+        return empty
+    version = (stat.st_size, stat.st_mtime_ns)
+    cached = _summaries.get(events)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    try:
+        run = read_events(events)
+    except ReportError:
+        return empty
+    summary = {"view_changes": run.view_changes, "goodput": goodput(run).fraction}
+    _summaries[events] = (version, summary)
+    return summary
 
 
 def pid_listening(address: str) -> int | None:
