@@ -739,6 +739,21 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def git_commit() -> str:
+    """The checked-out commit (full hash), with ``+dirty`` if the tree has
+    changes; ``unknown`` outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if not head:
+        return "unknown"
+    return f"{head}+dirty" if dirty else head
+
+
 def versions() -> dict[str, str | None]:
     import torch
 
@@ -748,15 +763,10 @@ def versions() -> dict[str, str | None]:
         torchft = version("torchft")
     except Exception:  # noqa: BLE001 - not installed
         torchft = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=10).stdout.strip() != ""  # fmt: skip
-    except Exception:  # noqa: BLE001
-        commit, dirty = None, False
+    commit = git_commit()
     return {"torch": torch.__version__, "torchft": torchft,
-            "rollcall_commit": commit, "rollcall_tree_dirty": str(dirty).lower(),
+            "rollcall_commit": commit.removesuffix("+dirty"),
+            "rollcall_tree_dirty": str(commit.endswith("+dirty")).lower(),
             "python": platform.python_version()}  # fmt: skip
 
 

@@ -38,7 +38,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,11 +50,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.peers import git_commit  # noqa: E402
 from tests.netns import (  # noqa: E402
+    SLOW_ABOVE,
+    SLOW_BELOW,
     Cluster,
     Worker,
     check_invariants,
     commit_gaps,
+    example_plan,
     freeze,
     kill,
     thaw,
@@ -67,13 +70,6 @@ from worker.faults import ENV as FAULTS_ENV  # noqa: E402
 PATIENCE = 60.0
 #: How long a fault that should change nothing is held.
 HOLD = 4.0
-#: CPU throttles (share of one CPU, CFS period in s), as in tests/test_faults.py:
-#: below the detector's threshold heartbeats still go out every ~100 ms,
-#: above it the heartbeat thread runs at most once a second.
-SLOW_BELOW = (0.25, 0.1)
-SLOW_ABOVE = (0.001, 1.0)
-#: The example job's data plan (rollcall worker's defaults).
-GLOBAL_BATCH, MICRO_BATCH, SEED = 32, 8, 0
 
 KINDS = (
     "crash",
@@ -401,13 +397,7 @@ def print_matrix(faults: dict[str, dict[str, Any]], total: int) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from worker.examples.lm import CharCorpus, LMConfig
-    from worker.plan import DataPlan
-
-    plan = DataPlan(
-        num_samples=len(CharCorpus(LMConfig())), global_batch=GLOBAL_BATCH,
-        micro_batch=MICRO_BATCH, seed=SEED,
-    )  # fmt: skip
+    plan = example_plan()
     # Two streams: the schedule (kinds, pauses) replays exactly for a seed;
     # victims are drawn from whoever is in the team, which may differ.
     schedule = random.Random(args.seed)
@@ -444,7 +434,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "soak",
         "started": started_wall,
-        "commit": _commit(),
+        "commit": git_commit(),
         "seed": args.seed,
         "duration_s": args.duration,
         "elapsed_s": round(elapsed, 1),
@@ -458,25 +448,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average": os.getloadavg(),
         "logs": str(workdir),
     }
-
-
-def _commit() -> str:
-    """The checked-out commit, with ``+dirty`` if the tree has changes."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{head}+dirty" if dirty else head or "unknown"  # fmt: skip
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ it in etcd. A job that later finds no live replica loads the newest one.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -55,8 +56,8 @@ class CheckpointManifest:
             raise InvalidRequest("checkpoint sha256 must be 64 lowercase hex digits")
         if not self.digest:
             raise InvalidRequest("checkpoint digest is empty")
-        if not (self.step_seconds >= 0 and self.created_unix >= 0):
-            raise InvalidRequest("checkpoint times must be non-negative numbers")
+        if not all(math.isfinite(t) and t >= 0 for t in (self.step_seconds, self.created_unix)):
+            raise InvalidRequest("checkpoint times must be finite, non-negative numbers")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from membership.checkpoint import ReplayCost
 from membership.view import View
 
 SCHEMA = "rollcall.events/1"
@@ -201,7 +202,7 @@ class EventLog:
             step_s = sum(r.step_s for r in reports) / len(reports)
             done = resume if resume is not None else -1
             saved = pending.checkpoint_step if pending.checkpoint_step is not None else -1
-            restart_cost = round(launch + max(0, done - saved) * step_s, 6)
+            restart_cost = round(ReplayCost(done, saved, step_s, launch, 0.0).seconds, 6)
         before_ids, after_ids = pending.before.ids, pending.view.ids
         return [
             self._record(

@@ -25,7 +25,7 @@ def serve(registry: CollectorRegistry, port: int, host: str) -> Any:
 class ServiceMetrics:
     """What the leader knows about the job."""
 
-    def __init__(self, job: str) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.leader = Gauge(
             "rollcall_leader", "1 while this replica leads the job", registry=self.registry

@@ -139,7 +139,7 @@ async def start_replica(options: ReplicaOptions) -> RunningReplica:
         raise
     advertise = options.advertise or default_advertise(options.listen, port)
     events = EventFile(options.events) if options.events is not None else None
-    metrics = ServiceMetrics(options.job) if options.metrics_port is not None else None
+    metrics = ServiceMetrics() if options.metrics_port is not None else None
     metrics_server = (
         serve(metrics.registry, options.metrics_port, options.metrics_host)
         if metrics is not None and options.metrics_port is not None

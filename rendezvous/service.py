@@ -635,8 +635,6 @@ class Replica(pb_grpc.RendezvousServicer):
             check.check_digest(manifest.digest, self._config)
             check.check_id(manifest.writer, "checkpoint writer", self._config)
             check.check_counter(manifest.step, "checkpoint step")
-            check.check_time(manifest.created_unix, "checkpoint created_unix")
-            check.check_time(manifest.step_seconds, "checkpoint step_seconds")
             lead = self._leader()
             self._fence(lead, request.member_id, request.epoch)
             view = lead.coordinator.view

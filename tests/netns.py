@@ -43,7 +43,7 @@ from types import TracebackType
 from typing import Any
 
 from rendezvous.etcd_local import pid_alive
-from tests.harness import Process
+from tests.harness import TEST_SETTINGS, Process
 
 #: Every namespace this harness makes starts with this.
 PREFIX = "rcf-"
@@ -354,10 +354,6 @@ class Network:
         """Lift every partition and isolation."""
         self._apply(set())
 
-    def blocked(self) -> set[tuple[str, str]]:
-        """The (source, destination) address pairs currently dropped."""
-        return set(self._blocked)
-
     def _apply(self, pairs: set[tuple[str, str]]) -> None:
         # One nft transaction: the whole new rule set takes effect at once.
         script = f"flush set {_TABLE} blocked\n"
@@ -410,8 +406,14 @@ def kill(process: Process) -> None:
 # --- a rollcall deployment on a network -------------------------------------------------
 
 #: Replica settings in fault tests: short leases so expiry and takeover happen
-#: within seconds (the same as tests.harness.TEST_SETTINGS).
-CLUSTER_SETTINGS = ("member_lease_ttl=6", "election_ttl=2", "takeover_grace=2.0")
+#: within seconds.
+CLUSTER_SETTINGS = TEST_SETTINGS
+#: CPU throttles (share of one CPU, CFS period in s) of a slow worker. Below
+#: the detector's threshold it gets 25 ms of CPU every 100 ms: slow, but its
+#: heartbeats still go out every ~100 ms. Above it, 1 ms every second: the
+#: heartbeat thread runs at most once a second, later than phi's ~0.66 s.
+SLOW_BELOW = (0.25, 0.1)
+SLOW_ABOVE = (0.001, 1.0)
 _ETCD_CLIENT_PORT = 2379
 _ETCD_PEER_PORT = 2380
 _REPLICA_PORT = 7000
@@ -862,6 +864,17 @@ class Cluster:
         return left
 
 
+def example_plan() -> Any:
+    """The data plan of the example job as ``rollcall worker`` runs it by
+    default (global batch 32, micro batch 8, seed 0): what the ledgers are
+    checked against."""
+    from worker.examples.lm import CharCorpus, LMConfig
+    from worker.plan import DataPlan
+
+    return DataPlan(num_samples=len(CharCorpus(LMConfig())), global_batch=32, micro_batch=8,
+                    seed=0)  # fmt: skip
+
+
 # --- invariants ---------------------------------------------------------------------------
 
 
@@ -1052,6 +1065,9 @@ def _check_left(cluster: Cluster) -> list[str]:
 
 __all__ = [
     "CLUSTER_SETTINGS",
+    "SLOW_ABOVE",
+    "SLOW_BELOW",
+    "example_plan",
     "Cluster",
     "EtcdMember",
     "Host",

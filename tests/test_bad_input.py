@@ -813,19 +813,19 @@ CASES = {
         "PublishCheckpoint",
         publish(step_seconds=float("nan")),
         Code.INVALID_ARGUMENT,
-        "checkpoint times must be non-negative",
+        "checkpoint times must be finite, non-negative",
     ),
     "checkpoint with an infinite step time": Case(
         "PublishCheckpoint",
         publish(step_seconds=float("inf")),
         Code.INVALID_ARGUMENT,
-        "checkpoint step_seconds must be a finite",
+        "checkpoint times must be finite, non-negative",
     ),
     "checkpoint with an infinite creation time": Case(
         "PublishCheckpoint",
         publish(created_unix=float("inf")),
         Code.INVALID_ARGUMENT,
-        "checkpoint created_unix must be a finite",
+        "checkpoint times must be finite, non-negative",
     ),
     "checkpoint from a future view": Case(
         "PublishCheckpoint",

@@ -28,10 +28,13 @@ import pytest
 
 from membership.config import Config
 from tests.netns import (
+    SLOW_ABOVE,
+    SLOW_BELOW,
     Cluster,
     Network,
     Worker,
     check_invariants,
+    example_plan,
     freeze,
     kill,
     namespaces,
@@ -47,18 +50,11 @@ PATIENCE = 60.0
 SLACK = 15.0
 #: How long a fault is held to show that nothing happens meanwhile.
 HOLD = 4.0
-#: The example job's data plan (rollcall worker's defaults).
-GLOBAL_BATCH, MICRO_BATCH, SEED = 32, 8, 0
 
 
 @pytest.fixture(scope="module")
 def plan() -> Any:
-    from worker.examples.lm import CharCorpus, LMConfig
-    from worker.plan import DataPlan
-
-    samples = len(CharCorpus(LMConfig()))
-    return DataPlan(num_samples=samples, global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH,
-                    seed=SEED)  # fmt: skip
+    return example_plan()
 
 
 @pytest.fixture
@@ -452,14 +448,6 @@ def test_corrupt_state_chunk_is_detected_and_the_state_fetched_again_elsewhere(
     # The joiner holds the others' state: the shared check compares digests.
     train_on(team + [joiner], first["step"])
     finish(cluster, plan)
-
-
-#: CPU throttles (share of one CPU, CFS period in s). Below the detector's
-#: threshold a worker gets 25 ms of CPU every 100 ms: slow, but heartbeats
-#: still go out every ~100 ms. Above it, 1 ms every second: the heartbeat
-#: thread runs at most once a second, later than phi's ~0.66 s suspicion.
-SLOW_BELOW = (0.25, 0.1)
-SLOW_ABOVE = (0.001, 1.0)
 
 
 def test_slow_worker_below_the_detector_threshold_slows_the_job_but_stays_in_its_view(

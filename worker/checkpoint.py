@@ -51,7 +51,6 @@ class CheckpointUnusable(RollcallError):
 @dataclass(frozen=True)
 class Loaded:
     state: ReplicaState
-    blob: bytes
     manifest: CheckpointManifest
     seconds: float
     #: Newer manifests passed over, each with the reason.
@@ -84,7 +83,7 @@ def load_newest(manifests: Sequence[CheckpointManifest]) -> Loaded:
                     if state.step != manifest.step:
                         problem = f"holds step {state.step}, manifest says {manifest.step}"
         if problem is None:
-            return Loaded(state, blob, manifest, time.perf_counter() - started, tuple(skipped))
+            return Loaded(state, manifest, time.perf_counter() - started, tuple(skipped))
         reason = f"checkpoint of step {manifest.step} at {manifest.uri}: {problem}"
         log.warning("skipping %s", reason)
         skipped.append(reason)
@@ -193,15 +192,14 @@ class CheckpointWriter:
         self._prune(kept)
 
     def _prune(self, kept: Sequence[CheckpointManifest]) -> None:
-        """Delete this directory's checkpoint files that no kept manifest
-        names and that are older than the oldest kept one."""
+        """Delete this directory's checkpoint files older than the oldest
+        kept one (no kept manifest can name them)."""
         if not kept:
             return
-        named = {m.uri for m in kept}
-        oldest = min(m.step for m in kept)
+        oldest = min(m.step for m in kept)  # every file is named by its step
         for candidate in self.directory.iterdir():
             match = FILE_PATTERN.fullmatch(candidate.name)
-            if match and int(match.group(1)) < oldest and str(candidate.resolve()) not in named:
+            if match and int(match.group(1)) < oldest:
                 candidate.unlink(missing_ok=True)
 
 
