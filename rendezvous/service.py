@@ -455,25 +455,26 @@ class Replica(pb_grpc.RendezvousServicer):
             asyncio.create_task(self._remove_record(record))
         self._drain(lead)
 
+    async def _put_progress(self, lead: _Leadership, epoch: int, step: int) -> None:
+        now = self._clock()
+        await self._etcd(self._store.write_progress, epoch, step)
+        lead.step_written, lead.step_written_at = (epoch, step), now
+
     async def _flush_progress(self, lead: _Leadership, epoch: int, step: int) -> None:
+        """The last step of a view that is being replaced, whatever the rate."""
         try:
-            await self._etcd(self._store.write_progress, epoch, step)
-            lead.step_written, lead.step_written_at = (epoch, step), self._clock()
+            await self._put_progress(lead, epoch, step)
         except ControlPlaneUnavailable as exc:
             log.warning("progress of epoch %d not recorded: %s", epoch, exc)
 
     async def _write_progress(self, lead: _Leadership) -> None:
-        view = lead.coordinator.view
-        if lead.step is None:
+        """The current view's last step, at most every progress_write_interval."""
+        epoch = lead.coordinator.view.epoch
+        if lead.step is None or (epoch, lead.step) == lead.step_written:
             return
-        current = (view.epoch, lead.step)
-        now = self._clock()
-        if current == lead.step_written:
+        if self._clock() - lead.step_written_at < self._config.progress_write_interval:
             return
-        if now - lead.step_written_at < self._config.progress_write_interval:
-            return
-        await self._etcd(self._store.write_progress, view.epoch, lead.step)
-        lead.step_written, lead.step_written_at = current, now
+        await self._put_progress(lead, epoch, lead.step)
 
     # --- views seen by every replica -------------------------------------------
 
@@ -601,13 +602,17 @@ class Replica(pb_grpc.RendezvousServicer):
             self._check_job(request.job)
             view, _ = await self._etcd(self._store.read_view)
             leader = await self._etcd(self._store.read_leader)
-            lead = self._lead
-            progress = await self._etcd(self._store.read_progress)
             checkpoints = await self._etcd(self._store.read_checkpoints)
-            if lead is not None and lead.coordinator.view.epoch == view.epoch:
-                step = lead.step
-            else:
-                step = progress[1] if progress and progress[0] == view.epoch else view.resume_step
+            lead = self._lead
+            leading = lead is not None and lead.coordinator.view.epoch == view.epoch
+            step = lead.step if lead is not None and leading else None
+            progress = None
+            if step is None:  # etcd's record: another replica leads, or none yet
+                progress = await self._etcd(self._store.read_progress)
+                if not leading:
+                    step = (
+                        progress[1] if progress and progress[0] == view.epoch else view.resume_step
+                    )
             response = pb.StatusResponse(
                 view=view_to_pb(view),
                 leader=leader.address if leader else "",
