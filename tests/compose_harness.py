@@ -25,7 +25,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+
+from tests.harness import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "deploy" / "docker-compose.yml"
@@ -38,8 +40,6 @@ PROJECT = "rollcall-test"
 NETWORK = f"{PROJECT}_rollcall"
 #: Published on the engine namespace's loopback (see deploy/.env).
 RENDEZVOUS = "127.0.0.1:7001,127.0.0.1:7002"
-
-T = TypeVar("T")
 
 
 class ComposeError(AssertionError):
@@ -255,19 +255,6 @@ class ComposeCluster:
         done = self.run(["docker", "logs", container.id], timeout=30)
         return done.stdout + done.stderr
 
-    def wait_until(
-        self, what: str, probe: Callable[[], T | None], timeout: float, every: float = 0.5
-    ) -> T:
-        """The first truthy result of ``probe`` within ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        last: T | None = None
-        while time.monotonic() < deadline:
-            last = probe()
-            if last:
-                return last
-            time.sleep(every)
-        raise ComposeError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
-
     def wait_for_view(self, what: str, accept: Callable[[Status], bool], timeout: float) -> Status:
         """The first status reading that ``accept`` takes."""
         seen: list[Status | None] = []
@@ -278,8 +265,9 @@ class ComposeCluster:
             return status if status is not None and accept(status) else None
 
         try:
-            return self.wait_until(what, probe, timeout)
-        except ComposeError as exc:
+            status: Status = wait_for(probe, what, timeout, every=0.5)
+            return status
+        except AssertionError as exc:
             raise ComposeError(f"{exc}; last status: {seen[0].raw if seen[0] else None}") from None
 
     def wait_for_progress(self, after: int, steps: int, timeout: float) -> Status:

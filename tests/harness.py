@@ -114,9 +114,20 @@ class ReplicaProcess(Process):
         settings: Sequence[str] = (),
     ) -> None:
         argv = [
-            sys.executable, "-m", "rollcall.cli", "rendezvous",
-            "--etcd", ",".join(etcd), "--listen", f"127.0.0.1:{port}", "--job", job,
-            "--token-file", str(token_file), "--log-level", "info",
+            sys.executable,
+            "-m",
+            "rollcall.cli",
+            "rendezvous",
+            "--etcd",
+            ",".join(etcd),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--job",
+            job,
+            "--token-file",
+            str(token_file),
+            "--log-level",
+            "info",
         ]
         for item in settings:
             argv += ["--set", item]
@@ -138,8 +149,15 @@ class MemberProcess(Process):
         progress: bool = False,
     ) -> None:
         argv = [
-            sys.executable, "-m", "tests.member_process",
-            "--rendezvous", ",".join(rendezvous), "--job", job, "--name", name,
+            sys.executable,
+            "-m",
+            "tests.member_process",
+            "--rendezvous",
+            ",".join(rendezvous),
+            "--job",
+            job,
+            "--name",
+            name,
         ]
         if progress:
             argv.append("--progress")
@@ -282,13 +300,13 @@ class WorkerProcess(Process):
         return [e for e in self.events() if e["event"] == "step"]
 
 
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    """Poll ``check`` until it returns something true (returned); fail the
-    test naming ``what`` after ``timeout`` seconds."""
+def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0, every: float = 0.1) -> Any:
+    """Poll ``check`` every ``every`` seconds until it returns something true
+    (returned); fail the test naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
-        time.sleep(0.1)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
