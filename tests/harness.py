@@ -37,13 +37,17 @@ class Process:
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
+        #: Every stdout line with the time (``time.monotonic()``) it was read.
+        self.arrivals: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
-            self.lines.put(raw.decode(errors="replace").rstrip("\n"))
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.arrivals.append((time.monotonic(), line))
+            self.lines.put(line)
 
     @property
     def pid(self) -> int:
@@ -72,6 +76,19 @@ class Process:
             self.seen.append(line)
             if predicate(line):
                 return line
+
+    def wait_event(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout: float
+    ) -> dict[str, Any]:
+        """The first JSON line (seen before or arriving) matching ``predicate``."""
+
+        def match(line: str) -> bool:
+            try:
+                return bool(predicate(json.loads(line)))
+            except (ValueError, KeyError, TypeError):
+                return False
+
+        return dict(json.loads(self.wait_line(match, timeout)))
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -164,17 +181,6 @@ class MemberProcess(Process):
         super().__init__(argv, {"ROLLCALL_TOKEN": token}, log_path)
         joined = self.wait_event(lambda e: e["event"] == "joined", timeout=30)
         self.member_id: str = joined["member_id"]
-
-    def wait_event(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float
-    ) -> dict[str, Any]:
-        def match(line: str) -> bool:
-            try:
-                return bool(predicate(json.loads(line)))
-            except (ValueError, KeyError):
-                return False
-
-        return json.loads(self.wait_line(match, timeout))
 
     def views(self) -> list[dict[str, Any]]:
         while not self.lines.empty():
@@ -288,8 +294,6 @@ class WorkerProcess(Process):
         self.ledger = ledger
         joined = self.wait_event(lambda e: e["event"] == "joined", timeout=60)
         self.member_id: str = joined["member_id"]
-
-    wait_event = MemberProcess.wait_event
 
     def events(self) -> list[dict[str, Any]]:
         while not self.lines.empty():

@@ -520,8 +520,6 @@ class Worker(Process):
         self.host = host
         self.ledger = ledger
         self.member_id = ""
-        #: Every stdout line with the time (``time.monotonic()``) it was read.
-        self.arrivals: list[tuple[float, str]] = []
         argv = [
             sys.executable, "-m", "rollcall.cli", "worker", "--rendezvous", ",".join(rendezvous),
             "--job", job, "--token-file", str(token_file), "--host", host.address,
@@ -529,17 +527,6 @@ class Worker(Process):
             "--ledger", str(ledger), "--log-level", "info",
         ]  # fmt: skip
         super().__init__(host.argv(argv), env, log_path)
-
-    def wait_event(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float
-    ) -> dict[str, Any]:
-        def match(line: str) -> bool:
-            try:
-                return bool(predicate(json.loads(line)))
-            except (ValueError, KeyError, TypeError):
-                return False
-
-        return dict(json.loads(self.wait_line(match, timeout)))
 
     def wait_joined(self, timeout: float = _START_TIMEOUT) -> None:
         self.member_id = self.wait_event(lambda e: e["event"] == "joined", timeout)["member_id"]
@@ -549,15 +536,6 @@ class Worker(Process):
     ) -> dict[str, Any]:
         """The first committed step (seen before or arriving) matching ``predicate``."""
         return self.wait_event(lambda e: e["event"] == "step" and predicate(e), timeout)
-
-    def _read(self) -> None:
-        # Process._read, plus the arrival time of each line: the checker
-        # compares when a worker committed with when the others moved on.
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.arrivals.append((time.monotonic(), line))
-            self.lines.put(line)
 
     def timed_events(self) -> list[tuple[float, dict[str, Any]]]:
         """Every JSON event so far, with the time it was read."""
