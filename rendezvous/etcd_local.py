@@ -145,6 +145,42 @@ def running_etcd_children() -> list[int]:
     return sorted(pid for pid, name in child_processes(os.getpid()).items() if name == "etcd")
 
 
+def etcd_flags(
+    name: str,
+    data_dir: Path,
+    client_url: str,
+    peer_url: str,
+    initial_cluster: str,
+    cluster_token: str,
+    alone: bool,
+    cluster_state: str = "new",
+    heartbeat_ms: int | None = None,
+    election_ms: int | None = None,
+) -> list[str]:
+    """The command-line flags of one etcd member (without the binary):
+    plaintext URLs, the raft timing for a lone member or a cluster member
+    unless given, warnings only, on stderr."""
+    single = (_SINGLE_HEARTBEAT_MS, _SINGLE_ELECTION_MS)
+    timing = single if alone else (_CLUSTER_HEARTBEAT_MS, _CLUSTER_ELECTION_MS)
+    return [
+        f"--name={name}",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls={client_url}",
+        f"--advertise-client-urls={client_url}",
+        f"--listen-peer-urls={peer_url}",
+        f"--initial-advertise-peer-urls={peer_url}",
+        f"--initial-cluster={initial_cluster}",
+        f"--initial-cluster-state={cluster_state}",
+        f"--initial-cluster-token={cluster_token}",
+        f"--heartbeat-interval={heartbeat_ms or timing[0]}",
+        f"--election-timeout={election_ms or timing[1]}",
+        f"--snapshot-count={_SNAPSHOT_COUNT}",
+        "--logger=zap",
+        "--log-outputs=stderr",
+        "--log-level=warn",
+    ]
+
+
 class LocalEtcd:
     """One etcd server on 127.0.0.1.
 
@@ -167,11 +203,8 @@ class LocalEtcd:
         heartbeat_ms: int | None = None,
         election_ms: int | None = None,
     ) -> None:
-        alone = initial_cluster is None
-        self._heartbeat_ms = heartbeat_ms or (
-            _SINGLE_HEARTBEAT_MS if alone else _CLUSTER_HEARTBEAT_MS
-        )
-        self._election_ms = election_ms or (_SINGLE_ELECTION_MS if alone else _CLUSTER_ELECTION_MS)
+        self._heartbeat_ms = heartbeat_ms
+        self._election_ms = election_ms
         self._binary = binary
         self._owns_dir = data_dir is None
         self._data_dir = Path(data_dir) if data_dir is not None else None
@@ -270,24 +303,12 @@ class LocalEtcd:
             _live.add(self)
 
     def _flags(self) -> list[str]:
-        client_url = self.endpoint
-        flags = [
-            f"--name={self.name}",
-            f"--data-dir={self.data_dir}",
-            f"--listen-client-urls={client_url}",
-            f"--advertise-client-urls={client_url}",
-            f"--listen-peer-urls={self.peer_url}",
-            f"--initial-advertise-peer-urls={self.peer_url}",
-            f"--initial-cluster={self._initial_cluster or f'{self.name}={self.peer_url}'}",
-            f"--initial-cluster-state={self._cluster_state}",
-            f"--initial-cluster-token={self._cluster_token}",
-            f"--heartbeat-interval={self._heartbeat_ms}",
-            f"--election-timeout={self._election_ms}",
-            f"--snapshot-count={_SNAPSHOT_COUNT}",
-            "--logger=zap",
-            "--log-outputs=stderr",
-            "--log-level=warn",
-        ]
+        flags = etcd_flags(
+            self.name, self.data_dir, self.endpoint, self.peer_url,
+            self._initial_cluster or f"{self.name}={self.peer_url}", self._cluster_token,
+            alone=self._initial_cluster is None, cluster_state=self._cluster_state,
+            heartbeat_ms=self._heartbeat_ms, election_ms=self._election_ms,
+        )  # fmt: skip
         if self.tls is not None:
             flags += [f"--cert-file={self.tls.cert_file}", f"--key-file={self.tls.key_file}"]
             if self.tls.client_cert_auth:

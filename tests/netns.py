@@ -42,7 +42,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from rendezvous.etcd_local import pid_alive
+from rendezvous.etcd_local import etcd_flags, pid_alive
 from tests.harness import TEST_SETTINGS, Process
 
 #: Every namespace this harness makes starts with this.
@@ -417,9 +417,6 @@ SLOW_ABOVE = (0.001, 1.0)
 _ETCD_CLIENT_PORT = 2379
 _ETCD_PEER_PORT = 2380
 _REPLICA_PORT = 7000
-#: A lone etcd waits out one (random) election timeout at every start.
-_ETCD_SINGLE_TIMING = ("--heartbeat-interval=10", "--election-timeout=100")
-_ETCD_CLUSTER_TIMING = ("--heartbeat-interval=50", "--election-timeout=500")
 _START_TIMEOUT = 60.0
 #: Run in a host: wait until an etcd member reports itself healthy (it has a leader).
 _ETCD_HEALTH_PROBE = """
@@ -465,17 +462,10 @@ class EtcdMember:
             raise NetworkError("etcd binary not found: run scripts/setup")
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.starts += 1
-        argv = [
-            binary, f"--name={self.host.name}", f"--data-dir={self.data_dir}",
-            f"--listen-client-urls={self.client_url}",
-            f"--advertise-client-urls={self.client_url}",
-            f"--listen-peer-urls={self.peer_url}",
-            f"--initial-advertise-peer-urls={self.peer_url}",
-            f"--initial-cluster={self.initial_cluster}", "--initial-cluster-state=new",
-            f"--initial-cluster-token={token}",
-            *(_ETCD_SINGLE_TIMING if self.single else _ETCD_CLUSTER_TIMING),
-            "--logger=zap", "--log-outputs=stderr", "--log-level=warn",
-        ]  # fmt: skip
+        argv = [binary, *etcd_flags(
+            self.host.name, self.data_dir, self.client_url, self.peer_url,
+            self.initial_cluster, token, alone=self.single,
+        )]  # fmt: skip
         log = self.data_dir.parent / f"{self.host.name}-{self.starts}.log"
         self.process = self.host.spawn(argv, log)
 
