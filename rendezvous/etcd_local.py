@@ -131,13 +131,34 @@ def child_processes(pid: int) -> dict[int, str]:
     return found
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (``R``, ``S``, ``T`` stopped,
+    ``Z`` zombie...), None if there is no such process."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+        return None
+    # "pid (comm) state ..."; comm may contain spaces or parentheses.
+    return stat[stat.rindex(")") + 2 :].split()[0]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    return process_state(pid) not in (None, "Z")
+
+
+def await_stopped(pid: int, stopped: bool, settle: float = _SIGNAL_SETTLE) -> bool:
+    """After SIGSTOP (``stopped``) or SIGCONT, wait until the kernel reports
+    process ``pid`` stopped ("T" once every thread has stopped) or running
+    again; signals are delivered asynchronously. False if it did not within
+    ``settle`` seconds; True also if the process is gone."""
+    deadline = time.monotonic() + settle
+    while time.monotonic() < deadline:
+        state = process_state(pid)
+        if state is None or (state == "T") == stopped:
+            return True
+        time.sleep(0.001)
+    return False
 
 
 def running_etcd_children() -> list[int]:
@@ -454,17 +475,7 @@ class LocalEtcd:
         if proc is None or proc.poll() is not None:
             return
         proc.send_signal(sig)
-        # Signals are delivered asynchronously; the state letter in
-        # /proc/PID/stat is "T" once every thread has stopped.
-        deadline = time.monotonic() + _SIGNAL_SETTLE
-        while time.monotonic() < deadline:
-            try:
-                stat = Path(f"/proc/{proc.pid}/stat").read_text()
-            except OSError:
-                return
-            if (stat.rsplit(")", 1)[1].split()[0] == "T") == stopped:
-                return
-            time.sleep(0.001)
+        await_stopped(proc.pid, stopped)
 
     def wipe_data(self) -> None:
         """Forget etcd's state (the server must not be running)."""

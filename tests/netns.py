@@ -42,7 +42,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from rendezvous.etcd_local import etcd_flags, pid_alive
+from rendezvous.etcd_local import await_stopped, etcd_flags, pid_alive
 from tests.harness import TEST_SETTINGS, Process
 
 #: Every namespace this harness makes starts with this.
@@ -367,25 +367,12 @@ class Network:
 # --- processes -------------------------------------------------------------------------
 
 
-def _state(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
 def _signal_and_await(process: Process, sig: signal.Signals, stopped: bool) -> None:
     if process.proc.poll() is not None:
         return
     process.signal(sig)
-    deadline = time.monotonic() + _SIGNAL_SETTLE
-    while time.monotonic() < deadline:
-        state = _state(process.pid)
-        if state is None or (state == "T") == stopped:
-            return
-        time.sleep(0.002)
-    raise NetworkError(f"pid {process.pid} did not {'stop' if stopped else 'continue'}")
+    if not await_stopped(process.pid, stopped, _SIGNAL_SETTLE):
+        raise NetworkError(f"pid {process.pid} did not {'stop' if stopped else 'continue'}")
 
 
 def freeze(process: Process) -> None:
