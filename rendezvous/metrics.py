@@ -22,6 +22,13 @@ def serve(registry: CollectorRegistry, port: int, host: str) -> Any:
     return server
 
 
+def stop(server: Any) -> None:
+    """Stop a server from :func:`serve` (None: nothing to stop)."""
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+
+
 class ServiceMetrics:
     """What the leader knows about the job."""
 

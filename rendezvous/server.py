@@ -16,6 +16,7 @@ import grpc
 from membership.config import Config
 from rendezvous.events import EventFile
 from rendezvous.metrics import ServiceMetrics, serve
+from rendezvous.metrics import stop as stop_metrics
 from rendezvous.service import Replica
 from rendezvous.store import EtcdClientTLS, EtcdStore
 from rendezvous.validation import check_address, check_id
@@ -102,9 +103,7 @@ class RunningReplica:
         self._store.close()
         if self._events is not None:
             self._events.close()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+        stop_metrics(self._metrics_server)
 
 
 async def start_replica(options: ReplicaOptions) -> RunningReplica:

@@ -47,6 +47,7 @@ from membership.errors import ControlPlaneUnavailable, Evicted, RollcallError
 from membership.view import EMPTY_VIEW, View
 from rendezvous.client import ClientTLS, RendezvousClient
 from rendezvous.metrics import serve
+from rendezvous.metrics import stop as stop_metrics
 from rendezvous.wire import TokenInterceptor, read_token
 from rollcall.pb import rendezvous_pb2, state_pb2_grpc
 from worker.checkpoint import CheckpointUnusable, CheckpointWriter, load_newest, process_age
@@ -205,7 +206,7 @@ class Elastic:
         self.metrics = WorkerMetrics() if metrics_port is not None else None
         self._metrics_server = (
             serve(self.metrics.registry, metrics_port, host)
-            if self.metrics is not None and metrics_port is not None
+            if self.metrics is not None and metrics_port is not None  # both: mypy narrows each
             else None
         )
         self._last_commit: tuple[int, float] | None = None  # (epoch, monotonic time)
@@ -226,9 +227,7 @@ class Elastic:
             self._call(self._start(name))
         except BaseException:
             self._stop_loop()
-            if self._metrics_server is not None:
-                self._metrics_server.shutdown()
-                self._metrics_server.server_close()
+            stop_metrics(self._metrics_server)
             raise
 
     # --- the control thread -------------------------------------------------------
@@ -678,9 +677,7 @@ class Elastic:
                 self._group.close()
             self._stop_loop()
             wait_parked(self._group_timeout + 5)
-            if self._metrics_server is not None:
-                self._metrics_server.shutdown()
-                self._metrics_server.server_close()
+            stop_metrics(self._metrics_server)
 
     def _stop_loop(self) -> None:
         async def shutdown() -> None:
