@@ -348,10 +348,12 @@ def test_build_connecting_to_a_dead_store_host_stops_when_aborted(members: Membe
     print(f"store connect abort latency: {result['latency']:.4f} s")
     assert result["outcome"] == "StepAborted"
     assert result["latency"] < PROMPT
-    # The abandoned connection attempt stays parked while TCPStore retries
-    # (its own back-off can outlast the timeout it was given); what matters
-    # is that the process still exits cleanly, without SIGABRT.
-    assert result["parked_wait_seconds"] > 0
+    # The listener is probed in short attempts that look at the abort, so
+    # nothing is left inside TCPStore's unstoppable connect (its retries and
+    # back-off outlast the timeout given, and a process exiting during them
+    # dies with SIGABRT).
+    assert result["all_released"]
+    assert result["parked_wait_seconds"] < PROMPT
     assert members.exit_codes(processes, START_BOUND) == [0]
 
 

@@ -268,6 +268,38 @@ def _delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+#: Longest single TCP connect attempt while probing for the store's listener.
+_PROBE_ATTEMPT = 0.5
+
+
+def _await_listener(
+    epoch: int, host: str, port: int, deadline: float, abort: threading.Event
+) -> None:
+    """Return once ``host``:``port`` accepts a TCP connection.
+
+    TCPStore's own client cannot be stopped while it connects: it retries a
+    refused connection until its timeout, then sleeps a growing back-off
+    (seconds at small timeouts, up to a minute at large ones) and tries once
+    more. Abandoned, such a connect outlives the parking bound, and a process
+    exiting meanwhile dies with SIGABRT. So the listener is probed here first,
+    with short attempts and ``abort`` looked at between them; TCPStore only
+    connects to a listener that has just answered (it can still die in that
+    window: the connect then takes TCPStore's own time).
+    """
+    while True:
+        if abort.is_set():
+            raise StepAborted(f"epoch {epoch}: aborted while connecting to the store")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            reason = f"store {host}:{port} does not accept connections"
+            raise PeerFailed(f"epoch {epoch}: {reason}", reason)
+        try:
+            socket.create_connection((host, port), timeout=min(_PROBE_ATTEMPT, left)).close()
+            return
+        except OSError:  # refused, unreachable or timed out: try again until the deadline
+            time.sleep(min(ABORT_POLL_INTERVAL * 10, max(0.0, left)))
+
+
 def _meet(
     epoch: int,
     rank: int,
@@ -283,6 +315,8 @@ def _meet(
     until its timeout, unabortably. Runs on a helper thread, because a store
     request to a host that died blocks while the client reconnects."""
     deadline = time.monotonic() + timeout
+    if hosted is None:
+        _await_listener(epoch, store_host, store_port, deadline, abort)
     store = hosted or TCPStore(
         store_host, store_port, None, False, _delta(timeout), wait_for_workers=False
     )
