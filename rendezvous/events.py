@@ -252,4 +252,3 @@ class EventFile:
 
     def close(self) -> None:
         self._file.close()
-

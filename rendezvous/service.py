@@ -54,8 +54,6 @@ T = TypeVar("T")
 
 #: Longest free text (failure reasons) accepted from a member.
 _MAX_REASON = 256
-#: The suspicion reason of a member whose session stream broke (killed, reset).
-STREAM_BROKEN = "session stream broken"
 #: Largest duration a member may report (anything above is malformed).
 _MAX_REPORTED_SECONDS = 1e6
 
@@ -439,11 +437,15 @@ class Replica(pb_grpc.RendezvousServicer):
         except ControlPlaneUnavailable:
             pass  # not kept alive any more: the lease expires on its own
 
-    def _suspect(self, lead: _Leadership, member_id: str, reason: str) -> None:
+    def _suspect(
+        self, lead: _Leadership, member_id: str, reason: str, kind: str = "suspected"
+    ) -> None:
+        """Remove ``member_id`` from the roll (``reason`` goes to the log and
+        to the member; ``kind`` is the events' cause: "crash" when its stream
+        broke, "suspected" otherwise)."""
         now = self._clock()
         if lead.coordinator.suspect(member_id, now):
             log.info("suspect %s: %s", member_id, reason)
-            kind = "crash" if reason == STREAM_BROKEN else "suspected"
             self._events.cause(now, kind, lead.detector.silence(member_id, now))
         lead.detector.forget(member_id)
         lead.join_deadlines.pop(member_id, None)
@@ -727,7 +729,7 @@ class Replica(pb_grpc.RendezvousServicer):
             if not ended and lead.sessions.get(member_id) is session:
                 # The stream broke (process killed, connection cut): the
                 # fastest failure signal there is.
-                self._suspect(lead, member_id, STREAM_BROKEN)
+                self._suspect(lead, member_id, "session stream broken", kind="crash")
 
     def _open(self, first: pb.SessionRequest) -> tuple[_Leadership, _Session]:
         if first.WhichOneof("kind") != "open":
@@ -815,9 +817,9 @@ class Replica(pb_grpc.RendezvousServicer):
         elif kind == "view_report":
             r = request.view_report
             self._fence(lead, member_id, r.epoch)
-            durations = (r.fetch_s, r.rebuild_s, r.first_step_s, r.lost_work_s, r.step_s)
-            if not all(0 <= d < _MAX_REPORTED_SECONDS for d in (*durations, r.launch_s)):
-                raise InvalidRequest("view report durations must be in [0, 1e6) seconds")
+            for name in ("fetch_s", "rebuild_s", "first_step_s", "lost_work_s", "step_s",
+                         "launch_s"):  # fmt: skip
+                check.check_time(getattr(r, name), f"view report {name}", _MAX_REPORTED_SECONDS)
             lead.detector.heartbeat(member_id, now)
             account = MemberReport(
                 r.fetch_s, r.rebuild_s, r.first_step_s, r.lost_work_s, r.step_s, r.launch_s,

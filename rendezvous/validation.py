@@ -70,10 +70,13 @@ def check_counter(value: int, what: str) -> int:
     return value
 
 
-def check_time(value: float, what: str) -> float:
-    """A time or duration in seconds: finite (JSON has no infinity) and >= 0."""
+def check_time(value: float, what: str, below: float | None = None) -> float:
+    """A time or duration in seconds: finite (JSON has no infinity), >= 0
+    and, if ``below`` is given, less than that."""
     if not (math.isfinite(value) and value >= 0):
         raise InvalidRequest(f"{what} must be a finite, non-negative number")
+    if below is not None and value >= below:
+        raise InvalidRequest(f"{what} must be less than {below:g} seconds")
     return value
 
 

@@ -685,19 +685,25 @@ CASES = {
         "Session",
         after_open(view_report(fetch_s=-1.0)),
         Code.INVALID_ARGUMENT,
-        "view report durations must be in",
+        "view report fetch_s must be a finite",
     ),
     "view report with a NaN duration": Case(
         "Session",
         after_open(view_report(step_s=float("nan"))),
         Code.INVALID_ARGUMENT,
-        "view report durations must be in",
+        "view report step_s must be a finite",
     ),
     "view report with an infinite duration": Case(
         "Session",
         after_open(view_report(launch_s=float("inf"))),
         Code.INVALID_ARGUMENT,
-        "view report durations must be in",
+        "view report launch_s must be a finite",
+    ),
+    "view report with an absurdly long duration": Case(
+        "Session",
+        after_open(view_report(rebuild_s=1e6)),
+        Code.INVALID_ARGUMENT,
+        "view report rebuild_s must be less than 1e+06 seconds",
     ),
     # Harmless messages, then a refused one: nothing changes either.
     "replayed roll-call answer, then garbage": Case(
