@@ -257,6 +257,15 @@ def test_digest_depends_on_tensor_values_not_memory_layout():
     assert digest(contiguous) == digest(transposed_twice)
 
 
+def test_sparse_tensors_are_refused_by_digest_and_serialization():
+    state = capture_replica(trained(steps=1), step=0)
+    sparse = replace(state, extras={"t": torch.eye(3).to_sparse()})
+    with pytest.raises(TypeError, match="only dense tensors"):
+        digest(sparse)
+    with pytest.raises(TypeError, match="only dense tensors"):
+        to_bytes(sparse)
+
+
 @pytest.mark.parametrize(
     "one, other",
     [

@@ -308,11 +308,8 @@ def _feed(sink: Any, obj: Any) -> None:
 
 
 def _feed_tensor(sink: Any, tensor: torch.Tensor) -> None:
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        raise TypeError(f"only dense tensors can be digested, not {tensor.layout}")
-    flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
-    raw = flat.view(torch.uint8).numpy()
-    sink.update(_frame(b"t", str(flat.dtype).encode()))
+    raw = _raw(tensor)
+    sink.update(_frame(b"t", str(tensor.dtype).encode()))
     sink.update(struct.pack(f"<Q{tensor.dim()}Q", tensor.dim(), *tensor.shape))
     sink.update(struct.pack("<Q", raw.nbytes))
     sink.update(raw)
@@ -385,7 +382,7 @@ def _raw(tensor: torch.Tensor) -> Any:
     """The tensor's contiguous CPU bytes, as a buffer (no copy if it already
     is contiguous on the CPU)."""
     if tensor.layout != torch.strided or tensor.is_quantized:
-        raise TypeError(f"only dense tensors can be serialized, not {tensor.layout}")
+        raise TypeError(f"only dense tensors can be part of a replica state, not {tensor.layout}")
     flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy()
 
