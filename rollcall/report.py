@@ -528,15 +528,20 @@ def format_goodput(run: Run) -> str:
     )
 
 
+def _by_cause(run: Run) -> str:
+    return ", ".join(f"{cause} {n}" for cause, n in causes(run).items()) or "none"
+
+
+def _stall_range(stats: StallStats) -> str:
+    return f"median {format_seconds(stats.median_s)}, max {format_seconds(stats.max_s)}"
+
+
 def summary_line(run: Run) -> str:
     """One line: goodput, view changes by cause, median and maximum stall."""
     stats = stall_stats(run)
-    by_cause = ", ".join(f"{cause} {n}" for cause, n in causes(run).items())
-    parts = [format_goodput(run), f"{stats.count} view changes ({by_cause or 'none'})"]
+    parts = [format_goodput(run), f"{stats.count} view changes ({_by_cause(run)})"]
     if stats.with_stall:
-        parts.append(
-            f"stall median {format_seconds(stats.median_s)}, max {format_seconds(stats.max_s)}"
-        )
+        parts.append(f"stall {_stall_range(stats)}")
     return " · ".join(parts)
 
 
@@ -545,13 +550,11 @@ def summary_text(run: Run) -> str:
     stats = stall_stats(run)
     lines = [f"rollcall report: {run.source}" + (f" (job {run.job})" if run.job else "")]
     lines.append(f"  {format_goodput(run)}")
-    by_cause = ", ".join(f"{cause} {n}" for cause, n in causes(run).items()) or "none"
-    lines.append(f"  view changes: {stats.count} ({by_cause})")
+    lines.append(f"  view changes: {stats.count} ({_by_cause(run)})")
     if stats.with_stall:
         missing = stats.count - stats.with_stall
         lines.append(
-            f"  stall: median {format_seconds(stats.median_s)}, max {format_seconds(stats.max_s)}"
-            + (f" ({missing} without a stall)" if missing else "")
+            f"  stall: {_stall_range(stats)}" + (f" ({missing} without a stall)" if missing else "")
         )
     lines.append(f"  progress records: {len(run.progress)}")
     if run.skipped:
