@@ -15,9 +15,10 @@ overrides:
   near 4e299, see membership/detector.py) and `max_silence=T`, so a member is
   suspected exactly T s after its last heartbeat; the workers' `fence_window`
   becomes min(0.5, 0.6 T), since it must stay below the earliest suspicion;
-- adaptive: the defaults (phi threshold 8, phi_min_std 0.1, max_silence 2 s:
-  suspicion ~0.66 s after the last heartbeat when heartbeats are regular,
-  later when they jitter).
+- adaptive: the defaults (phi threshold 8, phi_min_std 0.25, max_silence 2 s:
+  suspicion ~1.5 s after the last heartbeat when heartbeats are regular,
+  later when they jitter; runs before the default changed used 0.1, ~0.66 s;
+  the JSON's `parameters.adaptive_config` says which).
 
 Phases, per setting: start the workers and wait until each has committed
 3 steps at full size; a quiet warm-up (no faults) gives the steady-state rate;
@@ -30,7 +31,7 @@ phase; the worker slot a fault hits is fixed too, the process in it changes):
   Poisson rate of one per --pause-every seconds per worker. The default
   (median 0.3 s, sigma 1.2, one per 8 s per worker) stands for GC, swap, I/O
   and scheduler stalls: most are short, the tail is long. Half are over
-  0.3 s, a quarter over the adaptive detector's ~0.66 s, 16 % over 1 s, 6 %
+  0.3 s, a quarter over 0.66 s, 16 % over 1 s, 6 %
   over 2 s, 3 % over 3 s (then capped at 8 s);
 - real failures at a Poisson rate of one per --kill-every seconds, alternating
   (--kill-mode) between

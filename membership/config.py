@@ -25,9 +25,12 @@ class Config:
     phi_threshold: float = 8.0
     #: Floor on the standard deviation of heartbeat intervals, so a very
     #: regular history does not make the detector hair-triggered. With the
-    #: defaults a silent member is suspected ~0.66 s after its last heartbeat
-    #: (100 ms + 5.6 x 100 ms), later when the observed jitter is larger.
-    phi_min_std: float = 0.1
+    #: defaults a silent member is suspected ~1.5 s after its last heartbeat
+    #: (100 ms + 5.6 x 250 ms), later when the observed jitter is larger.
+    #: 0.25 rather than 0.1 (~0.66 s): under injected pauses and failures,
+    #: 0.1 evicted ~4x more healthy workers and lost more goodput on each
+    #: of 4 seeds (docs/faults.md, bench/results/detector-min-std/).
+    phi_min_std: float = 0.25
     #: Heartbeat intervals remembered per member.
     phi_window: int = 100
     #: Silence after which a member is suspected whatever phi says. This is
@@ -37,7 +40,7 @@ class Config:
     #: A worker applies a step only if its session was never silent for
     #: longer than this while the step ran (a frozen or starved process may
     #: have been evicted meanwhile). Must stay below the detector's earliest
-    #: suspicion, heartbeat_interval + 5.6 * phi_min_std (0.66 s by default).
+    #: suspicion, heartbeat_interval + 5.6 * phi_min_std (1.5 s by default).
     fence_window: float = 0.5
 
     # --- roll call ---------------------------------------------------------

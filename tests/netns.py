@@ -398,7 +398,8 @@ CLUSTER_SETTINGS = TEST_SETTINGS
 #: CPU throttles (share of one CPU, CFS period in s) of a slow worker. Below
 #: the detector's threshold it gets 25 ms of CPU every 100 ms: slow, but its
 #: heartbeats still go out every ~100 ms. Above it, 1 ms every second: the
-#: heartbeat thread runs at most once a second, later than phi's ~0.66 s.
+#: heartbeat thread runs at most once a second; measured, its heartbeats are
+#: then more than phi's ~1.5 s apart (evicted in ~1.8 s).
 SLOW_BELOW = (0.25, 0.1)
 SLOW_ABOVE = (0.001, 1.0)
 _ETCD_CLIENT_PORT = 2379

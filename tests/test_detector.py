@@ -87,24 +87,26 @@ def test_heartbeats_at_the_configured_period_are_never_suspected(period: float, 
 
 
 def test_silence_after_regular_100ms_heartbeats_is_suspected_at_the_phi_latency() -> None:
-    # Regular intervals have std 0, floored at phi_min_std = 100 ms: phi
-    # crosses 8 at 100 ms + 5.612 * 100 ms = 661.2 ms, well before max_silence.
-    assert DEFAULT.phi_min_std == 0.1
+    # Regular intervals have std 0, floored at phi_min_std = 250 ms: phi
+    # crosses 8 at 100 ms + 5.612 * 250 ms = 1.503 s, before max_silence.
+    assert DEFAULT.phi_min_std == 0.25
     detector = fed([0.1] * 200)
-    expected = 0.1 + z_for_threshold(8.0) * 0.1
-    assert expected == pytest.approx(0.6612, abs=1e-4)
+    expected = 0.1 + z_for_threshold(8.0) * 0.25
+    assert expected == pytest.approx(1.503, abs=1e-3)
     assert latency(detector) == pytest.approx(expected, abs=1e-9)
     last = detector.last_heartbeat
     assert not detector.suspected(last + expected - 1e-6)
     assert detector.suspected(last + expected + 1e-6)
-    assert expected < DEFAULT.max_silence / 3
+    assert expected < DEFAULT.max_silence
+    # A worker's fence gives up on a step before anyone may suspect it.
+    assert DEFAULT.fence_window < expected
 
 
 # --- adaptation to jitter --------------------------------------------------
 
 
 def test_jitter_below_the_std_floor_does_not_delay_suspicion() -> None:
-    # 100 ms +- 30 ms uniform has a std of about 17 ms, below the 50 ms floor.
+    # 100 ms +- 30 ms uniform has a std of about 17 ms, below the floor.
     rng = random.Random(7)
     detector = fed([0.1 + rng.uniform(-0.03, 0.03) for _ in range(200)])
     assert detector.std_interval < DEFAULT.phi_min_std
@@ -114,13 +116,14 @@ def test_jitter_below_the_std_floor_does_not_delay_suspicion() -> None:
 
 
 def test_jitter_above_the_std_floor_delays_suspicion() -> None:
-    regular = fed([0.1] * 200)
-    jittery = fed([0.0, 0.3] * 100)
+    config = DEFAULT.replace(phi_min_std=0.1)
+    regular = fed([0.1] * 200, config)
+    jittery = fed([0.0, 0.3] * 100, config)
     assert jittery.mean_interval == pytest.approx(0.15)
     assert jittery.std_interval == pytest.approx(0.15, rel=0.01)
-    assert jittery.std_interval > DEFAULT.phi_min_std
+    assert jittery.std_interval > config.phi_min_std
     assert latency(jittery) == pytest.approx(
-        expected_latency(0.15, jittery.std_interval), abs=1e-9
+        expected_latency(0.15, jittery.std_interval, config), abs=1e-9
     )
     assert latency(jittery) > latency(regular) + 0.1
 
@@ -340,8 +343,8 @@ def test_suspects_are_the_silent_members_sorted() -> None:
     assert fd.suspects(0.3) == []
     for beat in range(1, 11):
         fd.heartbeat("b", beat * 0.1)
-    assert fd.suspects(1.0) == ["a", "c"]
-    assert fd.phi("b", 1.0) < DEFAULT.phi_threshold < fd.phi("a", 1.0)
+    assert fd.suspects(1.6) == ["a", "c"]  # silent 1.6 s; b 0.6 s
+    assert fd.phi("b", 1.6) < DEFAULT.phi_threshold < fd.phi("a", 1.6)
 
 
 def test_watching_again_restarts_from_a_fresh_history() -> None:
