@@ -21,6 +21,7 @@ import pytest
 
 from membership.config import Config
 from tests.compose_harness import LOG_DIR, NETWORK, ComposeCluster, Container, Status
+from tests.harness import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
@@ -120,12 +121,17 @@ def test_scaling_to_four_workers_adds_a_member_that_pulls_state(cluster: Compose
     assert before.member_ids < joined.member_ids
 
     # It pulled the live state from its peers instead of starting at step 0:
-    # its first committed step follows the step it pulled.
-    log = cluster.logs(new)
+    # its first committed step follows the step it pulled. (Being in the
+    # view precedes its first commit: wait for that line.)
+    def committed() -> str | None:
+        log = cluster.logs(new)
+        return log if '"event": "step"' in log else None
+
+    log = wait_for(committed, f"{new.name} committing a step", PROGRESS_TIMEOUT, every=0.5)
     pulled = re.search(r"pulled step (\d+) \((\d+) bytes\) from (\d+) peers", log)
     assert pulled, f"{new.name} did not log a state pull:\n{log[-2000:]}"
     steps = [json.loads(line)["step"] for line in log.splitlines() if '"event": "step"' in line]
-    assert steps and steps[0] == int(pulled[1]) + 1, (pulled[0], steps[:3])
+    assert steps[0] == int(pulled[1]) + 1, (pulled[0], steps[:3])
     assert_training_advances(cluster)
 
 
