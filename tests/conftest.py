@@ -4,6 +4,7 @@ TLS material, and a session-wide check that no etcd process outlives the tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -98,10 +99,8 @@ def no_etcd_left_behind() -> Iterator[None]:
     yield
     leftovers = running_etcd_children()
     for pid in leftovers:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     assert not leftovers, f"etcd processes left running after the tests: {leftovers}"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -50,10 +51,8 @@ async def run(args: argparse.Namespace) -> int:
         if member_id in client.view and args.progress:
             step += 1
             client.report_progress(step)
-        try:
+        with contextlib.suppress(TimeoutError):  # no stop yet: report again
             await asyncio.wait_for(stop.wait(), 0.1)
-        except TimeoutError:
-            pass
     try:
         await client.leave()
         emit(event="left")

@@ -408,15 +408,13 @@ _REPLICA_PORT = 7000
 _START_TIMEOUT = 60.0
 #: Run in a host: wait until an etcd member reports itself healthy (it has a leader).
 _ETCD_HEALTH_PROBE = """
-import sys, time, urllib.request
+import contextlib, sys, time, urllib.request
 url, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2])
 while time.monotonic() < deadline:
-    try:
+    with contextlib.suppress(OSError):  # not listening yet: ask again
         with urllib.request.urlopen(url, timeout=0.5) as answer:
             if b'"true"' in answer.read():
                 sys.exit(0)
-    except OSError:
-        pass
     time.sleep(0.05)
 sys.exit(1)
 """

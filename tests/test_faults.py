@@ -152,7 +152,7 @@ PROBE_WINDOW = 2.0
 #: Longest wait for every probe to start (python start-up on loaded cores).
 PROBE_START = 30.0
 _UDP_PROBE = """
-import pathlib, socket, sys, time
+import contextlib, pathlib, socket, sys, time
 barrier, me, peers = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 sock.bind((me, 9999))
@@ -166,15 +166,11 @@ while len(list(barrier.iterdir())) < len(peers) + 1 and time.monotonic() < deadl
 heard, until = set(), time.monotonic() + {window}
 while time.monotonic() < until:
     for target in peers:
-        try:
+        with contextlib.suppress(OSError):  # unreachable across a partition
             sock.sendto(b"x", (target, 9999))
-        except OSError:
-            pass
-    try:
+    with contextlib.suppress(TimeoutError, OSError):  # read until 50 ms of quiet
         while True:
             heard.add(sock.recvfrom(16)[1][0])
-    except (TimeoutError, OSError):
-        pass
 print(" ".join(sorted(heard)))
 """
 
