@@ -108,7 +108,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -119,7 +118,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.peers import Child, kill_tree, versions  # noqa: E402
+from bench.peers import Child, Tracker, kill_tree, spread, versions  # noqa: E402
 from bench.recovery import log_lines  # noqa: E402
 from membership.config import Config  # noqa: E402
 from rendezvous.etcd_local import LocalEtcd, free_port  # noqa: E402
@@ -301,52 +300,29 @@ class Worker:
         return None
 
 
-class Steps:
-    """Every step line of every worker: (arrival time, worker key, step,
-    epoch, world)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._steps: list[tuple[float, str, int, int, int]] = []
-
-    def add(self, t: float, key: str, record: dict[str, Any]) -> None:
-        with self._lock:
-            self._steps.append(
-                (t, key, int(record["step"]), int(record["epoch"]), int(record["world"]))
-            )
-
-    def snapshot(self) -> list[tuple[float, str, int, int, int]]:
-        with self._lock:
-            return list(self._steps)
-
-    def progress(self, until: float) -> int:
-        """Highest step committed at or before ``until`` (-1: none)."""
-        return max((s for t, _, s, _, _ in self.snapshot() if t <= until), default=-1)
+class Steps(Tracker):
+    """Every step line of every worker (bench/peers.py's tracker), with the
+    queries the sweep needs."""
 
     def epoch_at(self, until: float) -> int:
         """Newest epoch a step was committed in at or before ``until``."""
-        return max((e for t, _, _, e, _ in self.snapshot() if t <= until), default=0)
+        return max((e for t, _, _, _, e in self.snapshot() if t <= until), default=0)
 
     def new(self, after: float, before: float) -> list[tuple[float, int, int]]:
         """(first commit time, step, world) of each step above the progress at
         ``after`` first committed in (after, before], by time."""
-        above = self.progress(after)
-        first: dict[int, tuple[float, int]] = {}
-        for t, _, s, _, w in self.snapshot():
-            if after < t <= before and s > above and (s not in first or t < first[s][0]):
-                first[s] = (t, w)
-        return sorted((t, s, w) for s, (t, w) in first.items())
+        return self.first_commits(after, before, self.progress(after))
 
     def first_after(self, after: float, epoch_above: int) -> float | None:
         """First commit after ``after`` in an epoch above ``epoch_above``."""
         return min(
-            (t for t, _, _, e, _ in self.snapshot() if t > after and e > epoch_above),
+            (t for t, _, _, _, e in self.snapshot() if t > after and e > epoch_above),
             default=None,
         )
 
     def count(self, key: str, world: int, after: float = 0.0) -> int:
         """Steps ``key`` committed in a view of ``world`` members after ``after``."""
-        return sum(1 for t, k, _, _, w in self.snapshot() if k == key and w == world and t > after)
+        return sum(1 for t, _, w in self.of(key) if w == world and t > after)
 
 
 class Cluster:
@@ -392,7 +368,8 @@ class Cluster:
             elif record.get("event") == "step":
                 if worker.first_step is None:
                     worker.first_step = t
-                self.steps.add(t, key, record)
+                self.steps.add(t, key, int(record["step"]), int(record["world"]),
+                               int(record["epoch"]))  # fmt: skip
 
         argv = [
             sys.executable, "-m", "rollcall.cli", "worker", "--rendezvous", self.address,
@@ -736,7 +713,7 @@ def analyse(
     def own_gap(p: PauseRecord) -> float | None:
         """The paused worker's own step gap around the pause, beyond the
         quiet step interval (None if it committed nothing after it)."""
-        mine = [t for t, k, _, _, _ in cluster.steps.snapshot() if k == p.worker]
+        mine = [t for t, _, _ in cluster.steps.of(p.worker)]
         before = max((t for t in mine if t <= p.stopped), default=p.stopped)
         after = min((t for t in mine if t > p.stopped), default=None)
         return None if after is None else max(0.0, after - before - base)
@@ -806,13 +783,6 @@ def analyse(
 
 
 # -------------------------------------------------------------------- results
-
-
-def spread(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}  # fmt: skip
 
 
 def fmt(s: dict[str, float] | None, unit: str = " s", digits: int = 2) -> str:

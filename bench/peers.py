@@ -135,34 +135,42 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> None:
 
 class Tracker:
     """Committed step events of every worker of one cluster: (arrival time,
-    worker key, step, world)."""
+    worker key, step, world, epoch); the epoch is 0 for systems without one."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.steps: list[tuple[float, str, int, int]] = []
+        self.steps: list[tuple[float, str, int, int, int]] = []
 
-    def add(self, t: float, key: str, step: int, world: int) -> None:
+    def add(self, t: float, key: str, step: int, world: int, epoch: int = 0) -> None:
         with self.lock:
-            self.steps.append((t, key, step, world))
+            self.steps.append((t, key, step, world, epoch))
 
-    def snapshot(self) -> list[tuple[float, str, int, int]]:
+    def snapshot(self) -> list[tuple[float, str, int, int, int]]:
         with self.lock:
             return list(self.steps)
 
     def of(self, key: str) -> list[tuple[float, int, int]]:
-        return [(t, s, w) for t, k, s, w in self.snapshot() if k == key]
+        """(time, step, world) of ``key``'s commits."""
+        return [(t, s, w) for t, k, s, w, _ in self.snapshot() if k == key]
 
     def progress(self, until: float) -> int:
         """Highest step committed by any worker at or before ``until`` (-1: none)."""
-        return max((s for t, _, s, _ in self.snapshot() if t <= until), default=-1)
+        return max((s for t, _, s, _, _ in self.snapshot() if t <= until), default=-1)
+
+    def first_commits(
+        self, after: float, before: float, above: int
+    ) -> list[tuple[float, int, int]]:
+        """(first commit time, step, world) of every step above ``above``
+        first committed in (after, before], by time."""
+        first: dict[int, tuple[float, int]] = {}
+        for t, _, s, w, _ in self.snapshot():
+            if after < t <= before and s > above and (s not in first or t < first[s][0]):
+                first[s] = (t, w)
+        return sorted((t, s, w) for s, (t, w) in first.items())
 
     def new_steps(self, after: float, before: float, above: int) -> list[tuple[float, int]]:
         """First commit time of every step above ``above`` in (after, before], sorted."""
-        first: dict[int, float] = {}
-        for t, _, s, _ in self.snapshot():
-            if after < t <= before and s > above and (s not in first or t < first[s]):
-                first[s] = t
-        return sorted((t, s) for s, t in first.items())
+        return [(t, s) for t, s, _ in self.first_commits(after, before, above)]
 
 
 class Child:
