@@ -1,6 +1,8 @@
 """EpochGroup with real gloo groups in real processes on loopback: sums are
 right, a killed peer fails the survivors' all-reduce at once, a frozen peer is
-escaped by setting `abort`, and the survivors rebuild a smaller group for the
+escaped by setting `abort` (the group's connections are shut down, so nothing
+is left waiting for gloo's timeout), a late peer is waited for as long as the
+group's patience says, and the survivors rebuild a smaller group for the
 next epoch and still exit cleanly (exit code 0, no SIGABRT).
 
 Every member is a "spawn" multiprocessing child: it runs a full interpreter
@@ -82,6 +84,8 @@ def _join_epoch(
     ports: Queue[int],
     abort: threading.Event,
     timeout: float = GROUP_TIMEOUT,
+    patience: Callable[[float], float] | None = None,
+    hard_timeout: float | None = None,
 ) -> EpochGroup:
     """Rank 0 hosts the epoch's store and hands its port to the others."""
     if rank == 0:
@@ -90,7 +94,10 @@ def _join_epoch(
             ports.put(port)
     else:
         port = ports.get(timeout=START_BOUND)
-    return EpochGroup.build(epoch, rank, size, LOOPBACK, port, rank == 0, timeout, abort)
+    return EpochGroup.build(
+        epoch, rank, size, LOOPBACK, port, rank == 0, timeout, abort,
+        patience=patience, hard_timeout=hard_timeout,
+    )  # fmt: skip
 
 
 def _abort_on(trigger: ProcessEvent) -> tuple[threading.Event, dict[str, float]]:
@@ -190,6 +197,42 @@ def _allreduce_until_failure(channels: Channels, rank: int, size: int) -> None:
     failure["parked"] = parked_count()
     failure["all_released"] = wait_parked(GROUP_TIMEOUT + 5)
     channels.reports.put(failure)
+
+
+def _report_abortable(channels: Channels, rank: int, size: int) -> None:
+    _started(channels, rank)
+    group = _join_epoch(1, rank, size, channels.ports, threading.Event())
+    values = torch.ones(4)
+    group.allreduce_sum([values])  # every pair is connected and used
+    channels.reports.put({"rank": rank, "abortable": group.abortable})
+    group.close()
+
+
+def _allreduce_with_a_late_peer(
+    channels: Channels, rank: int, late: float, patience_s: float
+) -> None:
+    """Rank 1 enters the second all-reduce ``late`` seconds after rank 0,
+    whose patience is ``patience_s`` (gloo's timeout is far longer)."""
+    _started(channels, rank)
+    group = _join_epoch(
+        1, rank, 2, channels.ports, threading.Event(), timeout=1.0,
+        patience=lambda started: started + patience_s, hard_timeout=60.0,
+    )  # fmt: skip
+    values = torch.ones(10)
+    group.allreduce_sum([values])
+    channels.reports.put({"rank": rank, "abortable": group.abortable})
+    if rank == 1:
+        time.sleep(late)
+    started = time.monotonic()
+    try:
+        group.allreduce_sum([values])
+        outcome = "done"
+    except StepAborted as exc:
+        outcome = type(exc).__name__
+    channels.reports.put(
+        {"rank": rank, "outcome": outcome, "waited": time.monotonic() - started,
+         "all_released": wait_parked(5.0)}
+    )  # fmt: skip
 
 
 def _survive_frozen_peer(channels: Channels, rank: int, triggers: list[ProcessEvent]) -> None:
@@ -395,8 +438,50 @@ def test_frozen_peer_is_escaped_by_abort_and_survivors_rebuild(members: Members)
     )
     assert [result["error"] for result in results] == ["StepAborted", "StepAborted"]
     assert all(latency < PROMPT for latency in latencies)
-    assert [result["parked_after_abort"] for result in results] == [1, 1]
+    # The abandoned all-reduce was stopped by shutting its connections down:
+    # nothing waits for gloo's timeout, before the rebuild or at exit.
+    assert [result["parked_after_abort"] for result in results] == [0, 0]
     assert [result["new_sum_correct"] for result in results] == [True, True]
-    assert [result["parked_while_rebuilt"] for result in results] == [1, 1]
+    assert [result["parked_while_rebuilt"] for result in results] == [0, 0]
     assert all(result["all_released"] for result in results)
+    assert all(result["parked_wait_seconds"] < PROMPT for result in results)
     assert members.exit_codes(processes[:2], START_BOUND) == [0, 0]
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_every_group_finds_its_own_connections_so_aborts_are_immediate(
+    members: Members, size: int
+) -> None:
+    processes = members.start(_report_abortable, list(range(size)), size)
+    results = members.collect(size, "abortable")
+    assert [result["abortable"] for result in results] == [True] * size
+    assert members.exit_codes(processes, START_BOUND) == [0] * size
+
+
+def test_a_late_peer_is_waited_for_as_long_as_patience_allows(members: Members) -> None:
+    # gloo's own timeout (1 s for the build, 60 s per collective) does not
+    # decide: patience 8 s covers rank 1 arriving 3 s late.
+    processes = members.start(_allreduce_with_a_late_peer, [0, 1], 3.0, 8.0)
+    members.collect(2, "abortable")
+    results = members.collect(2, "outcome", timeout=30)
+    assert [result["outcome"] for result in results] == ["done", "done"]
+    assert 2.5 < results[0]["waited"] < 8.0
+    assert members.exit_codes(processes, START_BOUND) == [0, 0]
+
+
+def test_patience_running_out_fails_the_collective_long_before_gloos_timeout(
+    members: Members,
+) -> None:
+    # Rank 1 is 10 s late; rank 0's patience is 1.5 s, gloo's timeout 60 s.
+    processes = members.start(_allreduce_with_a_late_peer, [0, 1], 10.0, 1.5)
+    members.collect(2, "abortable")
+    results = members.collect(2, "outcome", timeout=40)
+    print("waited (s):", [round(r["waited"], 3) for r in results])
+    assert results[0]["outcome"] == PeerFailed.__name__
+    assert 1.4 < results[0]["waited"] < 1.5 + PROMPT
+    # Rank 0's give-up shut the connections: the late rank 1 fails at once
+    # instead of waiting for anyone.
+    assert results[1]["outcome"] == PeerFailed.__name__
+    assert results[1]["waited"] < PROMPT
+    assert all(result["all_released"] for result in results)
+    assert members.exit_codes(processes, START_BOUND) == [0, 0]

@@ -4,10 +4,19 @@ gloo cannot abort a collective: ``abort()`` and ``shutdown()`` return at once
 while the blocked call keeps waiting for its timeout. So every blocking step
 here (connecting to the bootstrap store, waiting for peers, building the
 group, each collective) runs in the background while the caller polls the
-``abort`` event. What the caller abandons is *parked*: kept referenced until
-it finishes, at the latest when its own timeout fires, and only then released.
-A failed group is released at once instead: closing its connections is what
-makes peers still blocked on it fail fast.
+``abort`` flag, and a collective is aborted for real by shutting down the
+group's own TCP connections (found when the group is built: every rank
+publishes its gloo listener in the epoch's store), which makes the blocked
+call fail within milliseconds here and on every peer. What cannot be
+stopped that way (a build still connecting) is *parked*: kept referenced
+until it finishes, at the latest when its own timeout fires, and only then
+released. A failed group is released at once: closing its connections is
+what makes peers still blocked on it fail fast.
+
+Two timeouts: gloo's own, per collective, is only a backstop (``timeout``
+plus the longest busy period a peer may declare); how long a collective may
+really wait is asked of ``patience(started)`` while it waits, so a peer that
+declared itself busy (evaluating, saving) extends it without a roll call.
 
 A process that used this module must call :func:`wait_parked` before it exits
 (an ``atexit`` hook does it too, after closing every group still open): a
@@ -30,8 +39,10 @@ Typical use, one group per committed view::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
+import os
 import socket
 import threading
 import time
@@ -40,8 +51,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar, cast
 
+import psutil
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, Store, TCPStore, Work
+from torch.distributed import (
+    AllreduceOptions,
+    BroadcastOptions,
+    PrefixStore,
+    ProcessGroupGloo,
+    ReduceOp,
+    Store,
+    TCPStore,
+    Work,
+)
 
 from membership.errors import RollcallError
 
@@ -49,7 +70,9 @@ __all__ = [
     "ABORT_POLL_INTERVAL",
     "LOOPBACK",
     "PARK_GRACE",
+    "AbortFlag",
     "EpochGroup",
+    "Patience",
     "PeerFailed",
     "StepAborted",
     "host_store",
@@ -70,7 +93,23 @@ PARK_GRACE = 2.0
 #: Default address the gloo transport and a hosted store bind to.
 LOOPBACK = "127.0.0.1"
 
+#: How long an aborted collective is given to end once its connections are
+#: shut down (it ends within milliseconds; longer means the sockets were
+#: not all found, and the group is parked instead).
+_ABORT_SETTLE = 1.0
+
 T = TypeVar("T")
+
+
+class AbortFlag(Protocol):
+    """What the blocking calls poll: ``threading.Event`` is one."""
+
+    def is_set(self) -> bool: ...
+
+
+#: ``patience(started)``: the monotonic time until which a wait that began at
+#: ``started`` may go on. Asked again at every poll, so it may grow.
+Patience = Callable[[float], float]
 
 
 class StepAborted(RollcallError):
@@ -208,7 +247,7 @@ class _Call(Generic[T]):
             del result
         self._done.set()
 
-    def join(self, abort: threading.Event, timeout: float) -> T | StepAborted:
+    def join(self, abort: AbortFlag, timeout: float) -> T | StepAborted:
         """The call's result, or StepAborted as soon as ``abort`` is set (the
         call is then parked until it ends, which its own ``timeout`` bounds),
         or PeerFailed if it raised one of torch's runtime errors (StepAborted
@@ -268,12 +307,17 @@ def _delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def _patient(timeout: float) -> Patience:
+    """Patience of a wait that may last ``timeout`` seconds, whatever happens."""
+    return lambda started: started + timeout
+
+
 #: Longest single TCP connect attempt while probing for the store's listener.
 _PROBE_ATTEMPT = 0.5
 
 
 def _await_listener(
-    epoch: int, host: str, port: int, deadline: float, abort: threading.Event
+    epoch: int, host: str, port: int, started: float, patience: Patience, abort: AbortFlag
 ) -> None:
     """Return once ``host``:``port`` accepts a TCP connection.
 
@@ -289,7 +333,7 @@ def _await_listener(
     while True:
         if abort.is_set():
             raise StepAborted(f"epoch {epoch}: aborted while connecting to the store")
-        left = deadline - time.monotonic()
+        left = patience(started) - time.monotonic()
         if left <= 0:
             reason = f"store {host}:{port} does not accept connections"
             raise PeerFailed(f"epoch {epoch}: {reason}", reason)
@@ -308,15 +352,16 @@ def _meet(
     store_port: int,
     hosted: TCPStore | None,
     timeout: float,
-    abort: threading.Event,
+    patience: Patience,
+    abort: AbortFlag,
 ) -> TCPStore:
     """Connect to the epoch's store (unless this rank hosts it) and wait there
     until every rank has arrived: gloo itself would wait for an absent peer
     until its timeout, unabortably. Runs on a helper thread, because a store
     request to a host that died blocks while the client reconnects."""
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
     if hosted is None:
-        _await_listener(epoch, store_host, store_port, deadline, abort)
+        _await_listener(epoch, store_host, store_port, started, patience, abort)
     store = hosted or TCPStore(
         store_host, store_port, None, False, _delta(timeout), wait_for_workers=False
     )
@@ -326,7 +371,7 @@ def _meet(
     while not scoped.check(keys):
         if abort.is_set():
             raise StepAborted(f"epoch {epoch}: aborted while waiting for peers")
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= patience(started):
             missing = [peer for peer in range(size) if not scoped.check([keys[peer]])]
             reason = f"ranks {missing} did not join"
             raise PeerFailed(f"epoch {epoch}: {reason}", reason)
@@ -338,8 +383,8 @@ class _Gloo(Protocol):
     """The collectives used here, which ProcessGroupGloo has at run time but
     torch's type stubs declare only on the ProcessGroup wrapper."""
 
-    def allreduce(self, tensors: list[torch.Tensor]) -> Work: ...
-    def broadcast(self, tensor: torch.Tensor, root: int) -> Work: ...
+    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> Work: ...
+    def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions) -> Work: ...
 
 
 def _gloo_group(store: Store, rank: int, size: int, timeout: float, listen_host: str) -> _Gloo:
@@ -349,6 +394,50 @@ def _gloo_group(store: Store, rank: int, size: int, timeout: float, listen_host:
     options._timeout = _delta(timeout)
     options._devices = [ProcessGroupGloo.create_device(hostname=listen_host)]
     return cast(_Gloo, ProcessGroupGloo(store, rank, size, options))
+
+
+def _tcp_sockets() -> list[psutil._common.pconn]:  # type: ignore[name-defined]
+    return list(psutil.Process().net_connections(kind="tcp"))
+
+
+def _connections_of(
+    before: set[int], after: Sequence[psutil._common.pconn], listeners: set[tuple[str, int]]  # type: ignore[name-defined]
+) -> tuple[tuple[str, int] | None, list[int]]:
+    """This rank's gloo listener (the one new listening socket) and the file
+    descriptors of the group's own connections among ``after``: new since
+    ``before`` and either accepted on our listener or connected to a peer's
+    (``listeners``). gRPC or metrics connections made meanwhile by other
+    threads match neither."""
+    new = [c for c in after if c.fd not in before and c.fd >= 0]
+    own = [c for c in new if c.status == psutil.CONN_LISTEN]
+    listener = (own[0].laddr.ip, own[0].laddr.port) if len(own) == 1 else None
+    fds = [
+        c.fd
+        for c in new
+        if c.status == psutil.CONN_ESTABLISHED
+        and c.raddr
+        and (
+            (listener is not None and c.laddr.port == listener[1])
+            or (c.raddr.ip, c.raddr.port) in listeners
+        )
+    ]
+    return listener, fds
+
+
+def _publish_listeners(
+    epoch: int, rank: int, size: int, store: TCPStore, listener: tuple[str, int] | None,
+    timeout: float,
+) -> set[tuple[str, int]]:  # fmt: skip
+    """Every rank's gloo listener, exchanged through the epoch's store."""
+    scoped = PrefixStore(f"epoch{epoch}", store)
+    scoped.set(f"rollcall/gloo/{rank}", "" if listener is None else f"{listener[0]}:{listener[1]}")
+    values = scoped.multi_get([f"rollcall/gloo/{peer}" for peer in range(size)])
+    found = set()
+    for value in values:
+        host, _, port = value.decode().rpartition(":")
+        if host:
+            found.add((host, int(port)))
+    return found
 
 
 # --------------------------------------------------------------------------
@@ -366,9 +455,12 @@ class EpochGroup:
         rank: int,
         size: int,
         timeout: float,
-        abort: threading.Event,
+        abort: AbortFlag,
         pg: _Gloo,
         store: TCPStore,
+        connections: Sequence[int] = (),
+        patience: Patience | None = None,
+        hard_timeout: float | None = None,
     ) -> None:
         self.epoch = epoch
         self.rank = rank
@@ -378,7 +470,18 @@ class EpochGroup:
         self._pg: _Gloo | None = pg
         self._store: TCPStore | None = store
         self._broken: str | None = None
+        #: File descriptors of the group's own TCP connections: shutting them
+        #: down is what aborts a blocked collective (here and on the peers).
+        self._connections = tuple(connections)
+        self._patience = patience or _patient(timeout)
+        self.hard_timeout = max(timeout, hard_timeout or timeout)
         _open_groups.add(self)
+
+    @property
+    def abortable(self) -> bool:
+        """Whether a blocked collective can be aborted at once (the group's
+        connections were found); if not, an abandoned one is parked."""
+        return bool(self._connections)
 
     @classmethod
     def build(
@@ -390,20 +493,27 @@ class EpochGroup:
         store_port: int,
         is_store_host: bool,
         timeout: float,
-        abort: threading.Event,
+        abort: AbortFlag,
         listen_host: str = LOOPBACK,
+        patience: Patience | None = None,
+        hard_timeout: float | None = None,
     ) -> EpochGroup:
         """Connect to the epoch's bootstrap store, wait for all ``size`` ranks
         and build the group; ``listen_host`` is the address gloo binds to.
 
-        Raises StepAborted within ABORT_POLL_INTERVAL once ``abort`` is set,
-        and PeerFailed if a peer is absent or fails within ``timeout`` seconds.
+        ``patience`` (default: ``timeout`` from the start of each wait) says
+        how long a wait for peers may go on, here and in every collective;
+        ``hard_timeout`` is gloo's own per-collective timeout, a backstop
+        that must cover the longest patience. Raises StepAborted within
+        ABORT_POLL_INTERVAL once ``abort`` is set, and PeerFailed if a peer
+        is absent or fails.
         """
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} outside a group of {size}")
         outcome = cls._build(
-            epoch, rank, size, store_host, store_port, is_store_host, timeout, abort, listen_host
-        )
+            epoch, rank, size, store_host, store_port, is_store_host, timeout, abort, listen_host,
+            patience or _patient(timeout), hard_timeout,
+        )  # fmt: skip
         if isinstance(outcome, StepAborted):
             raise outcome
         return outcome
@@ -418,8 +528,10 @@ class EpochGroup:
         store_port: int,
         is_store_host: bool,
         timeout: float,
-        abort: threading.Event,
+        abort: AbortFlag,
         listen_host: str,
+        patience: Patience,
+        hard_timeout: float | None,
     ) -> EpochGroup | StepAborted:
         hosted = None
         if is_store_host:
@@ -430,18 +542,41 @@ class EpochGroup:
             return StepAborted(f"epoch {epoch}: aborted before building")
         store = _Call(
             f"epoch {epoch} rendezvous",
-            lambda: _meet(epoch, rank, size, store_host, store_port, hosted, timeout, abort),
+            lambda: _meet(
+                epoch, rank, size, store_host, store_port, hosted, timeout, patience, abort
+            ),
         ).join(abort, timeout)
         if isinstance(store, StepAborted):
             return store
         scoped = PrefixStore(f"epoch{epoch}", store)
+        before = {c.fd for c in _tcp_sockets()}
         pg = _Call(
             f"epoch {epoch} group",
             lambda: _gloo_group(scoped, rank, size, timeout, listen_host),
         ).join(abort, timeout)
         if isinstance(pg, StepAborted):
             return pg
-        return cls(epoch, rank, size, timeout, abort, pg, store)
+        after = _tcp_sockets()
+        listener, _ = _connections_of(before, after, set())
+        peers = _Call(
+            f"epoch {epoch} listeners",
+            lambda: _publish_listeners(epoch, rank, size, store, listener, timeout),
+        ).join(abort, timeout)
+        if isinstance(peers, StepAborted):
+            cls(epoch, rank, size, timeout, abort, pg, store).close()
+            return peers
+        _, connections = _connections_of(before, after, peers)
+        if len(connections) != size - 1:
+            # Not every pair was found (another thread's socket churn, or
+            # gloo's lazy init): abort then falls back to parking.
+            log.debug(
+                "epoch %d: %d of %d gloo connections found; aborts will park the group",
+                epoch, len(connections), size - 1,
+            )  # fmt: skip
+            connections = []
+        return cls(
+            epoch, rank, size, timeout, abort, pg, store, connections, patience, hard_timeout
+        )
 
     @property
     def usable(self) -> bool:
@@ -449,29 +584,51 @@ class EpochGroup:
         return self._pg is not None and self._broken is None
 
     def allreduce_sum(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Sum ``tensors`` in place across the group.
+        """Sum ``tensors`` in place across the group."""
+        self.allreduce(tensors, ReduceOp.SUM)
+
+    def allreduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp.RedOpType) -> None:
+        """Reduce ``tensors`` in place across the group with ``op`` (SUM,
+        MAX, MIN, PRODUCT).
 
         The tensors are packed into one buffer per dtype, so gloo works on a
         private copy: after StepAborted/PeerFailed they are unspecified
         (discard them), and a parked collective never writes into them later.
         """
         buffers = _pack(tensors)
-        failed = self._collective(
-            "all-reduce", lambda pg: [pg.allreduce([buffer]) for buffer in buffers], buffers
-        )
+
+        def start(pg: _Gloo) -> list[Work]:
+            works = []
+            for buffer in buffers:
+                opts = AllreduceOptions()
+                opts.reduceOp = op  # type: ignore[assignment]  # stubs: ReduceOp, not RedOpType
+                opts.timeout = _delta(self.hard_timeout)
+                works.append(pg.allreduce([buffer], opts))
+            return works
+
+        failed = self._collective("all-reduce", start, buffers)
         if failed is not None:
             raise failed
         _unpack(buffers, tensors)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int) -> None:
         """Overwrite ``tensors`` with rank ``src``'s values; same abort rules
-        as :meth:`allreduce_sum`."""
+        as :meth:`allreduce`."""
         if not 0 <= src < self.size:
             raise ValueError(f"broadcast source {src} outside a group of {self.size}")
         buffers = _pack(tensors) if self.rank == src else _empty_packed(tensors)
-        failed = self._collective(
-            "broadcast", lambda pg: [pg.broadcast(buffer, src) for buffer in buffers], buffers
-        )
+
+        def start(pg: _Gloo) -> list[Work]:
+            works = []
+            for buffer in buffers:
+                opts = BroadcastOptions()
+                opts.rootRank = src
+                opts.rootTensor = 0
+                opts.timeout = _delta(self.hard_timeout)
+                works.append(pg.broadcast([buffer], opts))
+            return works
+
+        failed = self._collective("broadcast", start, buffers)
         if failed is not None:
             raise failed
         if self.rank != src:
@@ -497,6 +654,7 @@ class EpochGroup:
             return StepAborted(f"epoch {self.epoch}: aborted before the {what}")
         if _parked:
             _release_finished()
+        started = time.monotonic()
         works = start(self._pg)
         poll = _delta(ABORT_POLL_INTERVAL)
         for work in works:
@@ -518,9 +676,31 @@ class EpochGroup:
                         return PeerFailed(f"epoch {self.epoch}: {what} failed: {failure}", failure)
                 if self._abort.is_set():
                     self._broken = f"{what} aborted"
-                    self._release(works, buffers)
+                    self._abandon(works, buffers)
                     return StepAborted(f"epoch {self.epoch}: {what} aborted")
+                if time.monotonic() >= self._patience(started):
+                    waited = time.monotonic() - started
+                    reason = f"no answer from a peer within {waited:.0f} s"
+                    self._broken = f"{what} timed out"
+                    self._abandon(works, buffers)
+                    return PeerFailed(f"epoch {self.epoch}: {what}: {reason}", reason)
         return None
+
+    def _abandon(self, works: list[Work], buffers: list[torch.Tensor]) -> None:
+        """Stop ``works`` by shutting down the group's connections (they fail
+        within milliseconds, and so do the peers' halves), then release."""
+        for fd in self._connections:
+            with contextlib.suppress(OSError):  # already closed by a failure
+                sock = socket.socket(fileno=os.dup(fd))
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                finally:
+                    sock.close()
+        if self._connections:
+            settle = time.monotonic() + _ABORT_SETTLE
+            while any(not w.is_completed() for w in works) and time.monotonic() < settle:
+                time.sleep(ABORT_POLL_INTERVAL / 10)
+        self._release(works, buffers)
 
     def _release(self, works: list[Work], buffers: list[torch.Tensor]) -> None:
         """Destroy the group now if none of ``works`` still runs (which also
@@ -534,7 +714,7 @@ class EpochGroup:
             _park(
                 f"epoch {self.epoch} group",
                 lambda: all(work.is_completed() for work in pending),
-                self.timeout,
+                self.hard_timeout,
                 pg,
                 store,
                 pending,
