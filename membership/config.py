@@ -43,6 +43,19 @@ class Config:
     #: suspicion, heartbeat_interval + 5.6 * phi_min_std (1.5 s by default).
     fence_window: float = 0.5
 
+    # --- collectives and busy members ---------------------------------------
+    #: How long a collective, or the build of a view's group, waits for a
+    #: peer that did not declare itself busy before counting it as failed
+    #: (the worker then reports it and a roll call follows). A frozen or
+    #: dead peer is normally found much sooner by the detector.
+    collective_timeout: float = 30.0
+    #: Longest busy period a member may declare (``Elastic.busy``): its
+    #: peers wait that long for it and the detector does not suspect it for
+    #: silence meanwhile, so a worker that hangs while busy is found late.
+    busy_max: float = 3600.0
+    #: Busy period declared when ``Elastic.busy`` is given no timeout.
+    busy_default: float = 600.0
+
     # --- roll call ---------------------------------------------------------
     #: How long a roll call waits for answers before deciding without the
     #: silent members.
@@ -94,6 +107,12 @@ class Config:
     session_open_timeout: float = 1.0
     #: Give up on an RPC after trying the replicas for this long.
     client_call_deadline: float = 30.0
+    #: A worker keeps trying to join for this long (the service may come up
+    #: after the workers, as under docker-compose) before giving up.
+    join_deadline: float = 900.0
+    #: While the service cannot be reached, a joining worker says so after
+    #: this long and again at this interval.
+    unreachable_notice: float = 5.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -106,6 +125,11 @@ class Config:
             raise ValueError(
                 "config session_open_timeout must be below takeover_grace, or members "
                 "stuck on a vanished replica miss the new leader's grace period"
+            )
+        if self.busy_default > self.busy_max:
+            raise ValueError(
+                f"config busy_default ({self.busy_default}) must not exceed "
+                f"busy_max ({self.busy_max})"
             )
         if self.member_lease_ttl <= self.election_ttl + self.takeover_grace:
             raise ValueError(
@@ -122,6 +146,12 @@ class Config:
         without it (detection, then a roll call that waits at most its
         deadline)."""
         return self.max_silence + self.join_settle + self.rollcall_deadline
+
+    def collective_backstop(self) -> float:
+        """gloo's own timeout per collective: only reached if the runtime's
+        patience (``collective_timeout``, extended for busy peers) somehow
+        did not end the wait first."""
+        return self.collective_timeout + self.busy_max
 
     def replace(self, **changes: object) -> Config:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -47,3 +47,42 @@ class Evicted(StaleEpoch):
 
 class RollCallTimeout(RollcallError):
     """A roll call did not produce a committed view within its bound."""
+
+
+class UsageError(RollcallError):
+    """The training loop uses the runtime in a way that would give a wrong
+    result without any other error (a scheduler stepped twice, gradients
+    changed before they were reduced...). The message says what to change."""
+
+
+class ViewChanged(RollcallError):
+    """A collective of the user's own (``Elastic.all_reduce``) was abandoned
+    because the membership changed or a peer failed: nothing was reduced.
+    The step in flight is aborted too; carry on with the next step."""
+
+
+class CannotResume(RollcallError):
+    """No live worker holds the job's state and it cannot be restored, so
+    the worker stops instead of starting the job from scratch on its own."""
+
+
+class ProgressLost(CannotResume):
+    """The job has progress (its last committed step is recorded) but no
+    live replica and no durable checkpoint hold it. Starting over is an
+    explicit decision (``start_over=True``, ``rollcall worker --start-over``
+    or a new job name), never a silent one."""
+
+
+class Interrupted(SystemExit):
+    """The worker received SIGINT or SIGTERM and left the job cleanly (the
+    others reconfigure at once). A ``SystemExit`` with the conventional code
+    128 + signal, so an uncaught one exits quietly; catch it to save
+    something first."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

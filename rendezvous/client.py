@@ -47,9 +47,12 @@ T = TypeVar("T")
 
 #: What a member answers at a roll call: (last committed step or None, state digest).
 RollCallAnswer = tuple[int | None, str]
-#: Called with the roll call's epoch; may be a coroutine function. Must abort
-#: the step in flight before it returns.
-RollCallHandler = Callable[[int], RollCallAnswer | Awaitable[RollCallAnswer]]
+#: Called with the roll call's epoch and its causes (the leader's words, for
+#: messages); may be a coroutine function. Must abort the step in flight
+#: before it returns.
+RollCallHandler = Callable[[int, tuple[str, ...]], RollCallAnswer | Awaitable[RollCallAnswer]]
+#: Called when a peer declares itself busy: (member id, seconds from now, reason).
+BusyHandler = Callable[[str, float, str], None]
 
 _RETRY_CODES = {
     grpc.StatusCode.UNAVAILABLE,
@@ -150,6 +153,7 @@ class RendezvousClient:
         self._outbox: asyncio.Queue[pb.SessionRequest] = asyncio.Queue()
         self._on_roll_call: RollCallHandler | None = None
         self._on_view: Callable[[View], None] | None = None
+        self._on_busy: BusyHandler | None = None
         self._step: int | None = None
         self._ended: RollcallError | None = None
         self._on_end: Callable[[RollcallError], None] | None = None
@@ -181,13 +185,19 @@ class RendezvousClient:
             return [hint, *(a for a in self._addresses if a != hint)]
         return list(self._addresses)
 
-    async def _call(self, method: str, request: Any, leader_only: bool) -> Any:
-        """A unary call with failover across replicas until
-        ``client_call_deadline``; named errors other than "unavailable" are
-        raised at once."""
-        deadline = time.monotonic() + self._config.client_call_deadline
+    async def _call(
+        self, method: str, request: Any, leader_only: bool, patience: float | None = None
+    ) -> Any:
+        """A unary call with failover across replicas until ``patience``
+        (default ``client_call_deadline``) has passed; named errors other
+        than "unavailable" are raised at once. While no replica answers, a
+        warning says so after ``unreachable_notice`` and again at that
+        interval."""
+        started = time.monotonic()
+        deadline = started + (patience or self._config.client_call_deadline)
         backoff = self._config.client_retry_initial
         last: RollcallError | None = None
+        notice = started + self._config.unreachable_notice
         while True:
             for address in self._order():
                 remaining = deadline - time.monotonic()
@@ -214,6 +224,14 @@ class RendezvousClient:
                         and address == self._leader_hint
                     ):
                         self._leader_hint = None
+            if time.monotonic() >= notice and last is not None:
+                notice = time.monotonic() + self._config.unreachable_notice
+                log.warning(
+                    "cannot reach the rendezvous service at %s for %.0f s (%s); "
+                    "still trying for %.0f s",
+                    ", ".join(self._addresses), time.monotonic() - started, last,
+                    max(0.0, deadline - time.monotonic()),
+                )  # fmt: skip
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._config.client_retry_max)
 
@@ -271,6 +289,7 @@ class RendezvousClient:
         on_roll_call: RollCallHandler | None = None,
         on_view: Callable[[View], None] | None = None,
         on_end: Callable[[RollcallError], None] | None = None,
+        on_busy: BusyHandler | None = None,
     ) -> str:
         """Join the job and open the session; returns the member id. The
         member is in the job once a view containing it arrives
@@ -278,13 +297,15 @@ class RendezvousClient:
         if self._session_task is not None:
             raise RuntimeError("this client already joined; use a new client to rejoin")
         response = await self._call(
-            "Join", pb.JoinRequest(job=self._job, address=address, name=name), leader_only=True
-        )
+            "Join", pb.JoinRequest(job=self._job, address=address, name=name), leader_only=True,
+            patience=self._config.join_deadline,
+        )  # fmt: skip
         self.member_id = response.member_id
         self._heartbeat_interval = response.heartbeat_interval_ms / 1000 or self._heartbeat_interval
         self._on_roll_call = on_roll_call
         self._on_view = on_view
         self._on_end = on_end
+        self._on_busy = on_busy
         self._set_view(view_from_pb(response.view))
         self._session_task = asyncio.create_task(self._session_forever(), name="session")
         return response.member_id
@@ -328,6 +349,15 @@ class RendezvousClient:
     def report_view(self, report: pb.ViewReport) -> None:
         """How entering the current view went (after the first commit in it)."""
         self._send(pb.SessionRequest(view_report=report))
+
+    def declare_busy(self, seconds: float, reason: str) -> None:
+        """This member will be away from collectives for at most ``seconds``
+        (0: no longer): its peers wait for it, the detector spares it."""
+        self._send(
+            pb.SessionRequest(
+                busy=pb.Busy(epoch=self._view.epoch, seconds=seconds, reason=reason)
+            )
+        )
 
     def request_rollcall(self, reason: str) -> None:
         """Ask for a roll call: this member's state changed outside a step
@@ -469,7 +499,10 @@ class RendezvousClient:
                 elif kind == "view":
                     self._set_view(view_from_pb(event.view))
                 elif kind == "roll_call":
-                    await self._answer(event.roll_call.epoch)
+                    await self._answer(event.roll_call.epoch, tuple(event.roll_call.causes))
+                elif kind == "busy" and self._on_busy is not None:
+                    busy = event.busy
+                    self._on_busy(busy.member_id, busy.seconds, busy.reason)
                 event = await call.read()
         finally:
             call.cancel()
@@ -477,11 +510,11 @@ class RendezvousClient:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
 
-    async def _answer(self, epoch: int) -> None:
+    async def _answer(self, epoch: int, causes: tuple[str, ...]) -> None:
         if self._on_roll_call is None:
             step, digest = self._step, ""
         else:
-            result = self._on_roll_call(epoch)
+            result = self._on_roll_call(epoch, causes)
             step, digest = await result if inspect.isawaitable(result) else result
         answer = pb.RollCallAnswer(epoch=epoch, digest=digest)
         if step is not None:

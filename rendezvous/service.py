@@ -93,6 +93,8 @@ class _Leadership:
     step_written_at: float = 0.0
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_reason: str = ""
+    #: Members that declared themselves busy: member id -> (until, reason).
+    busy: dict[str, tuple[float, str]] = field(default_factory=dict)
 
 
 class Replica(pb_grpc.RendezvousServicer):
@@ -277,10 +279,11 @@ class Replica(pb_grpc.RendezvousServicer):
             await asyncio.sleep(period)
 
     def _lease_deserved(self, lead: _Leadership, member_id: str, now: float) -> bool:
-        """A member's lease is kept alive while its session is healthy, and
-        for a grace period after a takeover or a join (before it connects)."""
+        """A member's lease is kept alive while its session is healthy (or it
+        declared itself busy), and for a grace period after a takeover or a
+        join (before it connects)."""
         if member_id in lead.sessions and member_id in lead.detector:
-            return not lead.detector.suspected(member_id, now)
+            return member_id in lead.busy or not lead.detector.suspected(member_id, now)
         if member_id in lead.join_deadlines:
             return now < lead.join_deadlines[member_id]
         return now < lead.grace_until
@@ -302,9 +305,12 @@ class Replica(pb_grpc.RendezvousServicer):
             lead.coordinator.tick(now)
             # Scanning every member's detector costs O(members): only when
             # one may be due (heartbeats only ever push suspicion later).
+            if lead.busy:
+                self._end_busy_periods(lead, now)
             if not lagging and next_suspicion is not None and now >= next_suspicion:
                 for member_id in lead.detector.suspects(now):
-                    self._suspect(lead, member_id, "heartbeat detector")
+                    if member_id not in lead.busy:
+                        self._suspect(lead, member_id, "heartbeat detector")
                 next_suspicion = None
             if now >= lead.grace_until and not grace_checked:
                 grace_checked = True
@@ -324,6 +330,7 @@ class Replica(pb_grpc.RendezvousServicer):
                     next_suspicion,
                     lead.grace_until if lead.grace_until > now else None,
                     *lead.join_deadlines.values(),
+                    *(until for until, _ in lead.busy.values()),
                 )
                 if t is not None
             ]
@@ -427,6 +434,7 @@ class Replica(pb_grpc.RendezvousServicer):
         for member_id in removed:
             lead.detector.forget(member_id)
             lead.join_deadlines.pop(member_id, None)
+            lead.busy.pop(member_id, None)
             record = lead.records.pop(member_id, None)
             if record is not None:
                 asyncio.create_task(self._remove_record(record))
@@ -436,6 +444,36 @@ class Replica(pb_grpc.RendezvousServicer):
             await self._etcd(self._store.remove_member, record.member.id, record.lease_id)
         except ControlPlaneUnavailable:
             pass  # not kept alive any more: the lease expires on its own
+
+    def _declare_busy(
+        self, lead: _Leadership, member_id: str, seconds: float, reason: str, now: float
+    ) -> None:
+        """Record (or, with 0 seconds, end) a member's busy period and tell
+        the other members, whose collectives then wait for it."""
+        if seconds > 0:
+            lead.busy[member_id] = (now + seconds, reason)
+            log.info("%s busy (%s) for up to %.0f s", member_id, reason or "no reason", seconds)
+        elif lead.busy.pop(member_id, None) is not None:
+            log.info("%s no longer busy", member_id)
+            # Its heartbeats may have been starved meanwhile: silence is
+            # counted from now on, not from before the busy period.
+            lead.detector.watch(member_id, now)
+        else:
+            return
+        event = pb.SessionEvent(
+            busy=pb.PeerBusy(member_id=member_id, seconds=seconds, reason=reason)
+        )
+        for other, session in lead.sessions.items():
+            if other != member_id:
+                session.send(event)
+
+    def _end_busy_periods(self, lead: _Leadership, now: float) -> None:
+        """Busy periods that ran out end as if the member had ended them;
+        from then on its silence counts again."""
+        for member_id, (until, _) in list(lead.busy.items()):
+            if now >= until:
+                log.warning("%s is still busy past the period it declared", member_id)
+                self._declare_busy(lead, member_id, 0.0, "", now)
 
     def _suspect(
         self, lead: _Leadership, member_id: str, reason: str, kind: str = "suspected"
@@ -449,6 +487,7 @@ class Replica(pb_grpc.RendezvousServicer):
             self._events.cause(now, kind, lead.detector.silence(member_id, now))
         lead.detector.forget(member_id)
         lead.join_deadlines.pop(member_id, None)
+        lead.busy.pop(member_id, None)
         session = lead.sessions.pop(member_id, None)
         if session is not None:
             session.close(Evicted(f"member {member_id} suspected ({reason}); rejoin"))
@@ -588,6 +627,7 @@ class Replica(pb_grpc.RendezvousServicer):
             log.info("leave %s", request.member_id)
             lead.detector.forget(request.member_id)
             lead.join_deadlines.pop(request.member_id, None)
+            lead.busy.pop(request.member_id, None)
             session = lead.sessions.pop(request.member_id, None)
             if session is not None:
                 session.close()
@@ -748,6 +788,10 @@ class Replica(pb_grpc.RendezvousServicer):
         lead.join_deadlines.pop(request.member_id, None)
         lead.detector.watch(request.member_id, now)
         session.send(pb.SessionEvent(view=view_to_pb(lead.coordinator.view)))
+        for other, (until, reason) in lead.busy.items():
+            if other != request.member_id and until > now:
+                busy = pb.PeerBusy(member_id=other, seconds=until - now, reason=reason)
+                session.send(pb.SessionEvent(busy=busy))
         rollcall = lead.coordinator.rollcall
         if rollcall is not None and request.member_id in rollcall.missing:
             self._ask(session, rollcall.epoch)
@@ -826,6 +870,15 @@ class Replica(pb_grpc.RendezvousServicer):
                 r.global_batch,
             )  # fmt: skip
             self._emit(self._events.report(member_id, r.epoch, account, now))
+        elif kind == "busy":
+            busy = request.busy
+            self._fence(lead, member_id, busy.epoch)
+            seconds = check.check_time(busy.seconds, "busy seconds", self._config.busy_max + 1)
+            check.check_text(busy.reason, "busy reason", _MAX_REASON)
+            lead.detector.heartbeat(member_id, now)
+            self._declare_busy(lead, member_id, min(seconds, self._config.busy_max), busy.reason,
+                               now)  # fmt: skip
+            self._wake.set()
         elif kind == "open":
             raise InvalidRequest("Open sent twice on one session")
         else:

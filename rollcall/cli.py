@@ -713,6 +713,11 @@ def chaos(
               help="Write a checkpoint after every N-th committed step (with --checkpoint-dir).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Serve Prometheus metrics on this port at --host (0 picks a free one).")
+@click.option("--min-workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="A job starting from step 0 waits until this many workers are in its view.")
+@click.option("--start-over", is_flag=True,
+              help="If the job has progress but no live worker and no checkpoint holds it, "
+                   "start it again from step 0 (without this flag the worker exits with code 4).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line instead of text.")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="torch intra-op threads.")
@@ -723,8 +728,8 @@ def worker(
     addresses: str, job: str, token_file: Path | None, example: str, steps: int,
     global_batch: int, micro_batch: int, seed: int, context: int, d_model: int, layers: int,
     host: str, name: str, ledger: Path | None, digest_every: int, checkpoint_dir: Path | None,
-    checkpoint_every: int, metrics_port: int | None, as_json: bool, threads: int, log_level: str,
-    overrides: tuple[str, ...],
+    checkpoint_every: int, metrics_port: int | None, min_workers: int, start_over: bool,
+    as_json: bool, threads: int, log_level: str, overrides: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Run a training worker of the built-in example job.
 
@@ -735,8 +740,10 @@ def worker(
 
     When no live replica is left and the job has durable checkpoints, it
     resumes from the newest usable one and prints the replay cost; if
-    checkpoints exist but none can be loaded it exits with code 4 rather
-    than start the job from scratch.
+    checkpoints exist but none can be loaded, or the job has progress but
+    no checkpoint, it exits with code 4 rather than start the job from
+    scratch (--start-over does that on purpose). SIGTERM or Ctrl-C leaves
+    the job cleanly (exit 143 or 130); a second one exits at once.
 
     Its control-plane settings (--set) should match the rendezvous
     service's: fence_window must stay below the service's earliest
@@ -749,8 +756,7 @@ def worker(
     setup_logging(log_level)
     import torch
 
-    from membership.errors import Evicted
-    from worker.checkpoint import CheckpointUnusable
+    from membership.errors import CannotResume, Evicted
     from worker.examples.lm import LMConfig, build, loss_sum
     from worker.runtime import Elastic
     from worker.state import capture, digest
@@ -780,6 +786,7 @@ def worker(
             seed=seed, rendezvous=split_list(addresses), job=job, token=token, host=host,
             name=name, ledger=ledger, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, metrics_port=metrics_port, config=config,
+            min_workers=min_workers, start_over=start_over,
         ) as elastic:  # fmt: skip
             say(event="joined", member_id=elastic.member_id, pid=os.getpid(),
                 address=elastic.address)  # fmt: skip
@@ -808,10 +815,8 @@ def worker(
             say(event="done", step=elastic.committed_step)
     except Evicted as exc:
         fail(f"evicted from job {job}: {exc}; this worker's state is stale, start it again", 3)
-    except CheckpointUnusable as exc:
+    except CannotResume as exc:
         fail(f"job {job} cannot resume: {exc}", 4)
-    except KeyboardInterrupt:
-        sys.exit(130)
 
 
 def _register_report() -> None:

@@ -22,6 +22,7 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, assume, event, given, settings
 from hypothesis import strategies as st
 
+from membership.config import Config
 from rollcall.pb import rendezvous_pb2 as pb
 from tests.test_bad_input import (
     ADDRESS,
@@ -179,6 +180,13 @@ def message_fate(t: Target, message: pb.SessionRequest | bytes) -> Fate:
         durations = (r.fetch_s, r.rebuild_s, r.first_step_s, r.lost_work_s, r.step_s, r.launch_s)
         in_range = all(0 <= d < 1e6 for d in durations)
         return Fate.HARMLESS if r.epoch <= t.epoch and in_range else Fate.REFUSED
+    if kind == "busy":
+        busy = message.busy
+        in_range = is_time(busy.seconds) and busy.seconds < Config().busy_max + 1
+        valid = busy.epoch <= t.epoch and in_range and len(busy.reason) <= MAX_REASON
+        # A member's busy period changes only how long its peers wait for
+        # it: nothing the job reports.
+        return Fate.HARMLESS if valid else Fate.REFUSED
     return Fate.REFUSED  # empty, or a second Open
 
 
@@ -294,12 +302,14 @@ def session_messages(t: Target) -> st.SearchStrategy[pb.SessionRequest | bytes]:
         pb.ViewReport, epoch=epoch, global_batch=st.integers(0, 2**32 - 1), **durations
     )
     opens = st.builds(pb.Open, job=short_texts, member_id=ids(t), epoch=epoch)
+    busy = st.builds(pb.Busy, epoch=epoch, seconds=numbers, reason=reasons)
     return st.one_of(
         heartbeats.map(lambda m: pb.SessionRequest(heartbeat=m)),
         progress.map(lambda m: pb.SessionRequest(progress=m)),
         answers.map(lambda m: pb.SessionRequest(answer=m)),
         failures.map(lambda m: pb.SessionRequest(failure=m)),
         reports.map(lambda m: pb.SessionRequest(view_report=m)),
+        busy.map(lambda m: pb.SessionRequest(busy=m)),
         opens.map(lambda m: pb.SessionRequest(open=m)),
         st.just(pb.SessionRequest()),
         undecodable(pb.SessionRequest),

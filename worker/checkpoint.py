@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from membership.checkpoint import FILE_PATTERN, CheckpointManifest, file_name
-from membership.errors import RollcallError
+from membership.errors import CannotResume
 from worker.state import CorruptState, ReplicaState, digest, from_bytes, to_bytes
 
 __all__ = [
@@ -42,7 +42,7 @@ log = logging.getLogger("rollcall.checkpoint")
 Publish = Callable[[CheckpointManifest], tuple[bool, Sequence[CheckpointManifest]]]
 
 
-class CheckpointUnusable(RollcallError):
+class CheckpointUnusable(CannotResume):
     """No published checkpoint could be loaded (all missing, unreadable or
     corrupt). Nothing was changed: the files and the manifests stay as they
     are, and the worker does not start from scratch on its own."""

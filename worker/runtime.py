@@ -2,7 +2,8 @@
 
 A user keeps an ordinary PyTorch loop and adds a few lines::
 
-    with Elastic(model, optimizer, dataset, global_batch=32, micro_batch=8) as job:
+    with Elastic(model, optimizer, dataset, global_batch=32, micro_batch=8,
+                 scheduler=scheduler) as job:
         for step in job.steps(1000):
             for batch in step.microbatches():
                 loss_sum, count = my_loss(model, batch.inputs, batch.targets)
@@ -13,25 +14,24 @@ A user keeps an ordinary PyTorch loop and adds a few lines::
 safe points and, for each committed view, builds a fresh gloo group, pulls the
 current state from live peers when this worker is behind or new, and tells
 each rank which microbatches of the global batch it runs. ``commit`` sums the
-gradients (and sample counts) over the view, divides by the step's global
-count and applies the optimizer step; it returns False when the step was
-aborted by a view change, in which case ``steps`` hands out the same step
-number again once the new view is in place.
-
-Threads: the training thread runs the user's loop; a control thread runs an
-asyncio loop with the rendezvous session and the state server. They meet
-through ``_lock`` (held while an update is applied or state is restored or
-captured) and the ``_abort`` event.
+gradients (and sample counts, and the changes of buffers such as BatchNorm's
+running statistics) over the view, divides by the step's global count, runs
+the ``before_update`` hook (gradient clipping), and applies the optimizer,
+grad scaler and scheduler steps; it returns False when the step was aborted by
+a view change, in which case ``steps`` hands out the same step number again
+once the new view is in place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -40,22 +40,34 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+from torch.distributed import ReduceOp
 
 from membership.checkpoint import CheckpointManifest, ReplayCost
 from membership.config import Config
-from membership.errors import ControlPlaneUnavailable, Evicted, RollcallError
+from membership.errors import (
+    ControlPlaneUnavailable,
+    Evicted,
+    Interrupted,
+    ProgressLost,
+    RollcallError,
+    UsageError,
+    ViewChanged,
+)
 from membership.view import EMPTY_VIEW, View
 from rendezvous.client import ClientTLS, RendezvousClient
 from rendezvous.metrics import serve
 from rendezvous.metrics import stop as stop_metrics
 from rendezvous.wire import TokenInterceptor, read_token
 from rollcall.pb import rendezvous_pb2, state_pb2_grpc
+from worker.buffers import BufferSync
 from worker.checkpoint import CheckpointUnusable, CheckpointWriter, load_newest, process_age
+from worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
 from worker.faults import Faults
 from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
+from worker.messages import describe_transport, install_default_handler, view_change
 from worker.metrics import WorkerMetrics
 from worker.plan import DataPlan, Ledger, Microbatch
-from worker.state import CorruptState, capture, digest, restore, to_bytes
+from worker.state import CorruptState, ReplicaState, capture, digest, restore, to_bytes
 from worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
 log = logging.getLogger("rollcall.worker")
@@ -66,6 +78,10 @@ ENV_RENDEZVOUS = "ROLLCALL_RENDEZVOUS"
 ENV_JOB = "ROLLCALL_JOB"
 #: How often a waiting training thread looks at the abort flag.
 ABORT_POLL = 0.005
+
+#: ``Elastic.all_reduce`` operations.
+_REDUCE_OPS = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX,
+               "min": ReduceOp.MIN, "product": ReduceOp.PRODUCT}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -84,7 +100,14 @@ def default_collate(samples: Sequence[Any]) -> tuple[Any, Any]:
 
 
 class Step:
-    """One global step as this rank sees it."""
+    """One global step as this rank sees it.
+
+    Attributes: ``number`` (the global step, the same on every rank and
+    handed out again after an abort), ``epoch`` (the view it runs in),
+    ``rank`` and ``world_size`` (this rank's place in that view), ``loss``
+    (the step's mean loss over the global batch, after a successful
+    ``commit``), ``committed`` and ``aborted``.
+    """
 
     def __init__(self, job: Elastic, number: int, view: View, rank: int) -> None:
         self.number = number
@@ -95,6 +118,7 @@ class Step:
         self.started = time.monotonic()
         self._count = 0
         self._loss = 0.0
+        self._microbatches = 0
         self.aborted = False
         self.committed = False
         #: Mean loss over the global batch, known after a successful commit.
@@ -105,16 +129,24 @@ class Step:
         from (seed, step, microbatch index) only. Stops early on an abort."""
         job = self._job
         for mb in job.plan.for_rank(self.number, self.rank, self.world_size):
-            if job._abort.is_set():
+            if job._aborting():
                 self.aborted = True
                 return
             torch.manual_seed(mb.seed)
             inputs, targets = job._collate([job._dataset[i] for i in mb.sample_ids])
+            self._microbatches += 1
             yield Batch(mb, inputs, targets)
 
     def backward(self, loss_sum: torch.Tensor, count: int) -> None:
-        """Accumulate gradients of a loss *summed* over ``count`` samples or tokens."""
-        loss_sum.backward()
+        """Accumulate gradients of a loss *summed* over ``count`` samples or
+        tokens (not averaged: the runtime divides by the step's global count)."""
+        count = _check_count(count)
+        job = self._job
+        if job._scaler is not None:
+            job._scaler.scale(loss_sum).backward()
+        else:
+            loss_sum.backward()
+        job._gradients.mark()
         self._count += count
         self._loss += float(loss_sum.detach())
 
@@ -125,8 +157,40 @@ class Step:
         return self.committed
 
 
+def _check_count(count: Any) -> int:
+    try:
+        value = int(count)
+    except (TypeError, ValueError):
+        raise UsageError(f"step.backward count must be a sample count, got {count!r}") from None
+    if value < 0 or value != count:
+        raise UsageError(f"step.backward count must be a non-negative integer, got {count!r}")
+    return value
+
+
 class Elastic:
-    """Data-parallel training that survives workers dying and arriving."""
+    """Data-parallel training that survives workers dying and arriving.
+
+    Threads and what each owns:
+
+    ============================  =========================================
+    thread                        owns
+    ============================  =========================================
+    training (the user's)         the loop, the model's tensors between
+                                  safe points, the group of the view in
+                                  force (``_group``), ``_entered``
+    control (asyncio, "rollcall") the rendezvous session, the state server,
+                                  ``_view``, ``_answered``, ``_busy``
+    default executor              the roll-call answer (``_freeze``)
+    checkpoint writer             serializing and writing a snapshot
+    group helpers                 one blocking store or gloo call each
+    ============================  =========================================
+
+    They meet through ``_lock`` (held while an update is applied or state is
+    restored or captured) and monotonic numbers: the step in flight is aborted
+    exactly when the newest roll call answered is newer than the view being
+    entered or in force (``_answered > _entered``), so nothing has to be
+    cleared and no abort can be lost between two threads.
+    """
 
     def __init__(
         self,
@@ -138,20 +202,29 @@ class Elastic:
         micro_batch: int,
         seed: int = 0,
         scheduler: Any = None,
+        grad_scaler: Any = None,
+        state: Mapping[str, Any] | None = None,
+        before_update: Callable[[Step], Any] | None = None,
+        sync_buffers: bool = True,
+        min_workers: int = 1,
+        start_over: bool = False,
         rendezvous: Sequence[str] | str | None = None,
         job: str | None = None,
         token: str | None = None,
         host: str = "127.0.0.1",
         name: str = "w",
         collate: Callable[[Sequence[Any]], tuple[Any, Any]] = default_collate,
-        ledger: Path | None = None,
+        ledger: str | Path | None = None,
         config: Config | None = None,
         tls: ClientTLS | None = None,
-        group_timeout: float = 30.0,
-        checkpoint_dir: Path | None = None,
+        checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 100,
         metrics_port: int | None = None,
+        handle_signals: bool = True,
+        messages: bool = True,
     ) -> None:
+        if messages:
+            install_default_handler()
         addresses = rendezvous if rendezvous is not None else os.environ.get(ENV_RENDEZVOUS, "")
         if isinstance(addresses, str):
             addresses = [a for a in addresses.split(",") if a]
@@ -160,24 +233,39 @@ class Elastic:
         self.job_name = job or os.environ.get(ENV_JOB, "")
         if not self.job_name:
             raise ValueError(f"no job name: pass job= or set {ENV_JOB}")
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
+            raise ValueError(f"min_workers must be an int >= 1, got {min_workers!r}")
+        if before_update is not None and not callable(before_update):
+            raise TypeError("before_update must be callable (it is given the Step)")
+        check_scheduler(scheduler, optimizer)
+        self._extras = check_extras(state or {})
         self._token = token or read_token(None)
         self._config = config or Config()
         self._faults = Faults.from_env()
         self._model = model
         self._optimizer = optimizer
         self._scheduler = scheduler
+        self._scaler = grad_scaler
+        self._before_update = before_update
         self._dataset = dataset
         self._collate = collate
         self._host = host
-        self._group_timeout = group_timeout
-        if checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        self._min_workers = min_workers
+        self._start_over = start_over
         self._checkpoint_every = checkpoint_every
         self.plan = DataPlan(len(dataset), global_batch, micro_batch, seed)
-        self.ledger = Ledger(ledger)
+        self.ledger = Ledger(Path(ledger) if ledger is not None else None)
         self.committed_step = -1
         self.member_id: str | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._buffers = BufferSync(model) if sync_buffers else None
+        self._gradients = GradientWatch(self._params)
+        # Checked once before anything starts: the state must be one that
+        # can travel (and this raises TypeError naming what cannot).
+        self._capture(-1, with_rng=False)
+        self._ownership = Ownership(optimizer, scheduler)
 
         self._lock = threading.Lock()
         # Signalled when a step whose all-reduce completed has been applied
@@ -186,15 +274,22 @@ class Elastic:
         self._applying = False
         self._view_changed = threading.Condition()
         self._view: View = EMPTY_VIEW
-        self._abort = threading.Event()
-        self._rollcall_epoch = 0
-        self._frozen = False
+        #: Newest roll call answered (control thread) and newest view being
+        #: entered or in force (training thread): the step in flight is
+        #: aborted exactly while the first is ahead of the second.
+        self._answered = 0
+        self._entered = 0
+        self._causes: dict[int, tuple[str, ...]] = {}
+        self._previous_view: View | None = None
+        #: Busy declarations of peers: member id -> (until, reason), monotonic.
+        self._busy: dict[str, tuple[float, str]] = {}
+        self._interrupted = 0  # the signal that asked us to leave, if any
+        self._left = False
         self._snapshot: Snapshot | None = None
         self._group: EpochGroup | None = None
         self._store_ports: dict[int, asyncio.Future[int]] = {}
         self._closed = False
         self._failure: tuple[float, str] | None = None
-        self._abandoned = 0  # epoch of the last view given up while entering it
         #: Set when this worker resumed the job from a durable checkpoint.
         self.resumed: ReplayCost | None = None
         self._step_seconds = 0.0  # moving average of a committed step's wall time
@@ -203,6 +298,7 @@ class Elastic:
         # (epoch, fetch s, rebuild s, monotonic time the group was ready) of
         # the view entered last, until its first commit is reported.
         self._entering: tuple[int, float, float, float] | None = None
+        self._below_minimum_said = 0
         self.metrics = WorkerMetrics() if metrics_port is not None else None
         self._metrics_server = (
             serve(self.metrics.registry, metrics_port, host)
@@ -211,6 +307,8 @@ class Elastic:
         )
         self._last_commit: tuple[int, float] | None = None  # (epoch, monotonic time)
         self._progress_sent = (0, 0.0)  # (epoch, monotonic time) of the last report
+        self._signals: dict[int, Any] = {}
+        self._joined = False
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollcall", daemon=True)
@@ -223,12 +321,99 @@ class Elastic:
             if checkpoint_dir is not None
             else None
         )
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._signals[sig] = signal.signal(sig, self._on_signal)
         try:
             self._call(self._start(name))
         except BaseException:
+            self._restore_signals()
+            self._ownership.release()
             self._stop_loop()
             stop_metrics(self._metrics_server)
             raise
+        self._joined = True
+
+    # --- what the loop may ask ---------------------------------------------------
+
+    @property
+    def rank(self) -> int | None:
+        """This worker's rank in the view in force (None before the first)."""
+        group = self._group
+        return group.rank if group is not None else None
+
+    @property
+    def world_size(self) -> int | None:
+        """Members of the view in force (None before the first)."""
+        group = self._group
+        return group.size if group is not None else None
+
+    def state_digest(self) -> str:
+        """Digest of this replica's whole state after its last committed step
+        (model parameters and buffers, optimizer, scheduler, grad scaler,
+        registered state): what roll calls compare. Equal on every replica
+        of a job at the same step."""
+        with self._lock:
+            return digest(self._capture(self.committed_step, with_rng=False))
+
+    def all_reduce(self, tensors: torch.Tensor | Sequence[torch.Tensor], op: str = "sum") -> None:
+        """Reduce ``tensors`` in place over the view in force ("sum", "mean",
+        "max", "min", "product"), for the loop's own metrics (an evaluation
+        loss summed over every rank's shard). Every rank must call it at the
+        same point of its loop, from the training thread. Raises
+        :class:`ViewChanged` if the membership changes or a peer fails
+        meanwhile: nothing was reduced, and the step in flight is aborted
+        too."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"op must be one of {', '.join(_REDUCE_OPS)}, got {op!r}")
+        items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        group = self._group
+        if group is None or not group.usable or self._aborting():
+            raise ViewChanged("the view is changing: no collective can run now")
+        try:
+            group.allreduce(items, _REDUCE_OPS[op])
+        except StepAborted as exc:
+            if isinstance(exc, PeerFailed):
+                self._note_failure(f"epoch {group.epoch}: all_reduce", exc.reason)
+            raise ViewChanged(f"all_reduce abandoned: {exc}") from None
+        if op == "mean":
+            for item in items:
+                item.div_(group.size)
+
+    @contextlib.contextmanager
+    def busy(self, reason: str = "busy", timeout: float | None = None) -> Iterator[None]:
+        """Declare that this rank will be away from collectives (evaluating,
+        saving, compiling) for at most ``timeout`` seconds (default
+        ``Config.busy_default``, at most ``Config.busy_max``)::
+
+            if step.rank == 0 and step.number % 50 == 0:
+                with job.busy("evaluation"):
+                    evaluate(model)
+
+        Its peers then wait for it in their collectives instead of counting
+        it as failed after ``Config.collective_timeout``, and the detector
+        does not suspect it for silence. A rank still busy past ``timeout``
+        is treated as failed ``collective_timeout`` later.
+        """
+        seconds = self._config.busy_default if timeout is None else float(timeout)
+        if not 0 < seconds <= self._config.busy_max:
+            raise ValueError(
+                f"busy timeout must be in (0, {self._config.busy_max:g}] seconds "
+                f"(Config.busy_max), got {timeout!r}"
+            )
+        reason = str(reason)[:200]
+        started = time.monotonic()
+        self._loop.call_soon_threadsafe(self._client.declare_busy, seconds, reason)
+        try:
+            yield
+        finally:
+            self._loop.call_soon_threadsafe(self._client.declare_busy, 0.0, reason)
+            took = time.monotonic() - started
+            if took > seconds:
+                log.warning(
+                    "busy (%s) took %.0f s, longer than the %.0f s declared: peers may have "
+                    "counted this worker as failed", reason, took, seconds,
+                )  # fmt: skip
 
     # --- the control thread -------------------------------------------------------
 
@@ -260,12 +445,12 @@ class Elastic:
             on_roll_call=self._on_roll_call,
             on_view=self._on_view,
             on_end=self._on_end,
+            on_busy=self._on_busy,
         )
         self._launch_s = process_age()
         self._fetcher = StateFetcher(self.job_name, self.member_id, self._token)
-        log.info(
-            "joined job %s as %s (state server %s)", self.job_name, self.member_id, self.address
-        )
+        log.info("joined job %s as %s", self.job_name, self.member_id)
+        log.debug("state server of %s at %s", self.member_id, self.address)
 
     def _on_view(self, view: View) -> None:
         with self._view_changed:
@@ -274,41 +459,73 @@ class Elastic:
 
     def _on_end(self, error: RollcallError) -> None:
         """The session ended for good (evicted...): stop the step in flight."""
-        self._abort.set()
-        with self._view_changed:
-            self._view_changed.notify_all()
+        self._wake()
 
-    async def _on_roll_call(self, epoch: int) -> tuple[int | None, str]:
+    def _on_busy(self, member_id: str, seconds: float, reason: str) -> None:
+        now = time.monotonic()
+        busy = {m: b for m, b in self._busy.items() if b[0] + self._config.collective_timeout > now}
+        busy[member_id] = (now + seconds, reason)
+        self._busy = busy  # replaced whole: the training thread reads it unlocked
+        if seconds > 0:
+            log.info("%s is busy (%s) for up to %.0f s: waiting for it", member_id, reason, seconds)
+
+    async def _on_roll_call(self, epoch: int, causes: tuple[str, ...]) -> tuple[int | None, str]:
         """Abort the step in flight, then answer with the last committed step
         and the digest of the state this worker will serve."""
-        self._rollcall_epoch = max(self._rollcall_epoch, epoch)
-        self._abort.set()
-        with self._view_changed:
-            self._view_changed.notify_all()
+        self._causes[epoch] = causes
+        self._answered = max(self._answered, epoch)
+        self._wake()
         return await asyncio.get_running_loop().run_in_executor(None, self._freeze)
 
+    def _wake(self) -> None:
+        with self._view_changed:
+            self._view_changed.notify_all()
+
     def _freeze(self) -> tuple[int | None, str]:
-        """(Control side, in a worker thread.) Once an answer is given, no
-        further update may be applied until the next view."""
+        """(Control side, in a worker thread.) Answer the roll call. Once an
+        answer is given no further update is applied until the next view
+        (``_answered`` is now ahead of ``_entered``)."""
         with self._lock:
             # A step whose all-reduce completed has every member's
             # contribution: let it land first, so the answer names it and
             # every member that completed the reduce answers alike.
             self._applied.wait_for(lambda: not self._applying)
-            self._frozen = True
             if self.committed_step < 0:
                 return None, ""
             if self._snapshot is None or self._snapshot.step != self.committed_step:
-                state = capture(
-                    self.committed_step, self._model, self._optimizer, self._scheduler,
-                    with_rng=False,
-                )  # fmt: skip
+                state = self._capture(self.committed_step, with_rng=False)
                 self._snapshot = Snapshot(self.committed_step, digest(state), to_bytes(state))
             return self.committed_step, self._snapshot.digest
 
+    def _capture(self, step: int, with_rng: bool = True) -> ReplicaState:
+        """The replica state after ``step`` (under ``_lock`` once training):
+        buffers as of the last commit, whatever a step in flight did."""
+        state = capture(
+            step, self._model, self._optimizer, self._scheduler, self._scaler,
+            {name: obj.state_dict() for name, obj in self._extras.items()}, with_rng=with_rng,
+        )  # fmt: skip
+        if self._buffers is not None:
+            state.model.update(self._buffers.committed_state())
+        return state
+
+    def _restore(self, state: ReplicaState) -> None:
+        """Load ``state`` into the registered objects (under ``_lock``)."""
+        extras = restore(state, self._model, self._optimizer, self._scheduler, self._scaler)
+        missing = sorted(set(self._extras) - set(extras))
+        if missing or set(extras) - set(self._extras):
+            raise UsageError(
+                f"the state received registers {sorted(extras)} but this worker "
+                f"registers {sorted(self._extras)} (state=): every worker must register the same"
+            )
+        for name, obj in self._extras.items():
+            obj.load_state_dict(extras[name])
+        if self._buffers is not None:
+            self._buffers.reset()
+        self.committed_step = state.step
+
     async def _store_port(self, epoch: int) -> int:
         future = self._store_ports.setdefault(epoch, self._loop.create_future())
-        return await asyncio.wait_for(asyncio.shield(future), self._group_timeout)
+        return await asyncio.wait_for(asyncio.shield(future), self._config.collective_timeout)
 
     def _publish_store_port(self, epoch: int, port: int) -> None:
         future = self._store_ports.setdefault(epoch, self._loop.create_future())
@@ -317,7 +534,57 @@ class Elastic:
         for old in [e for e in self._store_ports if e < epoch - 1]:
             del self._store_ports[old]
 
+    # --- signals -----------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        """First SIGINT/SIGTERM: leave the job cleanly at once (the others
+        reconfigure as for a leave) and stop at the next safe point. A second
+        one exits at once."""
+        name = signal.Signals(signum).name
+        if not self._joined:
+            raise Interrupted(signum, f"{name} while joining job {self.job_name}")
+        if self._interrupted:
+            os.write(2, f"rollcall: second {name}: exiting at once\n".encode())
+            os._exit(128 + signum)
+        self._interrupted = signum
+        log.warning("%s: leaving job %s (send it again to exit at once)", name, self.job_name)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._leave_now()))
+        self._wake()
+
+    async def _leave_now(self) -> None:
+        if self._left or self._client.ended is not None:
+            return
+        self._left = True
+        try:
+            await asyncio.wait_for(self._client.leave(), self._config.client_call_deadline)
+        except (RollcallError, TimeoutError) as exc:
+            log.warning("leave failed: %s", exc)
+
+    def _raise_if_interrupted(self) -> None:
+        signum = self._interrupted
+        if signum:
+            name = signal.Signals(signum).name
+            message = f"left job {self.job_name} cleanly after step {self.committed_step} ({name})"
+            log.warning("%s", message)
+            raise Interrupted(signum, message)
+
+    def _restore_signals(self) -> None:
+        for sig, previous in self._signals.items():
+            with contextlib.suppress(ValueError, TypeError):  # not the main thread any more
+                signal.signal(sig, previous)
+        self._signals = {}
+
     # --- the training thread ---------------------------------------------------------
+
+    def _aborting(self) -> bool:
+        """The step in flight must stop: a newer roll call was answered, the
+        session ended, or the worker is leaving."""
+        return (
+            self._answered > self._entered
+            or self._client.ended is not None
+            or bool(self._interrupted)
+            or self._closed
+        )
 
     def steps(self, max_steps: int) -> Iterator[Step]:
         """Steps ``committed + 1 .. max_steps - 1``, each handed out again
@@ -327,35 +594,59 @@ class Elastic:
             try:
                 rank = self._enter(view)
             except StepAborted as exc:
-                log.info("view %d abandoned while entering it: %s", view.epoch, exc)
                 if isinstance(exc, PeerFailed):
-                    self._note_failure(str(exc))
+                    self._note_failure(f"view {view.epoch} given up while entering it", exc.reason)
+                else:
+                    log.info("view %d given up while entering it: %s", view.epoch, exc)
                 # Not entered again: the next view (a roll call is coming, or
                 # is asked for by _wait_for_view) replaces it.
-                self._abandoned = view.epoch
                 continue
-            while self.committed_step + 1 < max_steps and not self._abort.is_set():
+            while self.committed_step + 1 < max_steps and not self._aborting():
                 step = Step(self, self.committed_step + 1, view, rank)
-                yield step
+                try:
+                    yield step
+                finally:
+                    if not step.committed:
+                        self._discard(step)
                 if not step.committed:
-                    self._lost_work += time.monotonic() - step.started
-                    if self.metrics is not None:
-                        self.metrics.aborted.inc()
                     break
+            self._raise_if_interrupted()
+
+    def _discard(self, step: Step) -> None:
+        """Throw away what an uncommitted step did to gradients and buffers."""
+        self._optimizer.zero_grad(set_to_none=True)
+        self._gradients.forget()
+        if self._buffers is not None:
+            self._buffers.rollback()
+        self._lost_work += time.monotonic() - step.started
+        if self.metrics is not None:
+            self.metrics.aborted.inc()
 
     def _wait_for_view(self) -> View:
-        """The newest committed view that contains this worker and that it
-        has not entered yet."""
-        entered = max(self._group.epoch if self._group is not None else 0, self._abandoned)
+        """The newest committed view that contains this worker, that it has
+        not entered yet and that has at least ``min_workers`` members if the
+        job is starting."""
         reported = False
         with self._view_changed:
             while True:
                 ended = self._client.ended
                 if ended is not None:
                     raise ended
+                self._raise_if_interrupted()
                 view = self._view
-                if self.member_id in view and view.epoch > entered:
-                    if self._rollcall_epoch <= view.epoch:
+                if (
+                    self.member_id in view
+                    and view.epoch > self._entered
+                    and self._answered <= view.epoch
+                ):
+                    if view.resume_step is None and view.size < self._min_workers:
+                        if self._below_minimum_said != view.epoch:
+                            self._below_minimum_said = view.epoch
+                            log.info(
+                                "waiting for %d workers before step 0 (view %d has %d)",
+                                self._min_workers, view.epoch, view.size,
+                            )  # fmt: skip
+                    else:
                         self._failure = None
                         return view
                 failure = self._failure
@@ -373,11 +664,8 @@ class Elastic:
         assert self.member_id is not None and self._fetcher is not None
         rank = view.rank_of(self.member_id)
         assert rank is not None
-        with self._lock:
-            self._frozen = False
-            if self._rollcall_epoch <= view.epoch:
-                self._abort.clear()
-        if self._abort.is_set():
+        self._entered = view.epoch
+        if self._aborting():
             raise StepAborted(f"epoch {view.epoch}: a newer roll call is under way")
         if view.resume_step is None and self.committed_step < 0:
             self._resume_from_checkpoint(view)
@@ -398,12 +686,13 @@ class Elastic:
             )
             addresses = [m.address for m in view.members if m.id in sources]
             blob, state, report = self._remote(
-                self._fetcher.fetch(addresses, view.epoch, view.digest, self._group_timeout),
+                self._fetcher.fetch(
+                    addresses, view.epoch, view.digest, self._config.collective_timeout
+                ),
                 f"epoch {view.epoch}: state fetch",
             )
             with self._lock:
-                restore(state, self._model, self._optimizer, self._scheduler)
-                self.committed_step = state.step
+                self._restore(state)
                 self._snapshot = Snapshot(state.step, view.digest, blob)
             fetched = report.seconds
             log.info(
@@ -414,20 +703,23 @@ class Elastic:
         old, self._group = self._group, None
         if old is not None:
             old.close()
+        timeout = self._config.collective_timeout
         if rank == 0:
-            _, port = host_store(self._group_timeout, host=self._host)  # the group owns it
+            _, port = host_store(timeout, host=self._host)  # the group owns it
             self._loop.call_soon_threadsafe(self._publish_store_port, view.epoch, port)
             host = self._host
         else:
             leader = view.members[0]
             port = self._remote(
-                self._fetcher.group_store_port(leader.address, view.epoch, self._group_timeout),
+                self._fetcher.group_store_port(leader.address, view.epoch, timeout),
                 f"epoch {view.epoch}: asking rank 0 for the group store",
             )
             host = leader.address.rpartition(":")[0]
+        abort = _Abort(self)
         self._group = EpochGroup.build(
-            view.epoch, rank, view.size, host, port, rank == 0, self._group_timeout, self._abort,
-            listen_host=self._host,
+            view.epoch, rank, view.size, host, port, rank == 0, timeout, abort,
+            listen_host=self._host, patience=self._patience,
+            hard_timeout=self._config.collective_backstop(),
         )  # fmt: skip
         ready = time.perf_counter()
         self._entering = (view.epoch, fetched, ready - built, time.monotonic())
@@ -435,10 +727,33 @@ class Elastic:
             self.metrics.epoch.set(view.epoch)
             self.metrics.world.set(view.size)
         log.info(
-            "entered view %d as rank %d of %d (state fetch %.3f s, group build %.3f s)",
-            view.epoch, rank, view.size, fetched, time.perf_counter() - built,
+            "%s", view_change(self._previous_view, view, rank, self._causes.get(view.epoch, ()),
+                              self.member_id),
         )  # fmt: skip
+        log.debug(
+            "entered view %d (state fetch %.3f s, group build %.3f s)",
+            view.epoch, fetched, ready - built,
+        )  # fmt: skip
+        if view.resume_step is not None and view.size < self._min_workers:
+            log.warning(
+                "view %d has %d members, fewer than min_workers %d: training goes on",
+                view.epoch, view.size, self._min_workers,
+            )  # fmt: skip
+        self._previous_view = view
+        for old_epoch in [e for e in self._causes if e < view.epoch]:
+            del self._causes[old_epoch]
         return rank
+
+    def _patience(self, started: float) -> float:
+        """How long a wait for peers that began at ``started`` may go on:
+        ``collective_timeout``, counted from the end of the latest busy
+        period a member of the view declared if that is later."""
+        view = self._view
+        latest = started
+        for member_id, (until, _) in self._busy.items():
+            if member_id in view:
+                latest = max(latest, until)
+        return latest + self._config.collective_timeout
 
     def _remote(self, coro: Any, what: str) -> Any:
         """Run a peer call on the control loop; give up (``StepAborted``) as
@@ -449,7 +764,7 @@ class Elastic:
             try:
                 return future.result(timeout=ABORT_POLL)
             except FutureTimeout:
-                if self._abort.is_set():
+                if self._aborting():
                     future.cancel()
                     raise StepAborted(f"{what}: aborted by a newer roll call") from None
             except (
@@ -458,42 +773,38 @@ class Elastic:
                 CorruptState,
                 ControlPlaneUnavailable,
             ) as exc:
-                self._note_failure(f"{what} failed: {exc}")
+                self._note_failure(f"{what} failed", str(exc))
                 raise StepAborted(f"{what} failed: {exc}") from exc
 
     def _commit(self, step: Step) -> bool:
         group = self._group
-        if step.aborted or self._abort.is_set() or group is None:
-            self._optimizer.zero_grad(set_to_none=True)
+        if step.aborted or self._aborting() or group is None:
             return False
-        grads = [
-            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype)
-            for p in self._params
-        ]
-        flat = torch.cat(
-            [*grads, torch.tensor([float(step._count), step._loss], dtype=grads[0].dtype)]
-        )
+        self._gradients.check()
+        self._check_scheduler_registered()
+        tensors, buffer_slots = self._reduction(step)
         try:
-            group.allreduce_sum([flat])
+            group.allreduce_sum(tensors)
         except PeerFailed as exc:
-            self._note_failure(f"epoch {step.epoch}: {exc}")
-            self._optimizer.zero_grad(set_to_none=True)
+            self._note_failure(f"epoch {step.epoch}: all-reduce failed", exc.reason)
             return False
         except StepAborted:
-            self._optimizer.zero_grad(set_to_none=True)
             return False
-        count, loss = float(flat[-2]), float(flat[-1])
+        count, loss = float(tensors[-1][0]), float(tensors[-1][1])
+        if count <= 0:
+            raise UsageError(
+                f"step {step.number}: the global sample count is {count:g}: step.backward "
+                "must be given the number of samples (or tokens) its loss sums over"
+            )
         with self._lock:
-            if self._frozen or self._client.ended is not None:
+            if self._answered > step.epoch or self._client.ended is not None:
                 # Our answer to the roll call already named the previous
                 # step: applying this one now would run it twice.
-                self._optimizer.zero_grad(set_to_none=True)
                 return False
             self._applying = True
         snapshot = None
         try:
             if not self._still_a_member() or self._client.ended is not None:
-                self._optimizer.zero_grad(set_to_none=True)
                 if self._client.ended is None:
                     # The others may have applied this step: a roll call
                     # realigns the view (this worker then pulls the state).
@@ -502,18 +813,10 @@ class Elastic:
                     )
                 return False
             with self._lock:
-                offset = 0
-                for p in self._params:
-                    n = p.numel()
-                    p.grad = (flat[offset : offset + n] / count).view_as(p).clone()
-                    offset += n
-                self._optimizer.step()
-                if self._scheduler is not None:
-                    self._scheduler.step()
-                self._optimizer.zero_grad(set_to_none=True)
+                self._apply(step, tensors, buffer_slots, count)
                 self.committed_step = step.number
                 if self._checkpoint_due(step):
-                    snapshot = capture(step.number, self._model, self._optimizer, self._scheduler)
+                    snapshot = self._capture(step.number)
         finally:
             with self._lock:
                 self._applying = False
@@ -537,6 +840,56 @@ class Elastic:
             self._progress_sent = (step.epoch, now)
             self._loop.call_soon_threadsafe(self._client.report_progress, step.number)
         return True
+
+    def _reduction(self, step: Step) -> tuple[list[torch.Tensor], slice]:
+        """What the step's one all-reduce sums: every gradient (zeros for a
+        parameter without one), the buffers' changes, and (count, loss) last.
+        Returns them and where the buffers' entries sit."""
+        grads = []
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        dtype = grads[0].dtype if grads else torch.float32
+        buffers: list[torch.Tensor] = (
+            self._buffers.contributions(step._microbatches, dtype)
+            if self._buffers is not None
+            else []
+        )
+        # In the gradients' own buffer when it is float32 or float64 (one
+        # collective; counts are exact below 2**24 in float32).
+        totals_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float64
+        totals = torch.tensor([float(step._count), step._loss], dtype=totals_dtype)
+        slots = slice(len(grads), len(grads) + len(buffers))
+        return [*grads, *buffers, totals], slots
+
+    def _apply(
+        self, step: Step, tensors: list[torch.Tensor], buffer_slots: slice, count: float
+    ) -> None:
+        """The update, under ``_lock``: normalise, buffers, hook, optimizer,
+        scaler, scheduler."""
+        for grad in tensors[: buffer_slots.start]:
+            grad.div_(count)
+        if self._buffers is not None:
+            self._buffers.apply(tensors[buffer_slots], self.plan.num_microbatches)
+        if self._scaler is not None:
+            self._scaler.unscale_(self._optimizer)
+        if self._before_update is not None:
+            self._before_update(step)
+        with self._ownership.applying():
+            if self._scaler is not None:
+                self._scaler.step(self._optimizer)
+                self._scaler.update()
+            else:
+                self._optimizer.step()
+        self._ownership.step_scheduler()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._gradients.forget()
+
+    def _check_scheduler_registered(self) -> None:
+        """A scheduler built on the optimizer after ``Elastic`` was."""
+        if self._scheduler is None:
+            check_scheduler(None, self._optimizer)
 
     def _account(self, step: Step) -> None:
         """Metrics for a committed step; after the first one of a view, tell
@@ -594,16 +947,31 @@ class Elastic:
     def _resume_from_checkpoint(self, view: View) -> None:
         """No member of ``view`` holds any state: load the newest usable
         durable checkpoint, if the job has one, and report the replay cost.
-        Raises ``CheckpointUnusable`` when checkpoints exist but none loads
+        Raises ``CheckpointUnusable`` when checkpoints exist but none loads,
+        and ``ProgressLost`` when the job has progress but no checkpoint
         (the worker must not start the job from scratch on its own)."""
         launch = process_age()
         status = self._remote(self._client.status(), f"epoch {view.epoch}: reading checkpoints")
         if not status.checkpoints:
+            if status.last_step is None:
+                return  # a new job: step 0 is where it starts
+            if not self._start_over:
+                raise ProgressLost(
+                    f"job {self.job_name} reached step {status.last_step}, but no live worker "
+                    "holds its state and it has no durable checkpoint: starting again would "
+                    "silently retrain it from step 0. To start over on purpose pass "
+                    "start_over=True (rollcall worker --start-over) or use a new job name; "
+                    "to keep a job's progress through such losses, give its workers "
+                    "checkpoint_dir= (rollcall worker --checkpoint-dir)"
+                )
+            log.warning(
+                "job %s had reached step %d and no state is left: starting over from step 0 "
+                "as asked (start_over)", self.job_name, status.last_step,
+            )  # fmt: skip
             return
         loaded = load_newest(status.checkpoints)
         with self._lock:
-            restore(loaded.state, self._model, self._optimizer, self._scheduler)
-            self.committed_step = loaded.state.step
+            self._restore(loaded.state)
             self._snapshot = None  # served without RNG states, captured at the roll call
         s_ckpt = loaded.manifest.step
         self.resumed = ReplayCost(
@@ -630,17 +998,21 @@ class Elastic:
         client, window = self._client, self._config.fence_window
         deadline = time.monotonic() + window
         while time.monotonic() - client.last_acked > window:
-            if client.ended is not None or self._abort.is_set() or time.monotonic() > deadline:
+            if client.ended is not None or self._aborting() or time.monotonic() > deadline:
                 log.warning("no recent heartbeat acknowledgement: not applying the step")
                 return False
             time.sleep(ABORT_POLL)
         return True
 
-    def _note_failure(self, reason: str) -> None:
-        """A peer call or collective failed. Usually the failed peer's own
-        session broke too and a roll call is already coming; if none comes
-        within the detector's bound, ``_wait_for_view`` reports it."""
+    def _note_failure(self, what: str, detail: str = "") -> None:
+        """A peer call or collective failed (``detail``: the transport's own
+        text, logged at DEBUG only). Usually the failed peer's own session
+        broke too and a roll call is already coming; if none comes within the
+        detector's bound, ``_wait_for_view`` reports it."""
+        reason = f"{what}: {describe_transport(detail)}" if detail else what
         log.info("%s", reason)
+        if detail:
+            log.debug("%s: %s", what, detail)
         if self._failure is None:
             self._failure = (time.monotonic(), reason[:200])
 
@@ -665,10 +1037,15 @@ class Elastic:
         if self._closed:
             return
         self._closed = True
-        if self.checkpoints is not None and not self.checkpoints.wait(self._group_timeout):
+        self._restore_signals()
+        self._ownership.release()
+        if self.checkpoints is not None and not self.checkpoints.wait(
+            self._config.collective_timeout
+        ):
             log.warning("a checkpoint was still being written at exit; it is not published")
         try:
-            if leave and self._client.ended is None:
+            if leave and not self._left and self._client.ended is None:
+                self._left = True
                 self._call(self._client.leave(), timeout=self._config.client_call_deadline)
         except (RollcallError, TimeoutError) as exc:
             log.warning("leave failed: %s", exc)
@@ -676,7 +1053,7 @@ class Elastic:
             if self._group is not None:
                 self._group.close()
             self._stop_loop()
-            wait_parked(self._group_timeout + 5)
+            wait_parked(self._config.collective_timeout + 5)
             stop_metrics(self._metrics_server)
 
     def _stop_loop(self) -> None:
@@ -700,4 +1077,25 @@ class Elastic:
         self.close()
 
 
-__all__ = ["Batch", "CheckpointUnusable", "Elastic", "Evicted", "Step", "default_collate"]
+class _Abort:
+    """The abort flag the group polls: the runtime's ``_aborting``."""
+
+    def __init__(self, job: Elastic) -> None:
+        self._job = job
+
+    def is_set(self) -> bool:
+        return self._job._aborting()
+
+
+__all__ = [
+    "Batch",
+    "CheckpointUnusable",
+    "Elastic",
+    "Evicted",
+    "Interrupted",
+    "ProgressLost",
+    "Step",
+    "UsageError",
+    "ViewChanged",
+    "default_collate",
+]

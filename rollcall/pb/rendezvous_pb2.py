@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crollcall/v1/rendezvous.proto\x12\x0brollcall.v1\"3\n\x06Member\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\"/\n\tFetchPlan\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0f\n\x07sources\x18\x02 \x03(\t\"\x9c\x01\n\x04View\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12$\n\x07members\x18\x02 \x03(\x0b\x32\x13.rollcall.v1.Member\x12\x18\n\x0bresume_step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12%\n\x05\x66\x65tch\x18\x05 \x03(\x0b\x32\x16.rollcall.v1.FetchPlanB\x0e\n\x0c_resume_step\"9\n\x0bJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"a\n\x0cJoinResponse\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x1f\n\x04view\x18\x02 \x01(\x0b\x32\x11.rollcall.v1.View\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\"\xa1\x02\n\x0eSessionRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.rollcall.v1.OpenH\x00\x12+\n\theartbeat\x18\x02 \x01(\x0b\x32\x16.rollcall.v1.HeartbeatH\x00\x12)\n\x08progress\x18\x03 \x01(\x0b\x32\x15.rollcall.v1.ProgressH\x00\x12-\n\x06\x61nswer\x18\x04 \x01(\x0b\x32\x1b.rollcall.v1.RollCallAnswerH\x00\x12-\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x1a.rollcall.v1.FailureReportH\x00\x12.\n\x0bview_report\x18\x06 \x01(\x0b\x32\x17.rollcall.v1.ViewReportH\x00\x42\x06\n\x04kind\"5\n\x04Open\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"+\n\tHeartbeat\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07sent_at\x18\x02 \x01(\x01\"\'\n\x08Progress\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\"K\n\x0eRollCallAnswer\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x11\n\x04step\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06\x64igest\x18\x03 \x01(\tB\x07\n\x05_step\"?\n\rFailureReport\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xa2\x01\n\nViewReport\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07\x66\x65tch_s\x18\x02 \x01(\x01\x12\x11\n\trebuild_s\x18\x03 \x01(\x01\x12\x14\n\x0c\x66irst_step_s\x18\x04 \x01(\x01\x12\x13\n\x0blost_work_s\x18\x05 \x01(\x01\x12\x0e\n\x06step_s\x18\x06 \x01(\x01\x12\x10\n\x08launch_s\x18\x07 \x01(\x01\x12\x14\n\x0cglobal_batch\x18\x08 \x01(\r\"\x96\x01\n\x0cSessionEvent\x12\x31\n\troll_call\x18\x01 \x01(\x0b\x32\x1c.rollcall.v1.RollCallRequestH\x00\x12!\n\x04view\x18\x02 \x01(\x0b\x32\x11.rollcall.v1.ViewH\x00\x12(\n\x03\x61\x63k\x18\x03 \x01(\x0b\x32\x19.rollcall.v1.HeartbeatAckH\x00\x42\x06\n\x04kind\"\x1f\n\x0cHeartbeatAck\x12\x0f\n\x07sent_at\x18\x01 \x01(\x01\"0\n\x0fRollCallRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06\x63\x61uses\x18\x02 \x03(\t\"=\n\x0cLeaveRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x0f\n\rLeaveResponse\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xda\x01\n\x0eStatusResponse\x12\x1f\n\x04view\x18\x01 \x01(\x0b\x32\x11.rollcall.v1.View\x12\x0e\n\x06leader\x18\x02 \x01(\t\x12\x11\n\x04step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x0f\n\x07replica\x18\x04 \x01(\t\x12\x16\n\x0erollcall_epoch\x18\x05 \x01(\x04\x12,\n\x0b\x63heckpoints\x18\x06 \x03(\x0b\x32\x17.rollcall.v1.Checkpoint\x12\x16\n\tlast_step\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\x07\n\x05_stepB\x0c\n\n_last_step\"\xa0\x01\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0b\n\x03uri\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x0e\n\x06writer\x18\x07 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x08 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\t \x01(\x01\"v\n\x18PublishCheckpointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12+\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x17.rollcall.v1.Checkpoint\"[\n\x19PublishCheckpointResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12,\n\x0b\x63heckpoints\x18\x02 \x03(\x0b\x32\x17.rollcall.v1.Checkpoint\"0\n\x0cWatchRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x66ter_epoch\x18\x02 \x01(\x04\x32\xb0\x03\n\nRendezvous\x12;\n\x04Join\x12\x18.rollcall.v1.JoinRequest\x1a\x19.rollcall.v1.JoinResponse\x12\x45\n\x07Session\x12\x1b.rollcall.v1.SessionRequest\x1a\x19.rollcall.v1.SessionEvent(\x01\x30\x01\x12>\n\x05Leave\x12\x19.rollcall.v1.LeaveRequest\x1a\x1a.rollcall.v1.LeaveResponse\x12\x41\n\x06Status\x12\x1a.rollcall.v1.StatusRequest\x1a\x1b.rollcall.v1.StatusResponse\x12\x37\n\x05Watch\x12\x19.rollcall.v1.WatchRequest\x1a\x11.rollcall.v1.View0\x01\x12\x62\n\x11PublishCheckpoint\x12%.rollcall.v1.PublishCheckpointRequest\x1a&.rollcall.v1.PublishCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crollcall/v1/rendezvous.proto\x12\x0brollcall.v1\"3\n\x06Member\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\"/\n\tFetchPlan\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0f\n\x07sources\x18\x02 \x03(\t\"\x9c\x01\n\x04View\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12$\n\x07members\x18\x02 \x03(\x0b\x32\x13.rollcall.v1.Member\x12\x18\n\x0bresume_step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12%\n\x05\x66\x65tch\x18\x05 \x03(\x0b\x32\x16.rollcall.v1.FetchPlanB\x0e\n\x0c_resume_step\"9\n\x0bJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"a\n\x0cJoinResponse\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x1f\n\x04view\x18\x02 \x01(\x0b\x32\x11.rollcall.v1.View\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\"\xc4\x02\n\x0eSessionRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.rollcall.v1.OpenH\x00\x12+\n\theartbeat\x18\x02 \x01(\x0b\x32\x16.rollcall.v1.HeartbeatH\x00\x12)\n\x08progress\x18\x03 \x01(\x0b\x32\x15.rollcall.v1.ProgressH\x00\x12-\n\x06\x61nswer\x18\x04 \x01(\x0b\x32\x1b.rollcall.v1.RollCallAnswerH\x00\x12-\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x1a.rollcall.v1.FailureReportH\x00\x12.\n\x0bview_report\x18\x06 \x01(\x0b\x32\x17.rollcall.v1.ViewReportH\x00\x12!\n\x04\x62usy\x18\x07 \x01(\x0b\x32\x11.rollcall.v1.BusyH\x00\x42\x06\n\x04kind\"5\n\x04Open\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"+\n\tHeartbeat\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07sent_at\x18\x02 \x01(\x01\"\'\n\x08Progress\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\"K\n\x0eRollCallAnswer\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x11\n\x04step\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06\x64igest\x18\x03 \x01(\tB\x07\n\x05_step\"?\n\rFailureReport\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"6\n\x04\x42usy\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xa2\x01\n\nViewReport\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07\x66\x65tch_s\x18\x02 \x01(\x01\x12\x11\n\trebuild_s\x18\x03 \x01(\x01\x12\x14\n\x0c\x66irst_step_s\x18\x04 \x01(\x01\x12\x13\n\x0blost_work_s\x18\x05 \x01(\x01\x12\x0e\n\x06step_s\x18\x06 \x01(\x01\x12\x10\n\x08launch_s\x18\x07 \x01(\x01\x12\x14\n\x0cglobal_batch\x18\x08 \x01(\r\"\xbd\x01\n\x0cSessionEvent\x12\x31\n\troll_call\x18\x01 \x01(\x0b\x32\x1c.rollcall.v1.RollCallRequestH\x00\x12!\n\x04view\x18\x02 \x01(\x0b\x32\x11.rollcall.v1.ViewH\x00\x12(\n\x03\x61\x63k\x18\x03 \x01(\x0b\x32\x19.rollcall.v1.HeartbeatAckH\x00\x12%\n\x04\x62usy\x18\x04 \x01(\x0b\x32\x15.rollcall.v1.PeerBusyH\x00\x42\x06\n\x04kind\">\n\x08PeerBusy\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1f\n\x0cHeartbeatAck\x12\x0f\n\x07sent_at\x18\x01 \x01(\x01\"0\n\x0fRollCallRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06\x63\x61uses\x18\x02 \x03(\t\"=\n\x0cLeaveRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x0f\n\rLeaveResponse\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xda\x01\n\x0eStatusResponse\x12\x1f\n\x04view\x18\x01 \x01(\x0b\x32\x11.rollcall.v1.View\x12\x0e\n\x06leader\x18\x02 \x01(\t\x12\x11\n\x04step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x0f\n\x07replica\x18\x04 \x01(\t\x12\x16\n\x0erollcall_epoch\x18\x05 \x01(\x04\x12,\n\x0b\x63heckpoints\x18\x06 \x03(\x0b\x32\x17.rollcall.v1.Checkpoint\x12\x16\n\tlast_step\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\x07\n\x05_stepB\x0c\n\n_last_step\"\xa0\x01\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0b\n\x03uri\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x0e\n\x06writer\x18\x07 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x08 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\t \x01(\x01\"v\n\x18PublishCheckpointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12+\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x17.rollcall.v1.Checkpoint\"[\n\x19PublishCheckpointResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12,\n\x0b\x63heckpoints\x18\x02 \x03(\x0b\x32\x17.rollcall.v1.Checkpoint\"0\n\x0cWatchRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x66ter_epoch\x18\x02 \x01(\x04\x32\xb0\x03\n\nRendezvous\x12;\n\x04Join\x12\x18.rollcall.v1.JoinRequest\x1a\x19.rollcall.v1.JoinResponse\x12\x45\n\x07Session\x12\x1b.rollcall.v1.SessionRequest\x1a\x19.rollcall.v1.SessionEvent(\x01\x30\x01\x12>\n\x05Leave\x12\x19.rollcall.v1.LeaveRequest\x1a\x1a.rollcall.v1.LeaveResponse\x12\x41\n\x06Status\x12\x1a.rollcall.v1.StatusRequest\x1a\x1b.rollcall.v1.StatusResponse\x12\x37\n\x05Watch\x12\x19.rollcall.v1.WatchRequest\x1a\x11.rollcall.v1.View0\x01\x12\x62\n\x11PublishCheckpoint\x12%.rollcall.v1.PublishCheckpointRequest\x1a&.rollcall.v1.PublishCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,41 +43,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINRESPONSE']._serialized_start=365
   _globals['_JOINRESPONSE']._serialized_end=462
   _globals['_SESSIONREQUEST']._serialized_start=465
-  _globals['_SESSIONREQUEST']._serialized_end=754
-  _globals['_OPEN']._serialized_start=756
-  _globals['_OPEN']._serialized_end=809
-  _globals['_HEARTBEAT']._serialized_start=811
-  _globals['_HEARTBEAT']._serialized_end=854
-  _globals['_PROGRESS']._serialized_start=856
-  _globals['_PROGRESS']._serialized_end=895
-  _globals['_ROLLCALLANSWER']._serialized_start=897
-  _globals['_ROLLCALLANSWER']._serialized_end=972
-  _globals['_FAILUREREPORT']._serialized_start=974
-  _globals['_FAILUREREPORT']._serialized_end=1037
-  _globals['_VIEWREPORT']._serialized_start=1040
-  _globals['_VIEWREPORT']._serialized_end=1202
-  _globals['_SESSIONEVENT']._serialized_start=1205
-  _globals['_SESSIONEVENT']._serialized_end=1355
-  _globals['_HEARTBEATACK']._serialized_start=1357
-  _globals['_HEARTBEATACK']._serialized_end=1388
-  _globals['_ROLLCALLREQUEST']._serialized_start=1390
-  _globals['_ROLLCALLREQUEST']._serialized_end=1438
-  _globals['_LEAVEREQUEST']._serialized_start=1440
-  _globals['_LEAVEREQUEST']._serialized_end=1501
-  _globals['_LEAVERESPONSE']._serialized_start=1503
-  _globals['_LEAVERESPONSE']._serialized_end=1518
-  _globals['_STATUSREQUEST']._serialized_start=1520
-  _globals['_STATUSREQUEST']._serialized_end=1548
-  _globals['_STATUSRESPONSE']._serialized_start=1551
-  _globals['_STATUSRESPONSE']._serialized_end=1769
-  _globals['_CHECKPOINT']._serialized_start=1772
-  _globals['_CHECKPOINT']._serialized_end=1932
-  _globals['_PUBLISHCHECKPOINTREQUEST']._serialized_start=1934
-  _globals['_PUBLISHCHECKPOINTREQUEST']._serialized_end=2052
-  _globals['_PUBLISHCHECKPOINTRESPONSE']._serialized_start=2054
-  _globals['_PUBLISHCHECKPOINTRESPONSE']._serialized_end=2145
-  _globals['_WATCHREQUEST']._serialized_start=2147
-  _globals['_WATCHREQUEST']._serialized_end=2195
-  _globals['_RENDEZVOUS']._serialized_start=2198
-  _globals['_RENDEZVOUS']._serialized_end=2630
+  _globals['_SESSIONREQUEST']._serialized_end=789
+  _globals['_OPEN']._serialized_start=791
+  _globals['_OPEN']._serialized_end=844
+  _globals['_HEARTBEAT']._serialized_start=846
+  _globals['_HEARTBEAT']._serialized_end=889
+  _globals['_PROGRESS']._serialized_start=891
+  _globals['_PROGRESS']._serialized_end=930
+  _globals['_ROLLCALLANSWER']._serialized_start=932
+  _globals['_ROLLCALLANSWER']._serialized_end=1007
+  _globals['_FAILUREREPORT']._serialized_start=1009
+  _globals['_FAILUREREPORT']._serialized_end=1072
+  _globals['_BUSY']._serialized_start=1074
+  _globals['_BUSY']._serialized_end=1128
+  _globals['_VIEWREPORT']._serialized_start=1131
+  _globals['_VIEWREPORT']._serialized_end=1293
+  _globals['_SESSIONEVENT']._serialized_start=1296
+  _globals['_SESSIONEVENT']._serialized_end=1485
+  _globals['_PEERBUSY']._serialized_start=1487
+  _globals['_PEERBUSY']._serialized_end=1549
+  _globals['_HEARTBEATACK']._serialized_start=1551
+  _globals['_HEARTBEATACK']._serialized_end=1582
+  _globals['_ROLLCALLREQUEST']._serialized_start=1584
+  _globals['_ROLLCALLREQUEST']._serialized_end=1632
+  _globals['_LEAVEREQUEST']._serialized_start=1634
+  _globals['_LEAVEREQUEST']._serialized_end=1695
+  _globals['_LEAVERESPONSE']._serialized_start=1697
+  _globals['_LEAVERESPONSE']._serialized_end=1712
+  _globals['_STATUSREQUEST']._serialized_start=1714
+  _globals['_STATUSREQUEST']._serialized_end=1742
+  _globals['_STATUSRESPONSE']._serialized_start=1745
+  _globals['_STATUSRESPONSE']._serialized_end=1963
+  _globals['_CHECKPOINT']._serialized_start=1966
+  _globals['_CHECKPOINT']._serialized_end=2126
+  _globals['_PUBLISHCHECKPOINTREQUEST']._serialized_start=2128
+  _globals['_PUBLISHCHECKPOINTREQUEST']._serialized_end=2246
+  _globals['_PUBLISHCHECKPOINTRESPONSE']._serialized_start=2248
+  _globals['_PUBLISHCHECKPOINTRESPONSE']._serialized_end=2339
+  _globals['_WATCHREQUEST']._serialized_start=2341
+  _globals['_WATCHREQUEST']._serialized_end=2389
+  _globals['_RENDEZVOUS']._serialized_start=2392
+  _globals['_RENDEZVOUS']._serialized_end=2824
 # @@protoc_insertion_point(module_scope)

@@ -60,20 +60,22 @@ class JoinResponse(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("open", "heartbeat", "progress", "answer", "failure", "view_report")
+    __slots__ = ("open", "heartbeat", "progress", "answer", "failure", "view_report", "busy")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     VIEW_REPORT_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
     open: Open
     heartbeat: Heartbeat
     progress: Progress
     answer: RollCallAnswer
     failure: FailureReport
     view_report: ViewReport
-    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., answer: _Optional[_Union[RollCallAnswer, _Mapping]] = ..., failure: _Optional[_Union[FailureReport, _Mapping]] = ..., view_report: _Optional[_Union[ViewReport, _Mapping]] = ...) -> None: ...
+    busy: Busy
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., answer: _Optional[_Union[RollCallAnswer, _Mapping]] = ..., failure: _Optional[_Union[FailureReport, _Mapping]] = ..., view_report: _Optional[_Union[ViewReport, _Mapping]] = ..., busy: _Optional[_Union[Busy, _Mapping]] = ...) -> None: ...
 
 class Open(_message.Message):
     __slots__ = ("job", "member_id", "epoch")
@@ -121,6 +123,16 @@ class FailureReport(_message.Message):
     reason: str
     def __init__(self, epoch: _Optional[int] = ..., peer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class Busy(_message.Message):
+    __slots__ = ("epoch", "seconds", "reason")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    seconds: float
+    reason: str
+    def __init__(self, epoch: _Optional[int] = ..., seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class ViewReport(_message.Message):
     __slots__ = ("epoch", "fetch_s", "rebuild_s", "first_step_s", "lost_work_s", "step_s", "launch_s", "global_batch")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -142,14 +154,26 @@ class ViewReport(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., fetch_s: _Optional[float] = ..., rebuild_s: _Optional[float] = ..., first_step_s: _Optional[float] = ..., lost_work_s: _Optional[float] = ..., step_s: _Optional[float] = ..., launch_s: _Optional[float] = ..., global_batch: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("roll_call", "view", "ack")
+    __slots__ = ("roll_call", "view", "ack", "busy")
     ROLL_CALL_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
     roll_call: RollCallRequest
     view: View
     ack: HeartbeatAck
-    def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
+    busy: PeerBusy
+    def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., busy: _Optional[_Union[PeerBusy, _Mapping]] = ...) -> None: ...
+
+class PeerBusy(_message.Message):
+    __slots__ = ("member_id", "seconds", "reason")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    seconds: float
+    reason: str
+    def __init__(self, member_id: _Optional[str] = ..., seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class HeartbeatAck(_message.Message):
     __slots__ = ("sent_at",)

@@ -1,0 +1,124 @@
+"""The state contract's guards: each silent misuse of a training loop found in
+a user trial is refused with a UsageError that says what to change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from membership.errors import UsageError
+from worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
+
+
+def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _backward(model: nn.Module) -> None:
+    model(torch.ones(3, 4)).sum().backward()
+
+
+def test_a_registered_scheduler_stepped_in_the_loop_is_refused() -> None:
+    model, optimizer = _model_and_optimizer()
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    Ownership(optimizer, scheduler)
+    with pytest.raises(UsageError, match="remove scheduler.step"):
+        scheduler.step()
+    assert scheduler.last_epoch == 0, "the refused call must not have stepped it"
+
+
+def test_the_runtime_steps_the_registered_scheduler_once_per_update() -> None:
+    model, optimizer = _model_and_optimizer()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    owned = Ownership(optimizer, scheduler)
+    _backward(model)
+    with owned.applying():
+        optimizer.step()
+    owned.step_scheduler()
+    assert scheduler.last_epoch == 1
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_optimizer_step_in_the_loop_is_refused() -> None:
+    model, optimizer = _model_and_optimizer()
+    Ownership(optimizer, None)
+    _backward(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(UsageError, match="step.commit"):
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_release_gives_the_objects_back() -> None:
+    model, optimizer = _model_and_optimizer()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    Ownership(optimizer, scheduler).release()
+    _backward(model)
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.last_epoch == 1
+
+
+def test_an_lr_scheduler_not_passed_to_the_runtime_is_refused() -> None:
+    _, optimizer = _model_and_optimizer()
+    check_scheduler(None, optimizer)  # none attached: fine
+    torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)
+    with pytest.raises(UsageError, match="not passed to Elastic"):
+        check_scheduler(None, optimizer)
+
+
+def test_reduce_lr_on_plateau_is_refused_with_what_to_do_instead() -> None:
+    _, optimizer = _model_and_optimizer()
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    with pytest.raises(UsageError, match="state="):
+        check_scheduler(plateau, optimizer)
+
+
+def test_a_scheduler_of_another_optimizer_is_refused() -> None:
+    _, optimizer = _model_and_optimizer()
+    _, other = _model_and_optimizer()
+    scheduler = torch.optim.lr_scheduler.StepLR(other, step_size=1)
+    with pytest.raises(UsageError, match="another optimizer"):
+        check_scheduler(scheduler, optimizer)
+
+
+def test_registered_state_needs_state_dict_and_load_state_dict() -> None:
+    model, _ = _model_and_optimizer()
+    assert check_extras({"ema": model}) == {"ema": model}
+    with pytest.raises(TypeError, match="state_dict"):
+        check_extras({"counter": 3})
+
+
+def test_gradient_clipping_between_backward_and_commit_is_noticed() -> None:
+    model, _ = _model_and_optimizer()
+    watch = GradientWatch(list(model.parameters()))
+    _backward(model)
+    watch.mark()
+    _backward(model)  # gradient accumulation over a second microbatch
+    watch.mark()
+    watch.check()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    with pytest.raises(UsageError, match="before_update"):
+        watch.check()
+
+
+def test_zero_grad_between_backward_and_commit_is_noticed() -> None:
+    model, optimizer = _model_and_optimizer()
+    watch = GradientWatch(list(model.parameters()))
+    _backward(model)
+    watch.mark()
+    optimizer.zero_grad()
+    with pytest.raises(UsageError, match="zero_grad"):
+        watch.check()
+
+
+def test_gradients_without_step_backward_are_noticed() -> None:
+    model, _ = _model_and_optimizer()
+    watch = GradientWatch(list(model.parameters()))
+    watch.check()  # no gradients at all: a rank without microbatches
+    _backward(model)  # loss.backward() instead of step.backward()
+    with pytest.raises(UsageError, match=r"step.backward\(loss_sum, count\)"):
+        watch.check()

@@ -1,0 +1,193 @@
+"""The state contract: what the training loop hands the runtime, and the
+guards that turn its silent misuses into clear errors.
+
+Everything stateful in the loop must be registered with ``Elastic`` so that
+it travels with the replica state (DESIGN.md, "The state contract"). The
+runtime then owns the moments at which that state changes: it steps the
+optimizer, the grad scaler and the LR scheduler in ``commit()``, after the
+reduction. A loop that steps one of them itself as well would run it twice
+(a schedule at double speed) or on a partial gradient; a scheduler attached
+to the optimizer but not registered would restart on every joiner. The
+guards here refuse each of those with a :class:`UsageError` that says what
+to change, instead of letting the replicas drift apart.
+
+The guards patch only the objects given to them (an instance attribute for
+the scheduler's ``step``, a step pre-hook on the optimizer) and are removed
+by ``release()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from membership.errors import UsageError
+
+__all__ = ["GradientWatch", "Ownership", "Stateful", "check_extras", "check_scheduler"]
+
+
+class Stateful(Protocol):
+    """What user state registered with ``Elastic(state={...})`` must offer."""
+
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+def check_extras(extras: Mapping[str, Any]) -> dict[str, Stateful]:
+    """User state by name; each value needs ``state_dict`` and
+    ``load_state_dict`` (ValueError/TypeError otherwise)."""
+    checked: dict[str, Stateful] = {}
+    for name, value in extras.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"state= names must be non-empty strings, got {name!r}")
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(value, method, None)):
+                raise TypeError(
+                    f"state[{name!r}] ({type(value).__name__}) has no {method}(): registered "
+                    "state must have state_dict() and load_state_dict(), like a torch module "
+                    "or optimizer; wrap a plain value in an object that has them"
+                )
+        checked[name] = value
+    return checked
+
+
+def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a scheduler the runtime cannot step for the user, and an LR
+    scheduler attached to ``optimizer`` but not registered."""
+    if scheduler is None:
+        if _has_scheduler(optimizer):
+            raise UsageError(
+                "an LR scheduler is attached to this optimizer but was not passed to Elastic: "
+                "pass it as Elastic(scheduler=...) and remove scheduler.step() from the loop; "
+                "the runtime steps it after every committed step and hands its state to new "
+                "workers (unregistered, a joiner's schedule would start again from step 0)"
+            )
+        return
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise UsageError(
+            "ReduceLROnPlateau needs a metric at every step, so the runtime cannot step it: "
+            "register it as state={'plateau': scheduler} and call scheduler.step(metric) "
+            "yourself with a metric that is the same on every worker (Elastic.all_reduce it)"
+        )
+    for method in ("step", "state_dict", "load_state_dict"):
+        if not callable(getattr(scheduler, method, None)):
+            raise TypeError(f"scheduler ({type(scheduler).__name__}) has no {method}()")
+    attached = getattr(scheduler, "optimizer", optimizer)
+    if attached is not optimizer:
+        raise UsageError("the scheduler passed to Elastic drives another optimizer")
+
+
+def _has_scheduler(optimizer: torch.optim.Optimizer) -> bool:
+    # Every torch LRScheduler wraps its optimizer's step() to count calls and
+    # marks the wrapper: the mark says a scheduler was built on it.
+    return bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False))
+
+
+class Ownership:
+    """The runtime's ownership of ``optimizer.step`` and ``scheduler.step``:
+    calls from anywhere but :meth:`applying` raise :class:`UsageError`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        self._optimizer = optimizer
+        self._scheduler = scheduler
+        self._inside = False
+        self._hook = optimizer.register_step_pre_hook(self._optimizer_step)
+        self._scheduler_step = None
+        if scheduler is not None:
+            original = scheduler.step
+            self._scheduler_step = original
+
+            def guarded(*args: Any, **kwargs: Any) -> Any:
+                if not self._inside:
+                    raise UsageError(
+                        "scheduler.step() was called in the training loop, but this scheduler "
+                        "is registered with Elastic(scheduler=...), which steps it after "
+                        "every committed step: remove scheduler.step() from the loop "
+                        "(stepping it twice would run the schedule at double speed)"
+                    )
+                return original(*args, **kwargs)
+
+            scheduler.step = guarded
+
+    def _optimizer_step(self, *_: Any) -> None:
+        if not self._inside:
+            raise UsageError(
+                "optimizer.step() was called in the training loop: step.commit() applies "
+                "the update after summing the gradients over every worker; remove "
+                "optimizer.step() (and zero_grad()) from the loop"
+            )
+
+    @contextlib.contextmanager
+    def applying(self) -> Iterator[None]:
+        """The runtime's own update: optimizer, scaler and scheduler steps."""
+        self._inside = True
+        try:
+            yield
+        finally:
+            self._inside = False
+
+    def step_scheduler(self) -> None:
+        """Step the registered scheduler (after the optimizer's step)."""
+        if self._scheduler is not None:
+            with self.applying():
+                self._scheduler.step()
+
+    def release(self) -> None:
+        """Give the objects back as they were."""
+        self._hook.remove()
+        if self._scheduler is not None and self._scheduler_step is not None:
+            with contextlib.suppress(AttributeError):
+                del self._scheduler.step  # the class's method shows again
+
+
+class GradientWatch:
+    """Notices gradients changed between ``step.backward()`` and
+    ``step.commit()``.
+
+    Between them a gradient is this rank's partial sum over its own
+    microbatches: clipping it (``clip_grad_norm_``), scaling it or zeroing it
+    there gives a result that depends on how the step was split, without any
+    error. Every in-place change bumps a tensor's version counter, and
+    ``zero_grad`` replaces or drops the tensor, so comparing (identity,
+    version) of every gradient at commit with what ``backward`` left shows
+    it.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self._params = list(params)
+        self._seen: list[tuple[int, int]] | None = None
+
+    def mark(self) -> None:
+        """Call right after a backward pass this runtime ran."""
+        self._seen = [self._signature(p) for p in self._params]
+
+    def forget(self) -> None:
+        self._seen = None
+
+    def check(self) -> None:
+        """At commit: raise :class:`UsageError` if a gradient changed since
+        the last :meth:`mark` (or exists without any)."""
+        current = [self._signature(p) for p in self._params]
+        if self._seen is None:
+            if any(sig != (0, 0) for sig in current):
+                raise UsageError(
+                    "gradients exist but step.backward() was not called in this step: call "
+                    "step.backward(loss_sum, count) instead of loss.backward(), so the "
+                    "runtime counts the samples it divides by"
+                )
+            return
+        if current != self._seen:
+            raise UsageError(
+                "gradients were changed between step.backward() and step.commit() (by "
+                "clip_grad_norm_, zero_grad() or an in-place operation): there they are this "
+                "worker's partial sum, not the step's gradient. Do it in "
+                "Elastic(before_update=...), which runs on the reduced, normalised gradient"
+            )
+
+    @staticmethod
+    def _signature(param: torch.nn.Parameter) -> tuple[int, int]:
+        grad = param.grad
+        return (0, 0) if grad is None else (id(grad), grad._version)
