@@ -129,6 +129,7 @@ class ReplicaProcess(Process):
         port: int,
         log_path: Path,
         settings: Sequence[str] = (),
+        events: Path | None = None,
     ) -> None:
         argv = [
             sys.executable,
@@ -148,6 +149,8 @@ class ReplicaProcess(Process):
         ]
         for item in settings:
             argv += ["--set", item]
+        if events is not None:
+            argv += ["--events", str(events)]
         super().__init__(argv, None, log_path)
         self.address = f"127.0.0.1:{port}"
         self.wait_line(lambda line: line.startswith("rendezvous ready at"), timeout=30)
@@ -204,6 +207,7 @@ class ControlPlane:
         job: str = "job1",
         replicas: int = 1,
         settings: Sequence[str] = TEST_SETTINGS,
+        events: bool = False,
     ) -> None:
         from rendezvous.etcd_local import free_port
 
@@ -214,6 +218,8 @@ class ControlPlane:
         self.token_file = workdir / "token"
         self.token_file.write_text(self.token)
         self.settings = tuple(settings)
+        #: Every replica appends its view-change records here (docs/events.md).
+        self.events = workdir / "events.jsonl" if events else None
         self.replicas: list[ReplicaProcess] = []
         self.members: list[MemberProcess] = []
         self._free_port = free_port
@@ -228,7 +234,7 @@ class ControlPlane:
         index = len(self.replicas)
         replica = ReplicaProcess(
             self.etcd, self.job, self.token_file, self._free_port(),
-            self.workdir / f"replica{index}.log", self.settings,
+            self.workdir / f"replica{index}.log", self.settings, self.events,
         )  # fmt: skip
         self.replicas.append(replica)
         return replica
@@ -244,6 +250,14 @@ class ControlPlane:
         )  # fmt: skip
         self.members.append(member)
         return member
+
+    def environment(self) -> dict[str, str]:
+        """What a user's own training script needs to find the job."""
+        return {
+            "ROLLCALL_RENDEZVOUS": ",".join(self.addresses),
+            "ROLLCALL_JOB": self.job,
+            "ROLLCALL_TOKEN": self.token,
+        }
 
     def client(self) -> Any:
         """An async RendezvousClient for this job (create it inside the event loop)."""
@@ -302,6 +316,24 @@ class WorkerProcess(Process):
 
     def steps(self) -> list[dict[str, Any]]:
         return [e for e in self.events() if e["event"] == "step"]
+
+
+class ProgramProcess(Process):
+    """A user's own training script (tests/programs/) finding the job through
+    the environment, printing JSON lines."""
+
+    def __init__(
+        self, plane: ControlPlane, program: str, args: Sequence[str], log_path: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        argv = [sys.executable, str(ROOT / "tests" / "programs" / program), *args]
+        super().__init__(argv, {**plane.environment(), **(env or {})}, log_path)
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        while not self.lines.empty():
+            self.seen.append(self.lines.get_nowait())
+        found = [json.loads(line) for line in self.seen if line.startswith("{")]
+        return [e for e in found if kind is None or e["event"] == kind]
 
 
 def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0, every: float = 0.1) -> Any:

@@ -122,3 +122,24 @@ def test_gradients_without_step_backward_are_noticed() -> None:
     _backward(model)  # loss.backward() instead of step.backward()
     with pytest.raises(UsageError, match=r"step.backward\(loss_sum, count\)"):
         watch.check()
+
+
+def test_a_guarded_scheduler_keeps_its_type_and_a_clean_state() -> None:
+    _, optimizer = _model_and_optimizer()
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)
+    before = scheduler.state_dict()
+    Ownership(optimizer, scheduler)
+    assert isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR)
+    assert type(scheduler).__name__ == "OneCycleLR"
+    assert scheduler.state_dict().keys() == before.keys()
+
+
+def test_a_scheduler_moved_behind_the_guards_back_is_noticed_before_the_update() -> None:
+    model, optimizer = _model_and_optimizer()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    owned = Ownership(optimizer, scheduler)
+    owned.check_schedule()
+    # Stepped through the class itself, as a parent scheduler would.
+    torch.optim.lr_scheduler.StepLR.step(scheduler)
+    with pytest.raises(UsageError, match="moved from step 0 to 1"):
+        owned.check_schedule()

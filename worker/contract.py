@@ -11,9 +11,8 @@ to the optimizer but not registered would restart on every joiner. The
 guards here refuse each of those with a :class:`UsageError` that says what
 to change, instead of letting the replicas drift apart.
 
-The guards patch only the objects given to them (an instance attribute for
-the scheduler's ``step``, a step pre-hook on the optimizer) and are removed
-by ``release()``.
+The guards change only the objects given to them (the scheduler's class, a
+step pre-hook on the optimizer) and are removed by ``release()``.
 """
 
 from __future__ import annotations
@@ -88,29 +87,43 @@ def _has_scheduler(optimizer: torch.optim.Optimizer) -> bool:
 
 class Ownership:
     """The runtime's ownership of ``optimizer.step`` and ``scheduler.step``:
-    calls from anywhere but :meth:`applying` raise :class:`UsageError`."""
+    calls from anywhere but :meth:`applying` raise :class:`UsageError`.
+
+    The optimizer is guarded by a step pre-hook (torch's own API). The
+    scheduler's class is swapped for a subclass whose ``step`` checks: a
+    scheduler's ``state_dict`` is its instance ``__dict__``, so patching an
+    attribute on the instance would end up in the state.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
         self._optimizer = optimizer
         self._scheduler = scheduler
         self._inside = False
         self._hook = optimizer.register_step_pre_hook(self._optimizer_step)
-        self._scheduler_step = None
+        self._scheduler_class: type | None = None
+        self._stepped = _schedule_position(scheduler)
         if scheduler is not None:
-            original = scheduler.step
-            self._scheduler_step = original
+            original = type(scheduler)
+            ownership = self
 
-            def guarded(*args: Any, **kwargs: Any) -> Any:
-                if not self._inside:
+            def step(this: Any, *args: Any, **kwargs: Any) -> Any:
+                if not ownership._inside:
                     raise UsageError(
                         "scheduler.step() was called in the training loop, but this scheduler "
                         "is registered with Elastic(scheduler=...), which steps it after "
                         "every committed step: remove scheduler.step() from the loop "
                         "(stepping it twice would run the schedule at double speed)"
                     )
-                return original(*args, **kwargs)
+                return original.step(this, *args, **kwargs)
 
-            scheduler.step = guarded
+            guarded = type(
+                original.__name__, (original,),
+                {"step": step, "__module__": original.__module__,
+                 "__qualname__": original.__qualname__},
+            )  # fmt: skip
+            with contextlib.suppress(TypeError):  # a class that refuses: checked at commit only
+                scheduler.__class__ = guarded
+                self._scheduler_class = original
 
     def _optimizer_step(self, *_: Any) -> None:
         if not self._inside:
@@ -129,18 +142,42 @@ class Ownership:
         finally:
             self._inside = False
 
+    def check_schedule(self) -> None:
+        """Before an update: the scheduler has not moved since the runtime
+        last stepped it (stepped through another object, or a class that
+        could not be guarded)."""
+        position = _schedule_position(self._scheduler)
+        if position != self._stepped:
+            raise UsageError(
+                f"the registered scheduler moved from step {self._stepped} to {position} "
+                "outside step.commit(): the runtime steps it after every committed step; "
+                "remove scheduler.step() from the loop"
+            )
+
     def step_scheduler(self) -> None:
         """Step the registered scheduler (after the optimizer's step)."""
         if self._scheduler is not None:
             with self.applying():
                 self._scheduler.step()
+            self._stepped = _schedule_position(self._scheduler)
+
+    def loaded(self) -> None:
+        """The scheduler's state was replaced (state restored)."""
+        self._stepped = _schedule_position(self._scheduler)
 
     def release(self) -> None:
         """Give the objects back as they were."""
         self._hook.remove()
-        if self._scheduler is not None and self._scheduler_step is not None:
-            with contextlib.suppress(AttributeError):
-                del self._scheduler.step  # the class's method shows again
+        if self._scheduler_class is not None:
+            self._scheduler.__class__ = self._scheduler_class
+            self._scheduler_class = None
+
+
+def _schedule_position(scheduler: Any) -> int | None:
+    """How far a scheduler has been stepped, where it says (torch's
+    schedulers count in ``last_epoch``)."""
+    position = getattr(scheduler, "last_epoch", None)
+    return position if isinstance(position, int) else None
 
 
 class GradientWatch:

@@ -521,6 +521,7 @@ class Elastic:
             obj.load_state_dict(extras[name])
         if self._buffers is not None:
             self._buffers.reset()
+        self._ownership.loaded()
         self.committed_step = state.step
 
     async def _store_port(self, epoch: int) -> int:
@@ -887,9 +888,12 @@ class Elastic:
         self._gradients.forget()
 
     def _check_scheduler_registered(self) -> None:
-        """A scheduler built on the optimizer after ``Elastic`` was."""
+        """A scheduler built on the optimizer after ``Elastic`` was, or the
+        registered one stepped outside the runtime."""
         if self._scheduler is None:
             check_scheduler(None, self._optimizer)
+        else:
+            self._ownership.check_schedule()
 
     def _account(self, step: Step) -> None:
         """Metrics for a committed step; after the first one of a view, tell

@@ -1,0 +1,201 @@
+"""An ordinary training script, ported to rollcall as docs/porting.md shows.
+
+A small CNN with BatchNorm and dropout learns a synthetic ten-class image
+set (a map-style Dataset with random flips), read through a DataLoader with
+worker processes; AdamW with a OneCycleLR schedule; gradient clipping;
+evaluation every few steps on rank 0 while the others wait; the final model
+saved. Run under ``rollcall up -- python tests/programs/cnn_train.py`` or
+with ``ROLLCALL_RENDEZVOUS``/``ROLLCALL_JOB``/``ROLLCALL_TOKEN`` set.
+
+For the tests it prints one JSON line per event on stdout, and
+``--reference`` runs the same training in one process without rollcall
+(the single-process run the elastic one is compared with). Flags named
+``--misuse-...`` make the mistakes a port must be refused for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from rollcall import Elastic
+
+
+class Shapes(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Ten classes of 12x12 images: a class pattern plus noise, flipped at
+    random (augmentation drawn from the global torch RNG)."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        patterns = torch.randn(10, 1, 12, 12, generator=generator)
+        self.labels = torch.randint(0, 10, (size,), generator=generator)
+        self.images = patterns[self.labels] + 0.8 * torch.randn(
+            size, 1, 12, 12, generator=generator
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.images[index]
+        if torch.rand(()) < 0.5:
+            image = image.flip(-1)
+        return image, self.labels[index]
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
+            nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.dropout = nn.Dropout(0.2)
+        self.head = nn.Linear(2 * width * 6 * 6, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.dropout(self.features(images).flatten(1)))
+
+
+def loss_sum(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[Any, int]:
+    return F.cross_entropy(model(images), labels, reduction="sum"), len(labels)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Shapes) -> float:
+    model.eval()
+    loss = F.cross_entropy(model(data.images), data.labels).item()
+    model.train()
+    return loss
+
+
+def say(**record: Any) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def build(args: argparse.Namespace) -> tuple[Net, torch.optim.Optimizer, Any, Shapes, Shapes]:
+    torch.manual_seed(args.model_seed)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=args.lr, total_steps=args.steps
+    )
+    return model, optimizer, scheduler, Shapes(args.samples, seed=1), Shapes(256, seed=2)
+
+
+def clip(model: nn.Module) -> Any:
+    return lambda step: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+def train(args: argparse.Namespace) -> None:
+    model, optimizer, scheduler, data, validation = build(args)
+    loader = DataLoader(data, batch_size=args.micro_batch, num_workers=args.loader_workers)
+    with Elastic(
+        model, optimizer, loader if args.loader_workers else data,
+        global_batch=args.global_batch, micro_batch=args.micro_batch, seed=args.seed,
+        scheduler=scheduler, before_update=clip(model), min_workers=args.min_workers,
+        ledger=args.ledger,
+    ) as job:  # fmt: skip
+        say(event="joined", member_id=job.member_id)
+        for step in job.steps(args.steps):
+            for batch in step.microbatches():
+                loss, count = loss_sum(model, batch.inputs, batch.targets)
+                step.backward(loss, count)
+                if args.misuse_scheduler:
+                    scheduler.step()
+            if not step.commit():
+                say(event="aborted", step=step.number, epoch=step.epoch)
+                continue
+            record = {"event": "step", "step": step.number, "loss": step.loss,
+                      "epoch": step.epoch, "rank": step.rank, "world": step.world_size,
+                      "lr": optimizer.param_groups[0]["lr"]}  # fmt: skip
+            if args.digests:
+                record["digest"] = job.state_digest()
+            say(**record)
+            if step.rank == 0 and args.eval_every and (step.number + 1) % args.eval_every == 0:
+                with job.busy("evaluation"):
+                    started = time.monotonic()
+                    value = evaluate(model, validation)
+                    time.sleep(args.eval_pause)
+                say(event="eval", step=step.number, loss=value,
+                    seconds=time.monotonic() - started)  # fmt: skip
+        say(event="done", step=job.committed_step)
+        if job.rank == 0 and args.save:
+            torch.save(model.state_dict(), args.save)
+        if args.save_all:
+            torch.save(model.state_dict(), f"{args.save_all}/model-{job.member_id}.pt")
+
+
+def reference(args: argparse.Namespace) -> None:
+    """The same training in one process, no rollcall: every microbatch of a
+    step in index order, loaded and seeded as the runtime does."""
+    from worker.plan import DataPlan
+
+    model, optimizer, scheduler, data, _ = build(args)
+    plan = DataPlan(len(data), args.global_batch, args.micro_batch, args.seed)
+    for number in range(args.until or args.steps):
+        total, count = 0.0, 0
+        for mb in plan.microbatches(number):
+            torch.manual_seed(mb.seed)
+            samples = [data[i] for i in mb.sample_ids]
+            images = torch.stack([s[0] for s in samples])
+            labels = torch.stack([s[1] for s in samples])
+            loss, n = loss_sum(model, images, labels)
+            loss.backward()
+            total += float(loss.detach())
+            count += n
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(count)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        say(event="step", step=number, loss=total / count, lr=optimizer.param_groups[0]["lr"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--global-batch", type=int, default=48)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=3000)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0, help="data plan seed")
+    parser.add_argument("--model-seed", type=int, default=0, help="initial weights")
+    parser.add_argument("--loader-workers", type=int, default=0)
+    parser.add_argument("--min-workers", type=int, default=1)
+    parser.add_argument("--eval-every", type=int, default=0)
+    parser.add_argument(
+        "--eval-pause",
+        type=float,
+        default=0.0,
+        help="seconds an evaluation takes on top of its compute",
+    )
+    parser.add_argument("--ledger")
+    parser.add_argument("--save", help="rank 0 saves the final model here")
+    parser.add_argument("--save-all", help="every rank saves its final model in this directory")
+    parser.add_argument("--digests", action="store_true", help="print each step's state digest")
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--until", type=int, help="with --reference: stop after this many steps")
+    parser.add_argument(
+        "--misuse-scheduler",
+        action="store_true",
+        help="also step the registered scheduler in the loop",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    (reference if args.reference else train)(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

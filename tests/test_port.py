@@ -1,0 +1,250 @@
+"""A real user's training loop comes out right, or is refused with a clear
+error: an ordinary script (tests/programs/cnn_train.py: BatchNorm, dropout,
+a DataLoader with worker processes, AdamW with OneCycleLR, clipping through
+the hook, evaluation on rank 0, the model saved) run as real processes on a
+real etcd and rendezvous service."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from membership.config import Config
+from tests.harness import ROOT, ControlPlane, ProgramProcess, WorkerProcess, wait_for
+from worker.plan import DataPlan, Ledger, merge_ledgers
+
+pytestmark = pytest.mark.integration
+
+PATIENCE = 120.0
+PROGRAM = "cnn_train.py"
+
+
+@pytest.fixture
+def plane(etcd, tmp_path: Path) -> Iterator[ControlPlane]:
+    control = ControlPlane([etcd.endpoint], tmp_path, events=True)
+    try:
+        yield control
+    finally:
+        control.close()
+
+
+class Programs:
+    """Copies of the test program, all stopped at the end."""
+
+    def __init__(self, plane: ControlPlane, tmp_path: Path) -> None:
+        self.plane, self.tmp_path = plane, tmp_path
+        self.all: list[ProgramProcess] = []
+
+    def start(self, *args: str) -> ProgramProcess:
+        index = len(self.all)
+        program = ProgramProcess(
+            self.plane, PROGRAM,
+            [*args, "--ledger", str(self.tmp_path / f"ledger{index}.jsonl")],
+            self.tmp_path / f"program{index}.log",
+        )  # fmt: skip
+        self.all.append(program)
+        return program
+
+    def close(self) -> None:
+        for program in self.all:
+            with contextlib.suppress(Exception):
+                program.stop(timeout=20)
+
+
+@pytest.fixture
+def programs(plane: ControlPlane, tmp_path: Path) -> Iterator[Programs]:
+    group = Programs(plane, tmp_path)
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+def wait_step(program: ProgramProcess, predicate, timeout: float = PATIENCE) -> dict:
+    return program.wait_event(lambda e: e["event"] == "step" and predicate(e), timeout)
+
+
+def reference_losses(*args: str) -> dict[int, float]:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "programs" / PROGRAM), "--reference", *args],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+
+
+def replica_log(plane: ControlPlane) -> str:
+    return plane.replicas[0].log_path.read_text()
+
+
+def view_changes(plane: ControlPlane) -> list[dict]:
+    assert plane.events is not None
+    if not plane.events.exists():
+        return []
+    records = [json.loads(line) for line in plane.events.read_text().splitlines()]
+    return [r for r in records if r.get("kind") == "view_change"]
+
+
+def test_an_ordinary_script_survives_a_kill_and_a_join_with_every_replica_identical(
+    programs: Programs, tmp_path: Path
+) -> None:
+    steps = 400  # the survivors must still be training when the joiner arrives
+    (tmp_path / "models").mkdir()
+    models = tmp_path / "models"
+    common = ["--steps", str(steps), "--digests", "--eval-every", "40", "--save-all", str(models)]
+    team = [programs.start(*common, "--min-workers", "3") for _ in range(3)]
+    for program in team:
+        wait_step(program, lambda e: e["step"] >= 25)
+    victim, survivors = team[2], team[:2]
+    killed_at_step = max(e["step"] for e in victim.events("step"))
+    victim.kill()
+    for program in survivors:
+        wait_step(program, lambda e: e["world"] == 2)
+    fetches_before_join = [p.log_tail(400).count("pulled step") for p in survivors]
+    joiner = programs.start(*common)
+    for program in [*survivors, joiner]:
+        wait_step(program, lambda e: e["world"] == 3, timeout=PATIENCE)
+    for program in [*survivors, joiner]:
+        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+
+    # Every replica has the same full state (parameters, buffers, optimizer,
+    # scheduler) at every step it committed.
+    by_step: dict[int, set[str]] = {}
+    for program in programs.all:
+        for event in program.events("step"):
+            by_step.setdefault(event["step"], set()).add(event["digest"])
+    assert sorted(by_step) == list(range(steps))
+    assert {s: d for s, d in by_step.items() if len(d) > 1} == {}
+    # Survivors' buffers agree, so the kill cost them no state fetch.
+    assert [p.log_tail(400).count("pulled step") for p in survivors] == fetches_before_join
+    assert "pulled step" in joiner.log_tail(400)
+    # No sample lost or repeated across the kill and the join.
+    ledgers = [Ledger.load(tmp_path / f"ledger{i}.jsonl").steps() for i in range(4)]
+    plan = DataPlan(3000, 48, 8, 0)
+    merged = merge_ledgers([ledger for ledger in ledgers if ledger])
+    assert Ledger.compare({s: plan.step_samples(s) for s in range(steps)}, merged) == []
+    # Until the kill the loss is that of one process running the global batch.
+    reference = reference_losses("--steps", str(steps), "--until", str(killed_at_step + 1))
+    for event in team[0].events("step"):
+        if event["step"] <= killed_at_step and event["world"] == 3:
+            assert event["loss"] == pytest.approx(reference[event["step"]], rel=1e-6)
+    assert any(e["event"] == "eval" for p in programs.all for e in p.events())
+    # Whichever rank saves the model, it is the same model, buffers included.
+    saved = [torch.load(path, weights_only=True) for path in sorted(models.glob("*.pt"))]
+    assert len(saved) == 3
+    for other in saved[1:]:
+        assert other.keys() == saved[0].keys()
+        assert all(torch.equal(other[k], saved[0][k]) for k in saved[0]), "replicas differ"
+
+
+def test_a_scheduler_stepped_in_the_loop_as_well_is_refused(programs: Programs) -> None:
+    program = programs.start("--steps", "20", "--misuse-scheduler")
+    assert program.proc.wait(timeout=PATIENCE) != 0
+    assert "remove scheduler.step() from the loop" in program.log_tail(30)
+    assert program.events("step") == [], "a step was applied with the schedule stepped twice"
+
+
+def test_a_late_worker_on_a_job_with_progress_and_no_checkpoint_will_not_start_from_scratch(
+    plane: ControlPlane, tmp_path: Path
+) -> None:
+    first = WorkerProcess(plane, tmp_path / "first.log", steps=1000)
+    try:
+        first.wait_event(lambda e: e["event"] == "step" and e["step"] >= 5, timeout=PATIENCE)
+        wait_for(lambda: plane.status_json()["last_step"] is not None, "progress recorded")
+    finally:
+        first.kill()
+    late = WorkerProcess(plane, tmp_path / "late.log", steps=1000)
+    try:
+        assert late.proc.wait(timeout=PATIENCE) == 4
+        tail = late.log_tail(20)
+        assert "cannot resume" in tail and "--start-over" in tail
+        assert late.steps() == [], "the late worker trained from step 0"
+    finally:
+        late.stop()
+    again = WorkerProcess(plane, tmp_path / "again.log", steps=1000, extra=["--start-over"])
+    try:
+        first_step = again.wait_event(lambda e: e["event"] == "step", timeout=PATIENCE)
+        assert first_step["step"] == 0
+        assert "starting over from step 0 as asked" in again.log_tail(50)
+    finally:
+        again.stop()
+
+
+def test_sigterm_is_a_clean_leave_not_a_crash(plane: ControlPlane, tmp_path: Path) -> None:
+    team = [WorkerProcess(plane, tmp_path / f"w{i}.log", steps=100_000) for i in range(3)]
+    try:
+        for worker in team:
+            worker.wait_event(lambda e: e["event"] == "step" and e["world"] == 3, PATIENCE)
+        leaving = team[2]
+        before = max(e["epoch"] for e in team[0].steps())
+        sent = time.monotonic()
+        leaving.signal(signal.SIGTERM)
+        team[0].wait_event(
+            lambda e: e["event"] == "step" and e["epoch"] > before and e["world"] == 2, PATIENCE
+        )
+        stall = time.monotonic() - sent
+        assert leaving.proc.wait(timeout=PATIENCE) == 128 + signal.SIGTERM
+        assert "left job" in leaving.log_tail(10) and "Traceback" not in leaving.log_tail(40)
+        print(f"\nSIGTERM -> next committed step of the others: {stall * 1000:.0f} ms")
+        assert stall < Config().detection_bound(), "the others waited for a detector"
+        log = replica_log(plane)
+        assert f"leave:{leaving.member_id}" in log
+        assert f"suspect:{leaving.member_id}" not in log
+        changes = wait_for(
+            lambda: [c for c in view_changes(plane) if c["epoch"] > before], "the view change"
+        )
+        assert changes[0]["cause"] == "leave"
+    finally:
+        for worker in team:
+            worker.stop()
+
+
+def test_a_rank_away_for_45_s_in_declared_busy_time_costs_no_roll_call(
+    programs: Programs, plane: ControlPlane
+) -> None:
+    # Rank 0 evaluates for 45 s after step 9; collective_timeout stays at its
+    # default of 30 s, so without the busy declaration the other rank would
+    # give up on it and ask for a roll call.
+    args = ["--steps", "14", "--eval-every", "10", "--eval-pause", "45", "--min-workers", "2"]
+    team = [programs.start(*args) for _ in range(2)]
+    for program in team:
+        wait_step(program, lambda e: e["step"] >= 9)
+    epoch = max(e["epoch"] for e in team[0].events("step"))
+    for program in team:
+        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+    evaluation = [e for p in team for e in p.events("eval")]
+    assert len(evaluation) == 1 and evaluation[0]["seconds"] >= 45
+    after = [e for p in team for e in p.events("step") if e["step"] > 9]
+    assert {e["epoch"] for e in after} == {epoch}, "a roll call happened during the busy time"
+    log = replica_log(plane)
+    assert "reports" not in log and "suspect" not in log
+    assert "busy (evaluation)" in log
+    [waiting] = [p for p in team if not p.events("eval")]
+    assert "is busy (evaluation)" in waiting.log_tail(100)
+
+
+def test_an_unreachable_rendezvous_is_said_within_seconds(plane: ControlPlane) -> None:
+    from rendezvous.etcd_local import free_port
+
+    program = ProgramProcess(
+        plane, PROGRAM, ["--steps", "5"], plane.workdir / "lost.log",
+        env={"ROLLCALL_RENDEZVOUS": f"127.0.0.1:{free_port()}"},
+    )  # fmt: skip
+    try:
+        started = time.monotonic()
+        wait_for(
+            lambda: "cannot reach the rendezvous service" in program.log_tail(5),
+            "the unreachable-service message", timeout=30,
+        )  # fmt: skip
+        assert time.monotonic() - started < 20
+    finally:
+        program.stop()
