@@ -73,13 +73,14 @@ def wait_step(program: ProgramProcess, predicate, timeout: float = PATIENCE) -> 
     return program.wait_event(lambda e: e["event"] == "step" and predicate(e), timeout)
 
 
-def reference_losses(*args: str) -> dict[int, float]:
+def reference_steps(*args: str) -> dict[int, dict]:
+    """Step records of the single-process run (no rollcall) of the program."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "programs" / PROGRAM), "--reference", *args],
         capture_output=True, text=True, timeout=600, check=True,
     )  # fmt: skip
     events = [json.loads(line) for line in result.stdout.splitlines()]
-    return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+    return {e["step"]: e for e in events if e["event"] == "step"}
 
 
 def replica_log(plane: ControlPlane) -> str:
@@ -133,10 +134,16 @@ def test_an_ordinary_script_survives_a_kill_and_a_join_with_every_replica_identi
     merged = merge_ledgers([ledger for ledger in ledgers if ledger])
     assert Ledger.compare({s: plan.step_samples(s) for s in range(steps)}, merged) == []
     # Until the kill the loss is that of one process running the global batch.
-    reference = reference_losses("--steps", str(steps), "--until", str(killed_at_step + 1))
+    reference = reference_steps("--steps", str(steps), "--until", str(killed_at_step + 1))
+    # Clipping in before_update saw the global gradient: the same norm.
+    compared = 0
     for event in team[0].events("step"):
         if event["step"] <= killed_at_step and event["world"] == 3:
-            assert event["loss"] == pytest.approx(reference[event["step"]], rel=1e-6)
+            expected = reference[event["step"]]
+            assert event["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+            assert event["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+            compared += 1
+    assert compared >= 20
     assert any(e["event"] == "eval" for p in programs.all for e in p.events())
     # Whichever rank saves the model, it is the same model, buffers included.
     saved = [torch.load(path, weights_only=True) for path in sorted(models.glob("*.pt"))]
@@ -214,7 +221,8 @@ def test_a_rank_away_for_45_s_in_declared_busy_time_costs_no_roll_call(
     # Rank 0 evaluates for 45 s after step 9; collective_timeout stays at its
     # default of 30 s, so without the busy declaration the other rank would
     # give up on it and ask for a roll call.
-    args = ["--steps", "14", "--eval-every", "10", "--eval-pause", "45", "--min-workers", "2"]
+    args = ["--steps", "14", "--eval-every", "10", "--eval-pause", "45", "--min-workers", "2",
+            "--eval-all", "5"]  # fmt: skip
     team = [programs.start(*args) for _ in range(2)]
     for program in team:
         wait_step(program, lambda e: e["step"] >= 9)
@@ -230,6 +238,23 @@ def test_a_rank_away_for_45_s_in_declared_busy_time_costs_no_roll_call(
     assert "busy (evaluation)" in log
     [waiting] = [p for p in team if not p.events("eval")]
     assert "is busy (evaluation)" in waiting.log_tail(100)
+    # The ranks' own all-reduced evaluation (at steps 4 and 9, the second
+    # one waiting for the busy rank) is that of the whole validation set.
+    shared = [e for p in team for e in p.events("eval_all")]
+    assert sorted(e["step"] for e in shared) == [4, 4, 9, 9]
+    for event in shared:
+        assert event["world"] == 2
+        assert event["loss"] == pytest.approx(event["alone"], rel=1e-5)
+
+
+def test_a_grad_scaler_changes_nothing_but_the_scale(programs: Programs) -> None:
+    # Powers of two scale and unscale exactly: one worker with a GradScaler
+    # trains bit for bit like the single-process run without one.
+    program = programs.start("--steps", "25", "--grad-scaler")
+    assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+    reference = reference_steps("--steps", "25")
+    losses = [(e["step"], e["loss"]) for e in program.events("step")]
+    assert losses == [(s, reference[s]["loss"]) for s in range(25)]
 
 
 def test_an_unreachable_rendezvous_is_said_within_seconds(plane: ControlPlane) -> None:

@@ -857,10 +857,10 @@ class Elastic:
             if self._buffers is not None
             else []
         )
-        # In the gradients' own buffer when it is float32 or float64 (one
-        # collective; counts are exact below 2**24 in float32).
-        totals_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float64
-        totals = torch.tensor([float(step._count), step._loss], dtype=totals_dtype)
+        # float64 (a second, tiny collective when gradients are float32):
+        # a count of samples or tokens stays exact up to 2**53, where
+        # float32 would round it above 2**24.
+        totals = torch.tensor([float(step._count), step._loss], dtype=torch.float64)
         slots = slice(len(grads), len(grads) + len(buffers))
         return [*grads, *buffers, totals], slots
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from rollcall import Elastic
+from rollcall import Elastic, ViewChanged
 
 
 class Shapes(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -66,6 +66,28 @@ class Net(nn.Module):
         return self.head(self.dropout(self.features(images).flatten(1)))
 
 
+class EMA:
+    """An exponential moving average of the weights: user state that must
+    travel with the replica (registered with Elastic(state=...))."""
+
+    def __init__(self, model: nn.Module, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        for name, value in model.state_dict().items():
+            if value.is_floating_point():
+                self.weights[name].mul_(self.decay).add_(value, alpha=1 - self.decay)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "weights": self.weights}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.decay = state["decay"]
+        self.weights = {k: v.clone() for k, v in state["weights"].items()}
+
+
 def loss_sum(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[Any, int]:
     return F.cross_entropy(model(images), labels, reduction="sum"), len(labels)
 
@@ -92,18 +114,48 @@ def build(args: argparse.Namespace) -> tuple[Net, torch.optim.Optimizer, Any, Sh
     return model, optimizer, scheduler, Shapes(args.samples, seed=1), Shapes(256, seed=2)
 
 
-def clip(model: nn.Module) -> Any:
-    return lambda step: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+class Clip:
+    """Gradient clipping by global norm, run by the runtime between the
+    reduced, normalised gradient and the optimizer step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.norm = 0.0
+
+    def __call__(self, step: Any) -> None:
+        self.norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
+
+
+@torch.no_grad()
+def evaluate_shard(job: Elastic, model: nn.Module, data: Shapes) -> float | None:
+    """Every rank evaluates its share of the validation set; the summed loss
+    is all-reduced (None if the view changed meanwhile)."""
+    rank, size = job.rank or 0, job.world_size or 1
+    model.eval()
+    images, labels = data.images[rank::size], data.labels[rank::size]
+    totals = torch.tensor(
+        [F.cross_entropy(model(images), labels, reduction="sum").item(), len(labels)],
+        dtype=torch.float64,
+    )
+    model.train()
+    try:
+        job.all_reduce(totals)
+    except ViewChanged:
+        return None
+    return float(totals[0] / totals[1])
 
 
 def train(args: argparse.Namespace) -> None:
     model, optimizer, scheduler, data, validation = build(args)
     loader = DataLoader(data, batch_size=args.micro_batch, num_workers=args.loader_workers)
+    ema = EMA(model)
+    clip = Clip(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if args.grad_scaler else None
     with Elastic(
         model, optimizer, loader if args.loader_workers else data,
         global_batch=args.global_batch, micro_batch=args.micro_batch, seed=args.seed,
-        scheduler=scheduler, before_update=clip(model), min_workers=args.min_workers,
-        ledger=args.ledger,
+        scheduler=scheduler, grad_scaler=scaler, state={"ema": ema}, before_update=clip,
+        min_workers=args.min_workers, ledger=args.ledger,
     ) as job:  # fmt: skip
         say(event="joined", member_id=job.member_id)
         for step in job.steps(args.steps):
@@ -115,9 +167,10 @@ def train(args: argparse.Namespace) -> None:
             if not step.commit():
                 say(event="aborted", step=step.number, epoch=step.epoch)
                 continue
+            ema.update(model)
             record = {"event": "step", "step": step.number, "loss": step.loss,
                       "epoch": step.epoch, "rank": step.rank, "world": step.world_size,
-                      "lr": optimizer.param_groups[0]["lr"]}  # fmt: skip
+                      "lr": optimizer.param_groups[0]["lr"], "grad_norm": clip.norm}  # fmt: skip
             if args.digests:
                 record["digest"] = job.state_digest()
             say(**record)
@@ -128,6 +181,10 @@ def train(args: argparse.Namespace) -> None:
                     time.sleep(args.eval_pause)
                 say(event="eval", step=step.number, loss=value,
                     seconds=time.monotonic() - started)  # fmt: skip
+            if args.eval_all and (step.number + 1) % args.eval_all == 0:
+                shared = evaluate_shard(job, model, validation)
+                say(event="eval_all", step=step.number, loss=shared, world=job.world_size,
+                    alone=evaluate(model, validation))  # fmt: skip
         say(event="done", step=job.committed_step)
         if job.rank == 0 and args.save:
             torch.save(model.state_dict(), args.save)
@@ -141,6 +198,7 @@ def reference(args: argparse.Namespace) -> None:
     from worker.plan import DataPlan
 
     model, optimizer, scheduler, data, _ = build(args)
+    ema = EMA(model)
     plan = DataPlan(len(data), args.global_batch, args.micro_batch, args.seed)
     for number in range(args.until or args.steps):
         total, count = 0.0, 0
@@ -156,11 +214,13 @@ def reference(args: argparse.Namespace) -> None:
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.div_(count)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        say(event="step", step=number, loss=total / count, lr=optimizer.param_groups[0]["lr"])
+        ema.update(model)
+        say(event="step", step=number, loss=total / count, lr=optimizer.param_groups[0]["lr"],
+            grad_norm=norm)  # fmt: skip
 
 
 def main() -> None:
@@ -174,7 +234,12 @@ def main() -> None:
     parser.add_argument("--model-seed", type=int, default=0, help="initial weights")
     parser.add_argument("--loader-workers", type=int, default=0)
     parser.add_argument("--min-workers", type=int, default=1)
-    parser.add_argument("--eval-every", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=0, help="rank 0 evaluates every N steps")
+    parser.add_argument(
+        "--eval-all", type=int, default=0,
+        help="every N steps all ranks evaluate a shard and all-reduce it",
+    )  # fmt: skip
+    parser.add_argument("--grad-scaler", action="store_true", help="a (CPU) GradScaler")
     parser.add_argument(
         "--eval-pause",
         type=float,
