@@ -1,6 +1,7 @@
 """The runtime's report channel to its supervisor (worker/report.py) on its
-own, over a real socket pair: what it sends, and that a missing or vanished
-supervisor costs training nothing."""
+own, over a real socket pair: what it sends, that a missing or vanished
+supervisor costs training nothing, and how `up` reads the reports
+(ManagedWorker)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from membership.checkpoint import ReplayCost
 from membership.errors import Evicted, Interrupted, NotAMember, ProgressLost
+from rollcall.local import ManagedWorker
 from worker.checkpoint import CheckpointUnusable
 from worker.environment import ENV_REPORT_FD
 from worker.report import EndReason, SupervisorReport, end_reason
@@ -239,3 +243,30 @@ def test_from_env_refuses_what_is_not_a_seqpacket_socket_and_leaves_it_open(monk
 )
 def test_the_exception_in_flight_names_why_the_runtime_ended(error, why):
     assert end_reason(error) is why
+
+
+def managed(tmp_path: Path) -> ManagedWorker:
+    return ManagedWorker(0, "w0", SimpleNamespace(pid=4242), tmp_path / "w0.log")  # type: ignore[arg-type]
+
+
+def test_up_follows_a_worker_through_its_reports(tmp_path):
+    worker = managed(tmp_path)
+    joined = {"event": "joined", "member_id": "w0-1a2b", "pid": 1, "address": "127.0.0.1:1"}
+    assert worker.apply(joined) is None
+    assert (worker.state, worker.member_id) == ("joining", "w0-1a2b")
+    worker.apply({"event": "step", "step": 7, "epoch": 2, "rank": 1, "world": 3, "loss": 1.0,
+                  "samples_s": 250.0})  # fmt: skip
+    assert (worker.state, worker.step, worker.rank, worker.world) == ("training", 7, 1, 3)
+    notice = worker.apply({"event": "ended", "why": "evicted", "message": "Evicted: epoch 9"})
+    assert worker.state == "evicted" and notice is not None and "Evicted: epoch 9" in notice
+    assert str(worker.log_path) in notice
+    assert worker.exited(3) is None and worker.state == "evicted" and not worker.alive
+
+
+def test_up_names_an_exit_its_runtime_did_not_report(tmp_path):
+    killed, crashed, finished = managed(tmp_path), managed(tmp_path), managed(tmp_path)
+    assert "killed" in (killed.exited(-9) or "") and killed.state == "killed"
+    assert crashed.exited(1) is not None and crashed.state == "exited 1"
+    finished.apply({"event": "done", "step": 99})
+    finished.apply({"event": "ended", "why": "left", "message": ""})
+    assert finished.exited(0) is None and finished.state == "done" and finished.done
