@@ -67,6 +67,8 @@ def test_a_user_script_trains_to_the_end_while_workers_are_added_and_killed(tmp_
     assert len(finished) == 2 and victim.split("-")[0] not in finished, logs
     assert list((workdir / "checkpoints").glob("ckpt-*")), "ROLLCALL_CHECKPOINT_DIR unused"
     assert mode(workdir) == 0o700 and mode(workdir / "token") == 0o600
+    report = up.run("report", str(up.events), "-o", str(tmp_path / "report.png"))
+    assert report.returncode == 0 and "goodput" in report.stdout, report.stderr
 
 
 def test_ctrl_c_stops_a_wrapped_command_and_the_training_process_it_started(tmp_path: Path):
