@@ -11,7 +11,7 @@ import time
 import torch
 from torch import nn
 
-from worker.runtime import Elastic
+from rollcall import Elastic
 
 
 def main() -> None:
