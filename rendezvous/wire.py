@@ -34,6 +34,8 @@ from rollcall.pb import rendezvous_pb2 as pb
 TOKEN_METADATA = "authorization"
 #: Trailing metadata key naming the leader when a standby refuses a call.
 LEADER_METADATA = "rollcall-leader"
+#: Environment variable naming a file that holds the job token.
+TOKEN_FILE_ENV = "ROLLCALL_TOKEN_FILE"
 #: Environment variable holding the job token when no file is given.
 TOKEN_ENV = "ROLLCALL_TOKEN"
 
@@ -109,23 +111,46 @@ def manifest_from_pb(message: pb.Checkpoint) -> CheckpointManifest:
 
 
 def read_token(token_file: str | os.PathLike[str] | None) -> str:
-    """The job token from ``token_file``, else from ``$ROLLCALL_TOKEN``.
+    """The job token, from the first of: ``token_file`` (``--token-file``),
+    the file named by ``$ROLLCALL_TOKEN_FILE``, ``$ROLLCALL_TOKEN``.
 
-    Raises ``ValueError`` with a message fit for the command line (the token
-    itself never appears in it)."""
-    if token_file is not None:
-        path = Path(token_file)
-        try:
-            token = path.read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read token file {path}: {exc.strerror}") from None
-        if not token:
-            raise ValueError(f"token file {path} is empty")
-        return token
+    A file comes before the token itself in the environment: its mode
+    guards it, while the environment is handed on to every program the
+    process starts. Raises ``ValueError`` with a message fit for the command
+    line (the token itself never appears in it)."""
+    path = token_file if token_file is not None else os.environ.get(TOKEN_FILE_ENV) or None
+    if path is not None:
+        return _token_from_file(Path(path))
     token = os.environ.get(TOKEN_ENV, "").strip()
     if not token:
-        raise ValueError(f"no job token: pass --token-file FILE or set {TOKEN_ENV}")
+        raise ValueError(
+            f"no job token: pass --token-file FILE or set {TOKEN_FILE_ENV} or {TOKEN_ENV}"
+        )
     return token
+
+
+def _token_from_file(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read token file {path}: {exc.strerror}") from None
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
+def write_token_file(path: Path, token: str) -> bool:
+    """Create ``path`` holding ``token``, readable by this user only from
+    the moment it exists (no window in which another user could open it).
+    False if the file already exists (it is left as it is)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return False
+    os.fchmod(fd, 0o600)  # a strict umask may have taken the owner's bits too
+    with os.fdopen(fd, "w") as file:
+        file.write(token)
+    return True
 
 
 def token_metadata(token: str) -> tuple[tuple[str, str], ...]:

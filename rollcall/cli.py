@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import sys
@@ -22,12 +23,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 from membership.config import Config
 from membership.errors import RollcallError
+
+if TYPE_CHECKING:
+    from rollcall.local import WorkerOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -100,7 +104,8 @@ def token_option(fn: F) -> F:
     return click.option(
         "--token-file",
         type=click.Path(dir_okay=False, path_type=Path),
-        help="File holding the job token (default: $ROLLCALL_TOKEN).",
+        help="File holding the job token (default: the file named by $ROLLCALL_TOKEN_FILE, "
+        "else $ROLLCALL_TOKEN).",
     )(fn)
 
 
@@ -297,7 +302,13 @@ def resolve_target(
         raise click.UsageError("--rendezvous and --job go together")
     from rollcall.local import find_local
 
-    record = find_local()
+    return local_target(find_local(), token_file)
+
+
+def local_target(
+    record: dict[str, Any], token_file: Path | None
+) -> tuple[list[str], str, Path | None]:
+    """Where a command goes to reach the local `up` of discovery ``record``."""
     return [record["rendezvous"]], record["job"], token_file or Path(record["token_file"])
 
 
@@ -334,8 +345,13 @@ def status(
     """Show a job's current view, leader and last committed step."""
     from rendezvous.client import ClientTLS, RendezvousClient
     from rendezvous.wire import read_token
+    from rollcall.local import find_local
 
-    replicas, job, token_file = resolve_target(addresses, job, token_file)
+    local = None if addresses or job else find_local()
+    if local is None:
+        replicas, job, token_file = resolve_target(addresses, job, token_file)
+    else:
+        replicas, job, token_file = local_target(local, token_file)
     token = read_token(token_file)
     tls = ClientTLS(tls_ca, tls_cert, tls_key) if tls_ca else None
     config = Config(client_call_deadline=timeout)
@@ -370,6 +386,12 @@ def status(
         return
     step = "-" if result.step is None else str(result.step)
     click.echo(f"job {job}  epoch {result.view.epoch}  step {step}  leader {result.leader or '-'}")
+    if local is not None:
+        runs = shlex.join(local["command"]) if local.get("command") else "the built-in example"
+        click.echo(
+            f"local `rollcall up` (pid {local['pid']}) runs {runs}; "
+            f"work directory {local['workdir']}"
+        )
     if not members:
         click.echo("no members")
     for m in members:
@@ -382,27 +404,35 @@ def status(
         )
 
 
-@main.command()
+#: `up` options that configure the built-in example: refused with a COMMAND.
+EXAMPLE_ONLY = ("steps", "global_batch", "micro_batch", "d_model", "layers", "checkpoint_every")
+
+
+@main.command(context_settings={"allow_interspersed_args": False})
 @click.option("--workers", type=click.IntRange(0, 64), default=4, show_default=True,
-              help="Example workers to start (0: the control plane only).")
+              help="Workers to start: copies of COMMAND, or of the built-in example "
+                   "(0: the control plane only).")
 @click.option("--steps", type=click.IntRange(min=1), default=2000, show_default=True,
-              help="Steps the job trains for; `up` ends when the workers are done.")
+              help="Example only: steps the job trains for; `up` ends when the workers are done.")
 @click.option("--events", type=click.Path(dir_okay=False, path_type=Path),
               help="Write view-change events here (default: in the work directory).")
 @click.option("--job", default="dev", show_default=True, help="Job name.")
 @click.option("--listen", default="127.0.0.1:0", show_default=True, metavar="HOST:PORT",
               help="Address of the rendezvous service (port 0 picks a free one).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Keep etcd's data, the token, checkpoints and logs here "
-                   "(default: a temporary directory, deleted on exit).")
-@click.option("--global-batch", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--micro-batch", type=click.IntRange(min=1), default=8, show_default=True)
+              help="Keep etcd's data, the token, checkpoints and logs here; it must be new "
+                   "or open to this user only (default: a temporary directory, deleted on "
+                   "exit). Created with mode 0700.")
+@click.option("--global-batch", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Example only.")
+@click.option("--micro-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Example only.")
 @click.option("--d-model", type=click.IntRange(min=4), default=64, show_default=True,
-              help="Example model width.")
+              help="Example only: model width.")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Example model depth.")
+              help="Example only: model depth.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=100, show_default=True,
-              help="Durable checkpoint every N steps.")
+              help="Example only: durable checkpoint every N steps.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Serve the rendezvous service's Prometheus metrics on this port.")
 @click.option("--live/--no-live", default=None,
@@ -410,33 +440,57 @@ def status(
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="warning", show_default=True)
 @config_option
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[-- COMMAND [ARGS]...]")
 def up(
     workers: int, steps: int, events: Path | None, job: str, listen: str,
     data_dir: Path | None, global_batch: int, micro_batch: int, d_model: int, layers: int,
     checkpoint_every: int, metrics_port: int | None, live: bool | None, log_level: str,
-    overrides: tuple[str, ...],
+    overrides: tuple[str, ...], command: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Run a local cluster: an embedded etcd, a rendezvous service and
-    example workers training, with a live view.
+    workers training, with a live view. The workers are copies of COMMAND
+    (e.g. `rollcall up --workers 3 -- python train.py --lr 0.1`), or of the
+    built-in example without one.
+
+    Each copy of COMMAND finds the job in its environment:
+    ROLLCALL_RENDEZVOUS, ROLLCALL_JOB, ROLLCALL_TOKEN_FILE, ROLLCALL_NAME
+    (w0, w1, ...), ROLLCALL_CHECKPOINT_DIR, and ROLLCALL_REPORT_FD, through
+    which its runtime reports its state to `up`. Its output goes to
+    workers/wN.log in the work directory. When it exits, what it left in its
+    process group is killed.
 
     Operate it from another terminal with `rollcall add`, `rollcall kill`,
     `rollcall chaos` and `rollcall status` (they find it without flags).
-    It ends when the workers have trained --steps steps, or on Ctrl-C, which
-    stops everything it started. --set applies to the rendezvous service and
-    to every worker it starts.
+    It ends when some worker has finished its steps and none is left
+    running, or on Ctrl-C, which stops everything it started (SIGINT first,
+    SIGKILL after 15 s). --set applies to the rendezvous service and to the
+    example workers; a COMMAND's runtime uses its own settings.
     """
     from rendezvous.etcd_local import LocalEtcd, free_port
+    from rendezvous.wire import write_token_file
+    from rollcall.local import WorkerOptions
 
     config = parse_overrides(overrides)
-    if global_batch % micro_batch:
-        raise click.UsageError("--global-batch must be a multiple of --micro-batch")
+    if command:
+        refuse_example_flags(click.get_current_context())
+        check_executable(command[0])
+        options = WorkerOptions(command=command)
+    else:
+        if global_batch % micro_batch:
+            raise click.UsageError("--global-batch must be a multiple of --micro-batch")
+        options = WorkerOptions(
+            steps=steps,
+            worker_args=[
+                f"--global-batch={global_batch}", f"--micro-batch={micro_batch}",
+                f"--d-model={d_model}", f"--layers={layers}",
+                f"--checkpoint-every={checkpoint_every}",
+                *(f"--set={item}" for item in overrides),
+            ],
+        )  # fmt: skip
     owned = data_dir is None
-    workdir = data_dir or Path(tempfile.mkdtemp(prefix="rollcall-up-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = private_workdir(data_dir)
     token_file = workdir / "token"
-    if not token_file.exists():
-        token_file.write_text(os.environ.get("ROLLCALL_TOKEN") or secrets.token_urlsafe(24))
-        token_file.chmod(0o600)
+    write_token_file(token_file, os.environ.get("ROLLCALL_TOKEN") or secrets.token_urlsafe(24))
     events_path = events or workdir / "events.jsonl"
     setup_logging(log_level)
     server = LocalEtcd(data_dir=workdir / "etcd", client_port=free_port(), peer_port=free_port())
@@ -445,12 +499,7 @@ def up(
         asyncio.run(
             _run_up(
                 server.endpoint, workdir, job, listen, token_file, events_path, config,
-                workers, steps, metrics_port,
-                [f"--global-batch={global_batch}", f"--micro-batch={micro_batch}",
-                 f"--d-model={d_model}", f"--layers={layers}",
-                 f"--checkpoint-every={checkpoint_every}",
-                 *(f"--set={item}" for item in overrides)],
-                sys.stdout.isatty() if live is None else live,
+                workers, options, metrics_port, sys.stdout.isatty() if live is None else live,
             )
         )  # fmt: skip
     finally:
@@ -460,14 +509,60 @@ def up(
         click.echo("rollcall up: stopped", err=True)
 
 
+def refuse_example_flags(ctx: click.Context) -> None:
+    """A COMMAND is the user's program: the example's flags mean nothing to it."""
+    from click.core import ParameterSource
+
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in EXAMPLE_ONLY
+        if ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+    ]
+    if given:
+        raise click.UsageError(
+            f"{', '.join(given)}: only for the built-in example, not with a COMMAND"
+        )
+
+
+def check_executable(program: str) -> None:
+    """Refuse a COMMAND that cannot be started before anything is started."""
+    if shutil.which(program) is not None:
+        return
+    path = Path(program)
+    if os.sep not in program:
+        fail(f"cannot run {program!r}: no such command on PATH", EXIT_USAGE)
+    if not path.exists():
+        fail(f"cannot run {program!r}: no such file", EXIT_USAGE)
+    what = "a directory" if path.is_dir() else "not executable"
+    fail(f"cannot run {program!r}: it is {what}", EXIT_USAGE)
+
+
+def private_workdir(data_dir: Path | None) -> Path:
+    """`up`'s work directory (the token, the control socket, checkpoints,
+    logs), open to this user only: a new temporary one, or ``data_dir``,
+    created 0700 if new and refused if others may enter it."""
+    if data_dir is None:
+        return Path(tempfile.mkdtemp(prefix="rollcall-up-"))  # mkdtemp makes it 0700
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data_dir.mkdir(mode=0o700)
+    except FileExistsError:
+        mode = data_dir.stat().st_mode & 0o777
+        if mode & 0o077:
+            fail(
+                f"--data-dir {data_dir} is open to other users (mode {mode:o}): "
+                "chmod 700 it, or name a new directory"
+            )
+    return data_dir
+
+
 async def _run_up(
     etcd: str, workdir: Path, job: str, listen: str, token_file: Path, events: Path,
-    config: Config, workers: int, steps: int, metrics_port: int | None,
-    worker_args: list[str], live: bool,
+    config: Config, workers: int, options: WorkerOptions, metrics_port: int | None, live: bool,
 ) -> None:  # fmt: skip
     from rendezvous.client import RendezvousClient
     from rendezvous.server import ReplicaOptions, start_replica
-    from rollcall.local import LocalCluster, WorkerOptions, summarize
+    from rollcall.local import LocalCluster, summarize
 
     token = token_file.read_text().strip()
     running = await start_replica(
@@ -476,10 +571,7 @@ async def _run_up(
             metrics_port=metrics_port,
         )
     )  # fmt: skip
-    cluster = LocalCluster(
-        workdir, job, token_file, running.address, etcd, events,
-        WorkerOptions(steps=steps, worker_args=worker_args),
-    )  # fmt: skip
+    cluster = LocalCluster(workdir, job, token_file, running.address, etcd, events, options)
     client = RendezvousClient([running.address], job, token, config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -490,7 +582,8 @@ async def _run_up(
         f"  token file: {token_file}\n  events:     {events}\n"
         + (f"  metrics:    http://{running.metrics_address}/metrics\n"
            if running.metrics_address else "")
-        + f"  status:     rollcall status   (or --rendezvous {running.address} --job {job} "
+        + f"  workers:    {options.label}; logs in {workdir / 'workers'}\n"
+        f"  status:     rollcall status   (or --rendezvous {running.address} --job {job} "
         f"--token-file {token_file})\n  Ctrl-C stops everything."
     )  # fmt: skip
     try:
@@ -520,7 +613,7 @@ async def _watch_up(cluster: Any, client: Any, stop: asyncio.Event, live: bool) 
     from rollcall.local import summarize
 
     status = None
-    printed = 0
+    printed = noticed = 0
     last_line = 0.0
     console = Console()
     display = Live(console=console, refresh_per_second=4, transient=False) if live else None
@@ -537,6 +630,9 @@ async def _watch_up(cluster: Any, client: Any, stop: asyncio.Event, live: bool) 
                 for event in summary["view_changes"][printed:]:
                     click.echo(event_line(event))
                 printed = len(summary["view_changes"])
+                for notice in cluster.notices[noticed:]:
+                    click.echo(notice)
+                noticed = len(cluster.notices)
                 if time.monotonic() - last_line > 5:
                     last_line = time.monotonic()
                     click.echo(headline(cluster, status, summary))
@@ -579,8 +675,9 @@ def add(
     count: int, addresses: str | None, job: str | None, token_file: Path | None, host: str,
     log_dir: Path | None,
 ) -> None:  # fmt: skip
-    """Hot-add example workers: to the `rollcall up` running on this machine,
-    or (with --rendezvous and --job) to a deployment, as detached worker
+    """Hot-add workers: to the `rollcall up` running on this machine (more
+    copies of what it runs, its COMMAND or the example), or (with
+    --rendezvous and --job) to a deployment, as detached example worker
     processes on this machine."""
     operator = make_operator(addresses, job, token_file, host, log_dir)
 
@@ -701,14 +798,15 @@ def chaos(
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address peers reach this worker at (state transfer, process group).")
-@click.option("--name", default="w", show_default=True, help="Prefix of the member id.")
+@click.option("--name", help="Prefix of the member id (default: $ROLLCALL_NAME, else w).")
 @click.option("--ledger", type=click.Path(dir_okay=False, path_type=Path),
               help="Append the sample ids of every committed step to this JSON-lines file.")
 @click.option("--digest-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Print the state digest every N committed steps (0: never).")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write durable checkpoints here (storage every worker of the job can "
-                   "read); the job resumes from the newest when no live replica is left.")
+                   "read; default: $ROLLCALL_CHECKPOINT_DIR); the job resumes from the "
+                   "newest when no live replica is left.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=100, show_default=True,
               help="Write a checkpoint after every N-th committed step (with --checkpoint-dir).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
@@ -727,9 +825,10 @@ def chaos(
 def worker(
     addresses: str, job: str, token_file: Path | None, example: str, steps: int,
     global_batch: int, micro_batch: int, seed: int, context: int, d_model: int, layers: int,
-    host: str, name: str, ledger: Path | None, digest_every: int, checkpoint_dir: Path | None,
-    checkpoint_every: int, metrics_port: int | None, min_workers: int, start_over: bool,
-    as_json: bool, threads: int, log_level: str, overrides: tuple[str, ...],
+    host: str, name: str | None, ledger: Path | None, digest_every: int,
+    checkpoint_dir: Path | None, checkpoint_every: int, metrics_port: int | None,
+    min_workers: int, start_over: bool, as_json: bool, threads: int, log_level: str,
+    overrides: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Run a training worker of the built-in example job.
 

@@ -16,6 +16,8 @@ from rollcall.report import ViewChange
 
 #: View changes listed in the live view.
 SHOWN_EVENTS = 6
+#: Operator notices (a resume, a worker ending) listed in the live view.
+SHOWN_NOTICES = 4
 
 
 def ms(value: float | None) -> str:
@@ -64,8 +66,10 @@ def headline(cluster: LocalCluster, status: Any, summary: dict[str, Any]) -> str
     epoch = "-" if status is None else str(status.view.epoch)
     members = "-" if status is None else str(status.view.size)
     newest = status.checkpoints[0].step if status is not None and status.checkpoints else None
+    if cluster.options.steps is not None:
+        step = f"{step}/{cluster.options.steps}"
     return (
-        f"epoch {epoch}  step {step}/{cluster.options.steps}  members {members}  "
+        f"epoch {epoch}  step {step}  members {members}  "
         f"samples/s {rate:.0f}  goodput {'-' if goodput is None else f'{goodput:.3f}'}  "
         f"view changes {len(summary['view_changes'])}  "
         f"checkpoint {'-' if newest is None else newest}"
@@ -76,12 +80,13 @@ def render(cluster: LocalCluster, status: Any, summary: dict[str, Any]) -> Group
     elapsed = time.time() - cluster.started
     title = Text(
         f"rollcall up: job {cluster.job}  rendezvous {cluster.rendezvous}  "
-        f"etcd {cluster.etcd}  {elapsed:.0f} s",
+        f"etcd {cluster.etcd}  {elapsed:.0f} s\n"
+        f"running {cluster.options.label} in {cluster.workdir}",
         style="bold",
     )
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("rank", "member", "pid", "state", "step", "epoch", "samples/s"):
-        table.add_column(column, justify="right" if column != "member" else "left")
+    for column in ("rank", "member", "pid", "state", "step", "epoch", "samples/s", "log"):
+        table.add_column(column, justify="left" if column in ("member", "log") else "right")
     ranks = {}
     if status is not None:
         ranks = {m.id: r for r, m in enumerate(status.view.members)}
@@ -102,13 +107,16 @@ def render(cluster: LocalCluster, status: Any, summary: dict[str, Any]) -> Group
             "-" if worker.step is None else str(worker.step),
             "-" if worker.epoch is None else str(worker.epoch),
             "-" if worker.samples_s is None else f"{worker.samples_s:.0f}",
+            str(worker.log_path.relative_to(cluster.workdir)),
         )
     shown = summary["view_changes"][-SHOWN_EVENTS:]
+    notices = [Text(line, style="yellow") for line in cluster.notices[-SHOWN_NOTICES:]]
     return Group(
         title,
         Text(headline(cluster, status, summary)),
         Text(""),
         table,
+        *([Text(""), *notices] if notices else []),
         Text(""),
         Text("last view changes (ms):", style="bold"),
         events_table(shown) if shown else Text("  none yet", style="dim"),

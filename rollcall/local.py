@@ -1,11 +1,18 @@
 """A local cluster on one machine: what ``rollcall up`` runs and operates.
 
 :class:`LocalCluster` starts an embedded etcd (a child process), a
-rendezvous replica (in this process) writing the events file, and example
-worker processes; it takes operator commands (``add``, ``kill``, ``list``)
-on a Unix socket in its work directory and advertises itself in a discovery
-file, so that ``rollcall add/kill/chaos/status`` on the same machine find it
-without flags. ``stop`` ends every process it started.
+rendezvous replica (in this process) writing the events file, and worker
+processes: copies of the built-in example, or of the user's command; it
+takes operator commands (``add``, ``kill``, ``list``) on a Unix socket in
+its work directory and advertises itself in a discovery file, so that
+``rollcall add/kill/chaos/status`` on the same machine find it without
+flags. ``stop`` ends every process it started.
+
+Every worker runs in a session (and process group) of its own, with the
+job's coordinates in its environment (``worker/environment.py``) and one end
+of a report socket (``worker/report.py``) through which its runtime tells
+the cluster its member id, state and step: the worker's output is its own
+and goes to its log file.
 
 The discovery files live in ``$XDG_RUNTIME_DIR/rollcall`` (or
 ``/tmp/rollcall-<uid>``), one ``up-<pid>.json`` per running ``up``.
@@ -20,7 +27,9 @@ import logging
 import os
 import random
 import re
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +41,14 @@ from typing import Any
 
 from membership.errors import RollcallError
 from rendezvous.etcd_local import pid_alive
+from rendezvous.wire import TOKEN_FILE_ENV
+from worker.environment import (
+    ENV_CHECKPOINT_DIR,
+    ENV_JOB,
+    ENV_NAME,
+    ENV_RENDEZVOUS,
+    ENV_REPORT_FD,
+)
 
 log = logging.getLogger("rollcall.up")
 
@@ -40,6 +57,12 @@ SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTER
            "INT": signal.SIGINT, "CONT": signal.SIGCONT}  # fmt: skip
 #: A stopping worker gets this long to leave cleanly before SIGKILL.
 STOP_GRACE = 15.0
+#: After a worker exits, reports still buffered are read for this long.
+REPORT_DRAIN = 2.0
+#: Largest report message read (the runtime's are well below 2 KiB).
+REPORT_MAX_BYTES = 65536
+#: How a worker's end is shown when its runtime did not say (exit codes).
+EXIT_STATES = {-signal.SIGKILL: "killed"}
 
 
 class NoLocalCluster(RollcallError):
@@ -102,7 +125,7 @@ async def control(record: dict[str, Any], request: dict[str, Any], timeout: floa
 
 @dataclass
 class ManagedWorker:
-    """One example worker process started by the cluster."""
+    """One worker process started by the cluster, as its reports show it."""
 
     index: int
     name: str
@@ -117,6 +140,8 @@ class ManagedWorker:
     samples_s: float | None = None
     exit_code: int | None = None
     done: bool = False
+    #: The ``why`` of its ``ended`` report, once received.
+    ended: str | None = None
 
     @property
     def pid(self) -> int:
@@ -126,24 +151,88 @@ class ManagedWorker:
     def alive(self) -> bool:
         return self.exit_code is None
 
+    @property
+    def label(self) -> str:
+        return self.member_id or self.name
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name, "member_id": self.member_id, "pid": self.pid,
             "state": self.state, "step": self.step, "epoch": self.epoch, "rank": self.rank,
-            "world": self.world, "exit_code": self.exit_code,
+            "world": self.world, "exit_code": self.exit_code, "log": str(self.log_path),
         }  # fmt: skip
+
+    def apply(self, report: dict[str, Any]) -> str | None:
+        """Take one report of its runtime (``worker/report.py``); returns a
+        line worth telling the operator, if any."""
+        kind = report.get("event")
+        if kind == "joined":
+            self.member_id = str(report["member_id"])
+            self.state = "joining"
+        elif kind == "step":
+            if self.state != "frozen":
+                self.state = "training"
+            self.step, self.epoch = int(report["step"]), int(report["epoch"])
+            self.rank, self.world = int(report["rank"]), int(report["world"])
+            self.samples_s = report.get("samples_s")
+        elif kind == "resumed":
+            return (
+                f"{self.label} resumed from the checkpoint of step {report['s_ckpt']}: replay "
+                f"cost {float(report['replay_cost_s']):.1f} s"
+            )
+        elif kind == "done":
+            self.done = True
+            self.state = "done"
+            self.step = int(report["step"])
+        elif kind == "ended":
+            self.ended = str(report["why"])
+            if not self.done:
+                self.state = self.ended
+            if self.ended != "left":
+                message = str(report.get("message") or "")[:300]
+                return f"{self.label} ended ({self.ended}): {message}  log: {self.log_path}"
+        return None
+
+    def exited(self, code: int) -> str | None:
+        """Its process ended with ``code``; returns a line worth telling
+        the operator, if its runtime said nothing of it."""
+        self.exit_code = code
+        if self.done:
+            self.state = "done" if code == 0 else f"done, exited {code}"
+        elif self.ended is not None and self.ended != "left":
+            return None  # told by its ended report
+        elif self.ended == "left" and code == 0:
+            self.state = "left"
+        else:
+            self.state = EXIT_STATES.get(code, f"exited {code}")
+            return f"{self.label} {self.state}  log: {self.log_path}"
+        return None
 
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    """How the cluster's workers run (the example's flags)."""
+    """What the cluster's workers run: the built-in example (``command``
+    empty; ``steps`` and ``worker_args`` are its flags) or the user's
+    ``command``, started as it is."""
 
-    steps: int
+    steps: int | None = None
     worker_args: Sequence[str] = ()
+    command: Sequence[str] = ()
+
+    @property
+    def label(self) -> str:
+        return shlex.join(self.command) if self.command else "the built-in example"
+
+
+def signal_group(worker: ManagedWorker, sig: int) -> None:
+    """Signal the worker's whole process group: a command that is a wrapper
+    (a shell script, a launcher) must not leave its training process
+    behind."""
+    os.killpg(worker.pid, sig)
 
 
 class LocalCluster:
-    """etcd + one rendezvous replica + example workers, on loopback."""
+    """etcd + one rendezvous replica + workers, on loopback."""
 
     def __init__(
         self,
@@ -163,7 +252,10 @@ class LocalCluster:
         self.events = events
         self.options = workers
         self.workers: list[ManagedWorker] = []
+        #: Lines for the operator (a resume, a worker ending), oldest first.
+        self.notices: list[str] = []
         self.started = time.time()
+        self._starting = asyncio.Lock()  # names follow the order of starts
         self._server: asyncio.AbstractServer | None = None
         self._discovery: Path | None = None
         self._readers: set[asyncio.Task[None]] = set()
@@ -182,7 +274,7 @@ class LocalCluster:
                     "pid": os.getpid(), "job": self.job, "rendezvous": self.rendezvous,
                     "token_file": str(self.token_file), "control": str(self.control_path),
                     "events": str(self.events), "etcd": self.etcd,
-                    "workdir": str(self.workdir),
+                    "workdir": str(self.workdir), "command": list(self.options.command) or None,
                 }  # fmt: skip
             )
         )
@@ -197,16 +289,20 @@ class LocalCluster:
         for worker in self.workers:
             if worker.alive:
                 with contextlib.suppress(ProcessLookupError):
-                    worker.proc.send_signal(signal.SIGCONT)  # a frozen worker must wake to leave
-                    worker.proc.send_signal(signal.SIGINT)
+                    signal_group(worker, signal.SIGCONT)  # a frozen worker must wake to leave
+                    signal_group(worker, signal.SIGINT)
         deadline = time.monotonic() + STOP_GRACE
         for worker in self.workers:
             try:
                 await asyncio.wait_for(worker.proc.wait(), max(0.1, deadline - time.monotonic()))
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
-                    worker.proc.kill()
+                    signal_group(worker, signal.SIGKILL)
                 await worker.proc.wait()
+        # The followers kill what a worker left in its group and read its
+        # last reports, within REPORT_DRAIN.
+        if self._readers:
+            await asyncio.wait(list(self._readers), timeout=REPORT_DRAIN + 1)
         for task in list(self._readers):
             task.cancel()
         await asyncio.gather(*self._readers, return_exceptions=True)
@@ -220,31 +316,61 @@ class LocalCluster:
     # --- workers ---------------------------------------------------------------
 
     async def add(self, count: int = 1) -> list[ManagedWorker]:
+        """Start ``count`` more workers (named w0, w1, ... in start order).
+        Raises ``RollcallError`` if the command cannot be started."""
         added = []
-        for _ in range(count):
-            index = len(self.workers)
-            name = f"w{index}"
-            log_path = self.workdir / "workers" / f"{name}.log"
-            log_path.parent.mkdir(exist_ok=True)
-            argv = [
-                sys.executable, "-m", "rollcall.cli", "worker", "--rendezvous", self.rendezvous,
-                "--job", self.job, "--token-file", str(self.token_file), "--json",
-                "--name", name, "--steps", str(self.options.steps),
-                "--checkpoint-dir", str(self.workdir / "checkpoints"), "--log-level", "info",
-                *self.options.worker_args,
-            ]  # fmt: skip
-            with open(log_path, "ab") as stderr:
-                proc = await asyncio.create_subprocess_exec(
-                    *argv, stdout=asyncio.subprocess.PIPE, stderr=stderr,
-                    stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
-                )  # fmt: skip
-            worker = ManagedWorker(index, name, proc, log_path)
-            self.workers.append(worker)
-            task = asyncio.create_task(self._follow(worker), name=f"follow-{name}")
-            self._readers.add(task)
-            task.add_done_callback(self._readers.discard)
-            added.append(worker)
+        async with self._starting:
+            for _ in range(count):
+                added.append(await self._start_worker())
         return added
+
+    async def _start_worker(self) -> ManagedWorker:
+        index = len(self.workers)
+        name = f"w{index}"
+        log_path = self.workdir / "workers" / f"{name}.log"
+        log_path.parent.mkdir(mode=0o700, exist_ok=True)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = self._argv(name)
+        try:
+            with open(log_path, "ab") as output:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, stdout=output, stderr=output, stdin=asyncio.subprocess.DEVNULL,
+                    start_new_session=True, env=self._environment(name, theirs.fileno()),
+                    pass_fds=(theirs.fileno(),),
+                )  # fmt: skip
+        except OSError as exc:
+            ours.close()
+            raise RollcallError(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from None
+        finally:
+            theirs.close()  # the worker holds its end; EOF on ours when it is gone
+        worker = ManagedWorker(index, name, proc, log_path)
+        self.workers.append(worker)
+        task = asyncio.create_task(self._follow(worker, ours), name=f"follow-{name}")
+        self._readers.add(task)
+        task.add_done_callback(self._readers.discard)
+        return worker
+
+    def _argv(self, name: str) -> list[str]:
+        if self.options.command:
+            return list(self.options.command)
+        return [
+            sys.executable, "-m", "rollcall.cli", "worker", "--rendezvous", self.rendezvous,
+            "--job", self.job, "--token-file", str(self.token_file), "--name", name,
+            "--steps", str(self.options.steps), "--checkpoint-dir", str(self.checkpoints),
+            "--log-level", "info", *self.options.worker_args,
+        ]  # fmt: skip
+
+    def _environment(self, name: str, report_fd: int) -> dict[str, str]:
+        """The job's coordinates, for a runtime constructed without them."""
+        return {
+            **os.environ, ENV_RENDEZVOUS: self.rendezvous, ENV_JOB: self.job,
+            TOKEN_FILE_ENV: str(self.token_file), ENV_NAME: name,
+            ENV_CHECKPOINT_DIR: str(self.checkpoints), ENV_REPORT_FD: str(report_fd),
+        }  # fmt: skip
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.workdir / "checkpoints"
 
     def find(self, member: str) -> ManagedWorker:
         for worker in self.workers:
@@ -264,40 +390,54 @@ class LocalCluster:
             worker = random.choice(candidates)
         else:
             worker = self.find(member)
-        worker.proc.send_signal(SIGNALS[sig])
+        try:
+            signal_group(worker, SIGNALS[sig])
+        except ProcessLookupError:
+            raise RollcallError(f"{worker.label} (pid {worker.pid}) has just exited") from None
         if sig == "STOP":
             worker.state = "frozen"
         elif sig == "CONT" and worker.state == "frozen":
             worker.state = "training"
-        log.info("sent SIG%s to %s (pid %d)", sig, worker.member_id or worker.name, worker.pid)
+        log.info("sent SIG%s to %s (pid %d)", sig, worker.label, worker.pid)
         return worker
 
-    async def _follow(self, worker: ManagedWorker) -> None:
-        """Read a worker's JSON lines (joined, step, resumed, done, ...)."""
-        assert worker.proc.stdout is not None
-        async for raw in worker.proc.stdout:
+    async def _follow(self, worker: ManagedWorker, channel: socket.socket) -> None:
+        """Follow a worker's reports until its process has ended."""
+        reading = asyncio.create_task(self._read_reports(worker, channel))
+        try:
+            code = await worker.proc.wait()
+            # What the worker left in its process group goes with it (and
+            # releases the report socket, if a child inherited it).
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                signal_group(worker, signal.SIGKILL)
+            await asyncio.wait({reading}, timeout=REPORT_DRAIN)
+            self._notice(worker.exited(code))
+        finally:
+            reading.cancel()
+            channel.close()
+
+    async def _read_reports(self, worker: ManagedWorker, channel: socket.socket) -> None:
+        """One JSON object per message; a malformed one is skipped."""
+        channel.setblocking(False)
+        loop = asyncio.get_running_loop()
+        while True:
             try:
-                event = json.loads(raw)
-            except ValueError:
-                continue
-            kind = event.get("event")
-            if kind == "joined":
-                worker.member_id = event["member_id"]
-                worker.state = "joining"
-            elif kind == "step":
-                if worker.state != "frozen":
-                    worker.state = "training"
-                worker.step, worker.epoch = event["step"], event["epoch"]
-                worker.rank, worker.world = event["rank"], event["world"]
-                worker.samples_s = event["samples_s"]
-            elif kind == "done":
-                worker.done = True
-                worker.state = "done"
-        worker.exit_code = await worker.proc.wait()
-        if not worker.done:
-            worker.state = {3: "evicted", 4: "cannot resume", -9: "killed"}.get(
-                worker.exit_code, f"exited {worker.exit_code}"
-            )
+                message = await loop.sock_recv(channel, REPORT_MAX_BYTES)
+            except OSError as exc:  # reset by a dying worker: nothing more will come
+                log.debug("%s: report socket: %s", worker.name, exc)
+                return
+            if not message:
+                return
+            try:
+                report = json.loads(message)
+                self._notice(worker.apply(report))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("%s: malformed report %r: %s", worker.name, message[:200], exc)
+
+    def _notice(self, line: str | None) -> None:
+        if line is not None:
+            log.info("%s", line)
+            self.notices.append(line)
 
     # --- operator commands ----------------------------------------------------------
 
@@ -323,7 +463,10 @@ class LocalCluster:
             if not 1 <= count <= 64:
                 raise RollcallError("count must be between 1 and 64")
             added = await self.add(count)
-            return {"ok": True, "workers": [w.describe() for w in added]}
+            return {
+                "ok": True, "workers": [w.describe() for w in added],
+                "command": self.options.label,
+            }  # fmt: skip
         if op == "kill":
             worker = self.kill(request.get("member"), str(request.get("signal", "KILL")))
             return {"ok": True, "worker": worker.describe()}
@@ -412,7 +555,8 @@ class LocalOperator:
 
     async def add(self) -> str:
         answer = await control(self._record, {"op": "add", "count": 1})
-        return str(answer["workers"][0]["name"])
+        started = answer["workers"][0]
+        return f"{started['name']}: {answer['command']} (log {started['log']})"
 
 
 class DeploymentOperator:

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -62,20 +63,19 @@ from rollcall.pb import rendezvous_pb2, state_pb2_grpc
 from worker.buffers import BufferSync
 from worker.checkpoint import CheckpointUnusable, CheckpointWriter, load_newest, process_age
 from worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
+from worker.environment import DEFAULT_NAME, ENV_CHECKPOINT_DIR, ENV_JOB, ENV_NAME, ENV_RENDEZVOUS
 from worker.faults import Faults
 from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
 from worker.messages import describe_transport, install_default_handler, view_change
 from worker.metrics import WorkerMetrics
 from worker.plan import DataPlan, Ledger, Microbatch
+from worker.report import SupervisorReport
 from worker.state import CorruptState, ReplicaState, capture, digest, restore, to_bytes
 from worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
 log = logging.getLogger("rollcall.worker")
 T = TypeVar("T")
 
-#: Environment variables read when the constructor is not told.
-ENV_RENDEZVOUS = "ROLLCALL_RENDEZVOUS"
-ENV_JOB = "ROLLCALL_JOB"
 #: How often a waiting training thread looks at the abort flag.
 ABORT_POLL = 0.005
 
@@ -212,7 +212,7 @@ class Elastic:
         job: str | None = None,
         token: str | None = None,
         host: str = "127.0.0.1",
-        name: str = "w",
+        name: str | None = None,
         collate: Callable[[Sequence[Any]], tuple[Any, Any]] = default_collate,
         ledger: str | Path | None = None,
         config: Config | None = None,
@@ -244,6 +244,7 @@ class Elastic:
         self._token = token or read_token(None)
         self._config = config or Config()
         self._faults = Faults.from_env()
+        self._report = SupervisorReport.from_env()
         self._model = model
         self._optimizer = optimizer
         self._scheduler = scheduler
@@ -316,6 +317,8 @@ class Elastic:
         self._client = RendezvousClient(addresses, self.job_name, self._token, self._config, tls)
         self._fetcher: StateFetcher | None = None
         self._server: grpc.aio.Server | None = None
+        if checkpoint_dir is None and os.environ.get(ENV_CHECKPOINT_DIR):
+            checkpoint_dir = Path(os.environ[ENV_CHECKPOINT_DIR])
         self.checkpoints = (
             CheckpointWriter(Path(checkpoint_dir), self._publish_checkpoint)
             if checkpoint_dir is not None
@@ -325,8 +328,9 @@ class Elastic:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._signals[sig] = signal.signal(sig, self._on_signal)
         try:
-            self._call(self._start(name))
+            self._call(self._start(name or os.environ.get(ENV_NAME) or DEFAULT_NAME))
         except BaseException:
+            self._report.ended(sys.exc_info()[1])
             self._restore_signals()
             self._ownership.release()
             self._stop_loop()
@@ -451,6 +455,7 @@ class Elastic:
         self._fetcher = StateFetcher(self.job_name, self.member_id, self._token)
         log.info("joined job %s as %s", self.job_name, self.member_id)
         log.debug("state server of %s at %s", self.member_id, self.address)
+        self._report.joined(self.member_id, self.address)
 
     def _on_view(self, view: View) -> None:
         with self._view_changed:
@@ -612,6 +617,7 @@ class Elastic:
                 if not step.committed:
                     break
             self._raise_if_interrupted()
+        self._report.done(self.committed_step)
 
     def _discard(self, step: Step) -> None:
         """Throw away what an uncommitted step did to gradients and buffers."""
@@ -840,6 +846,7 @@ class Elastic:
             # per heartbeat interval.
             self._progress_sent = (step.epoch, now)
             self._loop.call_soon_threadsafe(self._client.report_progress, step.number)
+        self._report.step(step, self.plan.global_batch)
         return True
 
     def _reduction(self, step: Step) -> tuple[list[torch.Tensor], slice]:
@@ -985,6 +992,7 @@ class Elastic:
             t_launch=launch,
             t_load=loaded.seconds,
         )
+        self._report.resumed(self.resumed)
         log.warning(
             "no live replica: resumed from the checkpoint of step %d (%s); replay cost %.2f s "
             "(%d steps x %.3f s + launch %.2f s + load %.3f s)",
@@ -1041,6 +1049,7 @@ class Elastic:
         if self._closed:
             return
         self._closed = True
+        self._report.ended(sys.exc_info()[1] or self._client.ended)
         self._restore_signals()
         self._ownership.release()
         if self.checkpoints is not None and not self.checkpoints.wait(
