@@ -273,3 +273,19 @@ def test_an_unreachable_rendezvous_is_said_within_seconds(plane: ControlPlane) -
         assert time.monotonic() - started < 20
     finally:
         program.stop()
+
+
+def test_a_second_signal_exits_at_once(programs: Programs, plane: ControlPlane) -> None:
+    # The first SIGINT arrives while rank 0 is busy for 60 s: it leaves the
+    # job at once, but the evaluation goes on; the second ends the process.
+    args = ["--steps", "100", "--eval-every", "3", "--eval-pause", "60"]
+    program = programs.start(*args)
+    wait_step(program, lambda e: e["step"] >= 2)
+    time.sleep(0.5)  # inside the evaluation now
+    program.signal(signal.SIGINT)
+    wait_for(lambda: "leave" in replica_log(plane), "the leave", timeout=30)
+    sent = time.monotonic()
+    program.signal(signal.SIGINT)
+    assert program.proc.wait(timeout=30) == 128 + signal.SIGINT
+    assert time.monotonic() - sent < 5
+    assert "second SIGINT: exiting at once" in program.log_tail(5)
