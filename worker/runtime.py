@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,8 +52,9 @@ from rollcall.pb import rendezvous_pb2, state_pb2_grpc
 from worker.checkpoint import CheckpointUnusable, CheckpointWriter, load_newest, process_age
 from worker.faults import Faults
 from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
+from worker.loader import Batch, LoaderOptions, MicrobatchLoader, default_collate
 from worker.metrics import WorkerMetrics
-from worker.plan import DataPlan, Ledger, Microbatch
+from worker.plan import Ledger
 from worker.state import CorruptState, capture, digest, restore, to_bytes
 from worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
@@ -66,21 +66,6 @@ ENV_RENDEZVOUS = "ROLLCALL_RENDEZVOUS"
 ENV_JOB = "ROLLCALL_JOB"
 #: How often a waiting training thread looks at the abort flag.
 ABORT_POLL = 0.005
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One microbatch of this rank: its plan entry and the collated samples."""
-
-    microbatch: Microbatch
-    inputs: Any
-    targets: Any
-
-
-def default_collate(samples: Sequence[Any]) -> tuple[Any, Any]:
-    """Stack ``(input, target)`` pairs into two tensors."""
-    inputs, targets = zip(*samples, strict=True)
-    return torch.stack(list(inputs)), torch.stack(list(targets))
 
 
 class Step:
@@ -101,16 +86,17 @@ class Step:
         self.loss: float | None = None
 
     def microbatches(self) -> Iterator[Batch]:
-        """This rank's microbatches of the step, each with the torch RNG seeded
-        from (seed, step, microbatch index) only. Stops early on an abort."""
+        """This rank's microbatches of the step (loaded ahead when there are
+        loader workers), each handed out with the torch RNG seeded from
+        (seed, step, microbatch index) only. Stops early on an abort."""
         job = self._job
         for mb in job.plan.for_rank(self.number, self.rank, self.world_size):
             if job._abort.is_set():
                 self.aborted = True
                 return
+            data = job._loader.get(mb.step, mb.index)
             torch.manual_seed(mb.seed)
-            inputs, targets = job._collate([job._dataset[i] for i in mb.sample_ids])
-            yield Batch(mb, inputs, targets)
+            yield Batch(mb, data)
 
     def backward(self, loss_sum: torch.Tensor, count: int) -> None:
         """Accumulate gradients of a loss *summed* over ``count`` samples or tokens."""
@@ -143,14 +129,19 @@ class Elastic:
         token: str | None = None,
         host: str = "127.0.0.1",
         name: str = "w",
-        collate: Callable[[Sequence[Any]], tuple[Any, Any]] = default_collate,
-        ledger: Path | None = None,
+        collate: Callable[[Sequence[Any]], Any] | None = None,
+        ledger: Path | str | None = None,
         config: Config | None = None,
         tls: ClientTLS | None = None,
         group_timeout: float = 30.0,
         checkpoint_dir: Path | None = None,
         checkpoint_every: int = 100,
         metrics_port: int | None = None,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        pin_memory: bool = False,
     ) -> None:
         addresses = rendezvous if rendezvous is not None else os.environ.get(ENV_RENDEZVOUS, "")
         if isinstance(addresses, str):
@@ -166,15 +157,24 @@ class Elastic:
         self._model = model
         self._optimizer = optimizer
         self._scheduler = scheduler
-        self._dataset = dataset
-        self._collate = collate
         self._host = host
         self._group_timeout = group_timeout
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         self._checkpoint_every = checkpoint_every
-        self.plan = DataPlan(len(dataset), global_batch, micro_batch, seed)
-        self.ledger = Ledger(ledger)
+        self.ledger = Ledger(Path(ledger) if ledger is not None else None)
+        # A DataLoader as `dataset` brings its collate_fn and worker settings.
+        self._loader = MicrobatchLoader.open(
+            dataset, global_batch=global_batch, micro_batch=micro_batch, seed=seed,
+            collate=collate, options=LoaderOptions(
+                num_workers=num_workers, prefetch_factor=prefetch_factor,
+                worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                pin_memory=pin_memory,
+            ),
+        )  # fmt: skip
+        # Forked loader workers must start before any socket or thread exists.
+        self._loader.start()
+        self.plan = self._loader.plan
         self.committed_step = -1
         self.member_id: str | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -228,6 +228,7 @@ class Elastic:
         except BaseException:
             self._stop_loop()
             stop_metrics(self._metrics_server)
+            self._loader.close()
             raise
 
     # --- the control thread -------------------------------------------------------
@@ -430,6 +431,7 @@ class Elastic:
             listen_host=self._host,
         )  # fmt: skip
         ready = time.perf_counter()
+        self._loader.enter_view(rank, view.size, self.committed_step + 1)
         self._entering = (view.epoch, fetched, ready - built, time.monotonic())
         if self.metrics is not None:
             self.metrics.epoch.set(view.epoch)
@@ -527,6 +529,7 @@ class Elastic:
         self.ledger.record(
             step.number, step.epoch, step.world_size, self.plan.step_samples(step.number)
         )
+        self._loader.step_committed(step.number)
         now = time.monotonic()
         if step.epoch != self._progress_sent[0] or now - self._progress_sent[1] >= (
             self._config.heartbeat_interval
@@ -673,6 +676,7 @@ class Elastic:
         except (RollcallError, TimeoutError) as exc:
             log.warning("leave failed: %s", exc)
         finally:
+            self._loader.close()
             if self._group is not None:
                 self._group.close()
             self._stop_loop()
