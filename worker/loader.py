@@ -10,8 +10,9 @@ contains; this module decides only *when* and *where* it is read, never
   to load next, which loaded ones to keep when the position moves (a view
   change, a commit) and how a request of the training thread is served. No
   processes, no torch, no clock.
-* :func:`load_microbatch` reads and collates one microbatch with torch,
-  ``random`` and numpy seeded from :func:`worker.plan.load_seed`, so that
+* :func:`load_microbatch` reads and collates one microbatch with torch's
+  CPU generator, ``random`` and numpy seeded from
+  :func:`worker.plan.load_seed`, so that
   augmentation drawn in ``__getitem__`` does not depend on the process.
 * :class:`MicrobatchLoader` is the shell: a ``torch.utils.data.DataLoader``
   (its worker processes, queues, pinning and ``worker_init_fn``) over a
@@ -322,21 +323,28 @@ class PrefetchSchedule:
 # --- loading one microbatch -----------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """torch's CPU generator, ``random`` and numpy seeded from ``seed``; the
-    caller's states are restored afterwards, so loading on the training
-    thread leaves its streams as they were."""
-    torch_state = torch.get_rng_state()
-    python_state = random.getstate()
-    numpy_state = numpy.random.get_state() if numpy is not None else None
-    torch.manual_seed(seed)
+def _seed_everything(seed: int) -> None:
+    """Seed torch's CPU generator, ``random`` and numpy from ``seed``.
+
+    The CPU generator alone, not ``torch.manual_seed``: that one also seeds
+    every accelerator through lazy calls that each format a stack trace,
+    ~0.4 ms, and loader workers draw from the CPU generator.
+    """
+    torch.default_generator.manual_seed(seed)
     random.seed(seed)
     if numpy is not None:
         # numpy takes 32-bit words: both halves of the 63-bit seed, plus a
         # third word, because ``random`` seeds the very same Mersenne Twister
         # from the two halves alone and the two streams would be equal.
         numpy.random.seed([seed & 0xFFFF_FFFF, seed >> 32, _NUMPY_WORD])
+
+
+@contextlib.contextmanager
+def _streams_kept() -> Iterator[None]:
+    """The caller's torch CPU, ``random`` and numpy states, restored on exit."""
+    torch_state = torch.get_rng_state()
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
     try:
         yield
     finally:
@@ -349,10 +357,21 @@ def _seeded(seed: int) -> Iterator[None]:
 def load_microbatch(
     dataset: Any, collate: Callable[[Sequence[Any]], Any], sample_ids: Sequence[int], seed: int
 ) -> Any:
-    """``collate([dataset[i] for i in sample_ids])`` with torch, ``random``
-    and numpy seeded from ``seed`` (a :func:`worker.plan.load_seed`)."""
-    with _seeded(seed):
-        return collate([dataset[i] for i in sample_ids])
+    """``collate([dataset[i] for i in sample_ids])`` with torch's CPU
+    generator, ``random`` and numpy seeded from ``seed`` (a
+    :func:`worker.plan.load_seed`); the caller's generator states are
+    restored afterwards, so loading on the training thread leaves its
+    streams as they were."""
+    with _streams_kept():
+        return _load_seeded(dataset, collate, sample_ids, seed)
+
+
+def _load_seeded(
+    dataset: Any, collate: Callable[[Sequence[Any]], Any], sample_ids: Sequence[int], seed: int
+) -> Any:
+    # In a loader worker nothing else draws: no state to restore.
+    _seed_everything(seed)
+    return collate([dataset[i] for i in sample_ids])
 
 
 # --- what the user may pass -----------------------------------------------------------
@@ -564,7 +583,7 @@ class _Microbatches(Dataset[Any]):
     def __getitem__(self, task: _Task | None) -> _Loaded | None:
         if task is None:
             return None
-        data = load_microbatch(self.dataset, self.collate, task.sample_ids, task.seed)
+        data = _load_seeded(self.dataset, self.collate, task.sample_ids, task.seed)
         return _Loaded(task.key, data)
 
 
@@ -593,7 +612,7 @@ class MicrobatchLoader:
 
     ``get(step, index)`` returns exactly
     ``collate([dataset[i] for i in plan.microbatches(step)[index].sample_ids])``,
-    loaded with torch, ``random`` and numpy seeded from
+    loaded with torch's CPU generator, ``random`` and numpy seeded from
     :func:`worker.plan.load_seed`; the caller's RNG states are left alone.
     The caller says where the rank stands: :meth:`enter_view` on entering a
     view, :meth:`step_committed` after each commit. Microbatches loaded ahead
