@@ -14,7 +14,8 @@ import random
 import re
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,9 @@ from worker.plan import DataPlan, load_seed
 
 #: Generous bound for "the workers got there" waits on a loaded 2-core box.
 PATIENCE = 20.0
+
+#: The ``children`` fixture: this test's processes still running.
+Children = Callable[[], list[BaseProcess]]
 
 
 # --- datasets ---------------------------------------------------------------------------
@@ -190,14 +194,19 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def no_worker_left_behind() -> Iterator[None]:
-    """Every test starts and ends without loader worker processes."""
-    assert not multiprocessing.active_children()
-    yield
+def children() -> Iterator[Children]:
+    """The processes this test started and that still run; none may outlive
+    the test."""
+    before = set(multiprocessing.active_children())
+
+    def started() -> list[BaseProcess]:
+        return [c for c in multiprocessing.active_children() if c not in before]
+
+    yield started
     deadline = time.monotonic() + PATIENCE
-    while multiprocessing.active_children() and time.monotonic() < deadline:
+    while started() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not multiprocessing.active_children(), "loader workers outlived the test"
+    assert not started(), "loader workers outlived the test"
 
 
 # --- the pure core ----------------------------------------------------------------------
@@ -419,12 +428,14 @@ def test_loading_here_leaves_the_callers_rng_streams_as_they_were() -> None:
     random.seed(1)
     numpy.random.seed(2)
     torch.manual_seed(3)
-    before = (random.getstate(), numpy.random.get_state()[1].tolist(), torch.get_rng_state())
+    before = (random.getstate(), numpy.random.get_state(legacy=False), torch.get_rng_state())
 
     load_microbatch(Augmented(10), default_collate, [1, 2], seed=99)
 
-    after = (random.getstate(), numpy.random.get_state()[1].tolist(), torch.get_rng_state())
-    assert before[:2] == after[:2]
+    after = (random.getstate(), numpy.random.get_state(legacy=False), torch.get_rng_state())
+    assert before[0] == after[0]
+    assert before[1]["state"]["key"].tolist() == after[1]["state"]["key"].tolist()
+    assert before[1]["state"]["pos"] == after[1]["state"]["pos"]
     assert torch.equal(before[2], after[2])
 
 
@@ -546,18 +557,18 @@ def test_prefetch_stops_at_workers_times_prefetch_factor(tmp_path: Path) -> None
             loader.step_committed(step)
 
 
-def test_close_stops_the_worker_processes_promptly() -> None:
+def test_close_stops_the_worker_processes_promptly(children: Children) -> None:
     loader = MicrobatchLoader(Numbers(100), DataPlan(100, 8, 4, seed=0), options=workers(2))
     loader.enter_view(rank=0, world_size=1, next_step=0)
     loader.get(0, 0)
-    pids = [child.pid for child in multiprocessing.active_children()]
+    pids = [child.pid for child in children()]
     assert len(pids) == 2
 
     began = time.monotonic()
     loader.close()
     took = time.monotonic() - began
 
-    assert not multiprocessing.active_children()
+    assert not children()
     assert not any(alive(pid) for pid in pids if pid is not None)
     assert took < 5.0
     with pytest.raises(LoaderClosed, match="closed"):
@@ -565,18 +576,19 @@ def test_close_stops_the_worker_processes_promptly() -> None:
     loader.close()  # again: nothing to do
 
 
-def test_no_worker_process_outlives_a_training_loop_that_raised() -> None:
+def test_no_worker_process_outlives_a_training_loop_that_raised(children: Children) -> None:
     with pytest.raises(ZeroDivisionError):
         plan = DataPlan(100, 8, 4, seed=0)
         with MicrobatchLoader(Numbers(100), plan, options=workers(2)) as loader:
             loader.enter_view(rank=0, world_size=1, next_step=0)
             loader.get(0, 0)
+            assert len(children()) == 2
             _ = 1 / 0
 
-    assert not multiprocessing.active_children()
+    assert not children()
 
 
-def test_a_worker_process_that_dies_is_an_error_on_the_calling_thread() -> None:
+def test_a_worker_process_that_dies_is_an_error_on_the_calling_thread(children: Children) -> None:
     plan = DataPlan(100, 8, 4, seed=0)
     fatal = plan.microbatches(1)[0].sample_ids[0]
     loader = MicrobatchLoader(DiesOn(100, fatal), plan, options=workers(2))
@@ -588,7 +600,7 @@ def test_a_worker_process_that_dies_is_an_error_on_the_calling_thread() -> None:
                 loader.get(step, index)
             loader.step_committed(step)
 
-    assert not multiprocessing.active_children(), "the other worker was left running"
+    assert not children(), "the other worker was left running"
     with pytest.raises(LoaderClosed, match="exited unexpectedly"):
         loader.get(1, 1)
 
@@ -607,7 +619,7 @@ def test_an_exception_in_a_workers_getitem_keeps_its_type_and_message() -> None:
 
 
 def test_a_dataloader_brings_its_dataset_collate_fn_and_worker_settings(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, children: Children
 ) -> None:
     dataset = Numbers(100)
     noted = tmp_path / "workers"
@@ -633,7 +645,7 @@ def test_a_dataloader_brings_its_dataset_collate_fn_and_worker_settings(
             time.sleep(0.01)
         pids = {int(line.split()[1]) for line in lines}
         assert sorted(int(line.split()[0]) for line in lines) == [0, 1]
-        assert pids == {child.pid for child in multiprocessing.active_children()}
+        assert pids == {child.pid for child in children()}
         assert os.getpid() not in pids
     replaced = [r for r in caplog.records if "replaced by the data plan" in r.getMessage()]
     assert len(replaced) == 1 and replaced[0].levelno == logging.INFO
@@ -732,7 +744,7 @@ def test_a_dataloader_that_chooses_its_own_samples_is_refused() -> None:
 
 def test_a_distributed_sampler_is_replaced_by_the_plan() -> None:
     dataset = Numbers(100)
-    sharded = DistributedSampler(dataset, num_replicas=4, rank=3)
+    sharded: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=4, rank=3)
 
     loader = MicrobatchLoader.open(
         DataLoader(dataset, batch_size=4, sampler=sharded), global_batch=8, micro_batch=4, seed=0
