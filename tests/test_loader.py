@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import random
 import re
+import signal
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -591,18 +592,54 @@ def test_no_worker_process_outlives_a_training_loop_that_raised(children: Childr
 def test_a_worker_process_that_dies_is_an_error_on_the_calling_thread(children: Children) -> None:
     plan = DataPlan(100, 8, 4, seed=0)
     fatal = plan.microbatches(1)[0].sample_ids[0]
-    loader = MicrobatchLoader(DiesOn(100, fatal), plan, options=workers(2))
-    loader.enter_view(rank=0, world_size=1, next_step=0)
 
+    # The DataLoader's SIGCHLD handler may raise it anywhere on this thread:
+    # the loop ends, and closing the loader (the runtime's close) stops the rest.
     with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid.*\) exited unexpectedly"):
-        for step in range(2):
-            for index in range(2):
-                loader.get(step, index)
-            loader.step_committed(step)
+        with MicrobatchLoader(DiesOn(100, fatal), plan, options=workers(2)) as loader:
+            loader.enter_view(rank=0, world_size=1, next_step=0)
+            for step in range(2):
+                for index in range(2):
+                    loader.get(step, index)
+                loader.step_committed(step)
 
     assert not children(), "the other worker was left running"
-    with pytest.raises(LoaderClosed, match="exited unexpectedly"):
-        loader.get(1, 1)
+
+
+def test_after_a_workers_error_the_loader_stops_its_workers_by_itself(children: Children) -> None:
+    plan = DataPlan(100, 8, 4, seed=0)
+    bad = plan.microbatches(0)[1].sample_ids[2]
+    loader = MicrobatchLoader(RaisesOn(100, bad), plan, options=workers(2))
+    loader.enter_view(rank=0, world_size=1, next_step=0)
+    loader.get(0, 0)
+
+    with pytest.raises(ValueError, match=f"bad sample {bad}"):
+        loader.get(0, 1)
+
+    assert not children()
+    with pytest.raises(LoaderClosed, match=f"stopped after an error: ValueError.*bad sample {bad}"):
+        loader.get(1, 0)
+
+
+def test_workers_keep_loading_through_a_sigint_sent_to_them(children: Children) -> None:
+    """Ctrl-C, or a supervisor signalling the process group, reaches the
+    loader workers too; the training process decides when they stop."""
+    plan, dataset = DataPlan(400, 8, 4, seed=0), Numbers(400)
+    with MicrobatchLoader(dataset, plan, options=workers(2)) as loader:
+        loader.enter_view(rank=0, world_size=1, next_step=0)
+        loader.get(0, 0)  # from worker 0
+        loader.get(0, 1)  # from worker 1: both have started
+        loader.step_committed(0)
+        pids = [child.pid for child in children() if child.pid is not None]
+        for pid in pids:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.2)
+        for step in range(1, 6):
+            for index in range(2):
+                assert same(loader.get(step, index), direct(dataset, plan, Key(step, index)))
+            loader.step_committed(step)
+
+        assert all(alive(pid) for pid in pids)
 
 
 def test_an_exception_in_a_workers_getitem_keeps_its_type_and_message() -> None:
@@ -611,8 +648,10 @@ def test_an_exception_in_a_workers_getitem_keeps_its_type_and_message() -> None:
     with MicrobatchLoader(RaisesOn(100, bad), plan, options=workers(2)) as loader:
         loader.enter_view(rank=0, world_size=1, next_step=0)
         loader.get(0, 0)
-        with pytest.raises(ValueError, match=f"bad sample {bad}"):
+        with pytest.raises(ValueError, match=f"bad sample {bad}") as raised:
             loader.get(0, 1)
+
+    assert "in DataLoader worker process" in str(raised.value)
 
 
 # --- what may be passed -------------------------------------------------------------------

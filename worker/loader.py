@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import signal
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
@@ -602,6 +603,27 @@ class _Tasks:
         return self._next_task()
 
 
+class _WorkerStart:
+    """The DataLoader's worker_init_fn: the worker ignores SIGINT, then runs
+    the user's ``worker_init_fn``.
+
+    Ctrl-C in a terminal, or a supervisor signalling the process group,
+    sends SIGINT to the loader workers too, and a worker would quietly end
+    its loop. The training process decides how to stop (it may finish its
+    step first, which needs microbatches) and stops its workers itself; a
+    worker whose training process died ends on its own (the DataLoader's
+    watchdog). Picklable, for the spawn and forkserver start methods.
+    """
+
+    def __init__(self, user: Callable[[int], None] | None) -> None:
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if self.user is not None:
+            self.user(worker_id)
+
+
 def _as_is(item: T) -> T:
     """The DataLoader's collate_fn: items are collated in the worker already."""
     return item
@@ -687,7 +709,7 @@ class MicrobatchLoader:
             collate_fn=_as_is,
             num_workers=options.num_workers,
             prefetch_factor=options.prefetch_factor,
-            worker_init_fn=options.worker_init_fn,
+            worker_init_fn=_WorkerStart(options.worker_init_fn),
             multiprocessing_context=options.multiprocessing_context,
             pin_memory=options.pin_memory,
             timeout=options.timeout,
@@ -714,16 +736,24 @@ class MicrobatchLoader:
         self._move(Target(target.rank, target.world_size, step + 1))
 
     def get(self, step: int, index: int) -> Any:
-        """The collated microbatch ``index`` of ``step``."""
+        """The collated microbatch ``index`` of ``step``. With workers, an
+        error raised here (theirs, or one loading here) stops the loader."""
         self._check_open()
         key = Key(step, index)
-        while True:
-            take = self._schedule.request(key)
-            if take is Take.CACHED:
-                return self._loaded.pop(key)
-            if take is Take.LOAD_HERE:
-                return self._load_here(key)
-            self._receive()
+        try:
+            while True:
+                take = self._schedule.request(key)
+                if take is Take.CACHED:
+                    return self._loaded.pop(key)
+                if take is Take.LOAD_HERE:
+                    return self._load_here(key)
+                self._receive()
+        except BaseException as exc:
+            # The DataLoader's SIGCHLD handler raises a worker's death at any
+            # point of the main thread, so not only from inside _receive.
+            if self._pipeline is not None:
+                self._stop(f"the loader stopped after an error: {exc!r}")
+            raise
 
     def cached(self) -> frozenset[Key]:
         """Keys loaded ahead and kept (for tests and diagnostics)."""
@@ -761,11 +791,7 @@ class MicrobatchLoader:
 
     def _receive(self) -> None:
         assert self._pipeline is not None  # RECEIVE needs something in flight
-        try:
-            item = next(self._pipeline)
-        except BaseException as exc:
-            self._stop(f"the loader stopped after an error: {exc!r}")
-            raise
+        item = next(self._pipeline)
         key = None if item is None else item.key
         if self._schedule.arrived(key):
             assert item is not None and key is not None  # only real keys are kept
