@@ -13,7 +13,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.plan import DataPlan, Ledger, Microbatch, merge_ledgers, microbatch_seed
+from worker.plan import (
+    DataPlan,
+    Ledger,
+    Microbatch,
+    load_seed,
+    merge_ledgers,
+    microbatch_seed,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,6 +165,20 @@ def test_microbatch_seeds_differ_for_neighbouring_inputs() -> None:
     seeds = {microbatch_seed(seed, s, i) for seed in (0, 1) for s in range(40) for i in range(8)}
 
     assert len(seeds) == 2 * 40 * 8
+
+
+def test_load_seed_is_pinned_and_63_bit() -> None:
+    assert load_seed(7, 0, 0) == 9119223276265718402
+    assert load_seed(7, 3, 1) == 6936039513281782405
+    assert all(0 <= load_seed(1, s, i) < 2**63 for s in range(50) for i in range(8))
+
+
+def test_load_seeds_are_not_the_microbatch_seeds() -> None:
+    loading = {load_seed(seed, s, i) for seed in (0, 1) for s in range(40) for i in range(8)}
+    forward = {microbatch_seed(seed, s, i) for seed in (0, 1) for s in range(40) for i in range(8)}
+
+    assert len(loading) == 2 * 40 * 8
+    assert not loading & forward
 
 
 @given(plans(), st.integers(0, 30), st.integers(1, 16), st.integers(1, 16))

@@ -12,7 +12,8 @@ of constant size would (DESIGN.md, "Data: no sample lost, none counted twice"):
 * a step is cut into ``global_batch // micro_batch`` microbatches, which are
   divided among the ranks of the current view in contiguous, near-even blocks;
 * each microbatch carries a seed derived from ``(seed, step, index)`` alone,
-  so its randomness does not depend on the rank that runs it.
+  so its randomness does not depend on the rank that runs it; loading it has
+  a seed of its own (:func:`load_seed`), derived the same way.
 
 The :class:`Ledger` records the samples every committed step consumed, so a
 test can show that a run with failures consumed the same samples as one
@@ -36,6 +37,10 @@ _SHOWN_IDS = 10
 
 #: Domain separation for :func:`microbatch_seed` (blake2b's 16-byte ``person``).
 _SEED_PERSON = b"rollcall-mbseed"
+
+#: Domain separation for :func:`load_seed`: the RNG that loading draws from
+#: (augmentation) is not the forward pass's, even for the same microbatch.
+_LOAD_PERSON = b"rollcall-ldseed"
 
 #: Data epoch orders :meth:`DataPlan.order` keeps: a straddling step needs two.
 _CACHED_ORDERS = 2
@@ -66,8 +71,24 @@ def microbatch_seed(seed: int, step: int, index: int) -> int:
     on every machine and Python version, since it hashes text and not Python
     objects.
     """
+    return _derived_seed(_SEED_PERSON, seed, step, index)
+
+
+def load_seed(seed: int, step: int, index: int) -> int:
+    """The seed that loading microbatch ``index`` of ``step`` runs under.
+
+    torch, ``random`` and numpy are seeded from it right before the
+    microbatch's samples are read and collated, so augmentation drawn in a
+    dataset's ``__getitem__`` is the same whichever process, loader worker or
+    rank loads it. Made like :func:`microbatch_seed` (same text, same 63-bit
+    range) but under its own domain, so the two streams are unrelated.
+    """
+    return _derived_seed(_LOAD_PERSON, seed, step, index)
+
+
+def _derived_seed(person: bytes, seed: int, step: int, index: int) -> int:
     text = f"{seed}:{step}:{index}".encode("ascii")
-    digest = hashlib.blake2b(text, digest_size=8, person=_SEED_PERSON).digest()
+    digest = hashlib.blake2b(text, digest_size=8, person=person).digest()
     return int.from_bytes(digest, "big") >> 1
 
 

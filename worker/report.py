@@ -172,6 +172,11 @@ class SupervisorReport:
     def enabled(self) -> bool:
         return self._sock is not None
 
+    def fileno(self) -> int | None:
+        """The channel's descriptor (None without one): a forked child that
+        must not keep the channel open closes it."""
+        return self._sock.fileno() if self._sock is not None else None
+
     # --- events ---------------------------------------------------------------------
 
     def joined(self, member_id: str, address: str) -> None:

@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,9 +65,10 @@ from worker.contract import GradientWatch, Ownership, check_extras, check_schedu
 from worker.environment import DEFAULT_NAME, ENV_CHECKPOINT_DIR, ENV_JOB, ENV_NAME, ENV_RENDEZVOUS
 from worker.faults import Faults
 from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
+from worker.loader import Batch, LoaderOptions, MicrobatchLoader, default_collate
 from worker.messages import describe_transport, install_default_handler, view_change
 from worker.metrics import WorkerMetrics
-from worker.plan import DataPlan, Ledger, Microbatch
+from worker.plan import Ledger
 from worker.report import SupervisorReport
 from worker.state import CorruptState, ReplicaState, capture, digest, restore, to_bytes
 from worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
@@ -82,21 +82,6 @@ ABORT_POLL = 0.005
 #: ``Elastic.all_reduce`` operations.
 _REDUCE_OPS = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX,
                "min": ReduceOp.MIN, "product": ReduceOp.PRODUCT}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One microbatch of this rank: its plan entry and the collated samples."""
-
-    microbatch: Microbatch
-    inputs: Any
-    targets: Any
-
-
-def default_collate(samples: Sequence[Any]) -> tuple[Any, Any]:
-    """Stack ``(input, target)`` pairs into two tensors."""
-    inputs, targets = zip(*samples, strict=True)
-    return torch.stack(list(inputs)), torch.stack(list(targets))
 
 
 class Step:
@@ -125,17 +110,18 @@ class Step:
         self.loss: float | None = None
 
     def microbatches(self) -> Iterator[Batch]:
-        """This rank's microbatches of the step, each with the torch RNG seeded
-        from (seed, step, microbatch index) only. Stops early on an abort."""
+        """This rank's microbatches of the step (loaded ahead when there are
+        loader workers), each handed out with the torch RNG seeded from
+        (seed, step, microbatch index) only. Stops early on an abort."""
         job = self._job
         for mb in job.plan.for_rank(self.number, self.rank, self.world_size):
             if job._aborting():
                 self.aborted = True
                 return
+            data = job._loader.get(mb.step, mb.index)
             torch.manual_seed(mb.seed)
-            inputs, targets = job._collate([job._dataset[i] for i in mb.sample_ids])
             self._microbatches += 1
-            yield Batch(mb, inputs, targets)
+            yield Batch(mb, data)
 
     def backward(self, loss_sum: torch.Tensor, count: int) -> None:
         """Accumulate gradients of a loss *summed* over ``count`` samples or
@@ -213,7 +199,7 @@ class Elastic:
         token: str | None = None,
         host: str = "127.0.0.1",
         name: str | None = None,
-        collate: Callable[[Sequence[Any]], tuple[Any, Any]] = default_collate,
+        collate: Callable[[Sequence[Any]], Any] | None = None,
         ledger: str | Path | None = None,
         config: Config | None = None,
         tls: ClientTLS | None = None,
@@ -222,6 +208,11 @@ class Elastic:
         metrics_port: int | None = None,
         handle_signals: bool = True,
         messages: bool = True,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        pin_memory: bool = False,
     ) -> None:
         if messages:
             install_default_handler()
@@ -250,14 +241,25 @@ class Elastic:
         self._scheduler = scheduler
         self._scaler = grad_scaler
         self._before_update = before_update
-        self._dataset = dataset
-        self._collate = collate
         self._host = host
         self._min_workers = min_workers
         self._start_over = start_over
         self._checkpoint_every = checkpoint_every
-        self.plan = DataPlan(len(dataset), global_batch, micro_batch, seed)
         self.ledger = Ledger(Path(ledger) if ledger is not None else None)
+        # A DataLoader as `dataset` brings its collate_fn and worker settings.
+        self._loader = MicrobatchLoader.open(
+            dataset, global_batch=global_batch, micro_batch=micro_batch, seed=seed,
+            collate=collate, options=LoaderOptions(
+                num_workers=num_workers, prefetch_factor=prefetch_factor,
+                worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                pin_memory=pin_memory,
+            ),
+        )  # fmt: skip
+        # Forked loader workers must start before any socket or thread exists,
+        # and must not keep the supervisor's channel open after we are gone.
+        channel = self._report.fileno()
+        self._loader.start(not_inherited=() if channel is None else (channel,))
+        self.plan = self._loader.plan
         self.committed_step = -1
         self.member_id: str | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -335,6 +337,7 @@ class Elastic:
             self._ownership.release()
             self._stop_loop()
             stop_metrics(self._metrics_server)
+            self._loader.close()
             raise
         self._joined = True
 
@@ -729,6 +732,7 @@ class Elastic:
             hard_timeout=self._config.collective_backstop(),
         )  # fmt: skip
         ready = time.perf_counter()
+        self._loader.enter_view(rank, view.size, self.committed_step + 1)
         self._entering = (view.epoch, fetched, ready - built, time.monotonic())
         if self.metrics is not None:
             self.metrics.epoch.set(view.epoch)
@@ -837,6 +841,7 @@ class Elastic:
         self.ledger.record(
             step.number, step.epoch, step.world_size, self.plan.step_samples(step.number)
         )
+        self._loader.step_committed(step.number)
         now = time.monotonic()
         if step.epoch != self._progress_sent[0] or now - self._progress_sent[1] >= (
             self._config.heartbeat_interval
@@ -1063,6 +1068,7 @@ class Elastic:
         except (RollcallError, TimeoutError) as exc:
             log.warning("leave failed: %s", exc)
         finally:
+            self._loader.close()
             if self._group is not None:
                 self._group.close()
             self._stop_loop()

@@ -194,8 +194,13 @@ def train(args: argparse.Namespace) -> None:
 
 def reference(args: argparse.Namespace) -> None:
     """The same training in one process, no rollcall: every microbatch of a
-    step in index order, loaded and seeded as the runtime does."""
-    from worker.plan import DataPlan
+    step in index order, loaded and seeded as the runtime does (the samples'
+    augmentation from the load seed, the forward pass from the microbatch
+    seed)."""
+    from torch.utils.data import default_collate
+
+    from worker.loader import load_microbatch
+    from worker.plan import DataPlan, load_seed
 
     model, optimizer, scheduler, data, _ = build(args)
     ema = EMA(model)
@@ -203,10 +208,10 @@ def reference(args: argparse.Namespace) -> None:
     for number in range(args.until or args.steps):
         total, count = 0.0, 0
         for mb in plan.microbatches(number):
+            images, labels = load_microbatch(
+                data, default_collate, mb.sample_ids, load_seed(args.seed, number, mb.index)
+            )
             torch.manual_seed(mb.seed)
-            samples = [data[i] for i in mb.sample_ids]
-            images = torch.stack([s[0] for s in samples])
-            labels = torch.stack([s[1] for s in samples])
             loss, n = loss_sum(model, images, labels)
             loss.backward()
             total += float(loss.detach())
@@ -232,7 +237,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0, help="data plan seed")
     parser.add_argument("--model-seed", type=int, default=0, help="initial weights")
-    parser.add_argument("--loader-workers", type=int, default=0)
+    parser.add_argument("--loader-workers", type=int, default=2)
     parser.add_argument("--min-workers", type=int, default=1)
     parser.add_argument("--eval-every", type=int, default=0, help="rank 0 evaluates every N steps")
     parser.add_argument(

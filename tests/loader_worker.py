@@ -1,0 +1,67 @@
+"""A training process fed by a DataLoader with worker processes (for the
+end-to-end loader test): python -m tests.loader_worker RENDEZVOUS JOB LEDGER.
+Token from $ROLLCALL_TOKEN. Prints JSON lines: "joined" (with the pids of
+its loader workers) and, for every committed step, the sample ids of each
+microbatch it trained on, as read from the batches themselves. Ctrl-C
+(SIGINT) leaves the job cleanly and exits with 130."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sys
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from worker.runtime import Elastic
+
+#: Samples in the dataset; global and micro batch of the job.
+SAMPLES, GLOBAL_BATCH, MICRO_BATCH = 512, 16, 4
+
+
+class Identified(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sample ``i`` is ``(features of i, i)``; reading one takes 1 ms."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.001)
+        return torch.linspace(0.0, 1.0, 4) * (i % 17), torch.tensor(i)
+
+
+def main() -> None:
+    rendezvous, job, ledger = sys.argv[1], sys.argv[2], sys.argv[3]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loader = DataLoader(Identified(), batch_size=MICRO_BATCH, shuffle=True, num_workers=2)
+    try:
+        with Elastic(
+            model, optimizer, loader, global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH,
+            rendezvous=rendezvous, job=job, ledger=ledger,  # a str: Path or str are both fine
+        ) as elastic:  # fmt: skip
+            loader_pids = [child.pid for child in multiprocessing.active_children()]
+            say(event="joined", member_id=elastic.member_id, loader_pids=loader_pids)
+            for step in elastic.steps(1_000_000):
+                seen = {}
+                for batch in step.microbatches():
+                    features, ids = batch.inputs, batch.targets
+                    seen[batch.microbatch.index] = ids.tolist()
+                    loss = ((model(features).squeeze(-1) - features.sum(-1)) ** 2).sum()
+                    step.backward(loss, len(ids))
+                if step.commit():
+                    say(event="step", step=step.number, epoch=step.epoch, rank=step.rank,
+                        world=step.world_size, microbatches=seen)  # fmt: skip
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def say(**record: object) -> None:
+    print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Loading ahead in real training processes: workers fed by a DataLoader with
+two loader processes each train through a kill and a join, and every
+microbatch they trained on holds exactly the samples of the plan (real etcd,
+real rendezvous, real workers; tests/loader_worker.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import ControlPlane, Process, wait_for
+from tests.loader_worker import GLOBAL_BATCH, MICRO_BATCH, SAMPLES
+from worker.plan import DataPlan, Ledger, merge_ledgers
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+#: Generous bound for "training continues" waits on a loaded 2-core box.
+PATIENCE = 60.0
+
+
+class LoaderWorker(Process):
+    def __init__(self, plane: ControlPlane, tmp_path: Path, index: int) -> None:
+        self.ledger = tmp_path / f"ledger{index}.jsonl"
+        argv = [sys.executable, "-m", "tests.loader_worker", ",".join(plane.addresses), plane.job,
+                str(self.ledger)]  # fmt: skip
+        super().__init__(argv, {"ROLLCALL_TOKEN": plane.token}, tmp_path / f"worker{index}.log")
+
+    def joined(self) -> dict[str, Any]:
+        return self.wait_event(lambda e: e["event"] == "joined", PATIENCE)
+
+    def step(self, predicate: Any) -> dict[str, Any]:
+        return self.wait_event(lambda e: e["event"] == "step" and predicate(e), PATIENCE)
+
+    def steps(self) -> list[dict[str, Any]]:
+        while not self.lines.empty():
+            self.seen.append(self.lines.get_nowait())
+        return [e for e in map(_parse, self.seen) if e is not None and e["event"] == "step"]
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    return json.loads(line) if line.startswith("{") else None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_microbatches_loaded_ahead_hold_the_plans_samples_through_a_kill_and_a_join(
+    control_plane: ControlPlane, tmp_path: Path
+):
+    plane = control_plane
+    team: list[LoaderWorker] = []
+    try:
+        team += [LoaderWorker(plane, tmp_path, i) for i in range(2)]
+        loader_pids = [pid for worker in team for pid in worker.joined()["loader_pids"]]
+        assert len(loader_pids) == 4, "each worker should run two loader processes"
+        for worker in team:
+            worker.step(lambda e: e["world"] == 2 and e["step"] >= 3)
+        survivor, victim = team
+        victim.kill()
+        alone = survivor.step(lambda e: e["world"] == 1)
+        joiner = LoaderWorker(plane, tmp_path, 2)
+        team.append(joiner)
+        loader_pids += joiner.joined()["loader_pids"]
+        first = joiner.step(lambda e: e["world"] == 2)
+        survivor.step(lambda e, s=first["step"]: e["step"] >= s + 5)
+        for worker in (survivor, joiner):
+            worker.signal(signal.SIGINT)
+        for worker in (survivor, joiner):
+            assert worker.proc.wait(timeout=PATIENCE) == 130, worker.log_tail()
+    finally:
+        for worker in team:
+            with contextlib.suppress(Exception):
+                worker.stop(timeout=20)
+    # The killed worker's loader processes notice their parent is gone by themselves.
+    wait_for(lambda: not any(alive(pid) for pid in loader_pids), "loader processes to exit", 20)
+
+    plan = DataPlan(SAMPLES, GLOBAL_BATCH, MICRO_BATCH, seed=0)
+    records = [e for worker in team for e in worker.steps()]
+    by_step: dict[tuple[int, int], dict[int, list[int]]] = defaultdict(dict)
+    for record in records:
+        step, world, rank = record["step"], record["world"], record["rank"]
+        trained = {int(index): ids for index, ids in record["microbatches"].items()}
+        assert sorted(trained) == list(plan.assignment(step, world)[rank]), record
+        for index, ids in trained.items():
+            assert ids == list(plan.microbatches(step)[index].sample_ids), (step, index)
+            by_step[step, world][index] = ids
+    whole = [step for (step, world), seen in by_step.items() if len(seen) == plan.num_microbatches]
+    assert len(whole) > 10
+    assert {e["world"] for e in records} == {1, 2}
+    assert alone["epoch"] < first["epoch"]
+    merged = merge_ledgers(Ledger.load(w.ledger).steps() for w in team if w.ledger.exists())
+    last = max(merged)
+    assert Ledger.compare({s: plan.step_samples(s) for s in range(last + 1)}, merged) == []
+    print(f"\n{len(records)} step records checked against the plan, {last + 1} steps")
