@@ -64,6 +64,7 @@ from worker.checkpoint import CheckpointUnusable, CheckpointWriter, load_newest,
 from worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
 from worker.environment import DEFAULT_NAME, ENV_CHECKPOINT_DIR, ENV_JOB, ENV_NAME, ENV_RENDEZVOUS
 from worker.faults import Faults
+from worker.fingerprint import job_fingerprint
 from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
 from worker.loader import Batch, LoaderOptions, MicrobatchLoader, default_collate
 from worker.messages import describe_transport, install_default_handler, view_change
@@ -260,6 +261,12 @@ class Elastic:
         channel = self._report.fileno()
         self._loader.start(not_inherited=() if channel is None else (channel,))
         self.plan = self._loader.plan
+        # What every worker of the job must match, checked at join: taken
+        # before anything trains the model.
+        self.fingerprint = job_fingerprint(
+            model, optimizer, self.plan, scheduler=scheduler, grad_scaler=grad_scaler,
+            extras=self._extras, flags={"min_workers": str(min_workers)},
+        )  # fmt: skip
         self.committed_step = -1
         self.member_id: str | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -453,6 +460,7 @@ class Elastic:
             on_view=self._on_view,
             on_end=self._on_end,
             on_busy=self._on_busy,
+            fingerprint=self.fingerprint,
         )
         self._launch_s = process_age()
         self._fetcher = StateFetcher(self.job_name, self.member_id, self._token)
