@@ -43,6 +43,7 @@ def job_fingerprint(
 ) -> JobFingerprint:
     """The fingerprint of a job run with these objects, as they are now.
 
+    ``extras`` is the registered user state (only its names count).
     ``flags`` are settings of the runtime itself, by field name (e.g.
     ``{"min_workers": "2"}``); each must be a field that
     ``membership.fingerprint.FIELDS`` declares and this function does not
