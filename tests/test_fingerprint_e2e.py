@@ -69,11 +69,10 @@ def stderr_lines(worker: WorkerProcess) -> list[str]:
 
 
 def example_fingerprint() -> JobFingerprint:
-    """What the first worker computes (`rollcall worker` builds this, and
-    Elastic adds its min_workers)."""
+    """What the first worker computes (`rollcall worker` builds this)."""
     model, optimizer, corpus = build(LMConfig(), SEED)
     plan = DataPlan(len(corpus), GLOBAL_BATCH, MICRO_BATCH, SEED)
-    return job_fingerprint(model, optimizer, plan, flags={"min_workers": "1"})
+    return job_fingerprint(model, optimizer, plan)
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +125,8 @@ def assert_trains_on_alone(plane: ControlPlane, first: Any, epoch: int, after: i
             "under another name",
         ),
         (("--seed", "1", "--global-batch", "48"), "its initial_state is sha256:"),
-        (
-            ("--min-workers", "2", "--global-batch", "48"),
-            "this worker's min_workers is 2 but job job1's is 1: every worker",
-        ),
     ],
-    ids=["global batch", "model seed", "min workers"],
+    ids=["global batch", "model seed"],
 )
 def test_a_worker_with_other_settings_is_refused_at_join_while_the_job_trains(
     training: tuple[ControlPlane, Any], tmp_path: Path, flags: tuple[str, ...], says: str

@@ -265,7 +265,7 @@ class Elastic:
         # before anything trains the model.
         self.fingerprint = job_fingerprint(
             model, optimizer, self.plan, scheduler=scheduler, grad_scaler=grad_scaler,
-            extras=self._extras, flags={"min_workers": str(min_workers)},
+            extras=self._extras,
         )  # fmt: skip
         self.committed_step = -1
         self.member_id: str | None = None
