@@ -256,17 +256,17 @@ class Elastic:
                 pin_memory=pin_memory,
             ),
         )  # fmt: skip
+        # What every worker of the job must match, checked at join: taken
+        # before anything trains the model (and before loader processes exist).
+        self.fingerprint = job_fingerprint(
+            model, optimizer, self._loader.plan, scheduler=scheduler, grad_scaler=grad_scaler,
+            extras=self._extras,
+        )  # fmt: skip
         # Forked loader workers must start before any socket or thread exists,
         # and must not keep the supervisor's channel open after we are gone.
         channel = self._report.fileno()
         self._loader.start(not_inherited=() if channel is None else (channel,))
         self.plan = self._loader.plan
-        # What every worker of the job must match, checked at join: taken
-        # before anything trains the model.
-        self.fingerprint = job_fingerprint(
-            model, optimizer, self.plan, scheduler=scheduler, grad_scaler=grad_scaler,
-            extras=self._extras,
-        )  # fmt: skip
         self.committed_step = -1
         self.member_id: str | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
