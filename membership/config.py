@@ -40,7 +40,9 @@ class Config:
     #: A worker applies a step only if its session was never silent for
     #: longer than this while the step ran (a frozen or starved process may
     #: have been evicted meanwhile). Must stay below the detector's earliest
-    #: suspicion, heartbeat_interval + 5.6 * phi_min_std (1.5 s by default).
+    #: suspicion (``earliest_suspicion()``, 1.40 s by default): checked here
+    #: within one process, and by the worker against the service's bound,
+    #: which the ``Join`` answer carries.
     fence_window: float = 0.5
 
     # --- collectives and busy members ---------------------------------------
@@ -131,11 +133,27 @@ class Config:
                 f"config busy_default ({self.busy_default}) must not exceed "
                 f"busy_max ({self.busy_max})"
             )
+        if self.fence_window >= self.earliest_suspicion():
+            raise ValueError(
+                f"config fence_window ({self.fence_window:g} s) must be below the detector's "
+                f"earliest suspicion ({self.earliest_suspicion():.4g} s, set by "
+                "phi_threshold, phi_min_std and max_silence), or a worker could "
+                "apply a step after its eviction"
+            )
         if self.member_lease_ttl <= self.election_ttl + self.takeover_grace:
             raise ValueError(
                 "config member_lease_ttl must exceed election_ttl + takeover_grace, "
                 "or a leader failover would let live members' leases expire"
             )
+
+    def earliest_suspicion(self) -> float:
+        """Shortest silence after which the detector may suspect a member,
+        whatever its heartbeat history (``membership.detector``): about
+        5.6 x ``phi_min_std``, at most ``max_silence``."""
+        # Imported here: the detector module imports this one.
+        from membership.detector import earliest_suspicion
+
+        return earliest_suspicion(self)
 
     def detection_bound(self) -> float:
         """Longest time from a member's last heartbeat to its suspicion."""

@@ -62,6 +62,38 @@ def _phi(elapsed: float, mean: float, std: float) -> float:
     return (_LN2 - ln_erfc) / _LN10
 
 
+def earliest_suspicion(config: Config) -> float:
+    """The shortest silence after which any member may be suspected, whatever
+    its heartbeat history: no member silent for less is ever suspected.
+
+    phi grows with the silence minus the mean interval, over the standard
+    deviation; the mean is at least 0 and the deviation at least
+    ``phi_min_std``, so the earliest case is a mean of 0 (every session
+    message counts as a heartbeat, so the mean can fall well below
+    ``heartbeat_interval``) at the floor: about 5.6 x ``phi_min_std``
+    (1.40 s by default), and never later than ``max_silence``."""
+
+    def suspected(silence: float) -> bool:
+        return (
+            silence > config.max_silence
+            or _phi(silence, 0.0, config.phi_min_std) > config.phi_threshold
+        )
+
+    lo, hi = 0.0, config.max_silence
+    if suspected(lo):
+        return 0.0
+    if not suspected(hi):
+        return hi  # suspected only past max_silence
+    while True:
+        mid = lo + (hi - lo) / 2.0
+        if mid <= lo or mid >= hi:
+            return hi
+        if suspected(mid):
+            hi = mid
+        else:
+            lo = mid
+
+
 class PhiAccrualDetector:
     """Heartbeat failure detector for one monitored process that adapts to
     observed jitter.

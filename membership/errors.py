@@ -86,3 +86,26 @@ class Interrupted(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class ConfigurationMismatch(RollcallError):
+    """This worker's configuration differs from its job's (global batch,
+    seed, model, optimizer...; ``membership.fingerprint``): it may not train
+    with the others. Fix its settings, or start a new job under another name."""
+
+
+class UnsafeFenceWindow(ConfigurationMismatch):
+    """This worker's ``fence_window`` is not below the rendezvous service's
+    earliest suspicion of a silent member: it could apply a step after being
+    evicted. Lower the fence or match the service's detector settings."""
+
+    def __init__(self, fence_window: float, earliest_suspicion: float) -> None:
+        super().__init__(
+            f"this worker's fence_window is {fence_window:g} s but the rendezvous service "
+            f"may suspect a silent member {earliest_suspicion:.4g} s after its last heartbeat: "
+            "the fence must be shorter, or an evicted worker could still apply a step; lower "
+            "this worker's fence_window (--set fence_window=...) or match the service's "
+            "detector settings (heartbeat_interval, phi_threshold, phi_min_std, max_silence)"
+        )
+        self.fence_window = fence_window
+        self.earliest_suspicion = earliest_suspicion

@@ -30,10 +30,14 @@ from membership.errors import (
     RollcallError,
     StaleEpoch,
     Unauthenticated,
+    UnsafeFenceWindow,
 )
+from membership.fingerprint import JobFingerprint
 from membership.view import EMPTY_VIEW, View
 from rendezvous.wire import (
+    ERROR_METADATA,
     LEADER_METADATA,
+    NAMED_BY_METADATA,
     manifest_from_pb,
     manifest_to_pb,
     token_metadata,
@@ -114,6 +118,9 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
         return InvalidRequest(message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return InvalidRequest(f"request too large: {message}")
+    named = NAMED_BY_METADATA.get(str(dict(error.trailing_metadata() or ()).get(ERROR_METADATA)))
+    if named is not None:
+        return named(message)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return StaleEpoch(message)
     if code == grpc.StatusCode.NOT_FOUND:
@@ -290,17 +297,35 @@ class RendezvousClient:
         on_view: Callable[[View], None] | None = None,
         on_end: Callable[[RollcallError], None] | None = None,
         on_busy: BusyHandler | None = None,
+        fingerprint: JobFingerprint | None = None,
     ) -> str:
         """Join the job and open the session; returns the member id. The
         member is in the job once a view containing it arrives
-        (``wait_member``)."""
+        (``wait_member``).
+
+        With ``fingerprint`` the service checks it against the job's
+        (``ConfigurationMismatch`` if it differs; not retried). If the
+        service's earliest suspicion of a silent member is not above this
+        client's ``fence_window``, the member leaves again at once and
+        ``UnsafeFenceWindow`` is raised."""
         if self._session_task is not None:
             raise RuntimeError("this client already joined; use a new client to rejoin")
-        response = await self._call(
-            "Join", pb.JoinRequest(job=self._job, address=address, name=name), leader_only=True,
-            patience=self._config.join_deadline,
+        request = pb.JoinRequest(
+            job=self._job, address=address, name=name,
+            fingerprint=fingerprint.as_dict() if fingerprint is not None else {},
         )  # fmt: skip
+        response = await self._call(
+            "Join", request, leader_only=True, patience=self._config.join_deadline
+        )
         self.member_id = response.member_id
+        bound = response.earliest_suspicion_s
+        if bound and self._config.fence_window >= bound:
+            self._view = view_from_pb(response.view)
+            try:
+                await self.leave()
+            except RollcallError as exc:  # the record goes with its lease then
+                log.warning("could not leave after refusing the service's bound: %s", exc)
+            raise UnsafeFenceWindow(self._config.fence_window, bound)
         self._heartbeat_interval = response.heartbeat_interval_ms / 1000 or self._heartbeat_interval
         self._on_roll_call = on_roll_call
         self._on_view = on_view

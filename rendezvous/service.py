@@ -25,6 +25,7 @@ from membership.config import Config
 from membership.coordinator import CommitView, Coordinator, RequestAnswers
 from membership.detector import FailureDetector
 from membership.errors import (
+    ConfigurationMismatch,
     ControlPlaneUnavailable,
     Evicted,
     InvalidRequest,
@@ -34,6 +35,13 @@ from membership.errors import (
     RollcallError,
     StaleEpoch,
 )
+from membership.fingerprint import (
+    JobActivity,
+    JobFingerprint,
+    Verdict,
+    admit,
+    describe_mismatch,
+)
 from membership.view import EMPTY_VIEW, Member, View
 from rendezvous import validation as check
 from rendezvous.events import EventFile, EventLog, MemberReport
@@ -41,6 +49,7 @@ from rendezvous.metrics import ServiceMetrics
 from rendezvous.store import EtcdStore, LeaderInfo, MemberRecord
 from rendezvous.wire import (
     LEADER_METADATA,
+    error_metadata,
     manifest_from_pb,
     manifest_to_pb,
     status_of,
@@ -56,6 +65,8 @@ T = TypeVar("T")
 _MAX_REASON = 256
 #: Largest duration a member may report (anything above is malformed).
 _MAX_REPORTED_SECONDS = 1e6
+#: Compare-and-swap rounds on the job's fingerprint before a join gives up.
+_FINGERPRINT_ATTEMPTS = 5
 
 
 @dataclass
@@ -89,6 +100,9 @@ class _Leadership:
     join_deadlines: dict[str, float] = field(default_factory=dict)
     sessions: dict[str, _Session] = field(default_factory=dict)
     step: int | None = None
+    #: Whether a member reported a committed step while this replica led
+    #: (the progress record in etcd lags behind by up to a write).
+    trained: bool = False
     step_written: tuple[int, int] | None = None
     step_written_at: float = 0.0
     lost: asyncio.Event = field(default_factory=asyncio.Event)
@@ -128,6 +142,9 @@ class Replica(pb_grpc.RendezvousServicer):
         self._events = EventLog(job, time.time() - clock())
         self._event_file = events
         self._metrics = metrics
+        #: Held from a fingerprinted joiner's check to its record: a job
+        #: that looks empty to one must not take another run's meanwhile.
+        self._admitting = asyncio.Lock()
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -217,6 +234,7 @@ class Replica(pb_grpc.RendezvousServicer):
             records=records,
             grace_until=now + self._config.takeover_grace if view.members else now,
             join_deadlines={j.id: now + self._config.join_session_timeout for j in joiners},
+            trained=view.resume_step is not None,
         )
         self._lead = lead
         self._observe_view(view)
@@ -407,6 +425,7 @@ class Replica(pb_grpc.RendezvousServicer):
             # it is the step a resumed job has to reach again.
             asyncio.create_task(self._flush_progress(lead, lead.coordinator.view.epoch, lead.step))
         lead.step = action.view.resume_step
+        lead.trained = lead.trained or lead.step is not None
         now = self._clock()
         lead.coordinator.committed(action.view, now)
         causes = ", ".join(action.causes[:8]) + (
@@ -572,10 +591,13 @@ class Replica(pb_grpc.RendezvousServicer):
         raise NotAMember(f"member {member_id!r} is not a member of job {self._job}")
 
     async def _abort(self, context: grpc.aio.ServicerContext, error: RollcallError) -> None:
+        metadata = error_metadata(error)
         if isinstance(error, NotLeader):
             leader = await self._known_leader()
             if leader:
-                context.set_trailing_metadata(((LEADER_METADATA, leader),))
+                metadata += ((LEADER_METADATA, leader),)
+        if metadata:
+            context.set_trailing_metadata(metadata)
         await context.abort(status_of(error), str(error))
 
     async def _known_leader(self) -> str:
@@ -595,25 +617,77 @@ class Replica(pb_grpc.RendezvousServicer):
             check.check_address(request.address, self._config)
             name = request.name or "w"
             check.check_id(name, "name", self._config)
-            member_id = f"{name[: self._config.max_id_length - 9]}-{secrets.token_hex(4)}"
+            fingerprint = check.check_fingerprint(request.fingerprint)
+            member = Member(f"{name[: self._config.max_id_length - 9]}-{secrets.token_hex(4)}",
+                            request.address)  # fmt: skip
             lead = self._leader()
-            record = await self._etcd(self._store.add_member, Member(member_id, request.address))
-            if lead.lost.is_set():
-                raise NotLeader("replica lost leadership during the join")
-            now = self._clock()
-            lead.records[member_id] = record
-            lead.join_deadlines[member_id] = now + self._config.join_session_timeout
-            lead.coordinator.join(record.member, now)
-            self._events.cause(now, "join")
-            self._drain(lead)
-            log.info("join %s at %s", member_id, request.address)
+            if fingerprint is None:  # not checked: operator tools, lightweight members
+                await self._enrol(lead, member)
+            else:
+                async with self._admitting:
+                    await self._admit(lead, fingerprint, request.address)
+                    await self._enrol(lead, member)
+            log.info("join %s at %s", member.id, request.address)
             return pb.JoinResponse(
-                member_id=member_id,
+                member_id=member.id,
                 view=view_to_pb(lead.coordinator.view),
                 heartbeat_interval_ms=round(self._config.heartbeat_interval * 1000),
+                earliest_suspicion_s=self._config.earliest_suspicion(),
             )
         except RollcallError as error:
             await self._abort(context, error)
+
+    async def _enrol(self, lead: _Leadership, member: Member) -> None:
+        """Record a joiner in etcd and hand it to the coordinator."""
+        record = await self._etcd(self._store.add_member, member)
+        if lead.lost.is_set():
+            raise NotLeader("replica lost leadership during the join")
+        now = self._clock()
+        lead.records[member.id] = record
+        lead.join_deadlines[member.id] = now + self._config.join_session_timeout
+        lead.coordinator.join(record.member, now)
+        self._events.cause(now, "join")
+        self._drain(lead)
+
+    async def _admit(self, lead: _Leadership, fingerprint: JobFingerprint, address: str) -> None:
+        """Check a joiner's fingerprint against the job's (``membership.
+        fingerprint.admit``): record it if the job has none, replace the
+        job's if the job is empty and has never trained, else raise
+        ``ConfigurationMismatch``, having changed nothing."""
+        for _ in range(_FINGERPRINT_ATTEMPTS):
+            stored = await self._etcd(self._store.read_fingerprint)
+            if stored.malformed:
+                log.warning(
+                    "job %s: the fingerprint stored in etcd is malformed (%s): ignored, "
+                    "this joiner's replaces it", self._job, stored.malformed,
+                )  # fmt: skip
+            view = lead.coordinator.view
+            activity = JobActivity(
+                members=view.size,
+                joiners=sum(1 for member_id in lead.records if member_id not in view),
+                progress=stored.progress or lead.trained,
+                checkpoints=stored.checkpoints,
+            )
+            admission = admit(fingerprint, stored.fingerprint, activity)
+            if admission.verdict is Verdict.MATCHES:
+                return
+            if admission.verdict is Verdict.REFUSE:
+                refusal = describe_mismatch(self._job, admission.differences)
+                log.info("join from %s refused: %s", address, refusal)
+                raise ConfigurationMismatch(refusal)
+            if not await self._etcd(self._store.record_fingerprint, fingerprint, stored.revision):
+                continue  # another writer got in between: decide again
+            if admission.verdict is Verdict.REPLACE:
+                changes = (f"{d.name} {d.job} -> {d.joiner}" for d in admission.differences)
+                changed = ", ".join(changes)
+                log.info(
+                    "job %s is empty and has never trained: its fingerprint is replaced by "
+                    "a new run's (%s)", self._job, changed,
+                )  # fmt: skip
+            else:
+                log.info("job %s: fingerprint recorded (%d fields)", self._job, len(fingerprint))
+            return
+        raise ControlPlaneUnavailable("job fingerprint: too much contention on etcd")
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -827,6 +901,7 @@ class Replica(pb_grpc.RendezvousServicer):
             view = lead.coordinator.view
             if epoch == view.epoch and member_id in view:
                 lead.step = max(step, lead.step if lead.step is not None else step)
+                lead.trained = True
                 self._emit(self._events.progress(now, view, lead.step))
                 if self._metrics is not None:
                     self._metrics.progress(lead.step, self._events.global_batch)

@@ -9,6 +9,9 @@ with ``etcdctl get --prefix /rollcall/jobs/``::
     progress        {"epoch", "step"}: last committed step reported for the view
     checkpoints     [manifest, ...]: durable checkpoints, newest first
                     (``membership.checkpoint.CheckpointManifest``)
+    fingerprint     {field: value}: what every worker of the job must match
+                    (``membership.fingerprint.JobFingerprint``), recorded by
+                    the first fingerprinted join
 
 The store is synchronous: the asyncio service calls it from worker threads.
 
@@ -47,6 +50,7 @@ from pyetcd.exceptions import NoServerAvailableError
 from membership.checkpoint import CheckpointManifest, record
 from membership.config import Config
 from membership.errors import ControlPlaneUnavailable, InvalidRequest
+from membership.fingerprint import JobFingerprint, check_fingerprint
 from membership.view import EMPTY_VIEW, Member, View
 
 _log = logging.getLogger(__name__)
@@ -126,6 +130,22 @@ class MemberRecord:
     lease_id: int
     #: etcd revision at which the record was created: orders joiners by arrival.
     create_revision: int
+
+
+@dataclass(frozen=True)
+class StoredFingerprint:
+    """The job's fingerprint as etcd holds it, with what a join needs to
+    decide about a joiner's, all read at one revision."""
+
+    #: None when absent or malformed (``malformed`` then says why).
+    fingerprint: JobFingerprint | None
+    #: The key's mod_revision (0: absent), for a compare-and-swap.
+    revision: int
+    #: Why a value that is present could not be used ("" if it could).
+    malformed: str
+    #: Whether the job has a progress record, and published checkpoints.
+    progress: bool
+    checkpoints: bool
 
 
 @dataclass(frozen=True)
@@ -242,6 +262,7 @@ class EtcdStore:
         self._members_prefix = f"{base}members/".encode()
         self._progress_key = f"{base}progress".encode()
         self._checkpoints_key = f"{base}checkpoints".encode()
+        self._fingerprint_key = f"{base}fingerprint".encode()
 
     def _make_endpoint(self, url: str, tls: EtcdClientTLS | None) -> Endpoint:
         parts = urlsplit(url)
@@ -716,6 +737,65 @@ class EtcdStore:
             if self._call(attempt):
                 return True, updated
         raise ControlPlaneUnavailable("checkpoint manifest: too much contention on etcd")
+
+    # --- fingerprint -----------------------------------------------------------
+    def read_fingerprint(self) -> StoredFingerprint:
+        """The job's fingerprint, validated, with its revision and whether the
+        job has progress or checkpoints. A malformed value is reported in
+        ``malformed`` (and ``fingerprint`` is None), never raised."""
+        request = etcdrpc.TxnRequest(
+            success=[
+                _range_op(_range(self._fingerprint_key)),
+                _range_op(_range(self._progress_key, count_only=True)),
+                _range_op(_range(self._checkpoints_key, count_only=True)),
+            ]
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> Any:
+            return self._txn_call(request, channel, timeout)
+
+        response = self._call(attempt)
+        kv = _first_kv(response, 0)
+        progress = response.responses[1].response_range.count > 0
+        checkpoints = response.responses[2].response_range.count > 0
+        if kv is None:
+            return StoredFingerprint(None, 0, "", progress, checkpoints)
+        fingerprint, malformed = None, ""
+        try:
+            data = json.loads(kv.value)
+            if not isinstance(data, dict):
+                raise InvalidRequest(f"a JSON {type(data).__name__}, not an object")
+            fingerprint = check_fingerprint(data)
+        except (ValueError, RecursionError, InvalidRequest) as exc:
+            malformed = str(exc)[:200] or type(exc).__name__
+        return StoredFingerprint(
+            fingerprint, int(kv.mod_revision), malformed, progress, checkpoints
+        )
+
+    def record_fingerprint(self, fingerprint: JobFingerprint, revision: int) -> bool:
+        """Write ``fingerprint`` if the key is still at ``revision`` (absent
+        when 0): create-if-absent, or replace exactly the value read. False
+        when another writer got in between (nothing written)."""
+        value = _dumps(fingerprint.as_dict())
+        if revision == 0:
+            compare = _compare(self._fingerprint_key, "CREATE", 0)
+        else:
+            compare = _compare(self._fingerprint_key, "MOD", revision)
+        request = etcdrpc.TxnRequest(
+            compare=[compare],
+            success=[_put_op(self._fingerprint_key, value)],
+            failure=[_range_op(_range(self._fingerprint_key))],
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> bool:
+            response = self._txn_call(request, channel, timeout)
+            if response.succeeded:
+                return True
+            current = _first_kv(response, 0)
+            # An earlier attempt of ours landed and its answer was lost.
+            return retried and current is not None and current.value == value
+
+        return self._call(attempt)
 
     def snapshot(self) -> dict[str, bytes]:
         """Every key under the job's prefix with its value."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
+from collections.abc import Mapping
 
+from membership import fingerprint
 from membership.config import Config
 from membership.errors import InvalidRequest
 
@@ -84,3 +86,9 @@ def check_text(value: str, what: str, limit: int) -> str:
     if len(value) > limit:
         raise InvalidRequest(f"{what} is longer than {limit} characters")
     return value
+
+
+def check_fingerprint(values: Mapping[str, str]) -> fingerprint.JobFingerprint | None:
+    """A joiner's fingerprint (``membership.fingerprint.check_fingerprint``);
+    None when it sent none, which is not checked."""
+    return fingerprint.check_fingerprint(values) if values else None

@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 
 from membership.checkpoint import CheckpointManifest
 from membership.errors import (
+    ConfigurationMismatch,
     ControlPlaneUnavailable,
     Evicted,
     InvalidRequest,
@@ -34,6 +35,9 @@ from rollcall.pb import rendezvous_pb2 as pb
 TOKEN_METADATA = "authorization"
 #: Trailing metadata key naming the leader when a standby refuses a call.
 LEADER_METADATA = "rollcall-leader"
+#: Trailing metadata key naming the error when the status code alone does
+#: not tell it (``NAMED_BY_METADATA``).
+ERROR_METADATA = "rollcall-error"
 #: Environment variable naming a file that holds the job token.
 TOKEN_FILE_ENV = "ROLLCALL_TOKEN_FILE"
 #: Environment variable holding the job token when no file is given.
@@ -62,6 +66,7 @@ STATUS_OF: dict[type[RollcallError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     StaleEpoch: grpc.StatusCode.FAILED_PRECONDITION,
     Evicted: grpc.StatusCode.FAILED_PRECONDITION,
+    ConfigurationMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     Oversized: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotAMember: grpc.StatusCode.NOT_FOUND,
     NoSuchJob: grpc.StatusCode.NOT_FOUND,
@@ -75,6 +80,21 @@ def status_of(error: RollcallError) -> grpc.StatusCode:
         if cls in STATUS_OF:
             return STATUS_OF[cls]  # type: ignore[index]
     return grpc.StatusCode.INTERNAL
+
+
+#: Errors that share their status code with others and travel with their
+#: name in ``ERROR_METADATA``, so that the client raises the right one.
+NAMED_BY_METADATA: dict[str, type[RollcallError]] = {
+    "ConfigurationMismatch": ConfigurationMismatch,
+}
+
+
+def error_metadata(error: RollcallError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata naming ``error``, if it is one of ``NAMED_BY_METADATA``."""
+    for name, cls in NAMED_BY_METADATA.items():
+        if type(error) is cls:
+            return ((ERROR_METADATA, name),)
+    return ()
 
 
 def view_to_pb(view: View) -> pb.View:

@@ -27,6 +27,8 @@ _EXPORTS = {
     "Evicted": "membership.errors",
     "CannotResume": "membership.errors",
     "ProgressLost": "membership.errors",
+    "ConfigurationMismatch": "membership.errors",
+    "UnsafeFenceWindow": "membership.errors",
     "CheckpointUnusable": "worker.checkpoint",
 }
 

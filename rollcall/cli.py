@@ -38,6 +38,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: Exit codes: 1 for a runtime failure, 2 for bad usage (as click does).
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+#: ``rollcall worker``: its settings differ from its job's (ConfigurationMismatch).
+EXIT_MISMATCH = 5
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
@@ -844,9 +846,12 @@ def worker(
     scratch (--start-over does that on purpose). SIGTERM or Ctrl-C leaves
     the job cleanly (exit 143 or 130); a second one exits at once.
 
-    Its control-plane settings (--set) should match the rendezvous
-    service's: fence_window must stay below the service's earliest
-    suspicion, and a silent peer is reported after max_silence.
+    If its settings differ from the job's (global batch, micro batch, seed,
+    model, optimizer...: docs/worker.md, "What must match across workers"),
+    the job refuses it at join and it exits with code 5 and one line naming
+    each differing field with both values. So it does too if its
+    fence_window (--set) is not below the rendezvous service's earliest
+    suspicion of a silent member, which the service sends at join.
     """
     from rendezvous.wire import read_token
 
@@ -855,7 +860,7 @@ def worker(
     setup_logging(log_level)
     import torch
 
-    from membership.errors import CannotResume, Evicted
+    from membership.errors import CannotResume, ConfigurationMismatch, Evicted, UnsafeFenceWindow
     from worker.examples.lm import LMConfig, build, loss_sum
     from worker.runtime import Elastic
     from worker.state import capture, digest
@@ -916,6 +921,10 @@ def worker(
         fail(f"evicted from job {job}: {exc}; this worker's state is stale, start it again", 3)
     except CannotResume as exc:
         fail(f"job {job} cannot resume: {exc}", 4)
+    except UnsafeFenceWindow as exc:
+        fail(f"left job {job} at once: {exc}", EXIT_MISMATCH)
+    except ConfigurationMismatch as exc:
+        fail(f"job {job} refused this worker: {exc}", EXIT_MISMATCH)
 
 
 def _register_report() -> None:

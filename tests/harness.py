@@ -295,7 +295,10 @@ class WorkerProcess(Process):
         steps: int = 1000,
         ledger: Path | None = None,
         extra: Sequence[str] = (),
+        wait_joined: bool = True,
     ) -> None:
+        """Starts the worker and, with ``wait_joined``, waits until it joined
+        (else ``member_id`` is "" and the caller watches it exit, say)."""
         argv = [
             sys.executable, "-m", "rollcall.cli", "worker",
             "--rendezvous", ",".join(plane.addresses), "--job", plane.job,
@@ -306,8 +309,10 @@ class WorkerProcess(Process):
             argv += ["--ledger", str(ledger)]
         super().__init__(argv, None, log_path)
         self.ledger = ledger
-        joined = self.wait_event(lambda e: e["event"] == "joined", timeout=60)
-        self.member_id: str = joined["member_id"]
+        self.member_id = ""
+        if wait_joined:
+            joined = self.wait_event(lambda e: e["event"] == "joined", timeout=60)
+            self.member_id = joined["member_id"]
 
     def events(self) -> list[dict[str, Any]]:
         while not self.lines.empty():

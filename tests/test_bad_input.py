@@ -24,7 +24,9 @@ import pytest
 from google.protobuf.message import DecodeError, Message
 
 from membership.config import Config
+from membership.errors import ConfigurationMismatch
 from membership.view import Member, View
+from rendezvous.client import error_from_rpc
 from rendezvous.etcd_local import LocalEtcd
 from rendezvous.store import EtcdStore
 from rendezvous.wire import TokenInterceptor, token_metadata
@@ -64,6 +66,8 @@ UNDECODABLE = b"\x0a\x05ab"
 PUPPET_SETTINGS = (*TEST_SETTINGS, "max_silence=600", "phi_min_std=60", "member_lease_ttl=900")
 #: Step of the checkpoint the shared jobs have published.
 CHECKPOINT_STEP = 1000
+#: The configuration the shared jobs' puppet joined with (the job's fingerprint).
+PUPPET_FINGERPRINT = {"global_batch": "48", "micro_batch": "8", "seed": "0"}
 
 
 # --- the methods, called with raw bytes -----------------------------------------------
@@ -219,7 +223,9 @@ async def enlist_puppet(plane: ControlPlane) -> str:
     async with grpc.aio.insecure_channel(plane.addresses[0]) as channel:
         stub = pb_grpc.RendezvousStub(channel)
         joined = await stub.Join(
-            pb.JoinRequest(job=plane.job, address=ADDRESS, name="puppet"),
+            pb.JoinRequest(
+                job=plane.job, address=ADDRESS, name="puppet", fingerprint=PUPPET_FINGERPRINT
+            ),
             metadata=md,
             timeout=CALL_TIMEOUT,
         )
@@ -392,8 +398,15 @@ def member(t: Target, who: str | int | None) -> str:
     return t.members[who] if isinstance(who, int) else who
 
 
-def join(job: str | None = None, address: str = ADDRESS, name: str = "intruder") -> Build:
-    return lambda t: pb.JoinRequest(job=t.job if job is None else job, address=address, name=name)
+def join(
+    job: str | None = None,
+    address: str = ADDRESS,
+    name: str = "intruder",
+    fingerprint: dict[str, str] | None = None,
+) -> Build:
+    return lambda t: pb.JoinRequest(
+        job=t.job if job is None else job, address=address, name=name, fingerprint=fingerprint
+    )
 
 
 def leave(who: str | int = 0, epoch: int | None = None, job: str | None = None) -> Build:
@@ -581,6 +594,54 @@ CASES = {
     "overlong name": Case(
         "Join", join(name="n" * 65), Code.INVALID_ARGUMENT, "name is longer than 64 characters"
     ),
+    "fingerprint with too many fields": Case(
+        "Join",
+        join(fingerprint={f"f{i}": "1" for i in range(33)}),
+        Code.INVALID_ARGUMENT,
+        "fingerprint has 33 fields, more than 32",
+    ),
+    "fingerprint field name with odd characters": Case(
+        "Join",
+        join(fingerprint={"Global Batch": "48"}),
+        Code.INVALID_ARGUMENT,
+        "fingerprint field name 'Global Batch' is not 1-32 characters of [a-z0-9_]",
+    ),
+    "overlong fingerprint field name": Case(
+        "Join",
+        join(fingerprint={"f" * 33: "48"}),
+        Code.INVALID_ARGUMENT,
+        "is not 1-32 characters",
+    ),
+    "overlong fingerprint value": Case(
+        "Join",
+        join(fingerprint={"seed": "1" * 257}),
+        Code.INVALID_ARGUMENT,
+        "fingerprint field seed is longer than 256 characters",
+    ),
+    "fingerprint value with a newline": Case(
+        "Join",
+        join(fingerprint={"seed": "0\n"}),
+        Code.INVALID_ARGUMENT,
+        "fingerprint field seed has characters outside printable ASCII",
+    ),
+    "fingerprint value outside ASCII": Case(
+        "Join",
+        join(fingerprint={"seed": "\u00e9"}),
+        Code.INVALID_ARGUMENT,
+        "fingerprint field seed has characters outside printable ASCII",
+    ),
+    "fingerprint of another configuration": Case(
+        "Join",
+        join(fingerprint={**PUPPET_FINGERPRINT, "global_batch": "96"}),
+        Code.FAILED_PRECONDITION,
+        "this worker's global_batch is 96 but job job1's is 48: every worker of a job",
+    ),
+    "fingerprint missing a field of the job's": Case(
+        "Join",
+        join(fingerprint={"global_batch": "48", "micro_batch": "8"}),
+        Code.FAILED_PRECONDITION,
+        "this worker's seed is unset but job job1's is 0",
+    ),
     "overlong member id on Leave": Case(
         "Leave", leave("m" * 65), Code.INVALID_ARGUMENT, "member_id is longer than 64 characters"
     ),
@@ -747,6 +808,9 @@ CASES = {
     ),
     # Oversized.
     "oversized Join": Case("Join", join(name=HUGE), Code.RESOURCE_EXHAUSTED, "larger than max"),
+    "oversized fingerprint": Case(
+        "Join", join(fingerprint={"seed": HUGE}), Code.RESOURCE_EXHAUSTED, "larger than max"
+    ),
     "oversized Leave": Case("Leave", leave(HUGE), Code.RESOURCE_EXHAUSTED, "larger than max"),
     "oversized Status": Case(
         "Status", status_request(HUGE), Code.RESOURCE_EXHAUSTED, "larger than max"
@@ -867,6 +931,21 @@ CASES = {
 def test_bad_request_is_refused_with_its_code_and_changes_nothing(job: Job, case: Case) -> None:
     request = case.request(settled_target(job))
     assert_refused(job, case.rpc, request, {case.code}, case.says, case.token)
+
+
+def test_a_join_of_another_configuration_names_its_error_in_trailing_metadata(job: Job) -> None:
+    request = join(fingerprint={**PUPPET_FINGERPRINT, "seed": "1"})(settled_target(job))
+
+    async def refusal() -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(job.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await send(channel, RENDEZVOUS["Join"], request, token_metadata(job.plane.token))
+            return refused.value
+
+    error = asyncio.run(refusal())
+    assert error.code() == Code.FAILED_PRECONDITION
+    assert ("rollcall-error", "ConfigurationMismatch") in tuple(error.trailing_metadata() or ())
+    assert error_from_rpc(error).__class__ is ConfigurationMismatch
 
 
 def test_a_method_the_service_lacks_is_unimplemented(job: Job) -> None:

@@ -15,6 +15,10 @@ from membership.config import Config
 from membership.detector import CLOCK_NOISE, FailureDetector, PhiAccrualDetector
 
 DEFAULT = Config()
+#: The default detector with a fence short enough for every threshold these
+#: tests try (Config refuses a fence_window that is not below the earliest
+#: suspicion, which a low threshold brings down to ~0.1 s).
+LOOSE = DEFAULT.replace(fence_window=0.01)
 # Far below any latency in these tests, far above float rounding of the times
 # they use (at most a few thousand seconds).
 EPS = 1e-9
@@ -158,7 +162,7 @@ def test_max_silence_bounds_suspicion_when_phi_would_wait_longer() -> None:
 def test_suspicion_comes_no_later_than_max_silence(
     intervals: list[float], threshold: float
 ) -> None:
-    detector = fed(intervals, DEFAULT.replace(phi_threshold=threshold))
+    detector = fed(intervals, LOOSE.replace(phi_threshold=threshold))
     assert latency(detector) <= DEFAULT.max_silence + EPS
     assert detector.suspected(detector.last_heartbeat + DEFAULT.max_silence + EPS)
 
@@ -178,7 +182,7 @@ def test_phi_never_decreases_as_silence_grows(intervals: list[float], t1: float,
 def test_time_to_suspicion_agrees_with_suspected(
     intervals: list[float], since: float, threshold: float
 ) -> None:
-    detector = fed(intervals, DEFAULT.replace(phi_threshold=threshold))
+    detector = fed(intervals, LOOSE.replace(phi_threshold=threshold))
     now = detector.last_heartbeat + since
     wait = detector.time_to_suspicion(now)
     assert wait >= 0.0
@@ -193,8 +197,8 @@ def test_a_higher_threshold_never_suspects_earlier(
     intervals: list[float], low: float, high: float
 ) -> None:
     low, high = sorted((low, high))
-    eager = fed(intervals, DEFAULT.replace(phi_threshold=low))
-    patient = fed(intervals, DEFAULT.replace(phi_threshold=high))
+    eager = fed(intervals, LOOSE.replace(phi_threshold=low))
+    patient = fed(intervals, LOOSE.replace(phi_threshold=high))
     assert latency(patient) >= latency(eager)
 
 
@@ -202,7 +206,7 @@ def test_a_higher_threshold_never_suspects_earlier(
 def test_latency_follows_the_normal_distribution_of_the_window(
     intervals: list[float], threshold: float
 ) -> None:
-    config = DEFAULT.replace(phi_threshold=threshold)
+    config = LOOSE.replace(phi_threshold=threshold)
     detector = fed(intervals, config)
     expected = expected_latency(detector.mean_interval, detector.std_interval, config)
     assert latency(detector) == pytest.approx(max(expected, 0.0), abs=1e-9)
@@ -223,7 +227,7 @@ def test_phi_never_decreases_across_the_switch_to_its_tail_series() -> None:
 
 def test_the_configured_threshold_sets_the_latency() -> None:
     for threshold in (1.0, 8.0, 12.0):
-        config = DEFAULT.replace(phi_threshold=threshold)
+        config = LOOSE.replace(phi_threshold=threshold)
         expected = 0.1 + z_for_threshold(threshold) * DEFAULT.phi_min_std
         assert latency(fed([0.1] * 50, config)) == pytest.approx(expected, abs=1e-9)
 
@@ -246,9 +250,55 @@ def test_phi_stays_finite_after_any_silence() -> None:
 
 
 def test_a_threshold_that_phi_exceeds_at_once_means_immediate_suspicion() -> None:
-    detector = fed([0.1] * 10, DEFAULT.replace(phi_threshold=1e-3))
+    # Config refuses such a threshold (no fence fits below a suspicion at
+    # once): force it past the check to see that the detector still copes.
+    config = Config()
+    object.__setattr__(config, "phi_threshold", 1e-3)
+    detector = fed([0.1] * 10, config)
     assert detector.suspected(detector.last_heartbeat)
     assert latency(detector) == 0.0
+
+
+# --- the earliest suspicion: the bound of a worker's fence ---------------------
+
+
+def test_the_default_earliest_suspicion_is_about_5_6_floors_of_the_std() -> None:
+    earliest = DEFAULT.earliest_suspicion()
+    assert earliest == pytest.approx(z_for_threshold(8.0) * DEFAULT.phi_min_std, abs=1e-9)
+    assert earliest == pytest.approx(1.403, abs=1e-3)
+    assert DEFAULT.fence_window < earliest
+
+
+def test_a_member_whose_messages_come_in_bursts_is_suspected_at_the_earliest_suspicion() -> None:
+    # Progress reports and answers count as heartbeats too, so the mean
+    # interval can fall far below heartbeat_interval: suspicion then comes
+    # before heartbeat_interval + 5.6 x phi_min_std (1.503 s).
+    detector = fed([0.0] * DEFAULT.phi_window)
+    assert detector.mean_interval == 0.0
+    assert latency(detector) == pytest.approx(DEFAULT.earliest_suspicion(), abs=1e-9)
+    assert latency(detector) < DEFAULT.heartbeat_interval + z_for_threshold(8.0) * 0.25 - 0.09
+
+
+@given(intervals=intervals_st, threshold=thresholds_st)
+def test_no_history_is_suspected_before_the_earliest_suspicion(
+    intervals: list[float], threshold: float
+) -> None:
+    config = LOOSE.replace(phi_threshold=threshold)
+    assert latency(fed(intervals, config)) >= config.earliest_suspicion() - EPS
+
+
+def test_the_earliest_suspicion_is_never_later_than_max_silence() -> None:
+    config = DEFAULT.replace(phi_min_std=1.0)  # phi alone would wait ~5.6 s
+    assert config.earliest_suspicion() == config.max_silence
+
+
+def test_config_refuses_a_fence_window_that_is_not_below_the_earliest_suspicion() -> None:
+    with pytest.raises(ValueError, match=r"fence_window \(1.5 s\) must be below the detector's "
+                       r"earliest suspicion \(1.403 s"):  # fmt: skip
+        Config(fence_window=1.5)
+    with pytest.raises(ValueError, match=r"earliest suspicion \(0.2806 s"):
+        Config(phi_min_std=0.05)  # the default fence, 0.5 s, is too long for it
+    assert Config(phi_min_std=0.05, fence_window=0.2).fence_window == 0.2
 
 
 # --- the window --------------------------------------------------------------

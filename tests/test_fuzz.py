@@ -27,6 +27,7 @@ from rollcall.pb import rendezvous_pb2 as pb
 from tests.test_bad_input import (
     ADDRESS,
     CHECKPOINT_STEP,
+    PUPPET_FINGERPRINT,
     RENDEZVOUS,
     SNAPSHOT,
     STATE,
@@ -95,12 +96,15 @@ def is_time(value: float) -> bool:
 
 
 def might_join(t: Target, request: pb.JoinRequest) -> bool:
+    """Well-formed, and with no fingerprint (not checked) or the job's own:
+    any other is malformed or refused as another configuration."""
     address = STRICT_ADDRESS.fullmatch(request.address)
     return (
         request.job == t.job
         and address is not None
         and 0 < int(address.group(2)) < 65536
         and (request.name == "" or is_id(request.name))
+        and dict(request.fingerprint) in ({}, PUPPET_FINGERPRINT)
     )
 
 
@@ -242,6 +246,29 @@ sha256s = st.one_of(
 )
 
 
+#: Fingerprints: none, the job's own with one field changed, dropped or
+#: added, and arbitrary maps (bad names, long or odd values, too many fields).
+fingerprint_names = st.one_of(
+    st.sampled_from([*PUPPET_FINGERPRINT, "model", "exact", "Seed", "a b", "_x", "x" * 33]),
+    st.text(max_size=40),
+)
+fingerprint_values = st.one_of(
+    st.sampled_from(["", "0", "48", "96", "\n", "\u00e9", "\x7f", "v" * 256, "v" * 257]),
+    st.text(max_size=300),
+)
+fingerprints = st.one_of(
+    st.just({}),
+    st.builds(
+        lambda changes, dropped: {
+            k: v for k, v in {**PUPPET_FINGERPRINT, **changes}.items() if k not in dropped
+        },
+        st.dictionaries(fingerprint_names, fingerprint_values, max_size=3),
+        st.sets(st.sampled_from(sorted(PUPPET_FINGERPRINT)), max_size=1),
+    ),
+    st.dictionaries(fingerprint_names, fingerprint_values, max_size=40),
+)
+
+
 def epochs(epoch: int) -> st.SearchStrategy[int]:
     """Epochs around ``epoch`` (old, current, future) and anywhere."""
     near = [max(0, epoch - 1), epoch, epoch + 1, 0, INT64_MAX, 2**63, 2**64 - 1]
@@ -347,15 +374,16 @@ def harmless_messages(t: Target) -> st.SearchStrategy[pb.SessionRequest]:
 # --- the replica -------------------------------------------------------------------------
 
 
-@fuzzing(examples=30)
+@fuzzing(examples=40)
 @given(data=st.data())
 def test_arbitrary_join_is_refused_with_a_documented_code(
     job: Job, target: Target, data: st.DataObject
 ) -> None:
-    valid = {"job": target.job, "address": ADDRESS, "name": "fuzz"}
-    strategies = {"job": texts, "address": addresses, "name": texts}
+    valid = {"job": target.job, "address": ADDRESS, "name": "fuzz", "fingerprint": {}}
+    strategies = {"job": texts, "address": addresses, "name": texts, "fingerprint": fingerprints}
     request = pb.JoinRequest(**fuzzed_fields(data, valid, strategies))
     assume(not might_join(target, request))
+    event("with a fingerprint" if request.fingerprint else "without a fingerprint")
     assert_refused_with_a_documented_code(job, "Join", request)
 
 

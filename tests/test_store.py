@@ -11,8 +11,10 @@ from typing import TypeVar
 
 import pytest
 
+from membership.checkpoint import CheckpointManifest
 from membership.config import Config
 from membership.errors import ControlPlaneUnavailable, InvalidRequest
+from membership.fingerprint import JobFingerprint
 from membership.view import EMPTY_VIEW, Member, View
 from rendezvous.etcd_local import EtcdServerTLS, LocalEtcd, LocalEtcdCluster
 from rendezvous.store import EtcdClientTLS, EtcdStore, LeaderInfo
@@ -478,6 +480,63 @@ def test_progress_round_trip(store: EtcdStore) -> None:
     assert store.read_progress() == (3, 42)
 
 
+# --- fingerprint ----------------------------------------------------------------------
+
+RUN1 = JobFingerprint.of({"global_batch": "48", "seed": "0"})
+RUN2 = JobFingerprint.of({"global_batch": "96", "seed": "0"})
+
+
+def test_fingerprint_is_created_only_if_absent(store: EtcdStore) -> None:
+    absent = store.read_fingerprint()
+    assert (absent.fingerprint, absent.revision, absent.malformed) == (None, 0, "")
+    assert store.record_fingerprint(RUN1, 0)
+    assert not store.record_fingerprint(RUN2, 0)
+    recorded = store.read_fingerprint()
+    assert recorded.fingerprint == RUN1 and recorded.revision > 0
+    key = "/rollcall/jobs/job-a/fingerprint"
+    assert json.loads(store.snapshot()[key]) == {"global_batch": "48", "seed": "0"}
+
+
+def test_fingerprint_is_replaced_only_at_the_revision_read(store: EtcdStore) -> None:
+    store.record_fingerprint(RUN1, 0)
+    read = store.read_fingerprint()
+    assert store.record_fingerprint(RUN2, read.revision)
+    assert not store.record_fingerprint(RUN1, read.revision)  # stale: someone wrote since
+    assert store.read_fingerprint().fingerprint == RUN2
+
+
+def test_fingerprint_read_tells_whether_the_job_has_progress_and_checkpoints(
+    store: EtcdStore,
+) -> None:
+    before = store.read_fingerprint()
+    assert (before.progress, before.checkpoints) == (False, False)
+    store.write_progress(1, 5)
+    manifest = CheckpointManifest(
+        step=5, digest="sha256:ab", uri="/tmp/c", size=1, sha256="0" * 64, epoch=1,
+        writer="w-1", created_unix=1.0, step_seconds=0.1,
+    )  # fmt: skip
+    store.publish_checkpoint(manifest, 3)
+    after = store.read_fingerprint()
+    assert (after.progress, after.checkpoints) == (True, True)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"{", b"\xff", b"[]", b'{"seed": 0}', b'{"Seed": "0"}', b'{"seed": "0\\n"}', b"[" * 50_000],
+)
+def test_a_malformed_fingerprint_is_reported_not_raised(etcd: LocalEtcd, store: EtcdStore,
+                                                        value: bytes) -> None:  # fmt: skip
+    client = client_for(etcd.endpoint)
+    try:
+        client.put("/rollcall/jobs/job-a/fingerprint", value)
+    finally:
+        client.close()
+    read = store.read_fingerprint()
+    assert read.fingerprint is None and read.malformed and read.revision > 0
+    assert store.record_fingerprint(RUN1, read.revision)  # it takes the malformed one's place
+    assert store.read_fingerprint().fingerprint == RUN1
+
+
 # --- etcd unreachable ----------------------------------------------------------------
 
 
@@ -505,6 +564,8 @@ def test_every_call_raises_unavailable_quickly_when_etcd_is_down(
         lambda: store.watch_view(lambda v: None),
         lambda: store.write_progress(1, 1),
         store.read_progress,
+        store.read_fingerprint,
+        lambda: store.record_fingerprint(RUN1, 0),
         store.snapshot,
     ]
     for call in calls:

@@ -64,6 +64,7 @@ from worker.checkpoint import CheckpointUnusable, CheckpointWriter, load_newest,
 from worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
 from worker.environment import DEFAULT_NAME, ENV_CHECKPOINT_DIR, ENV_JOB, ENV_NAME, ENV_RENDEZVOUS
 from worker.faults import Faults
+from worker.fingerprint import job_fingerprint
 from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
 from worker.loader import Batch, LoaderOptions, MicrobatchLoader, default_collate
 from worker.messages import describe_transport, install_default_handler, view_change
@@ -254,6 +255,12 @@ class Elastic:
                 worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
                 pin_memory=pin_memory,
             ),
+        )  # fmt: skip
+        # What every worker of the job must match, checked at join: taken
+        # before anything trains the model (and before loader processes exist).
+        self.fingerprint = job_fingerprint(
+            model, optimizer, self._loader.plan, scheduler=scheduler, grad_scaler=grad_scaler,
+            extras=self._extras,
         )  # fmt: skip
         # Forked loader workers must start before any socket or thread exists,
         # and must not keep the supervisor's channel open after we are gone.
@@ -453,6 +460,7 @@ class Elastic:
             on_view=self._on_view,
             on_end=self._on_end,
             on_busy=self._on_busy,
+            fingerprint=self.fingerprint,
         )
         self._launch_s = process_age()
         self._fetcher = StateFetcher(self.job_name, self.member_id, self._token)

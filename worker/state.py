@@ -42,6 +42,7 @@ __all__ = [
     "ranges",
     "restore",
     "to_bytes",
+    "tree_digest",
 ]
 
 FORMAT = "rollcall.ReplicaState"
@@ -266,6 +267,15 @@ def digest(state: ReplicaState) -> str:
             "extras": state.extras,
         },
     )
+    return f"{DIGEST_ALGORITHM}:{sink.hexdigest()}"
+
+
+def tree_digest(tree: Any) -> str:
+    """Canonical content digest of one state tree (a ``state_dict``, say),
+    "sha256:<64 hex digits>", by the same walk as :func:`digest`."""
+    sink = hashlib.sha256()
+    sink.update(f"{FORMAT}.tree/{VERSION}\0".encode())
+    _feed(sink, tree)
     return f"{DIGEST_ALGORITHM}:{sink.hexdigest()}"
 
 

@@ -40,24 +40,35 @@ class View(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., resume_step: _Optional[int] = ..., digest: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[FetchPlan, _Mapping]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job", "address", "name")
+    __slots__ = ("job", "address", "name", "fingerprint")
+    class FingerprintEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     JOB_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     job: str
     address: str
     name: str
-    def __init__(self, job: _Optional[str] = ..., address: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    fingerprint: _containers.ScalarMap[str, str]
+    def __init__(self, job: _Optional[str] = ..., address: _Optional[str] = ..., name: _Optional[str] = ..., fingerprint: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("member_id", "view", "heartbeat_interval_ms")
+    __slots__ = ("member_id", "view", "heartbeat_interval_ms", "earliest_suspicion_s")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    EARLIEST_SUSPICION_S_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     view: View
     heartbeat_interval_ms: int
-    def __init__(self, member_id: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    earliest_suspicion_s: float
+    def __init__(self, member_id: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., earliest_suspicion_s: _Optional[float] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "heartbeat", "progress", "answer", "failure", "view_report", "busy")

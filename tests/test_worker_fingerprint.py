@@ -1,0 +1,225 @@
+"""The worker's side of the fingerprint: the same script and seed give the
+same fingerprint in every process, and each kind of difference between two
+workers shows up in the field that names it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from membership.fingerprint import MAX_VALUE_LENGTH, JobFingerprint, compare, describe_mismatch
+from tests.harness import ROOT
+from worker.examples.lm import LMConfig, build
+from worker.fingerprint import bounded, job_fingerprint
+from worker.plan import DataPlan
+
+SMALL = LMConfig(d_model=16, layers=1, corpus_bytes=20_000)
+
+#: Computes the example's fingerprint in a fresh interpreter and prints it.
+FINGERPRINT_SCRIPT = """
+import json, sys
+from worker.examples.lm import LMConfig, build
+from worker.fingerprint import job_fingerprint
+from worker.plan import DataPlan
+model, optimizer, corpus = build(LMConfig(d_model=16, layers=1, corpus_bytes=20_000), 3)
+plan = DataPlan(len(corpus), 32, 8, 3)
+print(json.dumps(job_fingerprint(model, optimizer, plan).as_dict()))
+"""
+
+
+def example(
+    seed: int = 3,
+    global_batch: int = 32,
+    micro_batch: int = 8,
+    config: LMConfig = SMALL,
+    **options: Any,
+) -> JobFingerprint:
+    model, optimizer, corpus = build(config, seed)
+    plan = DataPlan(len(corpus), global_batch, micro_batch, seed)
+    return job_fingerprint(model, optimizer, plan, **options)
+
+
+def differing(joiner: JobFingerprint, job: JobFingerprint) -> list[str]:
+    return [d.name for d in compare(joiner, job)]
+
+
+def in_a_new_process(hash_seed: str) -> dict[str, str]:
+    result = subprocess.run(
+        [sys.executable, "-c", FINGERPRINT_SCRIPT],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONHASHSEED": hash_seed},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return dict(json.loads(result.stdout))
+
+
+def test_the_same_script_and_seed_give_the_same_fingerprint_in_every_process() -> None:
+    # Different hash seeds: nothing may depend on hash() or on set order.
+    first, second = in_a_new_process("1"), in_a_new_process("2")
+    assert first == second
+    assert first == example().as_dict()
+
+
+def test_every_computed_field_is_filled() -> None:
+    values = example().as_dict()
+    assert values["global_batch"] == "32"
+    assert values["micro_batch"] == "8"
+    assert values["seed"] == "3"
+    assert values["optimizer"] == "torch.optim.adamw.AdamW"
+    assert "lr=0.003" in values["optimizer_settings"]
+    assert "weight_decay=0.01" in values["optimizer_settings"]
+    assert "params" not in values["optimizer_settings"]
+    assert values["scheduler"] == values["scheduler_settings"] == values["grad_scaler"] == "none"
+    assert values["extras"] == "[]"
+    assert values["initial_state"].startswith("sha256:")
+    parameters = sum(t.numel() for t in build(SMALL, 3)[0].state_dict().values())
+    assert values["model"].startswith(f"{len(build(SMALL, 3)[0].state_dict())} tensors, ")
+    assert f"{parameters:,} elements, sha256:" in values["model"]
+    assert all(len(v) <= MAX_VALUE_LENGTH for v in values.values())
+
+
+def test_another_model_seed_changes_only_the_initial_state() -> None:
+    model, optimizer, corpus = build(SMALL, 4)
+    other = job_fingerprint(model, optimizer, DataPlan(len(corpus), 32, 8, 3))
+    assert differing(other, example()) == ["initial_state"]
+
+
+def test_another_seed_for_everything_changes_the_seed_and_the_initial_state() -> None:
+    assert differing(example(seed=4), example()) == ["seed", "initial_state"]
+
+
+def test_another_global_batch_is_named() -> None:
+    assert differing(example(global_batch=64), example()) == ["global_batch"]
+
+
+def test_another_micro_batch_is_named() -> None:
+    assert differing(example(micro_batch=4), example()) == ["micro_batch"]
+
+
+def test_another_data_set_length_is_named() -> None:
+    config = LMConfig(d_model=16, layers=1, corpus_bytes=30_000)
+    assert differing(example(config=config), example()) == ["num_samples"]
+
+
+def test_another_model_shape_is_named() -> None:
+    config = LMConfig(d_model=32, layers=1, corpus_bytes=20_000)
+    assert differing(example(config=config), example()) == ["model", "initial_state"]
+
+
+def test_a_frozen_parameter_changes_the_model_field() -> None:
+    model, optimizer, corpus = build(SMALL, 3)
+    next(model.parameters()).requires_grad_(False)
+    frozen = job_fingerprint(model, optimizer, DataPlan(len(corpus), 32, 8, 3))
+    assert differing(frozen, example()) == ["model"]
+
+
+def test_a_buffer_counts_in_the_model_field() -> None:
+    with_buffer = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    torch.manual_seed(0)
+    without = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    plan = DataPlan(10, 2, 1, 0)
+
+    def fingerprint(model: nn.Module) -> JobFingerprint:
+        return job_fingerprint(model, torch.optim.SGD(model.parameters(), lr=0.1), plan)
+
+    assert "model" in differing(fingerprint(with_buffer), fingerprint(without))
+    assert fingerprint(with_buffer).as_dict()["model"].startswith("7 tensors, ")
+
+
+def test_another_optimizer_class_is_named() -> None:
+    model, _, corpus = build(SMALL, 3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.003)
+    other = job_fingerprint(model, sgd, DataPlan(len(corpus), 32, 8, 3))
+    names = differing(other, example())
+    assert names == ["optimizer", "optimizer_settings"]
+    assert other.get("optimizer") == "torch.optim.sgd.SGD"
+
+
+def test_another_learning_rate_is_named_with_both_values() -> None:
+    config = LMConfig(d_model=16, layers=1, corpus_bytes=20_000, lr=1e-3)
+    joiner, job = example(config=config), example()
+    assert differing(joiner, job) == ["optimizer_settings"]
+    message = describe_mismatch("run1", compare(joiner, job))
+    assert "this worker's optimizer_settings has lr=0.001 but job run1's has lr=0.003" in message
+
+
+def test_parameter_groups_show_their_differing_settings_per_group() -> None:
+    model, _, corpus = build(SMALL, 3)
+    weights = [p for p in model.parameters() if p.dim() > 1]
+    others = [p for p in model.parameters() if p.dim() <= 1]
+    optimizer = torch.optim.AdamW(
+        [{"params": weights}, {"params": others, "weight_decay": 0.0}], lr=0.003
+    )
+    settings = job_fingerprint(model, optimizer, DataPlan(len(corpus), 32, 8, 3)).as_dict()[
+        "optimizer_settings"
+    ]
+    words = settings.split(" ")
+    assert words[0] == "groups=2"
+    assert "lr=0.003" in words
+    assert "g0.weight_decay=0.01" in words and "g1.weight_decay=0.0" in words
+
+
+def test_a_scheduler_and_its_settings_are_named() -> None:
+    def with_scheduler(step_size: int | None) -> JobFingerprint:
+        model, optimizer, corpus = build(SMALL, 3)
+        scheduler = (
+            None if step_size is None else torch.optim.lr_scheduler.StepLR(optimizer, step_size)
+        )
+        plan = DataPlan(len(corpus), 32, 8, 3)
+        return job_fingerprint(model, optimizer, plan, scheduler=scheduler)
+
+    none, every_10, every_20 = with_scheduler(None), with_scheduler(10), with_scheduler(20)
+    # A scheduler adds "initial_lr" to the parameter groups, too.
+    assert differing(every_10, none) == ["optimizer_settings", "scheduler", "scheduler_settings"]
+    assert every_10.get("scheduler") == "torch.optim.lr_scheduler.StepLR"
+    assert differing(every_20, every_10) == ["scheduler_settings"]
+    message = describe_mismatch("run1", compare(every_20, every_10))
+    assert "has step_size=20 but job run1's has step_size=10" in message
+
+
+def test_a_grad_scaler_is_named() -> None:
+    scaler = torch.amp.GradScaler("cpu")
+    scaled = example(grad_scaler=scaler)
+    assert differing(scaled, example()) == ["grad_scaler"]
+    assert scaled.get("grad_scaler") == "torch.amp.grad_scaler.GradScaler"
+
+
+def test_registered_extras_are_named_sorted() -> None:
+    extras = example(extras={"step_counter": 0, "ema": {}})
+    assert extras.get("extras") == '["ema","step_counter"]'
+    assert differing(extras, example()) == ["extras"]
+    assert example(extras={"ema": {}, "step_counter": 1}) == extras
+
+
+def test_runtime_flags_are_fields_of_their_own() -> None:
+    flagged = example(flags={"min_workers": "2", "exact": "true"})
+    assert flagged.get("min_workers") == "2" and flagged.get("exact") == "true"
+    assert differing(flagged, example()) == ["min_workers", "exact"]
+
+
+@pytest.mark.parametrize("name", ["min_wokers", "seed"])
+def test_a_flag_must_be_a_declared_field_the_worker_does_not_compute(name: str) -> None:
+    with pytest.raises(ValueError, match="is not a fingerprint flag"):
+        example(flags={name: "1"})
+
+
+def test_a_long_value_is_shortened_and_two_long_values_still_differ() -> None:
+    long_a, long_b = "x" * 400 + "a", "x" * 400 + "b"
+    assert len(bounded(long_a)) == MAX_VALUE_LENGTH
+    assert bounded(long_a) != bounded(long_b)
+    assert bounded("short") == "short"
+
+
+def test_a_value_outside_printable_ascii_is_escaped() -> None:
+    escaped = example(extras={"\u00e9t\u00e9\n": 0}).get("extras")
+    assert escaped is not None and escaped.isascii() and "\n" not in escaped
