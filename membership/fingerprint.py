@@ -59,7 +59,10 @@ FIELDS: tuple[FingerprintField, ...] = (
         "other initial weights: another model seed, or other pretrained weights",
     ),
     # Flags: set by the runtime when it has the setting, absent otherwise.
-    FingerprintField("min_workers", "fewest workers the job trains with"),
+    FingerprintField("min_workers", "workers the job waits for before step 0"),
+    FingerprintField(
+        "sync_buffers", "whether buffers are kept identical across replicas (true, false)"
+    ),
     FingerprintField("exact", "whether the job runs in bit-exact mode"),
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)

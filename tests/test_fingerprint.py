@@ -39,6 +39,7 @@ JOB = JobFingerprint.of(
         "extras": "[]",
         "initial_state": "sha256:" + "b" * 64,
         "min_workers": "1",
+        "sync_buffers": "true",
         "exact": "false",
     }
 )

@@ -72,7 +72,9 @@ def example_fingerprint() -> JobFingerprint:
     """What the first worker computes (`rollcall worker` builds this)."""
     model, optimizer, corpus = build(LMConfig(), SEED)
     plan = DataPlan(len(corpus), GLOBAL_BATCH, MICRO_BATCH, SEED)
-    return job_fingerprint(model, optimizer, plan)
+    return job_fingerprint(
+        model, optimizer, plan, flags={"min_workers": "1", "sync_buffers": "true"}
+    )
 
 
 @pytest.fixture(scope="module")

@@ -101,8 +101,9 @@ def test_an_ordinary_script_survives_a_kill_and_a_join_with_every_replica_identi
     steps = 400  # the survivors must still be training when the joiner arrives
     (tmp_path / "models").mkdir()
     models = tmp_path / "models"
-    common = ["--steps", str(steps), "--digests", "--eval-every", "40", "--save-all", str(models)]
-    team = [programs.start(*common, "--min-workers", "3") for _ in range(3)]
+    common = ["--steps", str(steps), "--digests", "--eval-every", "40", "--save-all", str(models),
+              "--min-workers", "3"]  # fmt: skip
+    team = [programs.start(*common) for _ in range(3)]
     for program in team:
         wait_step(program, lambda e: e["step"] >= 25)
     victim, survivors = team[2], team[:2]

@@ -261,6 +261,7 @@ class Elastic:
         self.fingerprint = job_fingerprint(
             model, optimizer, self._loader.plan, scheduler=scheduler, grad_scaler=grad_scaler,
             extras=self._extras,
+            flags={"min_workers": str(min_workers), "sync_buffers": str(sync_buffers).lower()},
         )  # fmt: skip
         # Forked loader workers must start before any socket or thread exists,
         # and must not keep the supervisor's channel open after we are gone.
