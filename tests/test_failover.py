@@ -298,8 +298,9 @@ async def _raw_join_while_etcd_is_down(plane: ControlPlane) -> None:
         assert "control plane unavailable" in (raw.value.details() or "")
 
     client = RendezvousClient(
-        plane.addresses, plane.job, plane.token, Config(client_call_deadline=1.0)
-    )
+        plane.addresses, plane.job, plane.token,
+        Config(client_call_deadline=1.0, join_deadline=1.0),
+    )  # fmt: skip
     try:
         with pytest.raises(ControlPlaneUnavailable):
             await client.join("127.0.0.1:1", name="client")
@@ -356,8 +357,9 @@ def test_etcd_down_gives_control_plane_unavailable_and_sessions_wait(
 
 async def _client_join_error(plane: ControlPlane, deadline: float) -> str:
     client = RendezvousClient(
-        plane.addresses, plane.job, plane.token, Config(client_call_deadline=deadline)
-    )
+        plane.addresses, plane.job, plane.token,
+        Config(client_call_deadline=deadline, join_deadline=deadline),
+    )  # fmt: skip
     try:
         await client.join("127.0.0.1:1", name="client")
     except ControlPlaneUnavailable as error:

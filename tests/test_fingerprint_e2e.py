@@ -127,8 +127,9 @@ def assert_trains_on_alone(plane: ControlPlane, first: Any, epoch: int, after: i
             "under another name",
         ),
         (("--seed", "1", "--global-batch", "48"), "its initial_state is sha256:"),
+        (("--d-model", "32", "--global-batch", "48"), "this worker's model is "),
     ],
-    ids=["global batch", "model seed"],
+    ids=["global batch", "model seed", "model"],
 )
 def test_a_worker_with_other_settings_is_refused_at_join_while_the_job_trains(
     training: tuple[ControlPlane, Any], tmp_path: Path, flags: tuple[str, ...], says: str

@@ -176,10 +176,14 @@ def _build_while_aborted(
     )
 
 
-def _allreduce_until_failure(channels: Channels, rank: int, size: int) -> None:
+def _allreduce_until_failure(
+    channels: Channels, rank: int, size: int, mixed: bool = False
+) -> None:
     _started(channels, rank)
     group = _join_epoch(1, rank, size, channels.ports, threading.Event())
     grads = [torch.ones(LARGE_ELEMENTS // 4) for _ in range(4)]
+    if mixed:  # two dtypes: two works, as the runtime's (gradients, then counts)
+        grads.append(torch.zeros(2, dtype=torch.float64))
     steps = 0
     try:
         while True:
@@ -400,8 +404,9 @@ def test_build_connecting_to_a_dead_store_host_stops_when_aborted(members: Membe
     assert members.exit_codes(processes, START_BOUND) == [0]
 
 
-def test_killed_peer_fails_survivors_allreduce_promptly(members: Members) -> None:
-    processes = members.start(_allreduce_until_failure, [0, 1, 2], 3)
+@pytest.mark.parametrize("mixed", [False, True], ids=["one dtype", "two dtypes"])
+def test_killed_peer_fails_survivors_allreduce_promptly(members: Members, mixed: bool) -> None:
+    processes = members.start(_allreduce_until_failure, [0, 1, 2], 3, mixed)
     members.collect(3, "event")
     time.sleep(0.05)
     killed_at = time.monotonic()

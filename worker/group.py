@@ -568,12 +568,14 @@ class EpochGroup:
         _, connections = _connections_of(before, after, peers)
         if len(connections) != size - 1:
             # Not every pair was found (another thread's socket churn, or
-            # gloo's lazy init): abort then falls back to parking.
-            log.debug(
-                "epoch %d: %d of %d gloo connections found; aborts will park the group",
-                epoch, len(connections), size - 1,
+            # gloo's lazy init): an abandoned collective must then be parked
+            # until gloo's own timeout ends it, so that timeout stays short
+            # (busy periods beyond it cannot be honoured by this group).
+            log.warning(
+                "epoch %d: %d of %d gloo connections found; collectives wait at most %.0f s "
+                "and aborted ones are parked", epoch, len(connections), size - 1, timeout,
             )  # fmt: skip
-            connections = []
+            connections, hard_timeout = [], timeout
         return cls(
             epoch, rank, size, timeout, abort, pg, store, connections, patience, hard_timeout
         )
@@ -672,7 +674,9 @@ class EpochGroup:
                         if failure is None:
                             break
                         self._broken = f"{what} failed"
-                        self._release(works, buffers)
+                        # The collective's other works (one per dtype) may
+                        # still wait on peers: stop them too.
+                        self._abandon(works, buffers)
                         return PeerFailed(f"epoch {self.epoch}: {what} failed: {failure}", failure)
                 if self._abort.is_set():
                     self._broken = f"{what} aborted"
