@@ -490,3 +490,45 @@ def test_patience_running_out_fails_the_collective_long_before_gloos_timeout(
     assert results[1]["waited"] < PROMPT
     assert all(result["all_released"] for result in results)
     assert members.exit_codes(processes, START_BOUND) == [0, 0]
+
+
+def test_a_descriptor_reused_by_another_socket_is_never_shut_down() -> None:
+    from worker.group import _Connection, _endpoint
+
+    def connected_pair() -> tuple[socket.socket, socket.socket, socket.socket]:
+        server = socket.create_server((LOOPBACK, 0))
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+        return server, client, accepted
+
+    server, client, accepted = connected_pair()
+    other_server, other, other_accepted = connected_pair()
+    fd = client.fileno()
+    gloo_like = _Connection(fd, _endpoint(client.getsockname()), _endpoint(client.getpeername()))
+    # gloo closed its socket and the process reused the number for another.
+    os.dup2(other.fileno(), fd)
+    try:
+        assert not gloo_like.shut_down()
+        other.sendall(b"still connected")
+        assert other_accepted.recv(64) == b"still connected"
+    finally:
+        for sock in (server, client, accepted, other_server, other, other_accepted):
+            sock.close()
+
+
+def test_the_groups_own_connection_is_shut_down_and_its_reader_wakes() -> None:
+    from worker.group import _Connection, _endpoint
+
+    server = socket.create_server((LOOPBACK, 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    try:
+        connection = _Connection(
+            client.fileno(), _endpoint(client.getsockname()), _endpoint(client.getpeername())
+        )
+        assert connection.shut_down()
+        assert client.recv(1) == b""  # a reader sees the end at once
+        assert accepted.recv(1) == b""  # and so does the peer
+    finally:
+        for sock in (server, client, accepted):
+            sock.close()

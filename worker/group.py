@@ -39,7 +39,7 @@ Typical use, one group per committed view::
 from __future__ import annotations
 
 import atexit
-import contextlib
+import ctypes
 import datetime
 import logging
 import os
@@ -49,7 +49,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import psutil
 import torch
@@ -76,11 +76,12 @@ __all__ = [
     "PeerFailed",
     "StepAborted",
     "host_store",
+    "leaked_count",
     "parked_count",
     "wait_parked",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("rollcall.group")
 
 #: How often a blocked wait looks at the ``abort`` event: the bound on how
 #: late an abort is noticed. Completions wake the waiter at once, so this
@@ -167,6 +168,30 @@ def _release_finished() -> list[_Parked]:
     return remaining
 
 
+_leaked: list[str] = []
+
+
+def _leak(what: str, *keep: object) -> None:
+    """Keep ``keep`` alive until the process exits, whatever happens: a
+    reference Python never gives back, so neither the interpreter's shutdown
+    nor a later cleanup runs their destructors (which would wait for a stuck
+    gloo work or abort the process). Exiting with them alive was measured
+    clean: the process ends at once with its own exit code."""
+    for item in keep:
+        if item is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(item))
+    _leaked.append(what)
+    log.warning(
+        "%s: a collective could not be stopped; the group is left to end with the process",
+        what,
+    )
+
+
+def leaked_count() -> int:
+    """Groups left alive because a collective of theirs could not be stopped."""
+    return len(_leaked)
+
+
 def parked_count() -> int:
     """How many abandoned groups (or builds) are still blocked; releases the
     ones that are no longer."""
@@ -198,6 +223,12 @@ def _release_all_at_exit() -> None:
         group.close()
     with _parked_lock:
         deadline = max((entry.deadline for entry in _parked), default=0.0)
+        waiting = [entry.what for entry in _parked if not entry.finished()]
+    if waiting:
+        log.warning(
+            "exiting: waiting up to %.0f s for blocked gloo or store calls to end: %s",
+            max(0.0, deadline - time.monotonic()), waiting,
+        )  # fmt: skip
     if not wait_parked(max(0.0, deadline - time.monotonic())):
         stuck = [entry.what for entry in _release_finished()]
         log.warning("exiting while gloo or store calls are still blocked: %s", stuck)
@@ -396,32 +427,69 @@ def _gloo_group(store: Store, rank: int, size: int, timeout: float, listen_host:
     return cast(_Gloo, ProcessGroupGloo(store, rank, size, options))
 
 
-def _tcp_sockets() -> list[psutil._common.pconn]:  # type: ignore[name-defined]
+def _tcp_sockets() -> list[Any]:
     return list(psutil.Process().net_connections(kind="tcp"))
 
 
+@dataclass(frozen=True)
+class _Connection:
+    """One of the group's TCP connections: its descriptor and both ends, so
+    that a descriptor gloo closed and the process reused for another socket
+    is never mistaken for it."""
+
+    fd: int
+    local: tuple[str, int]
+    peer: tuple[str, int]
+
+    def shut_down(self) -> bool:
+        """Shut the connection down if the descriptor still holds it; True if
+        it did. The descriptor is duplicated first, so the check and the
+        shutdown see one and the same socket."""
+        try:
+            copy = os.dup(self.fd)
+        except OSError:
+            return False  # closed by gloo already
+        sock = socket.socket(fileno=copy)
+        try:
+            if _endpoint(sock.getsockname()) != self.local:
+                return False
+            if _endpoint(sock.getpeername()) != self.peer:
+                return False
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:  # not a socket any more, or no longer connected
+            return False
+        finally:
+            sock.close()
+
+
+def _endpoint(address: Any) -> tuple[str, int]:
+    host, port = address[0], address[1]
+    return (str(host).removeprefix("::ffff:"), int(port))
+
+
 def _connections_of(
-    before: set[int], after: Sequence[psutil._common.pconn], listeners: set[tuple[str, int]]  # type: ignore[name-defined]
-) -> tuple[tuple[str, int] | None, list[int]]:
-    """This rank's gloo listener (the one new listening socket) and the file
-    descriptors of the group's own connections among ``after``: new since
-    ``before`` and either accepted on our listener or connected to a peer's
-    (``listeners``). gRPC or metrics connections made meanwhile by other
-    threads match neither."""
+    before: set[int], after: Sequence[Any], listeners: set[tuple[str, int]]
+) -> tuple[tuple[str, int] | None, list[_Connection]]:
+    """This rank's gloo listener (the one new listening socket) and the
+    group's own connections among ``after`` (psutil's connections): new
+    since ``before`` and either accepted on our listener or connected to a
+    peer's (``listeners``). gRPC or metrics connections made meanwhile by
+    other threads match neither."""
     new = [c for c in after if c.fd not in before and c.fd >= 0]
     own = [c for c in new if c.status == psutil.CONN_LISTEN]
-    listener = (own[0].laddr.ip, own[0].laddr.port) if len(own) == 1 else None
-    fds = [
-        c.fd
+    listener = _endpoint(own[0].laddr) if len(own) == 1 else None
+    connections = [
+        _Connection(c.fd, _endpoint(c.laddr), _endpoint(c.raddr))
         for c in new
         if c.status == psutil.CONN_ESTABLISHED
         and c.raddr
         and (
             (listener is not None and c.laddr.port == listener[1])
-            or (c.raddr.ip, c.raddr.port) in listeners
+            or _endpoint(c.raddr) in listeners
         )
     ]
-    return listener, fds
+    return listener, connections
 
 
 def _publish_listeners(
@@ -458,7 +526,7 @@ class EpochGroup:
         abort: AbortFlag,
         pg: _Gloo,
         store: TCPStore,
-        connections: Sequence[int] = (),
+        connections: Sequence[_Connection] = (),
         patience: Patience | None = None,
         hard_timeout: float | None = None,
     ) -> None:
@@ -470,8 +538,8 @@ class EpochGroup:
         self._pg: _Gloo | None = pg
         self._store: TCPStore | None = store
         self._broken: str | None = None
-        #: File descriptors of the group's own TCP connections: shutting them
-        #: down is what aborts a blocked collective (here and on the peers).
+        #: The group's own TCP connections: shutting them down is what aborts
+        #: a blocked collective (here and on the peers).
         self._connections = tuple(connections)
         self._patience = patience or _patient(timeout)
         self.hard_timeout = max(timeout, hard_timeout or timeout)
@@ -692,19 +760,29 @@ class EpochGroup:
 
     def _abandon(self, works: list[Work], buffers: list[torch.Tensor]) -> None:
         """Stop ``works`` by shutting down the group's connections (they fail
-        within milliseconds, and so do the peers' halves), then release."""
-        for fd in self._connections:
-            with contextlib.suppress(OSError):  # already closed by a failure
-                sock = socket.socket(fileno=os.dup(fd))
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                finally:
-                    sock.close()
-        if self._connections:
-            settle = time.monotonic() + _ABORT_SETTLE
-            while any(not w.is_completed() for w in works) and time.monotonic() < settle:
-                time.sleep(ABORT_POLL_INTERVAL / 10)
-        self._release(works, buffers)
+        within milliseconds, and so do the peers' halves), then release.
+
+        gloo has been seen to leave a work waiting after every connection of
+        its group was gone (a partition healed under it): such a group is
+        left alive for good instead (``_leak``), since waiting for its own
+        timeout, the long backstop, would hold the process for up to an hour
+        at exit, and destroying it would block or abort the process."""
+        for connection in self._connections:
+            connection.shut_down()
+        if not self._connections:
+            self._release(works, buffers)
+            return
+        settle = time.monotonic() + _ABORT_SETTLE
+        while any(not w.is_completed() for w in works) and time.monotonic() < settle:
+            time.sleep(ABORT_POLL_INTERVAL / 10)
+        pending = [work for work in works if not work.is_completed()]
+        if not pending:
+            self._release(works, buffers)
+            return
+        pg, store = self._pg, self._store
+        self._pg = self._store = None
+        _open_groups.discard(self)
+        _leak(f"epoch {self.epoch} group", pg, store, *pending, *buffers)
 
     def _release(self, works: list[Work], buffers: list[torch.Tensor]) -> None:
         """Destroy the group now if none of ``works`` still runs (which also
