@@ -10,6 +10,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from membership.phi import earliest_suspicion
+
 
 @dataclass(frozen=True)
 class Config:
@@ -150,10 +152,7 @@ class Config:
         """Shortest silence after which the detector may suspect a member,
         whatever its heartbeat history (``membership.detector``): about
         5.6 x ``phi_min_std``, at most ``max_silence``."""
-        # Imported here: the detector module imports this one.
-        from membership.detector import earliest_suspicion
-
-        return earliest_suspicion(self)
+        return earliest_suspicion(self.phi_threshold, self.phi_min_std, self.max_silence)
 
     def detection_bound(self) -> float:
         """Longest time from a member's last heartbeat to its suspicion."""
