@@ -1,0 +1,216 @@
+"""A worker's side of the protocol as a pure state machine.
+
+The runtime (``worker/runtime.py``) feeds it what happens — a view committed,
+a roll call started, a heartbeat acknowledged, a reduction done or failed,
+time passing — and does what it decides: answer the roll call, abort the
+step in flight, apply or drop a step, ask for a roll call, report a failure,
+enter a view. No threads, sockets or clock reads: the runtime passes the
+time in and serializes the calls (one lock, held only for a call).
+
+Two monotonic numbers replace every flag: ``answered``, the newest roll call
+this member answered, and ``entered``, the newest view it began to enter.
+The step in flight is aborted exactly while ``answered > entered``: a roll
+call for the next epoch makes that true, entering the view it produced
+makes it false again, and nothing is ever cleared, so no abort can be lost
+between the thread that answers and the thread that trains.
+
+The rules (DESIGN.md, "Steps, commits and coherent state"; docs/worker.md,
+"Fencing"):
+
+* a step whose reduction completed is applied only if no roll call newer
+  than its epoch was answered (that answer named the previous step) and the
+  leader acknowledged a heartbeat sent within ``fence_window``;
+* a roll call that arrives while such a step is being applied is answered
+  once it has landed, so the answer names it (and every member that
+  completed the reduction answers alike);
+* a view is entered only if it is newer than any entered, contains this
+  member, is not older than a roll call answered, and (while nobody holds
+  state) has ``min_workers`` members;
+* a failure seen by this member (a peer reset a connection) that no view
+  change follows within the detector's bound is reported, once.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from membership.config import Config
+from membership.view import EMPTY_VIEW, View
+
+__all__ = ["Answer", "Drop", "Fence", "Member", "ReportFailure"]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Decision: answer roll call ``epoch`` naming ``step`` (None: no step
+    committed yet)."""
+
+    epoch: int
+    step: int | None
+
+
+@dataclass(frozen=True)
+class ReportFailure:
+    """Decision: ask for a roll call, naming ``reason``: a failure this member
+    saw was followed by no view change."""
+
+    reason: str
+
+
+class Drop(enum.Enum):
+    """Why a step whose reduction completed is not applied."""
+
+    #: A roll call newer than the step's epoch was answered: that answer
+    #: named the previous step, so applying this one would run it twice.
+    ANSWERED = "a newer roll call was answered"
+    #: The session ended (evicted) or the member is leaving.
+    GONE = "the member's session ended"
+    #: No heartbeat acknowledgement within ``fence_window``: the member may
+    #: have been evicted meanwhile; a roll call must realign the view.
+    NO_ACK = "no fresh heartbeat acknowledgement"
+
+
+class Fence(enum.Enum):
+    """Whether a step may be applied now (``Member.fence``)."""
+
+    OK = "apply"
+    WAIT = "wait for an acknowledgement"
+    EXPIRED = "drop the step and ask for a roll call"
+
+
+class Member:
+    """One worker's protocol state. Every method is called with the
+    runtime's lock held; none blocks."""
+
+    def __init__(self, config: Config) -> None:
+        self._config = config
+        self.member_id: str | None = None
+        #: Newest committed view received.
+        self.view: View = EMPTY_VIEW
+        #: Newest roll call answered, and newest view whose entering began.
+        self.answered = 0
+        self.entered = 0
+        #: Last committed step (-1: none).
+        self.step = -1
+        #: The step being applied (its reduction completed), if any.
+        self.applying: int | None = None
+        #: Newest roll call that waits for ``applying`` to land.
+        self._deferred: int | None = None
+        self.ended = False
+        self.leaving = False
+        #: Send time of the newest heartbeat the leader acknowledged.
+        self.last_acked = float("-inf")
+        #: (when, why) of the first failure seen since the last view change.
+        self._failure: tuple[float, str] | None = None
+        self._reported = False
+
+    # --- what the loop asks ----------------------------------------------------------
+
+    @property
+    def aborting(self) -> bool:
+        """The step in flight must stop."""
+        return self.answered > self.entered or self.ended or self.leaving
+
+    def next_view(self, min_workers: int = 1) -> View | None:
+        """The view to enter now, if any."""
+        view = self.view
+        if self.member_id is None or self.member_id not in view:
+            return None
+        if view.epoch <= self.entered or self.answered > view.epoch:
+            return None
+        if view.resume_step is None and view.size < min_workers:
+            return None
+        return view
+
+    # --- inputs from the control thread -----------------------------------------------
+
+    def joined(self, member_id: str) -> None:
+        self.member_id = member_id
+
+    def view_committed(self, view: View) -> None:
+        if view.epoch > self.view.epoch:
+            self.view = view
+
+    def roll_call(self, epoch: int) -> Answer | None:
+        """Roll call ``epoch`` started: abort the step in flight. The answer
+        now, or None if a step is being applied (``applied`` returns it)."""
+        self.answered = max(self.answered, epoch)
+        if self.applying is not None:
+            self._deferred = max(self._deferred or 0, epoch)
+            return None
+        return Answer(epoch, self.step if self.step >= 0 else None)
+
+    def acked(self, sent_at: float) -> None:
+        self.last_acked = max(self.last_acked, sent_at)
+
+    def session_ended(self) -> None:
+        self.ended = True
+
+    def leave(self) -> None:
+        """The worker is leaving (a signal, or closing): stop the step."""
+        self.leaving = True
+
+    # --- inputs from the training thread ----------------------------------------------
+
+    def enter(self, view: View) -> None:
+        """The training thread begins entering ``view`` (a ``next_view``)."""
+        if view.epoch <= self.entered:
+            raise ValueError(f"view {view.epoch} is not newer than {self.entered}")
+        self.entered = view.epoch
+        self._failure = None
+        self._reported = False
+
+    def restored(self, step: int) -> None:
+        """The state of committed step ``step`` was loaded (fetched from a
+        peer, or from a checkpoint)."""
+        self.step = step
+
+    def reduced(self, step: int, epoch: int) -> Drop | None:
+        """The reduction of ``step`` in view ``epoch`` completed. None: go on
+        (``fence`` then ``applied``); else why it must be dropped."""
+        if self.ended or self.leaving:
+            return Drop.GONE
+        if self.answered > epoch:
+            return Drop.ANSWERED
+        self.applying = step
+        return None
+
+    def fence(self, now: float, since: float) -> Fence:
+        """May the step being applied land? ``since``: when the fence check
+        began (it waits at most ``fence_window`` for an acknowledgement)."""
+        window = self._config.fence_window
+        if self.ended or self.leaving:
+            return Fence.EXPIRED
+        if now - self.last_acked <= window:
+            return Fence.OK
+        return Fence.EXPIRED if now - since > window else Fence.WAIT
+
+    def applied(self, step: int, landed: bool) -> Answer | None:
+        """The step being applied landed (``landed``) or was dropped. Returns
+        the answer of a roll call that waited for it."""
+        if self.applying != step:
+            raise ValueError(f"step {step} is not being applied ({self.applying})")
+        self.applying = None
+        if landed:
+            self.step = step
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return None
+        return Answer(deferred, self.step if self.step >= 0 else None)
+
+    def failed(self, now: float, reason: str) -> None:
+        """A collective or a peer call failed; a roll call normally follows."""
+        if self._failure is None:
+            self._failure = (now, reason)
+
+    def tick(self, now: float) -> ReportFailure | None:
+        """Time passes while no view is entered: report a failure that no
+        view change followed within the detector's bound (once)."""
+        failure = self._failure
+        if failure is None or self._reported:
+            return None
+        if now - failure[0] <= self._config.detection_bound():
+            return None
+        self._reported = True
+        return ReportFailure(failure[1])

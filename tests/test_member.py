@@ -1,0 +1,282 @@
+"""A worker's side of the protocol (membership/member.py): unit tests pin one
+rule each; a stateful hypothesis machine drives generated interleavings of
+the control thread's inputs (views, roll calls, acknowledgements) and the
+training thread's (entering, reducing, applying) and checks the invariants:
+no step applied after an answer that named the step before it, no abort
+lost, nothing done in an epoch older than one answered."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from membership.config import Config
+from membership.member import Answer, Drop, Fence, Member, ReportFailure
+from membership.view import Member as ViewMember
+from membership.view import View
+
+CONFIG = Config()
+ME = "w-me"
+
+
+def view(epoch: int, *ids: str, resume: int | None = 0) -> View:
+    return View(epoch, tuple(ViewMember(i, f"{i}:1") for i in ids), resume)
+
+
+def joined() -> Member:
+    member = Member(CONFIG)
+    member.joined(ME)
+    return member
+
+
+def test_a_roll_call_aborts_the_step_until_the_view_it_produced_is_entered() -> None:
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(member.next_view() or view(0))
+    assert not member.aborting
+    assert member.roll_call(2) == Answer(2, None)
+    assert member.aborting
+    assert member.next_view() is None  # view 1 is the one being left
+    member.view_committed(view(2, ME, "w-b"))
+    entering = member.next_view()
+    assert entering is not None and entering.epoch == 2
+    member.enter(entering)
+    assert not member.aborting
+
+
+def test_a_step_reduced_in_an_epoch_older_than_an_answer_is_dropped() -> None:
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    member.roll_call(2)
+    assert member.reduced(5, epoch=1) is Drop.ANSWERED
+    assert member.applying is None
+
+
+def test_a_roll_call_during_an_update_is_answered_once_it_landed_and_names_it() -> None:
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    member.acked(sent_at=10.0)
+    assert member.reduced(7, epoch=1) is None
+    assert member.roll_call(2) is None  # waits for the update
+    assert member.fence(now=10.1, since=10.1) is Fence.OK
+    assert member.applied(7, landed=True) == Answer(2, 7)
+    assert member.step == 7
+
+
+def test_without_a_fresh_acknowledgement_the_fence_waits_then_expires() -> None:
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    member.acked(sent_at=0.0)
+    assert member.reduced(3, epoch=1) is None
+    window = CONFIG.fence_window
+    assert member.fence(now=window + 0.1, since=window + 0.1) is Fence.WAIT
+    assert member.fence(now=2 * window + 0.2, since=window + 0.1) is Fence.EXPIRED
+    assert member.applied(3, landed=False) is None
+    assert member.step == -1
+
+
+def test_min_workers_holds_back_a_new_jobs_first_step_only() -> None:
+    member = joined()
+    member.view_committed(view(1, ME, resume=None))
+    assert member.next_view(min_workers=2) is None
+    member.view_committed(view(2, ME, "w-b", resume=None))
+    assert member.next_view(min_workers=2) == view(2, ME, "w-b", resume=None)
+    member.view_committed(view(3, ME, resume=41))  # the job has progress: no wait
+    assert member.next_view(min_workers=2) == view(3, ME, resume=41)
+
+
+def test_a_failure_no_view_change_follows_is_reported_once_after_the_bound() -> None:
+    member = joined()
+    member.failed(now=1.0, reason="epoch 1: all-reduce failed")
+    assert member.tick(now=1.0 + CONFIG.detection_bound()) is None
+    assert member.tick(now=1.1 + CONFIG.detection_bound()) == ReportFailure(
+        "epoch 1: all-reduce failed"
+    )
+    assert member.tick(now=9.0 + CONFIG.detection_bound()) is None
+
+
+def test_an_ended_session_drops_whatever_was_reduced() -> None:
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    member.session_ended()
+    assert member.aborting
+    assert member.reduced(1, epoch=1) is Drop.GONE
+
+
+# --- the old runtime's abort, for contrast ------------------------------------------
+
+
+@dataclass
+class EventAbort:
+    """The runtime before membership/member.py: the control thread set the
+    roll-call epoch and then an Event; entering a view read the epoch and
+    cleared the Event if the epoch was not newer, as two separate steps."""
+
+    rollcall_epoch: int = 0
+    abort: bool = False
+    entering: int = 0
+    read: int = field(default=0)
+
+    def control_sets_epoch(self, epoch: int) -> None:
+        self.rollcall_epoch = max(self.rollcall_epoch, epoch)
+
+    def control_sets_event(self) -> None:
+        self.abort = True
+
+    def enter_reads(self, epoch: int) -> None:
+        self.entering, self.read = epoch, self.rollcall_epoch
+
+    def enter_clears(self) -> None:
+        if self.read <= self.entering:
+            self.abort = False
+
+
+def test_the_interleaving_that_lost_an_abort_loses_none_now() -> None:
+    # Entering view 1 reads the roll-call epoch (still 1), a roll call for
+    # epoch 2 arrives and sets its flag, then entering clears the flag.
+    old = EventAbort()
+    old.enter_reads(1)
+    old.control_sets_epoch(2)
+    old.control_sets_event()
+    old.enter_clears()
+    assert old.rollcall_epoch > old.entering and not old.abort, "the old way loses it"
+
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    member.roll_call(2)
+    assert member.aborting, "an abort is a comparison of two numbers: nothing to clear"
+
+
+# --- generated interleavings --------------------------------------------------------
+
+
+class MemberMachine(RuleBasedStateMachine):
+    """The control thread's and the training thread's inputs, interleaved in
+    any order; time moves forward only. ``log`` holds what the member did,
+    in order: ("answer", roll-call epoch, step named) and ("apply", step,
+    epoch it ran in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.member = joined()
+        self.now = 0.0
+        self.epoch = 0  # newest epoch the leader committed
+        self.log: list[tuple[str, int, int]] = []
+        self.reducing: tuple[int, int] | None = None  # (step, epoch) in the all-reduce
+        self.in_flight: tuple[int, int, float] | None = None  # (step, epoch, fence since)
+        self.entered_views: list[int] = []
+
+    def _answered(self, answer: Answer | None) -> None:
+        if answer is not None:
+            self.log.append(("answer", answer.epoch, -1 if answer.step is None else answer.step))
+
+    # control thread
+
+    @rule(others=st.integers(0, 2), resume=st.booleans())
+    def leader_commits_a_view(self, others: int, resume: bool) -> None:
+        self.epoch += 1
+        ids = [ME, *(f"w-{i}" for i in range(others))]
+        step = self.member.step if resume and self.member.step >= 0 else None
+        self.member.view_committed(view(self.epoch, *ids, resume=step))
+
+    @rule()
+    def leader_calls_a_roll_call(self) -> None:
+        self._answered(self.member.roll_call(self.epoch + 1))
+
+    @rule(delay=st.floats(0.0, 1.0))
+    def leader_acknowledges(self, delay: float) -> None:
+        self.member.acked(sent_at=max(0.0, self.now - delay))
+
+    @rule(delay=st.floats(0.0, 0.4))
+    def time_passes(self, delay: float) -> None:
+        self.now += delay
+
+    # training thread
+
+    @precondition(lambda self: self.in_flight is None and self.reducing is None)
+    @rule()
+    def training_enters_the_next_view(self) -> None:
+        entering = self.member.next_view()
+        if entering is not None:
+            self.member.enter(entering)
+            self.entered_views.append(entering.epoch)
+
+    @precondition(
+        lambda self: self.in_flight is None and self.reducing is None and self.member.entered > 0
+    )
+    @rule()
+    def training_starts_a_reduction(self) -> None:
+        if not self.member.aborting:  # else the step stops before its all-reduce
+            self.reducing = (self.member.step + 1, self.member.entered)
+
+    @precondition(lambda self: self.reducing is not None)
+    @rule()
+    def training_completes_a_reduction(self) -> None:
+        # A roll call may have been answered while the all-reduce ran.
+        assert self.reducing is not None
+        step, epoch = self.reducing
+        self.reducing = None
+        if self.member.reduced(step, epoch) is None:
+            self.in_flight = (step, epoch, self.now)
+
+    @precondition(lambda self: self.in_flight is not None)
+    @rule()
+    def training_checks_the_fence(self) -> None:
+        assert self.in_flight is not None
+        step, epoch, since = self.in_flight
+        verdict = self.member.fence(self.now, since)
+        if verdict is Fence.WAIT:
+            return
+        landed = verdict is Fence.OK
+        answer = self.member.applied(step, landed)
+        if landed:
+            self.log.append(("apply", step, epoch))
+        self._answered(answer)
+        self.in_flight = None
+
+    # invariants
+
+    @invariant()
+    def no_step_is_applied_in_a_view_older_than_a_roll_call_answered_before(self) -> None:
+        # Such a step would run twice: the answer named the step before it,
+        # and the new view resumes from there.
+        newest_answer = 0
+        for kind, a, b in self.log:
+            if kind == "answer":
+                newest_answer = max(newest_answer, a)
+            else:
+                assert b >= newest_answer, (
+                    f"step {a} applied in epoch {b} after answer {newest_answer}"
+                )
+
+    @invariant()
+    def every_answer_names_the_last_step_that_landed_before_it(self) -> None:
+        last = -1
+        for kind, a, b in self.log:
+            if kind == "apply":
+                last = a
+            else:
+                assert b == last, f"answer to roll call {a} named {b}, last landed {last}"
+
+    @invariant()
+    def an_abort_is_never_lost(self) -> None:
+        member = self.member
+        if member.answered > member.entered:
+            assert member.aborting
+            assert member.next_view() is None or member.next_view().epoch >= member.answered
+
+    @invariant()
+    def views_are_entered_in_increasing_epochs_never_older_than_an_answer(self) -> None:
+        assert self.entered_views == sorted(set(self.entered_views))
+
+
+MemberMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40)
+test_member_machine = MemberMachine.TestCase
