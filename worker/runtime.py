@@ -53,6 +53,7 @@ from membership.errors import (
     UsageError,
     ViewChanged,
 )
+from membership.member import Fence, Member
 from membership.view import EMPTY_VIEW, View
 from rendezvous.client import ClientTLS, RendezvousClient
 from rendezvous.metrics import serve
@@ -157,26 +158,37 @@ def _check_count(count: Any) -> int:
 class Elastic:
     """Data-parallel training that survives workers dying and arriving.
 
-    Threads and what each owns:
+    Elastic is the I/O shell around ``membership.member.Member``, the
+    protocol's pure state machine: every event (a view, a roll call, an
+    acknowledgement, a reduction done or failed, time) is fed to it under
+    ``_state``, and the runtime does what it decides. Threads and what each
+    owns:
 
     ============================  =========================================
     thread                        owns
     ============================  =========================================
     training (the user's)         the loop, the model's tensors between
                                   safe points, the group of the view in
-                                  force (``_group``), ``_entered``
+                                  force (``_group``), the loader; feeds
+                                  ``enter``, ``reduced``, ``fence``,
+                                  ``applied``, ``failed``, ``tick``
     control (asyncio, "rollcall") the rendezvous session, the state server,
-                                  ``_view``, ``_answered``, ``_busy``
-    default executor              the roll-call answer (``_freeze``)
+                                  ``_view``, ``_busy``; feeds ``joined``,
+                                  ``view_committed``, ``roll_call``,
+                                  ``session_ended``
+    default executor              the digest of a roll-call answer
     checkpoint writer             serializing and writing a snapshot
     group helpers                 one blocking store or gloo call each
+    loader processes              reading microbatches ahead
     ============================  =========================================
 
-    They meet through ``_lock`` (held while an update is applied or state is
-    restored or captured) and monotonic numbers: the step in flight is aborted
-    exactly when the newest roll call answered is newer than the view being
-    entered or in force (``_answered > _entered``), so nothing has to be
-    cleared and no abort can be lost between two threads.
+    Locks: ``_state`` around each call to the machine (never held while
+    waiting); ``_lock`` while an update is applied or the state restored or
+    captured. The step in flight is aborted exactly while the machine's
+    newest answered roll call is newer than the view it entered, two numbers
+    that only grow: nothing is cleared, so no abort can be lost between two
+    threads. A roll call that finds an update in flight is answered when
+    ``applied`` hands its step over (``_answer_waiting``).
     """
 
     def __init__(
@@ -268,7 +280,6 @@ class Elastic:
         channel = self._report.fileno()
         self._loader.start(not_inherited=() if channel is None else (channel,))
         self.plan = self._loader.plan
-        self.committed_step = -1
         self.member_id: str | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._buffers = BufferSync(model) if sync_buffers else None
@@ -278,18 +289,17 @@ class Elastic:
         self._capture(-1, with_rng=False)
         self._ownership = Ownership(optimizer, scheduler)
 
+        #: Held while an update is applied or the state restored or captured.
         self._lock = threading.Lock()
-        # Signalled when a step whose all-reduce completed has been applied
-        # or dropped; ``_applying`` is true in between.
-        self._applied = threading.Condition(self._lock)
-        self._applying = False
+        #: The protocol's decisions (membership/member.py); ``_state`` is held
+        #: for each call to it, never longer.
+        self._member = Member(self._config)
+        self._state = threading.Lock()
+        #: Roll calls waiting for an update in flight to land, to name it.
+        self._waiting_answers: list[asyncio.Future[int | None]] = []
+        #: Signalled when a view arrives or a roll call starts.
         self._view_changed = threading.Condition()
         self._view: View = EMPTY_VIEW
-        #: Newest roll call answered (control thread) and newest view being
-        #: entered or in force (training thread): the step in flight is
-        #: aborted exactly while the first is ahead of the second.
-        self._answered = 0
-        self._entered = 0
         self._causes: dict[int, tuple[str, ...]] = {}
         self._previous_view: View | None = None
         #: Busy declarations of peers: member id -> (until, reason), monotonic.
@@ -300,7 +310,6 @@ class Elastic:
         self._group: EpochGroup | None = None
         self._store_ports: dict[int, asyncio.Future[int]] = {}
         self._closed = False
-        self._failure: tuple[float, str] | None = None
         #: Set when this worker resumed the job from a durable checkpoint.
         self.resumed: ReplayCost | None = None
         self._step_seconds = 0.0  # moving average of a committed step's wall time
@@ -350,6 +359,11 @@ class Elastic:
         self._joined = True
 
     # --- what the loop may ask ---------------------------------------------------
+
+    @property
+    def committed_step(self) -> int:
+        """The last step this worker committed (or loaded): -1 before any."""
+        return self._member.step
 
     @property
     def rank(self) -> int | None:
@@ -454,7 +468,7 @@ class Elastic:
         await server.start()
         self._server = server
         self.address = f"{self._host}:{port}"
-        self.member_id = await self._client.join(
+        member_id = await self._client.join(
             self.address,
             name=name,
             on_roll_call=self._on_roll_call,
@@ -463,6 +477,9 @@ class Elastic:
             on_busy=self._on_busy,
             fingerprint=self.fingerprint,
         )
+        self.member_id = member_id
+        with self._state:
+            self._member.joined(member_id)
         self._launch_s = process_age()
         self._fetcher = StateFetcher(self.job_name, self.member_id, self._token)
         log.info("joined job %s as %s", self.job_name, self.member_id)
@@ -470,12 +487,16 @@ class Elastic:
         self._report.joined(self.member_id, self.address)
 
     def _on_view(self, view: View) -> None:
+        with self._state:
+            self._member.view_committed(view)
         with self._view_changed:
             self._view = view
             self._view_changed.notify_all()
 
     def _on_end(self, error: RollcallError) -> None:
         """The session ended for good (evicted...): stop the step in flight."""
+        with self._state:
+            self._member.session_ended()
         self._wake()
 
     def _on_busy(self, member_id: str, seconds: float, reason: str) -> None:
@@ -488,31 +509,45 @@ class Elastic:
 
     async def _on_roll_call(self, epoch: int, causes: tuple[str, ...]) -> tuple[int | None, str]:
         """Abort the step in flight, then answer with the last committed step
-        and the digest of the state this worker will serve."""
+        and the digest of the state this worker will serve. A step whose
+        all-reduce completed has every member's contribution: the answer
+        waits for it to land, so that it names it and every member that
+        completed the reduction answers alike."""
         self._causes[epoch] = causes
-        self._answered = max(self._answered, epoch)
+        loop = asyncio.get_running_loop()
+        with self._state:
+            answer = self._member.roll_call(epoch)
+            waiting = None
+            if answer is None:
+                waiting = loop.create_future()
+                self._waiting_answers.append(waiting)
         self._wake()
-        return await asyncio.get_running_loop().run_in_executor(None, self._freeze)
+        step = answer.step if answer is not None else await waiting  # type: ignore[misc]
+        return await loop.run_in_executor(None, self._digest_of, step)
 
     def _wake(self) -> None:
         with self._view_changed:
             self._view_changed.notify_all()
 
-    def _freeze(self) -> tuple[int | None, str]:
-        """(Control side, in a worker thread.) Answer the roll call. Once an
-        answer is given no further update is applied until the next view
-        (``_answered`` is now ahead of ``_entered``)."""
+    def _digest_of(self, step: int | None) -> tuple[int | None, str]:
+        """(Control side, in a worker thread.) The answer: ``step`` and the
+        digest of the state served for it, captured once. No update lands
+        once an answer is decided (the machine's ``answered`` is ahead)."""
+        if step is None:
+            return None, ""
         with self._lock:
-            # A step whose all-reduce completed has every member's
-            # contribution: let it land first, so the answer names it and
-            # every member that completed the reduce answers alike.
-            self._applied.wait_for(lambda: not self._applying)
-            if self.committed_step < 0:
-                return None, ""
-            if self._snapshot is None or self._snapshot.step != self.committed_step:
-                state = self._capture(self.committed_step, with_rng=False)
-                self._snapshot = Snapshot(self.committed_step, digest(state), to_bytes(state))
-            return self.committed_step, self._snapshot.digest
+            assert step == self.committed_step, (step, self.committed_step)
+            if self._snapshot is None or self._snapshot.step != step:
+                state = self._capture(step, with_rng=False)
+                self._snapshot = Snapshot(step, digest(state), to_bytes(state))
+            return step, self._snapshot.digest
+
+    def _answer_waiting(self, step: int | None) -> None:
+        """(Training side.) Hand the step that just landed (or not) to the
+        roll calls that waited for it."""
+        waiting, self._waiting_answers = self._waiting_answers, []
+        for future in waiting:
+            self._loop.call_soon_threadsafe(_settle, future, step)
 
     def _capture(self, step: int, with_rng: bool = True) -> ReplicaState:
         """The replica state after ``step`` (under ``_lock`` once training):
@@ -539,7 +574,8 @@ class Elastic:
         if self._buffers is not None:
             self._buffers.reset()
         self._ownership.loaded()
-        self.committed_step = state.step
+        with self._state:
+            self._member.restored(state.step)
 
     async def _store_port(self, epoch: int) -> int:
         future = self._store_ports.setdefault(epoch, self._loop.create_future())
@@ -565,6 +601,8 @@ class Elastic:
             os.write(2, f"rollcall: second {name}: exiting at once\n".encode())
             os._exit(128 + signum)
         self._interrupted = signum
+        with self._state:
+            self._member.leave()
         log.warning("%s: leaving job %s (send it again to exit at once)", name, self.job_name)
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._leave_now()))
         self._wake()
@@ -596,13 +634,9 @@ class Elastic:
 
     def _aborting(self) -> bool:
         """The step in flight must stop: a newer roll call was answered, the
-        session ended, or the worker is leaving."""
-        return (
-            self._answered > self._entered
-            or self._client.ended is not None
-            or bool(self._interrupted)
-            or self._closed
-        )
+        session ended, or the worker is leaving (read without the lock: the
+        machine's numbers only grow)."""
+        return self._member.aborting or self._closed
 
     def steps(self, max_steps: int) -> Iterator[Step]:
         """Steps ``committed + 1 .. max_steps - 1``, each handed out again
@@ -645,34 +679,34 @@ class Elastic:
         """The newest committed view that contains this worker, that it has
         not entered yet and that has at least ``min_workers`` members if the
         job is starting."""
-        reported = False
         with self._view_changed:
             while True:
                 ended = self._client.ended
                 if ended is not None:
                     raise ended
                 self._raise_if_interrupted()
-                view = self._view
+                with self._state:
+                    view = self._member.next_view(self._min_workers)
+                    report = self._member.tick(time.monotonic())
+                    latest = self._member.view
+                if view is not None:
+                    return view
+                if report is not None:
+                    # No roll call followed a failure: we cannot tell which
+                    # peer broke the collective, so ask for one, which calls
+                    # everyone (live members answer and keep their place).
+                    self._loop.call_soon_threadsafe(self._client.request_rollcall, report.reason)
                 if (
-                    self.member_id in view
-                    and view.epoch > self._entered
-                    and self._answered <= view.epoch
+                    self.member_id in latest
+                    and latest.resume_step is None
+                    and latest.size < self._min_workers
+                    and self._below_minimum_said != latest.epoch
                 ):
-                    if view.resume_step is None and view.size < self._min_workers:
-                        if self._below_minimum_said != view.epoch:
-                            self._below_minimum_said = view.epoch
-                            log.info(
-                                "waiting for %d workers before step 0 (view %d has %d)",
-                                self._min_workers, view.epoch, view.size,
-                            )  # fmt: skip
-                    else:
-                        self._failure = None
-                        return view
-                failure = self._failure
-                silent = failure is not None and time.monotonic() - failure[0]
-                if silent and silent > self._config.detection_bound() and not reported:
-                    reported = True
-                    self._report_failure()
+                    self._below_minimum_said = latest.epoch
+                    log.info(
+                        "waiting for %d workers before step 0 (view %d has %d)",
+                        self._min_workers, latest.epoch, latest.size,
+                    )  # fmt: skip
                 self._view_changed.wait(timeout=ABORT_POLL * 10)
 
     def _enter(self, view: View) -> int:
@@ -683,7 +717,8 @@ class Elastic:
         assert self.member_id is not None and self._fetcher is not None
         rank = view.rank_of(self.member_id)
         assert rank is not None
-        self._entered = view.epoch
+        with self._state:
+            self._member.enter(view)
         if self._aborting():
             raise StepAborted(f"epoch {view.epoch}: a newer roll call is under way")
         if view.resume_step is None and self.committed_step < 0:
@@ -816,16 +851,19 @@ class Elastic:
                 f"step {step.number}: the global sample count is {count:g}: step.backward "
                 "must be given the number of samples (or tokens) its loss sums over"
             )
-        with self._lock:
-            if self._answered > step.epoch or self._client.ended is not None:
-                # Our answer to the roll call already named the previous
-                # step: applying this one now would run it twice.
-                return False
-            self._applying = True
+        with self._state:
+            dropped = self._member.reduced(step.number, step.epoch)
+        if dropped is not None:
+            # Drop.ANSWERED: our answer to a roll call already named the
+            # previous step; applying this one would run it twice.
+            return False
         snapshot = None
+        landed = False
         try:
-            if not self._still_a_member() or self._client.ended is not None:
-                if self._client.ended is None:
+            if not self._fenced():
+                with self._state:
+                    gone = self._member.ended or self._member.leaving
+                if not gone:
                     # The others may have applied this step: a roll call
                     # realigns the view (this worker then pulls the state).
                     self._ask_for_rollcall(
@@ -834,13 +872,14 @@ class Elastic:
                 return False
             with self._lock:
                 self._apply(step, tensors, buffer_slots, count)
-                self.committed_step = step.number
+                landed = True
                 if self._checkpoint_due(step):
                     snapshot = self._capture(step.number)
         finally:
-            with self._lock:
-                self._applying = False
-                self._applied.notify_all()
+            with self._state:
+                answer = self._member.applied(step.number, landed)
+            if answer is not None:
+                self._answer_waiting(answer.step)
         self._time_step(step.epoch)
         self._account(step)
         if snapshot is not None:
@@ -1014,21 +1053,25 @@ class Elastic:
             self.resumed.t_step, launch, loaded.seconds,
         )  # fmt: skip
 
-    def _still_a_member(self) -> bool:
+    def _fenced(self) -> bool:
         """Fencing before an update: the leader must have acknowledged a
         heartbeat sent within ``fence_window`` (it evicts a member only after
         the detector's earliest suspicion, later than that). A frozen or
         cut-off worker (a partition drops its writes silently) has no such
         acknowledgement and must not commit in its old epoch; a live one
-        gets the next within a heartbeat interval."""
-        client, window = self._client, self._config.fence_window
-        deadline = time.monotonic() + window
-        while time.monotonic() - client.last_acked > window:
-            if client.ended is not None or self._aborting() or time.monotonic() > deadline:
+        gets the next within a heartbeat interval, so this waits at most
+        ``fence_window`` for it."""
+        since = time.monotonic()
+        while True:
+            with self._state:
+                self._member.acked(self._client.last_acked)
+                verdict = self._member.fence(time.monotonic(), since)
+            if verdict is Fence.OK:
+                return True
+            if verdict is Fence.EXPIRED:
                 log.warning("no recent heartbeat acknowledgement: not applying the step")
                 return False
             time.sleep(ABORT_POLL)
-        return True
 
     def _note_failure(self, what: str, detail: str = "") -> None:
         """A peer call or collective failed (``detail``: the transport's own
@@ -1039,21 +1082,14 @@ class Elastic:
         log.info("%s", reason)
         if detail:
             log.debug("%s: %s", what, detail)
-        if self._failure is None:
-            self._failure = (time.monotonic(), reason[:200])
+        with self._state:
+            self._member.failed(time.monotonic(), reason[:200])
 
     def _ask_for_rollcall(self, reason: str) -> None:
         """Our state or group no longer matches the view: ask for a roll call
         now, and again after the detector's bound if no view follows."""
         self._note_failure(reason)
         self._loop.call_soon_threadsafe(self._client.request_rollcall, reason)
-
-    def _report_failure(self) -> None:
-        """No roll call followed a failure: we cannot tell which peer broke
-        the collective, so ask for a roll call, which calls everyone (live
-        members answer and keep their place)."""
-        assert self._failure is not None
-        self._loop.call_soon_threadsafe(self._client.request_rollcall, self._failure[1])
 
     # --- shutdown ---------------------------------------------------------------------
 
@@ -1103,6 +1139,11 @@ class Elastic:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _settle(future: asyncio.Future[int | None], step: int | None) -> None:
+    if not future.done():
+        future.set_result(step)
 
 
 class _Abort:
