@@ -1,10 +1,17 @@
 """Shared fixtures: real etcd servers on free loopback ports, a test config,
 TLS material, and a session-wide check that no etcd process outlives the tests.
+
+Two lanes: tests marked ``integration`` (any test that starts etcd, a
+service, a worker or any other process) and the fast lane, ``pytest -m "not
+integration"``, which starts no process: a test of the fast lane that tries
+to is failed with a message saying to mark it. Tests that use the ``etcd``,
+``etcd_cluster`` or ``control_plane`` fixtures are marked automatically.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.process
 import os
 import signal
 import subprocess
@@ -17,6 +24,57 @@ import pytest
 from membership.config import Config
 from rendezvous.etcd_local import LocalEtcd, LocalEtcdCluster, running_etcd_children
 from tests.harness import ControlPlane
+
+#: Fixtures that start processes: a test using one is an integration test.
+PROCESS_FIXTURES = frozenset({"etcd", "etcd_cluster", "control_plane"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
+class StartsAProcess(AssertionError):
+    """A test of the fast lane tried to start a process."""
+
+
+@contextlib.contextmanager
+def _no_process_unless_integration(item: pytest.Item) -> Iterator[None]:
+    """Outside ``integration``, starting a process fails the test, in its
+    setup (module- and session-scoped fixtures included), call and teardown."""
+    if item.get_closest_marker("integration") is not None:
+        yield
+        return
+
+    def refuse(*_: object, **__: object) -> None:
+        raise StartsAProcess(
+            f"{item.nodeid} starts a process: mark it @pytest.mark.integration "
+            "(the fast lane, -m 'not integration', starts none)"
+        )
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _no_process_unless_integration(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _no_process_unless_integration(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    with _no_process_unless_integration(item):
+        yield
 
 
 @pytest.fixture

@@ -37,6 +37,8 @@ from rollcall.pb import state_pb2_grpc as state_pb_grpc
 from tests.harness import TEST_SETTINGS, ControlPlane, MemberProcess
 from worker.transfer import Snapshot, StateServer
 
+pytestmark = pytest.mark.integration  # starts processes
+
 Code = grpc.StatusCode
 
 #: No rejection may take longer than this (a call that is never answered fails).

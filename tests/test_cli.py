@@ -22,6 +22,8 @@ from rendezvous.etcd_local import LocalEtcd, child_processes, free_port
 from rendezvous.store import EtcdStore
 from tests.harness import ROOT, ControlPlane, Process
 
+pytestmark = pytest.mark.integration  # starts processes
+
 #: A command that fails must say so within this (they run against loopback).
 QUICK = 10.0
 

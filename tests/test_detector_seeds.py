@@ -8,7 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.harness import ROOT
+
+pytestmark = pytest.mark.integration  # starts processes
 
 
 def _setting(name: str, lost: float, false_evictions: int, silent: float) -> dict[str, Any]:

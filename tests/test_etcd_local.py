@@ -29,6 +29,8 @@ from rendezvous.etcd_local import (
 )
 from tests.conftest import TLSFiles
 
+pytestmark = pytest.mark.integration  # starts processes
+
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 

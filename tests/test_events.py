@@ -35,8 +35,13 @@ def test_a_crash_is_one_record_with_its_stall_and_phases():
     assert record["removed"] == ["c"] and record["joined"] == []
     assert record["stall_s"] == pytest.approx(10.12 - 9.96)
     assert record["phases"] == pytest.approx(
-        {"detect_s": 0.04, "rollcall_s": 0.029, "fetch_s": 0.0, "rebuild_s": 0.03,
-         "first_step_s": 0.06}  # fmt: skip
+        {
+            "detect_s": 0.04,
+            "rollcall_s": 0.029,
+            "fetch_s": 0.0,
+            "rebuild_s": 0.03,
+            "first_step_s": 0.06,
+        }  # fmt: skip
     )
     assert record["lost_work_s"] == pytest.approx(0.03)
     assert record["samples"] == 100 * 32 and record["resume_step"] == 99

@@ -11,6 +11,8 @@ import pytest
 
 from worker.faults import ENV, Faults
 
+pytestmark = pytest.mark.integration  # starts processes
+
 
 def test_no_faults_unless_named() -> None:
     assert Faults.parse("") == Faults()

@@ -150,9 +150,7 @@ def test_several_differences_are_listed_in_one_line() -> None:
 
 
 def test_settings_that_differ_are_shown_alone() -> None:
-    joiner = changed(
-        "optimizer_settings", "betas=(0.9,0.999) eps=1e-08 lr=0.001 weight_decay=0.01"
-    )
+    joiner = changed("optimizer_settings", "betas=(0.9,0.999) eps=1e-08 lr=0.001 weight_decay=0.01")
     message = describe_mismatch("run1", compare(joiner, JOB))
     assert "this worker's optimizer_settings has lr=0.001 but job run1's has lr=0.003:" in message
 

@@ -25,6 +25,8 @@ from worker.examples.lm import LMConfig, build
 from worker.fingerprint import job_fingerprint
 from worker.plan import DataPlan
 
+pytestmark = pytest.mark.integration  # starts processes
+
 #: Generous bound for waits on a loaded 2-core machine.
 PATIENCE = 60.0
 #: A refusal is one answer, not a retry loop (the client's deadline is 30 s).

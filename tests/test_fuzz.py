@@ -50,6 +50,8 @@ from tests.test_bad_input import (
     unchanging_job,
 )
 
+pytestmark = pytest.mark.integration  # the module's job starts etcd and a replica
+
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:

@@ -3,7 +3,11 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.harness import ROOT
+
+pytestmark = pytest.mark.integration  # starts processes
 
 
 def test_generated_grpc_code_is_up_to_date_with_proto_sources():

@@ -39,6 +39,8 @@ from worker.group import (
     wait_parked,
 )
 
+pytestmark = pytest.mark.integration  # starts processes
+
 CTX = multiprocessing.get_context("spawn")
 #: gloo timeout of the groups under test: long enough never to fire by itself
 #: in a healthy run, short enough that waiting for a parked group is cheap.
@@ -176,9 +178,7 @@ def _build_while_aborted(
     )
 
 
-def _allreduce_until_failure(
-    channels: Channels, rank: int, size: int, mixed: bool = False
-) -> None:
+def _allreduce_until_failure(channels: Channels, rank: int, size: int, mixed: bool = False) -> None:
     _started(channels, rank)
     group = _join_epoch(1, rank, size, channels.ports, threading.Event())
     grads = [torch.ones(LARGE_ELEMENTS // 4) for _ in range(4)]

@@ -3,7 +3,11 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.harness import ROOT
+
+pytestmark = pytest.mark.integration  # starts processes
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -440,6 +440,7 @@ def test_loading_here_leaves_the_callers_rng_streams_as_they_were() -> None:
     assert torch.equal(before[2], after[2])
 
 
+@pytest.mark.integration
 def test_a_microbatch_is_bit_identical_whichever_process_or_rank_loads_it() -> None:
     plan = DataPlan(120, 12, 2, seed=9)  # world 2: ranks run 0-2 and 3-5; world 3: 0-1, 2-3, 4-5
     dataset = Augmented(120)
@@ -464,6 +465,7 @@ def test_a_microbatch_is_bit_identical_whichever_process_or_rank_loads_it() -> N
 # --- the loader with worker processes ---------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("num_workers", [0, 1, 2])
 def test_batches_equal_direct_loading_across_view_changes(num_workers: int) -> None:
     dataset = Numbers(600, delay=0.0005)
@@ -490,6 +492,7 @@ def test_batches_equal_direct_loading_across_view_changes(num_workers: int) -> N
     assert [key for key in served if served.count(key) > 1] == [Key(5, 4), Key(5, 4)]
 
 
+@pytest.mark.integration
 def test_prefetched_microbatches_dropped_at_a_view_change_are_never_handed_out(
     tmp_path: Path,
 ) -> None:
@@ -527,6 +530,7 @@ def test_prefetched_microbatches_dropped_at_a_view_change_are_never_handed_out(
         assert inputs[:, 0].tolist() == targets.tolist()
 
 
+@pytest.mark.integration
 def test_prefetch_stops_at_workers_times_prefetch_factor(tmp_path: Path) -> None:
     plan = DataPlan(1000, 8, 4, seed=2)
     log = tmp_path / "loads"
@@ -558,6 +562,7 @@ def test_prefetch_stops_at_workers_times_prefetch_factor(tmp_path: Path) -> None
             loader.step_committed(step)
 
 
+@pytest.mark.integration
 def test_close_stops_the_worker_processes_promptly(children: Children) -> None:
     loader = MicrobatchLoader(Numbers(100), DataPlan(100, 8, 4, seed=0), options=workers(2))
     loader.enter_view(rank=0, world_size=1, next_step=0)
@@ -577,6 +582,7 @@ def test_close_stops_the_worker_processes_promptly(children: Children) -> None:
     loader.close()  # again: nothing to do
 
 
+@pytest.mark.integration
 def test_no_worker_process_outlives_a_training_loop_that_raised(children: Children) -> None:
     with pytest.raises(ZeroDivisionError):
         plan = DataPlan(100, 8, 4, seed=0)
@@ -589,6 +595,7 @@ def test_no_worker_process_outlives_a_training_loop_that_raised(children: Childr
     assert not children()
 
 
+@pytest.mark.integration
 def test_a_worker_process_that_dies_is_an_error_on_the_calling_thread(children: Children) -> None:
     plan = DataPlan(100, 8, 4, seed=0)
     fatal = plan.microbatches(1)[0].sample_ids[0]
@@ -606,6 +613,7 @@ def test_a_worker_process_that_dies_is_an_error_on_the_calling_thread(children: 
     assert not children(), "the other worker was left running"
 
 
+@pytest.mark.integration
 def test_after_a_workers_error_the_loader_stops_its_workers_by_itself(children: Children) -> None:
     plan = DataPlan(100, 8, 4, seed=0)
     bad = plan.microbatches(0)[1].sample_ids[2]
@@ -621,6 +629,7 @@ def test_after_a_workers_error_the_loader_stops_its_workers_by_itself(children: 
         loader.get(1, 0)
 
 
+@pytest.mark.integration
 def test_workers_keep_loading_through_a_sigint_sent_to_them(children: Children) -> None:
     """Ctrl-C, or a supervisor signalling the process group, reaches the
     loader workers too; the training process decides when they stop."""
@@ -642,6 +651,7 @@ def test_workers_keep_loading_through_a_sigint_sent_to_them(children: Children) 
         assert all(alive(pid) for pid in pids)
 
 
+@pytest.mark.integration
 def test_an_exception_in_a_workers_getitem_keeps_its_type_and_message() -> None:
     plan = DataPlan(100, 8, 4, seed=0)
     bad = plan.microbatches(0)[1].sample_ids[2]
@@ -657,6 +667,7 @@ def test_an_exception_in_a_workers_getitem_keeps_its_type_and_message() -> None:
 # --- what may be passed -------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_a_dataloader_brings_its_dataset_collate_fn_and_worker_settings(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, children: Children
 ) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from membership.view import Member, View
 from tests.harness import ROOT
 from worker.messages import describe_transport, view_change
@@ -47,6 +49,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.integration
 def test_the_default_handler_prints_without_any_logging_configuration() -> None:
     result = _run(
         "import logging\n"
@@ -58,6 +61,7 @@ def test_the_default_handler_prints_without_any_logging_configuration() -> None:
     assert result.stderr == "rollcall: view 3: 2 members\n"
 
 
+@pytest.mark.integration
 def test_the_default_handler_steps_aside_once_the_program_configures_logging() -> None:
     result = _run(
         "import logging, sys\n"
@@ -70,6 +74,7 @@ def test_the_default_handler_steps_aside_once_the_program_configures_logging() -
     assert result.stderr == "shown once\n"
 
 
+@pytest.mark.integration
 def test_no_default_handler_when_logging_is_already_configured() -> None:
     result = _run(
         "import logging, sys\n"

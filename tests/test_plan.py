@@ -65,6 +65,7 @@ def test_order_is_pinned_so_every_machine_and_version_derives_it() -> None:
     assert DataPlan(10, 4, 2, seed=7).order(1) == (7, 0, 5, 3, 4, 8, 2, 1, 6, 9)
 
 
+@pytest.mark.integration
 def test_order_and_seeds_are_the_same_in_another_process() -> None:
     script = (
         "from worker.plan import DataPlan, microbatch_seed\n"
@@ -73,8 +74,13 @@ def test_order_and_seeds_are_the_same_in_another_process() -> None:
     )
     outputs = {
         subprocess.run(
-            [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-            check=True, timeout=60, env={**os.environ, "PYTHONHASHSEED": hash_seed},
+            [sys.executable, "-c", script],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
         ).stdout
         for hash_seed in ("1", "2")
     }
@@ -99,7 +105,12 @@ def test_position_is_data_epoch_and_offset_of_the_first_sample() -> None:
     plan = DataPlan(10, 4, 2, seed=0)
 
     assert [plan.position(s) for s in range(6)] == [
-        (0, 0), (0, 4), (0, 8), (1, 2), (1, 6), (2, 0),
+        (0, 0),
+        (0, 4),
+        (0, 8),
+        (1, 2),
+        (1, 6),
+        (2, 0),
     ]
 
 
@@ -151,9 +162,7 @@ def test_microbatches_cut_the_step_in_order(plan: DataPlan, step: int) -> None:
 def test_microbatch_seed_comes_from_plan_seed_step_and_index() -> None:
     plan = DataPlan(100, 8, 2, seed=42)
 
-    assert [m.seed for m in plan.microbatches(5)] == [
-        microbatch_seed(42, 5, i) for i in range(4)
-    ]
+    assert [m.seed for m in plan.microbatches(5)] == [microbatch_seed(42, 5, i) for i in range(4)]
 
 
 def test_microbatch_seed_is_pinned_and_63_bit() -> None:
@@ -187,9 +196,7 @@ def test_a_microbatch_is_the_same_whichever_world_runs_it(
 ) -> None:
     def by_index(world_size: int) -> dict[int, Microbatch]:
         return {
-            m.index: m
-            for rank in range(world_size)
-            for m in plan.for_rank(step, rank, world_size)
+            m.index: m for rank in range(world_size) for m in plan.for_rank(step, rank, world_size)
         }
 
     assert by_index(world_a) == by_index(world_b)
@@ -326,11 +333,14 @@ def test_a_malformed_complete_line_is_corruption(tmp_path: Path) -> None:
         Ledger.load(path)
 
 
-@pytest.mark.parametrize(("step", "message"), [
-    (1, "step 1 does not come after the last recorded step 3"),
-    (2, "step 2 is already recorded"),
-    (3, "step 3 is already recorded"),
-])
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [
+        (1, "step 1 does not come after the last recorded step 3"),
+        (2, "step 2 is already recorded"),
+        (3, "step 3 is already recorded"),
+    ],
+)
 def test_ledger_refuses_a_step_at_or_before_the_last(
     tmp_path: Path, step: int, message: str
 ) -> None:
@@ -386,9 +396,7 @@ def test_compare_reports_lost_and_repeated_samples() -> None:
 
 
 def test_compare_reports_a_changed_order() -> None:
-    assert Ledger.compare({0: [1, 2]}, {0: [2, 1]}) == [
-        "step 0: same samples in a different order"
-    ]
+    assert Ledger.compare({0: [1, 2]}, {0: [2, 1]}) == ["step 0: same samples in a different order"]
 
 
 def test_compare_elides_long_id_lists() -> None:

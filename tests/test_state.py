@@ -10,7 +10,6 @@ import random
 import re
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -207,6 +206,7 @@ def test_digest_is_equal_for_equal_states_built_independently():
     assert digest(first) == digest(second)
 
 
+@pytest.mark.integration
 def test_digest_is_equal_across_processes():
     here = trained_state_digest(3)
     program = "from tests.test_state import trained_state_digest; print(trained_state_digest(3))"
@@ -574,37 +574,6 @@ def test_assembler_accepts_exactly_the_pieces_that_fit_and_do_not_overlap(total,
 
 
 # ------------------------------------------------------------------- timings
-
-
-def test_report_serialization_and_digest_time_for_a_10_mb_model(capsys):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 512))
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(4, 1024)).sum().backward()
-    optimizer.step()
-    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
-    def best_of_3(action):
-        times = []
-        for _ in range(3):
-            started = time.perf_counter()
-            result = action()
-            times.append(time.perf_counter() - started)
-        return min(times), result
-
-    t_capture, state = best_of_3(lambda: capture(0, model, optimizer))
-    t_digest, _ = best_of_3(lambda: digest(state))
-    t_save, blob = best_of_3(lambda: to_bytes(state))
-    t_load, _ = best_of_3(lambda: from_bytes(blob))
-    t_restore, _ = best_of_3(lambda: restore(state, model, optimizer))
-    with capsys.disabled():
-        print(
-            f"\nreplica state: model {model_bytes / 1e6:.1f} MB, blob {len(blob) / 1e6:.1f} MB "
-            "(model + AdamW moments); best of 3: "
-            f"capture {t_capture * 1e3:.1f} ms, digest {t_digest * 1e3:.1f} ms, "
-            f"to_bytes {t_save * 1e3:.1f} ms, from_bytes {t_load * 1e3:.1f} ms, "
-            f"restore {t_restore * 1e3:.1f} ms"
-        )
 
 
 def test_a_state_captured_without_rng_restores_and_leaves_this_process_rng_alone():

@@ -687,6 +687,7 @@ def test_cluster_without_quorum_is_unavailable_until_it_returns(
 # --- TLS ----------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_store_over_tls_with_client_certificate(tls_files: TLSFiles, config: Config) -> None:
     server_tls = EtcdServerTLS(
         cert_file=tls_files.server_cert,
@@ -707,6 +708,7 @@ def test_store_over_tls_with_client_certificate(tls_files: TLSFiles, config: Con
         assert store.read_view()[0] == view(1, "a")
 
 
+@pytest.mark.integration
 def test_store_over_tls_without_client_certificate(tls_files: TLSFiles, config: Config) -> None:
     server_tls = EtcdServerTLS(
         cert_file=tls_files.server_cert,

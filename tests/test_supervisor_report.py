@@ -136,7 +136,9 @@ def test_step_events_are_sent_at_most_every_interval_but_at_once_in_a_new_view(p
 def test_a_full_buffer_never_blocks_a_step_and_lifecycle_events_wait_in_order(pair):
     ours, theirs = pair
     clock = Clock()
-    report = SupervisorReport(theirs, flush_timeout=0.2, clock=clock)
+    # A step that waited for room would wait the flush timeout: 2 s, far above
+    # any scheduling hiccup of a loaded machine.
+    report = SupervisorReport(theirs, flush_timeout=2.0, clock=clock)
     assert fill(theirs) > 0
     report.joined("w0-1a2b3c4d", "127.0.0.1:4000")
     slowest = 0.0
@@ -146,10 +148,10 @@ def test_a_full_buffer_never_blocks_a_step_and_lifecycle_events_wait_in_order(pa
         report.step(FakeStep(number), 16)
         slowest = max(slowest, time.perf_counter() - started)
     report.done(1999)
-    assert slowest < 0.05, f"a step took {slowest:.3f} s with nobody reading"
+    assert slowest < 1.0, f"a step took {slowest:.3f} s with nobody reading"
     started = time.perf_counter()
     report.ended(None)
-    assert time.perf_counter() - started < 0.2 + 0.5, "ended waits at most its flush timeout"
+    assert time.perf_counter() - started < 2.0 + 1.5, "ended waits at most its flush timeout"
     # Nobody read, so the kept events were given up at ended: nothing after
     # the filler.
     arrived = [r["event"] for r in received(ours)]

@@ -21,6 +21,8 @@ from rendezvous.etcd_local import EtcdServerTLS, LocalEtcd, free_port
 from tests.conftest import TLSFiles
 from tests.harness import ROOT, Process
 
+pytestmark = pytest.mark.integration  # starts processes
+
 JOB = "tls-job"
 TOKEN = "tls-test-token"
 #: How long a client that cannot connect keeps trying before it gives up.

@@ -85,6 +85,7 @@ print(json.dumps({"seen": sorted(seen), "final": path.stat().st_mode & 0o777}))
 """
 
 
+@pytest.mark.integration
 def test_the_token_file_is_0600_from_its_creation(tmp_path):
     path = tmp_path / "token"
     result = subprocess.run(

@@ -22,6 +22,8 @@ from rendezvous.etcd_local import child_processes, free_port, pid_alive
 from rollcall.local import kill_times
 from tests.harness import ROOT, Process, wait_for
 
+pytestmark = pytest.mark.integration  # starts processes
+
 PATIENCE = 60.0
 
 

@@ -17,6 +17,8 @@ from rendezvous.etcd_local import child_processes, pid_alive
 from tests.harness import ROOT, wait_for
 from tests.test_up import PATIENCE, Up, isolated_env, members, rollcall, start_up, stop_up
 
+pytestmark = pytest.mark.integration  # starts processes
+
 PROGRAM = ROOT / "tests" / "programs" / "tiny_elastic.py"
 #: A quick command-line refusal (nothing is started) takes less than this.
 QUICK = 10.0

@@ -63,6 +63,7 @@ def in_a_new_process(hash_seed: str) -> dict[str, str]:
     return dict(json.loads(result.stdout))
 
 
+@pytest.mark.integration
 def test_the_same_script_and_seed_give_the_same_fingerprint_in_every_process() -> None:
     # Different hash seeds: nothing may depend on hash() or on set order.
     first, second = in_a_new_process("1"), in_a_new_process("2")

@@ -17,8 +17,12 @@ from rollcall import Elastic
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--pause", type=float, default=0.0,
-                        help="Seconds of pretend compute per step (keeps a short run alive).")
+    parser.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        help="Seconds of pretend compute per step (keeps a short run alive).",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # every copy builds the same data and initial model
