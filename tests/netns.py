@@ -884,7 +884,7 @@ def check_invariants(cluster: Cluster, plan: Any) -> list[str]:
       of steps from 0, and hold exactly the samples of an uninterrupted run
       (``plan``: a ``worker.plan.DataPlan``).
     """
-    from worker.plan import Ledger, merge_ledgers
+    from worker.ledger import Ledger, merge_ledgers
 
     violations: list[str] = []
     worlds: dict[int, set[int]] = {}

@@ -10,7 +10,8 @@ import pytest
 
 from tests.harness import ControlPlane, WorkerProcess, wait_for
 from tests.test_worker_e2e import PATIENCE, _corpus_samples, assert_digests_agree, wait_step
-from worker.plan import DataPlan, Ledger, merge_ledgers
+from worker.ledger import Ledger, merge_ledgers
+from worker.plan import DataPlan
 
 EVERY = 5
 

@@ -18,7 +18,8 @@ import pytest
 
 from tests.harness import ControlPlane, Process, wait_for
 from tests.loader_worker import GLOBAL_BATCH, MICRO_BATCH, SAMPLES
-from worker.plan import DataPlan, Ledger, merge_ledgers
+from worker.ledger import Ledger, merge_ledgers
+from worker.plan import DataPlan
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

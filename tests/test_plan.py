@@ -13,12 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from worker.ledger import Ledger, merge_ledgers
 from worker.plan import (
     DataPlan,
-    Ledger,
     Microbatch,
     load_seed,
-    merge_ledgers,
     microbatch_seed,
 )
 
@@ -361,6 +360,35 @@ def test_ledger_accepts_a_gap_left_by_a_state_pull(tmp_path: Path) -> None:
     ledger.record(2, view_epoch=0, world_size=1, sample_ids=[0])
     ledger.record(5, view_epoch=1, world_size=2, sample_ids=[1])
     assert Ledger.load(tmp_path / "ledger.jsonl").steps() == {2: (0,), 5: (1,)}
+
+
+def test_the_ledger_file_is_fsynced_at_most_every_interval_and_on_sync(tmp_path: Path) -> None:
+    clock = [0.0]
+    ledger = Ledger(tmp_path / "ledger.jsonl", sync_interval=1.0, clock=lambda: clock[0])
+    for step, at in enumerate([0.1, 0.5, 0.9]):
+        clock[0] = at
+        ledger.record(step, view_epoch=0, world_size=1, sample_ids=[step])
+    assert ledger.fsyncs == 0  # all three within the first second
+    clock[0] = 1.2
+    ledger.record(3, view_epoch=0, world_size=1, sample_ids=[3])
+    assert ledger.fsyncs == 1  # the record after a second is due: it syncs all four
+    clock[0] = 1.5
+    ledger.record(4, view_epoch=0, world_size=1, sample_ids=[4])
+    assert ledger.fsyncs == 1
+    ledger.sync()
+    assert ledger.fsyncs == 2
+    ledger.sync()  # nothing new: no fsync
+    assert ledger.fsyncs == 2
+    assert Ledger.load(tmp_path / "ledger.jsonl").steps() == {i: (i,) for i in range(5)}
+
+
+def test_a_ledger_with_interval_zero_fsyncs_every_record(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.jsonl", sync_interval=0.0)
+    for step in range(3):
+        ledger.record(step, view_epoch=0, world_size=1, sample_ids=[step])
+    assert ledger.fsyncs == 3
+    with pytest.raises(ValueError, match="sync_interval"):
+        Ledger(tmp_path / "other.jsonl", sync_interval=-1.0)
 
 
 def test_an_in_memory_ledger_writes_nothing(tmp_path: Path) -> None:

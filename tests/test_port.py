@@ -20,7 +20,8 @@ import torch
 
 from membership.config import Config
 from tests.harness import ROOT, ControlPlane, ProgramProcess, WorkerProcess, wait_for
-from worker.plan import DataPlan, Ledger, merge_ledgers
+from worker.ledger import Ledger, merge_ledgers
+from worker.plan import DataPlan
 
 pytestmark = pytest.mark.integration
 

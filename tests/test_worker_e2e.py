@@ -14,7 +14,8 @@ import pytest
 
 from membership.config import Config
 from tests.harness import ControlPlane, Process, WorkerProcess
-from worker.plan import DataPlan, Ledger, merge_ledgers
+from worker.ledger import Ledger, merge_ledgers
+from worker.plan import DataPlan
 
 #: Generous safety bound for "training continues" waits on a loaded 2-core box.
 PATIENCE = 60.0

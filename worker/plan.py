@@ -1,6 +1,6 @@
 """The data plan: which samples every step consumes and which rank runs them.
 
-Pure code apart from the ledger's file. The plan depends on
+Pure code. The plan depends on
 ``(num_samples, global_batch, micro_batch, seed)`` only, never on the world
 size, so a run whose world shrinks or grows consumes exactly the samples a run
 of constant size would (DESIGN.md, "Data: no sample lost, none counted twice"):
@@ -15,25 +15,16 @@ of constant size would (DESIGN.md, "Data: no sample lost, none counted twice"):
   so its randomness does not depend on the rank that runs it; loading it has
   a seed of its own (:func:`load_seed`), derived the same way.
 
-The :class:`Ledger` records the samples every committed step consumed, so a
-test can show that a run with failures consumed the same samples as one
-without.
+What every committed step did consume is recorded by
+:class:`worker.ledger.Ledger`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import operator
-import os
 import random
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-
-#: How many sample ids a :meth:`Ledger.compare` message lists before eliding.
-_SHOWN_IDS = 10
 
 #: Domain separation for :func:`microbatch_seed` (blake2b's 16-byte ``person``).
 _SEED_PERSON = b"rollcall-mbseed"
@@ -46,7 +37,7 @@ _LOAD_PERSON = b"rollcall-ldseed"
 _CACHED_ORDERS = 2
 
 
-def _require_int(name: str, value: object, minimum: int | None = None) -> int:
+def require_int(name: str, value: object, minimum: int | None = None) -> int:
     """``value`` as an int (numpy and torch integer scalars included), or
     :class:`ValueError`. A bool is refused: it is a flag passed by mistake."""
     try:
@@ -126,10 +117,10 @@ class DataPlan:
     )
 
     def __post_init__(self) -> None:
-        _require_int("num_samples", self.num_samples, 1)
-        _require_int("global_batch", self.global_batch, 1)
-        _require_int("micro_batch", self.micro_batch, 1)
-        _require_int("seed", self.seed)
+        require_int("num_samples", self.num_samples, 1)
+        require_int("global_batch", self.global_batch, 1)
+        require_int("micro_batch", self.micro_batch, 1)
+        require_int("seed", self.seed)
         if self.global_batch % self.micro_batch:
             raise ValueError(
                 f"global_batch ({self.global_batch}) must be a multiple of "
@@ -159,7 +150,7 @@ class DataPlan:
         between versions (``Random.shuffle`` and ``randrange`` carry no such
         promise), so every process on every machine derives the same order.
         """
-        _require_int("data_epoch", data_epoch, 0)
+        require_int("data_epoch", data_epoch, 0)
         for cached_epoch, cached in self._recent:
             if cached_epoch == data_epoch:
                 return cached
@@ -175,7 +166,7 @@ class DataPlan:
 
     def position(self, step: int) -> tuple[int, int]:
         """``(data_epoch, offset)`` of the first sample of ``step`` (0-based)."""
-        _require_int("step", step, 0)
+        require_int("step", step, 0)
         data_epoch, offset = divmod(step * self.global_batch, self.num_samples)
         return data_epoch, offset
 
@@ -214,8 +205,8 @@ class DataPlan:
         microbatches, the highest ranks get none. The split depends only on
         the world size; every step is divided the same way.
         """
-        _require_int("step", step, 0)
-        _require_int("world_size", world_size, 1)
+        require_int("step", step, 0)
+        require_int("world_size", world_size, 1)
         base, extra = divmod(self.num_microbatches, world_size)
         blocks = []
         start = 0
@@ -228,217 +219,8 @@ class DataPlan:
     def for_rank(self, step: int, rank: int, world_size: int) -> tuple[Microbatch, ...]:
         """The microbatches ``rank`` of ``world_size`` runs at ``step``."""
         blocks = self.assignment(step, world_size)
-        _require_int("rank", rank, 0)
+        require_int("rank", rank, 0)
         if rank >= world_size:
             raise ValueError(f"rank {rank} is out of range for world size {world_size}")
         every = self.microbatches(step)
         return tuple(every[index] for index in blocks[rank])
-
-
-@dataclass(frozen=True)
-class LedgerEntry:
-    """One committed step as the ledger holds it."""
-
-    step: int
-    view_epoch: int
-    """The membership view's epoch when the step committed."""
-    world_size: int
-    samples: tuple[int, ...]
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "step": self.step,
-                "epoch": self.view_epoch,
-                "world_size": self.world_size,
-                "samples": list(self.samples),
-            },
-            separators=(",", ":"),
-        )
-
-    @staticmethod
-    def from_json(line: str) -> LedgerEntry:
-        data = json.loads(line)
-        if not isinstance(data, dict):
-            raise ValueError(f"a ledger record must be a JSON object, got {line!r}")
-        samples = data.get("samples")
-        if not isinstance(samples, list):
-            raise ValueError(f"ledger record without a sample list: {line!r}")
-        return LedgerEntry(
-            step=_require_int("step", data.get("step"), 0),
-            view_epoch=_require_int("epoch", data.get("epoch"), 0),
-            world_size=_require_int("world_size", data.get("world_size"), 1),
-            samples=tuple(_require_int("sample id", s, 0) for s in samples),
-        )
-
-
-def _read_entries(path: Path) -> tuple[list[LedgerEntry], int]:
-    """The complete records of the ledger file at ``path`` and the byte length
-    they span. A last line without its newline is a write cut short by a
-    killed process; it is left out. A malformed complete line is corruption
-    and raises :class:`ValueError`."""
-    data = path.read_bytes()
-    complete = data.rfind(b"\n") + 1
-    entries = []
-    for number, raw in enumerate(data[:complete].splitlines(), start=1):
-        try:
-            entries.append(LedgerEntry.from_json(raw.decode("utf-8")))
-        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError included
-            raise ValueError(f"{path}:{number}: bad ledger record: {error}") from error
-    return entries, complete
-
-
-class Ledger:
-    """Append-only record of which sample ids each committed step consumed.
-
-    Held in memory and, when ``path`` is given, appended to it as one JSON
-    line per step (``{"step", "epoch", "world_size", "samples"}``, ``epoch``
-    being the view epoch), flushed and fsynced line by line, so a step the
-    ledger reports survives the process. A record counts
-    once its newline is on disk.
-
-    An existing file at ``path`` is continued, as a restarted worker does:
-    its records are loaded and a torn last line is cut off before the next
-    record is appended, so it cannot fuse with it.
-    """
-
-    def __init__(self, path: Path | None = None) -> None:
-        self._path = path
-        self._entries: dict[int, LedgerEntry] = {}
-        self._last: int | None = None
-        if path is not None and path.exists():
-            entries, complete = _read_entries(path)
-            for entry in entries:
-                self._add(entry)
-            if complete < path.stat().st_size:
-                os.truncate(path, complete)
-
-    @property
-    def path(self) -> Path | None:
-        """The file the ledger appends to, if any."""
-        return self._path
-
-    def record(
-        self, step: int, view_epoch: int, world_size: int, sample_ids: Sequence[int]
-    ) -> None:
-        """Record that ``step`` committed having consumed ``sample_ids``.
-
-        The first step recorded may be any step (a worker may join a running
-        job); after it, only later steps are accepted. A gap is allowed: a
-        worker that pulled state from a peer did not commit the steps in
-        between itself (the merged ledgers of the run cover them). A step at
-        or before the last one raises :class:`ValueError` and changes nothing.
-        """
-        entry = LedgerEntry(
-            step=_require_int("step", step, 0),
-            view_epoch=_require_int("view_epoch", view_epoch, 0),
-            world_size=_require_int("world_size", world_size, 1),
-            samples=tuple(_require_int("sample id", s, 0) for s in sample_ids),
-        )
-        self._check_next(entry.step)
-        if self._path is not None:
-            with self._path.open("a", encoding="utf-8") as file:
-                # Flushed, not fsynced: a killed process loses nothing
-                # flushed; an fsync per step would cost more than the step.
-                file.write(entry.to_json() + "\n")
-                file.flush()
-        self._add(entry)
-
-    def _check_next(self, step: int) -> None:
-        if step in self._entries:
-            raise ValueError(f"step {step} is already recorded")
-        if self._last is not None and step <= self._last:
-            raise ValueError(
-                f"step {step} does not come after the last recorded step {self._last}"
-            )
-
-    def _add(self, entry: LedgerEntry) -> None:
-        self._check_next(entry.step)
-        self._entries[entry.step] = entry
-        self._last = entry.step
-
-    def steps(self) -> dict[int, tuple[int, ...]]:
-        """Step -> the sample ids it consumed, in step order."""
-        return {step: entry.samples for step, entry in self._entries.items()}
-
-    def entries(self) -> dict[int, LedgerEntry]:
-        """Step -> its full record (view epoch and world size included)."""
-        return dict(self._entries)
-
-    @staticmethod
-    def load(path: Path) -> Ledger:
-        """Read the ledger file at ``path`` without writing to it.
-
-        A torn last line (a process killed mid-write) is ignored; records out
-        of step order or a malformed complete line raise :class:`ValueError`.
-        The result is in memory only; use ``Ledger(path)`` to continue a file.
-        """
-        ledger = Ledger()
-        for entry in _read_entries(path)[0]:
-            ledger._add(entry)
-        return ledger
-
-    @staticmethod
-    def compare(a: Mapping[int, Sequence[int]], b: Mapping[int, Sequence[int]]) -> list[str]:
-        """Human-readable differences of ledger ``b`` from reference ``a``.
-
-        Lists steps missing from ``b``, steps only ``b`` has, and for every
-        shared step the ids ``b`` lost or took in addition (or that it took
-        the same samples in another order). Over the whole run it then names
-        the ids ``b`` consumed fewer times than ``a`` (lost) and more times
-        (repeated), which catches a step's samples replayed in a later step.
-        An empty list means the ledgers are identical.
-        """
-        differences = []
-        for step in sorted(a.keys() | b.keys()):
-            if step not in b:
-                differences.append(f"step {step}: missing")
-            elif step not in a:
-                differences.append(f"step {step}: extra (not in the reference)")
-            elif list(a[step]) != list(b[step]):
-                want, got = Counter(a[step]), Counter(b[step])
-                lost, added = want - got, got - want
-                if not lost and not added:
-                    differences.append(f"step {step}: same samples in a different order")
-                if lost:
-                    differences.append(f"step {step}: lost {_describe(lost)}")
-                if added:
-                    differences.append(f"step {step}: unexpected {_describe(added)}")
-        if differences:
-            expected = Counter(s for samples in a.values() for s in samples)
-            actual = Counter(s for samples in b.values() for s in samples)
-            if expected - actual:
-                differences.append(f"overall: lost {_describe(expected - actual)}")
-            if actual - expected:
-                differences.append(f"overall: repeated {_describe(actual - expected)}")
-        return differences
-
-
-def _describe(ids: Counter[int]) -> str:
-    """``ids`` sorted, with multiplicity, elided after :data:`_SHOWN_IDS`."""
-    listed = sorted(ids.elements())
-    shown = ", ".join(str(i) for i in listed[:_SHOWN_IDS])
-    if len(listed) > _SHOWN_IDS:
-        shown += f", ... ({len(listed)} in all)"
-    return f"[{shown}]"
-
-
-def merge_ledgers(ledgers: Iterable[Mapping[int, Sequence[int]]]) -> dict[int, tuple[int, ...]]:
-    """Combine the per-worker ledgers of a run into its global step sequence.
-
-    Each worker records the whole global step when it commits, so ledgers
-    that share a step must agree on it exactly; a disagreement raises
-    :class:`ValueError` naming the step. The result is in step order.
-    """
-    merged: dict[int, tuple[int, ...]] = {}
-    for index, ledger in enumerate(ledgers):
-        for step, samples in ledger.items():
-            ids = tuple(samples)
-            known = merged.setdefault(step, ids)
-            if known != ids:
-                raise ValueError(
-                    f"step {step}: ledger {index} disagrees with an earlier ledger "
-                    f"({len(ids)} vs {len(known)} samples, first ids "
-                    f"{list(ids[:_SHOWN_IDS])} vs {list(known[:_SHOWN_IDS])})"
-                )
-    return dict(sorted(merged.items()))

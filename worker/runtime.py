@@ -67,10 +67,10 @@ from worker.environment import DEFAULT_NAME, ENV_CHECKPOINT_DIR, ENV_JOB, ENV_NA
 from worker.faults import Faults
 from worker.fingerprint import job_fingerprint
 from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
+from worker.ledger import Ledger
 from worker.loader import Batch, LoaderOptions, MicrobatchLoader, default_collate
 from worker.messages import describe_transport, install_default_handler, view_change
 from worker.metrics import WorkerMetrics
-from worker.plan import Ledger
 from worker.report import SupervisorReport
 from worker.state import CorruptState, ReplicaState, capture, digest, restore, to_bytes
 from worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
@@ -1114,6 +1114,7 @@ class Elastic:
             log.warning("leave failed: %s", exc)
         finally:
             self._loader.close()
+            self.ledger.sync()
             if self._group is not None:
                 self._group.close()
             self._stop_loop()

@@ -1,0 +1,263 @@
+"""The ledger: which sample ids every committed step consumed.
+
+Each worker records the whole global step it committed, so the ledgers of a
+run merge into one step sequence (:func:`merge_ledgers`) and a test can show
+that a run with failures consumed exactly the samples of one without
+(:meth:`Ledger.compare`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker.plan import require_int
+
+#: How many sample ids a :meth:`Ledger.compare` message lists before eliding.
+_SHOWN_IDS = 10
+
+#: Seconds between two fsyncs of the ledger file: a machine that crashes
+#: (power loss, kernel panic) loses at most the records of this long; a
+#: killed process loses nothing (every record is flushed when written).
+SYNC_INTERVAL = 1.0
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One committed step as the ledger holds it."""
+
+    step: int
+    view_epoch: int
+    """The membership view's epoch when the step committed."""
+    world_size: int
+    samples: tuple[int, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "step": self.step,
+                "epoch": self.view_epoch,
+                "world_size": self.world_size,
+                "samples": list(self.samples),
+            },
+            separators=(",", ":"),
+        )
+
+    @staticmethod
+    def from_json(line: str) -> LedgerEntry:
+        data = json.loads(line)
+        if not isinstance(data, dict):
+            raise ValueError(f"a ledger record must be a JSON object, got {line!r}")
+        samples = data.get("samples")
+        if not isinstance(samples, list):
+            raise ValueError(f"ledger record without a sample list: {line!r}")
+        return LedgerEntry(
+            step=require_int("step", data.get("step"), 0),
+            view_epoch=require_int("epoch", data.get("epoch"), 0),
+            world_size=require_int("world_size", data.get("world_size"), 1),
+            samples=tuple(require_int("sample id", s, 0) for s in samples),
+        )
+
+
+def _read_entries(path: Path) -> tuple[list[LedgerEntry], int]:
+    """The complete records of the ledger file at ``path`` and the byte length
+    they span. A last line without its newline is a write cut short by a
+    killed process; it is left out. A malformed complete line is corruption
+    and raises :class:`ValueError`."""
+    data = path.read_bytes()
+    complete = data.rfind(b"\n") + 1
+    entries = []
+    for number, raw in enumerate(data[:complete].splitlines(), start=1):
+        try:
+            entries.append(LedgerEntry.from_json(raw.decode("utf-8")))
+        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError included
+            raise ValueError(f"{path}:{number}: bad ledger record: {error}") from error
+    return entries, complete
+
+
+class Ledger:
+    """Append-only record of which sample ids each committed step consumed.
+
+    Held in memory and, when ``path`` is given, appended to it as one JSON
+    line per step (``{"step", "epoch", "world_size", "samples"}``, ``epoch``
+    being the view epoch). Every record is flushed when written, so a step
+    the ledger reports survives the process being killed; the file is
+    fsynced at most every ``sync_interval`` seconds (at a record) and by
+    :meth:`sync`, so a crash of the machine loses at most the records of the
+    last ``sync_interval`` seconds (an fsync per step would cost more than a
+    small step). A record counts once its newline is in the file.
+
+    An existing file at ``path`` is continued, as a restarted worker does:
+    its records are loaded and a torn last line is cut off before the next
+    record is appended, so it cannot fuse with it.
+    """
+
+    def __init__(
+        self,
+        path: Path | None = None,
+        *,
+        sync_interval: float = SYNC_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not sync_interval >= 0:
+            raise ValueError(f"sync_interval must be >= 0, got {sync_interval!r}")
+        self._path = path
+        self._entries: dict[int, LedgerEntry] = {}
+        self._last: int | None = None
+        self._sync_interval, self._clock = sync_interval, clock
+        self._synced_at = clock()
+        self._unsynced = 0
+        #: fsyncs done: the cost the interval bounds, visible to tests.
+        self.fsyncs = 0
+        if path is not None and path.exists():
+            entries, complete = _read_entries(path)
+            for entry in entries:
+                self._add(entry)
+            if complete < path.stat().st_size:
+                os.truncate(path, complete)
+
+    @property
+    def path(self) -> Path | None:
+        """The file the ledger appends to, if any."""
+        return self._path
+
+    def record(
+        self, step: int, view_epoch: int, world_size: int, sample_ids: Sequence[int]
+    ) -> None:
+        """Record that ``step`` committed having consumed ``sample_ids``.
+
+        The first step recorded may be any step (a worker may join a running
+        job); after it, only later steps are accepted. A gap is allowed: a
+        worker that pulled state from a peer did not commit the steps in
+        between itself (the merged ledgers of the run cover them). A step at
+        or before the last one raises :class:`ValueError` and changes nothing.
+        """
+        entry = LedgerEntry(
+            step=require_int("step", step, 0),
+            view_epoch=require_int("view_epoch", view_epoch, 0),
+            world_size=require_int("world_size", world_size, 1),
+            samples=tuple(require_int("sample id", s, 0) for s in sample_ids),
+        )
+        self._check_next(entry.step)
+        if self._path is not None:
+            with self._path.open("a", encoding="utf-8") as file:
+                file.write(entry.to_json() + "\n")
+                file.flush()
+                self._unsynced += 1
+                if self._clock() - self._synced_at >= self._sync_interval:
+                    self._fsync(file.fileno())
+        self._add(entry)
+
+    def sync(self) -> None:
+        """Make every record written so far survive a crash of the machine."""
+        if self._path is not None and self._unsynced:
+            with self._path.open("a", encoding="utf-8") as file:
+                self._fsync(file.fileno())
+
+    def _fsync(self, fd: int) -> None:
+        os.fsync(fd)
+        self.fsyncs += 1
+        self._unsynced = 0
+        self._synced_at = self._clock()
+
+    def _check_next(self, step: int) -> None:
+        if step in self._entries:
+            raise ValueError(f"step {step} is already recorded")
+        if self._last is not None and step <= self._last:
+            raise ValueError(f"step {step} does not come after the last recorded step {self._last}")
+
+    def _add(self, entry: LedgerEntry) -> None:
+        self._check_next(entry.step)
+        self._entries[entry.step] = entry
+        self._last = entry.step
+
+    def steps(self) -> dict[int, tuple[int, ...]]:
+        """Step -> the sample ids it consumed, in step order."""
+        return {step: entry.samples for step, entry in self._entries.items()}
+
+    def entries(self) -> dict[int, LedgerEntry]:
+        """Step -> its full record (view epoch and world size included)."""
+        return dict(self._entries)
+
+    @staticmethod
+    def load(path: Path) -> Ledger:
+        """Read the ledger file at ``path`` without writing to it.
+
+        A torn last line (a process killed mid-write) is ignored; records out
+        of step order or a malformed complete line raise :class:`ValueError`.
+        The result is in memory only; use ``Ledger(path)`` to continue a file.
+        """
+        ledger = Ledger()
+        for entry in _read_entries(path)[0]:
+            ledger._add(entry)
+        return ledger
+
+    @staticmethod
+    def compare(a: Mapping[int, Sequence[int]], b: Mapping[int, Sequence[int]]) -> list[str]:
+        """Human-readable differences of ledger ``b`` from reference ``a``.
+
+        Lists steps missing from ``b``, steps only ``b`` has, and for every
+        shared step the ids ``b`` lost or took in addition (or that it took
+        the same samples in another order). Over the whole run it then names
+        the ids ``b`` consumed fewer times than ``a`` (lost) and more times
+        (repeated), which catches a step's samples replayed in a later step.
+        An empty list means the ledgers are identical.
+        """
+        differences = []
+        for step in sorted(a.keys() | b.keys()):
+            if step not in b:
+                differences.append(f"step {step}: missing")
+            elif step not in a:
+                differences.append(f"step {step}: extra (not in the reference)")
+            elif list(a[step]) != list(b[step]):
+                want, got = Counter(a[step]), Counter(b[step])
+                lost, added = want - got, got - want
+                if not lost and not added:
+                    differences.append(f"step {step}: same samples in a different order")
+                if lost:
+                    differences.append(f"step {step}: lost {_describe(lost)}")
+                if added:
+                    differences.append(f"step {step}: unexpected {_describe(added)}")
+        if differences:
+            expected = Counter(s for samples in a.values() for s in samples)
+            actual = Counter(s for samples in b.values() for s in samples)
+            if expected - actual:
+                differences.append(f"overall: lost {_describe(expected - actual)}")
+            if actual - expected:
+                differences.append(f"overall: repeated {_describe(actual - expected)}")
+        return differences
+
+
+def _describe(ids: Counter[int]) -> str:
+    """``ids`` sorted, with multiplicity, elided after :data:`_SHOWN_IDS`."""
+    listed = sorted(ids.elements())
+    shown = ", ".join(str(i) for i in listed[:_SHOWN_IDS])
+    if len(listed) > _SHOWN_IDS:
+        shown += f", ... ({len(listed)} in all)"
+    return f"[{shown}]"
+
+
+def merge_ledgers(ledgers: Iterable[Mapping[int, Sequence[int]]]) -> dict[int, tuple[int, ...]]:
+    """Combine the per-worker ledgers of a run into its global step sequence.
+
+    Each worker records the whole global step when it commits, so ledgers
+    that share a step must agree on it exactly; a disagreement raises
+    :class:`ValueError` naming the step. The result is in step order.
+    """
+    merged: dict[int, tuple[int, ...]] = {}
+    for index, ledger in enumerate(ledgers):
+        for step, samples in ledger.items():
+            ids = tuple(samples)
+            known = merged.setdefault(step, ids)
+            if known != ids:
+                raise ValueError(
+                    f"step {step}: ledger {index} disagrees with an earlier ledger "
+                    f"({len(ids)} vs {len(known)} samples, first ids "
+                    f"{list(ids[:_SHOWN_IDS])} vs {list(known[:_SHOWN_IDS])})"
+                )
+    return dict(sorted(merged.items()))
