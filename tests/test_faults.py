@@ -433,16 +433,37 @@ def test_corrupt_state_chunk_is_detected_and_the_state_fetched_again_elsewhere(
     (corrupter,) = cluster.start_workers(1, env={FAULTS_ENV: "corrupt_serves=1000"})
     team.append(corrupter)
     wait_training(team)
-    cluster.note("start a joiner")
-    (joiner,) = cluster.start_workers(1)
-    first = joiner.wait_step(lambda e: True, PATIENCE)
-    assert first["world"] == 4 and first["step"] > 0, first
+    # Which holders serve a joiner is the roll call's choice: a member whose
+    # reduction of the step in flight was cut short answers one step behind,
+    # is not a source, and fetches too. So a joiner that was not served by
+    # the corrupter proves nothing: the next one is started (at most three;
+    # the corrupter was left out once in about five runs).
+    corrupted, detected = "fault injection: corrupting", "fails its digest"
+
+    def counts() -> tuple[int, int]:
+        logs = [w.log_tail(100_000) for w in team]
+        return corrupter.log_tail(100_000).count(corrupted), sum(x.count(detected) for x in logs)
+
+    for attempt in range(3):
+        served, caught = counts()
+        cluster.note(f"start a joiner (attempt {attempt + 1})")
+        (joiner,) = cluster.start_workers(1)
+        team.append(joiner)
+        first = joiner.wait_step(lambda e: True, PATIENCE)
+        assert first["world"] == len(team) and first["step"] > 0, first
+        now_served, now_caught = counts()
+        # Whoever the corrupter served (the joiner or a member behind), the
+        # corruption was caught: never a corrupt state taken silently.
+        assert (now_served > served) == (now_caught > caught), (served, now_served, caught)
+        if detected in joiner.log_tail(200):
+            break
+    else:
+        raise AssertionError("the corrupter was never a source of three joiners")
     log = joiner.log_tail(200)
     assert "fails its digest: fetching it again whole" in log, log
     assert re.search(r"pulled step \d+ .* \([12] whole refetches\)", log), log
-    assert "fault injection: corrupting" in corrupter.log_tail(200)
     # The joiner holds the others' state: the shared check compares digests.
-    train_on(team + [joiner], first["step"])
+    train_on(team, first["step"])
     finish(cluster, plan)
 
 
