@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+import psutil
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
 from rollcall.tether import tethered
@@ -115,47 +116,44 @@ atexit.register(_kill_all_at_exit)
 
 def child_processes(pid: int) -> dict[int, str]:
     """Live (not zombie) child processes of ``pid``: pid -> command name."""
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.Error:
+        return {}
     found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for child in children:
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found[child.pid] = child.name()
+        except psutil.Error:  # gone since it was listed
             continue
-        # "pid (comm) state ppid ..."; comm may contain spaces or parentheses.
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-        if int(ppid) == pid and state != "Z":
-            found[int(entry.name)] = comm
     return found
 
 
-def process_state(pid: int) -> str | None:
-    """The state letter of process ``pid`` (``R``, ``S``, ``T`` stopped,
-    ``Z`` zombie...), None if there is no such process."""
+def process_status(pid: int) -> str | None:
+    """The status of process ``pid`` (``psutil.STATUS_RUNNING``,
+    ``STATUS_STOPPED``, ``STATUS_ZOMBIE``...), None if there is no such
+    process."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return str(psutil.Process(pid).status())
+    except psutil.Error:
         return None
-    # "pid (comm) state ..."; comm may contain spaces or parentheses.
-    return stat[stat.rindex(")") + 2 :].split()[0]
 
 
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie."""
-    return process_state(pid) not in (None, "Z")
+    return process_status(pid) not in (None, psutil.STATUS_ZOMBIE)
 
 
 def await_stopped(pid: int, stopped: bool, settle: float = _SIGNAL_SETTLE) -> bool:
     """After SIGSTOP (``stopped``) or SIGCONT, wait until the kernel reports
-    process ``pid`` stopped ("T" once every thread has stopped) or running
+    process ``pid`` stopped (once every thread has stopped) or running
     again; signals are delivered asynchronously. False if it did not within
     ``settle`` seconds; True also if the process is gone."""
     deadline = time.monotonic() + settle
     while time.monotonic() < deadline:
-        state = process_state(pid)
-        if state is None or (state == "T") == stopped:
+        status = process_status(pid)
+        if status is None or (status == psutil.STATUS_STOPPED) == stopped:
             return True
         time.sleep(0.001)
     return False

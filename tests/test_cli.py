@@ -19,6 +19,7 @@ import pytest
 
 from membership.config import Config
 from rendezvous.etcd_local import LocalEtcd, child_processes, free_port
+from rendezvous.etcd_local import pid_alive as alive
 from rendezvous.store import EtcdStore
 from tests.harness import ROOT, ControlPlane, Process
 
@@ -54,14 +55,6 @@ def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("rollcall: error: "), lines[0]
     return lines[0]
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
 
 
 def listening(address: str) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
@@ -27,6 +26,7 @@ from rendezvous.etcd_local import (
     free_port,
     running_etcd_children,
 )
+from rendezvous.etcd_local import pid_alive as alive
 from tests.conftest import TLSFiles
 
 pytestmark = pytest.mark.integration  # starts processes
@@ -47,16 +47,6 @@ def client_for(*endpoints: str, tls: TLSFiles | None = None) -> MultiEndpointEtc
         host, port = url.split("//")[1].split(":")
         eps.append(Endpoint(host, int(port), secure=tls is not None, creds=creds, time_retry=0.0))
     return MultiEndpointEtcd3Client(eps, timeout=2.0, failover=True)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie has exited; only its parent's wait() is missing.
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def wait_until_dead(pid: int, timeout: float = 5.0) -> bool:

@@ -15,7 +15,6 @@ Measured stalls are printed (``pytest -s``).
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from membership.config import Config
@@ -227,8 +227,8 @@ _BUSY = "import time\nprint('spinning', flush=True)\nwhile True:\n    pass\n"
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def _cpu_share(pid: int, seconds: float = 1.5) -> float:

@@ -36,6 +36,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
+from rendezvous.etcd_local import pid_alive as alive
 from worker.loader import (
     Batch,
     Key,
@@ -186,12 +187,6 @@ def workers(count: int, prefetch: int = 2) -> LoaderOptions:
     return LoaderOptions(num_workers=count, prefetch_factor=prefetch)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(autouse=True)

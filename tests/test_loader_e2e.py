@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import sys
 from collections import defaultdict
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from rendezvous.etcd_local import pid_alive as alive
 from tests.harness import ControlPlane, Process, wait_for
 from tests.loader_worker import GLOBAL_BATCH, MICRO_BATCH, SAMPLES
 from worker.ledger import Ledger, merge_ledgers
@@ -50,12 +50,6 @@ def _parse(line: str) -> dict[str, Any] | None:
     return json.loads(line) if line.startswith("{") else None
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_microbatches_loaded_ahead_hold_the_plans_samples_through_a_kill_and_a_join(

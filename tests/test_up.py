@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from rendezvous.etcd_local import child_processes, free_port, pid_alive
@@ -105,11 +106,8 @@ def test_status_finds_the_local_up_without_flags_and_training_advances(up: Up):
 
 
 def test_up_hands_its_config_overrides_to_the_workers_it_starts(up: Up):
-    workers = [
-        Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        for pid in child_processes(up.process.pid)
-        if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    ]
+    commands = [psutil.Process(pid).cmdline() for pid in child_processes(up.process.pid)]
+    workers = [command for command in commands if "worker" in command]
     assert workers, "no worker among up's children"
     for argv in workers:
         assert b"--set=member_lease_ttl=6" in argv and b"--set=takeover_grace=2" in argv, argv

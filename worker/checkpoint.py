@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from membership.checkpoint import FILE_PATTERN, CheckpointManifest, file_name
 from membership.errors import CannotResume
 from worker.state import CorruptState, ReplicaState, digest, from_bytes, to_bytes
@@ -93,14 +95,8 @@ def load_newest(manifests: Sequence[CheckpointManifest]) -> Loaded:
 
 
 def process_age() -> float:
-    """Seconds since this process started (Linux ``/proc``; 0.0 elsewhere)."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
-        started_ticks = int(fields[19])  # field 22 of stat(5), counted after "comm"
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    """Seconds since this process started."""
+    return max(0.0, time.time() - psutil.Process().create_time())
 
 
 class CheckpointWriter:
