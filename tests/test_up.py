@@ -110,7 +110,7 @@ def test_up_hands_its_config_overrides_to_the_workers_it_starts(up: Up):
     workers = [command for command in commands if "worker" in command]
     assert workers, "no worker among up's children"
     for argv in workers:
-        assert b"--set=member_lease_ttl=6" in argv and b"--set=takeover_grace=2" in argv, argv
+        assert "--set=member_lease_ttl=6" in argv and "--set=takeover_grace=2" in argv, argv
 
 
 def test_add_hot_adds_a_worker_that_joins_the_view(up: Up):
