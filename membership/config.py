@@ -85,6 +85,9 @@ class Config:
     takeover_grace: float = 3.0
     #: Progress (last committed step) is written to etcd at most this often.
     progress_write_interval: float = 0.5
+    #: A replica that refuses to lead because etcd holds a malformed view of
+    #: its job reads the view again this often (it says why only once).
+    refusal_retry: float = 2.0
 
     #: Durable checkpoint manifests kept in etcd (newest first); a writer
     #: deletes its files older than the oldest one kept.
