@@ -30,6 +30,13 @@ metadata: a member that knows it has no leader (one election timeout after
 losing it) refuses at once instead of letting the request time out, and the
 client moves on to another member.
 
+Authentication. Given credentials, every request carries an etcd token for
+them (``rendezvous.etcd_auth``): fetched on first use, fetched again when
+etcd no longer takes it (restarted, token expired, users changed). When
+etcd refuses who we are (wrong password, no credentials where it requires
+them, no permission on ``/rollcall/``) the call raises
+:class:`EtcdCredentialsRefused`, at once and without retrying.
+
 Validation. Every value read is checked (``rendezvous.records``) before it is
 used: a malformed view raises :class:`MalformedRecord`; a malformed leader,
 member, progress or checkpoint record is logged (once per value) and ignored.
@@ -53,10 +60,15 @@ from pyetcd.exceptions import NoServerAvailableError
 
 from membership.checkpoint import CheckpointManifest, record
 from membership.config import Config
-from membership.errors import ControlPlaneUnavailable, InvalidRequest, MalformedRecord
+from membership.errors import (
+    ControlPlaneUnavailable,
+    EtcdCredentialsRefused,
+    InvalidRequest,
+    MalformedRecord,
+)
 from membership.fingerprint import JobFingerprint, check_fingerprint
 from membership.view import EMPTY_VIEW, Member, View
-from rendezvous import records
+from rendezvous import etcd_auth, records
 
 _log = logging.getLogger(__name__)
 
@@ -243,6 +255,7 @@ class EtcdStore:
         job: str,
         config: Config,
         tls: EtcdClientTLS | None = None,
+        credentials: etcd_auth.EtcdCredentials | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("EtcdStore needs at least one etcd endpoint")
@@ -261,6 +274,11 @@ class EtcdStore:
         self._watches: set[_KeyWatch] = set()
         self._watches_lock = threading.Lock()
         self._closed = False
+        self._user = credentials.user if credentials is not None else None
+        self._tokens = (
+            etcd_auth.TokenKeeper(credentials, config.etcd_timeout) if credentials else None
+        )
+        self._authenticated: dict[int, grpc.Channel] = {}
         #: Malformed records already logged: key -> mod_revision.
         self._warned: dict[bytes, int] = {}
         self._warned_lock = threading.Lock()
@@ -314,11 +332,35 @@ class EtcdStore:
         tried again."""
         with self._select_lock:
             try:
-                return self._client.endpoint_in_use, self._client.channel, False
+                return self._client.endpoint_in_use, self._with_token(self._client.channel), False
             except NoServerAvailableError:
                 oldest = min(self._client.endpoints.values(), key=lambda e: e.last_failed)
                 oldest.last_failed = 0
-                return oldest, self._client.channel, True
+                return oldest, self._with_token(self._client.channel), True
+
+    def _with_token(self, channel: grpc.Channel) -> grpc.Channel:
+        """``channel``, its calls carrying our etcd token if we have credentials."""
+        if self._tokens is None:
+            return channel
+        wrapped = self._authenticated.get(id(channel))
+        if wrapped is None:
+            interceptor = etcd_auth.TokenInterceptor(self._tokens, channel)
+            wrapped = self._authenticated[id(channel)] = grpc.intercept_channel(
+                channel, interceptor
+            )
+        return wrapped
+
+    def _refused(self, exc: grpc.RpcError) -> bool:
+        """Handle an answer about who we are: True if the token was stale
+        (dropped: try again); raises EtcdCredentialsRefused if etcd refuses
+        our credentials; False for any other error."""
+        if self._tokens is not None and etcd_auth.is_stale_token(exc):
+            self._tokens.invalidate()
+            return True
+        refused = etcd_auth.refusal(exc, self._user)
+        if refused is not None:
+            raise refused from None
+        return False
 
     def _call(self, attempt: Callable[[grpc.Channel, float, bool], T]) -> T:
         """Run ``attempt(channel, timeout, retried)`` with failover and retries.
@@ -347,6 +389,10 @@ class EtcdStore:
             try:
                 return attempt(channel, min(self._config.etcd_timeout, remaining), number > 0)
             except grpc.RpcError as exc:
+                if self._refused(exc):
+                    failure = exc
+                    attempts.append(f"{endpoint.netloc}: token no longer valid")
+                    continue
                 if not _unreachable(exc):
                     raise
                 failure = exc
@@ -947,6 +993,8 @@ class _KeyWatch:
         self._lock = threading.Lock()
         self._call: Any = None
         self._broken = False
+        #: Why etcd last refused this watch our credentials ("" if it did not).
+        self._refusal = ""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -969,6 +1017,8 @@ class _KeyWatch:
             try:
                 if self._follow():
                     backoff = _WATCH_BACKOFF_INITIAL
+            except EtcdCredentialsRefused as exc:
+                self._refused(str(exc))
             except Exception:  # noqa: BLE001 - the thread must survive anything
                 if not self._stop.is_set():
                     _log.exception("watch on %s failed", self._key.decode())
@@ -1002,8 +1052,9 @@ class _KeyWatch:
         established = False
         try:
             for response in call:
-                if response.created and not established:
+                if response.created and not established and not response.canceled:
                     established = True
+                    self._refusal = ""
                     if self._broken:
                         self._broken = False
                         _log.info(
@@ -1016,7 +1067,7 @@ class _KeyWatch:
                     self._resync()
                     return established
                 if response.canceled:
-                    return established
+                    return self._canceled(response.cancel_reason) and established
                 for event in response.events:
                     self._next_revision = int(event.kv.mod_revision) + 1
                     deleted = event.type == event.DELETE
@@ -1039,6 +1090,23 @@ class _KeyWatch:
             with self._lock:
                 self._call = None
         return established
+
+    def _canceled(self, reason: str) -> bool:
+        """etcd ended the watch (``reason``): False when it refused our
+        credentials, which is said once, so that retries back off."""
+        if "invalid auth token" in reason or "revision of auth store is old" in reason:
+            if self._store._tokens is not None:
+                self._store._tokens.invalidate()
+            return True
+        if "user name is empty" in reason or "permission denied" in reason:
+            self._refused(f"etcd refused our credentials ({reason})")
+            return False
+        return True
+
+    def _refused(self, why: str) -> None:
+        if why != self._refusal:
+            self._refusal = why
+            _log.warning("watch on %s: %s; retrying", self._key.decode(), why)
 
     def _abandon(self) -> None:
         with self._lock:

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from membership.config import Config
+from membership.errors import EtcdCredentialsRefused
+from rendezvous.etcd_auth import EtcdCredentials
 from rendezvous.etcd_local import LocalEtcd, child_processes, free_port
 from rendezvous.store import EtcdStore
 from tests.harness import ROOT, ControlPlane, Process
@@ -234,8 +236,16 @@ def test_etcd_command_serves_until_ctrl_c_and_leaves_nothing(tmp_path: Path) -> 
         match = re.match(r"etcd ready at (\S+) \(data in (.+)\);", ready)
         assert match, ready
         endpoint, data_dir = match.group(1), Path(match.group(2))
-        with EtcdStore([endpoint], "probe", Config()) as store:
+        auth = process.wait_line(lambda line: "authentication: on" in line, timeout=5)
+        password = Path(re.search(r"password in (\S+);", auth).group(1))  # type: ignore[union-attr]
+        assert password == data_dir / "auth" / "rollcall.password"
+        assert oct(password.stat().st_mode & 0o777) == "0o600"
+        credentials = EtcdCredentials.from_file("rollcall", password)
+        with EtcdStore([endpoint], "probe", Config(), credentials=credentials) as store:
             store.ping()
+        with EtcdStore([endpoint], "probe", Config()) as store:
+            with pytest.raises(EtcdCredentialsRefused):
+                store.ping()
         etcd_pids = [pid for pid, name in child_processes(process.pid).items() if name == "etcd"]
         assert len(etcd_pids) == 1
     finally:
