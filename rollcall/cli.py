@@ -111,6 +111,20 @@ def token_option(fn: F) -> F:
     )(fn)
 
 
+def check_job(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--job`` by the service's own rules (``rendezvous.validation``), so a
+    bad name is refused here at once rather than by the service later."""
+    if value is None:
+        return None
+    from membership.errors import InvalidRequest
+    from rendezvous.validation import check_id
+
+    try:
+        return check_id(value, "job name", Config())
+    except InvalidRequest as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def split_list(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
@@ -252,7 +266,8 @@ def wait_for_signal() -> None:
     help="etcd endpoints, e.g. http://127.0.0.1:2379.",
 )
 @click.option("--listen", required=True, metavar="HOST:PORT", help="Address to serve gRPC on.")
-@click.option("--job", required=True, help="Name of the job this replica serves.")
+@click.option("--job", required=True, callback=check_job,
+              help="Name of the job this replica serves.")  # fmt: skip
 @click.option(
     "--advertise",
     metavar="HOST:PORT",
@@ -366,7 +381,9 @@ def rendezvous(
 def target_options(fn: F) -> F:
     """--rendezvous and --job, both optional: without them the command
     talks to the `rollcall up` running on this machine."""
-    fn = click.option("--job", help="Job name (default: that of the local `rollcall up`).")(fn)
+    fn = click.option(
+        "--job", callback=check_job, help="Job name (default: that of the local `rollcall up`)."
+    )(fn)
     return click.option(
         "--rendezvous",
         "addresses",
@@ -499,7 +516,7 @@ EXAMPLE_ONLY = ("steps", "global_batch", "micro_batch", "d_model", "layers", "ch
               help="Example only: steps the job trains for; `up` ends when the workers are done.")
 @click.option("--events", type=click.Path(dir_okay=False, path_type=Path),
               help="Write view-change events here (default: in the work directory).")
-@click.option("--job", default="dev", show_default=True, help="Job name.")
+@click.option("--job", default="dev", show_default=True, callback=check_job, help="Job name.")
 @click.option("--listen", default="127.0.0.1:0", show_default=True, metavar="HOST:PORT",
               help="Address of the rendezvous service (port 0 picks a free one).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
@@ -865,7 +882,7 @@ def chaos(
 @main.command()
 @click.option("--rendezvous", "addresses", required=True, metavar="HOST:PORT[,...]",
               help="Rendezvous replica addresses.")
-@click.option("--job", required=True, help="Job name.")
+@click.option("--job", required=True, callback=check_job, help="Job name.")
 @token_option
 @click.option("--example", type=click.Choice(["lm"]), default="lm", show_default=True,
               help="Built-in job: a char-level transformer LM on the Python stdlib's source.")

@@ -154,6 +154,22 @@ def test_bad_config_override_is_one_line_with_exit_2(command: str, setting: str,
     assert says in line
 
 
+@pytest.mark.parametrize("command", ["status", "rendezvous", "worker", "up", "add", "kill"])
+@pytest.mark.parametrize("job", ["a/b", "", "-lead", "x" * 65, "caf\u00e9"])
+def test_a_bad_job_name_is_refused_at_once_by_the_services_rules(command: str, job: str) -> None:
+    args = {
+        "up": ["up", "--workers", "0"],
+        "add": ["add", "--rendezvous", f"127.0.0.1:{free_port()}"],
+        "kill": ["kill", "--random", "--rendezvous", f"127.0.0.1:{free_port()}"],
+    }.get(command) or [a for a in command_args(command) if a not in ("--job", "j")]
+    started = time.monotonic()
+    result = rollcall(*args, "--job", job, token="t")
+    line = one_error_line(result)
+    assert result.returncode == 2
+    assert "--job" in line and "job name" in line, line
+    assert time.monotonic() - started < QUICK
+
+
 def test_worker_accepts_a_valid_config_override() -> None:
     # Past the override, the worker goes on to want its token.
     result = rollcall(*command_args("worker"), "--set", "fence_window=0.2")
