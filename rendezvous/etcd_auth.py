@@ -124,9 +124,7 @@ class EtcdCredentials:
         return cls(user, password)
 
 
-def authenticate(
-    channel: grpc.Channel, credentials: EtcdCredentials, timeout: float
-) -> str | None:
+def authenticate(channel: grpc.Channel, credentials: EtcdCredentials, timeout: float) -> str | None:
     """A token for ``credentials`` (None when etcd has authentication
     off). Raises :class:`EtcdCredentialsRefused` when etcd refuses them,
     ``grpc.RpcError`` when it cannot be asked."""
@@ -180,8 +178,8 @@ class TokenKeeper:
 
 class _CallDetails(
     collections.namedtuple(
-        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
-                         "compression"),
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
     ),  # fmt: skip
     grpc.ClientCallDetails,
 ):

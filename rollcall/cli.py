@@ -141,6 +141,10 @@ def setup_logging(level: str) -> None:
 @click.version_option(package_name="torch-rollcall")
 def main() -> None:
     """rollcall: keep-alive membership for elastic PyTorch training."""
+    # A program started in the background of a non-interactive shell
+    # inherits SIGINT ignored; every rollcall command stops on Ctrl-C.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @main.command()
@@ -589,6 +593,7 @@ def up(
         )  # fmt: skip
     owned = data_dir is None
     workdir = private_workdir(data_dir)
+    lock = lock_workdir(workdir)
     token_file = workdir / "token"
     write_token_file(token_file, os.environ.get("ROLLCALL_TOKEN") or secrets.token_urlsafe(24))
     events_path = events or workdir / "events.jsonl"
@@ -608,6 +613,7 @@ def up(
         server.stop()
         if owned:
             shutil.rmtree(workdir, ignore_errors=True)
+        os.close(lock)
         click.echo("rollcall up: stopped", err=True)
 
 
@@ -649,6 +655,33 @@ def private_workdir(data_dir: Path | None, what: str = "--data-dir") -> Path:
     from rollcall.private import private_directory
 
     return private_directory(data_dir, what)
+
+
+#: In `up`'s work directory: the pid of the `up` that holds it.
+LOCK_NAME = "up.lock"
+
+
+def lock_workdir(workdir: Path) -> int:
+    """Hold `up`'s lock on ``workdir`` (an flock, released by the kernel
+    when the holder dies however it dies, so a stale lock file is simply
+    taken over) and write this pid in it; the descriptor, to close at the
+    end. Another `up` holding it is one line, at once."""
+    import fcntl
+
+    fd = os.open(workdir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        fail(
+            f"another `rollcall up` (pid {holder}) runs on --data-dir {workdir}: "
+            "stop it first, or pass another --data-dir"
+        )
+    os.fchmod(fd, 0o600)  # a lock file left behind may have another mode
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 async def _run_up(
