@@ -151,7 +151,8 @@ def main() -> None:
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Keep etcd's data here (default: a temporary directory, deleted on exit).",
+    help="Keep etcd's data and the auth/ passwords here, mode 0700 (default: a temporary "
+         "directory, deleted on exit).",
 )
 @click.option(
     "--client-port",
@@ -526,7 +527,7 @@ EXAMPLE_ONLY = ("steps", "global_batch", "micro_batch", "d_model", "layers", "ch
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep etcd's data, the token, checkpoints and logs here; it must be new "
                    "or open to this user only (default: a temporary directory, deleted on "
-                   "exit). Created with mode 0700.")
+                   "exit). Created with mode 0700; one `up` at a time (up.lock).")
 @click.option("--global-batch", type=click.IntRange(min=1), default=32, show_default=True,
               help="Example only.")
 @click.option("--micro-batch", type=click.IntRange(min=1), default=8, show_default=True,
