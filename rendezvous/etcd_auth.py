@@ -159,7 +159,8 @@ class TokenKeeper:
     def token(self, channel: grpc.Channel, timeout: float | None) -> str | None:
         with self._lock:
             if not self._fetched:
-                self._token = authenticate(channel, self.credentials, timeout or self._timeout)
+                # Its own timeout, not the call's: bcrypt may need more.
+                self._token = authenticate(channel, self.credentials, self._timeout)
                 self._fetched = True
                 if self._token is None and not self._warned_disabled:
                     self._warned_disabled = True

@@ -276,7 +276,7 @@ class EtcdStore:
         self._closed = False
         self._user = credentials.user if credentials is not None else None
         self._tokens = (
-            etcd_auth.TokenKeeper(credentials, config.etcd_timeout) if credentials else None
+            etcd_auth.TokenKeeper(credentials, config.etcd_auth_timeout) if credentials else None
         )
         self._authenticated: dict[int, grpc.Channel] = {}
         #: Malformed records already logged: key -> mod_revision.
