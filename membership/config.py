@@ -80,11 +80,18 @@ class Config:
     election_ttl: int = 2
     #: Timeout of one etcd request.
     etcd_timeout: float = 2.0
+    #: Timeout of etcd's Authenticate (a token for --etcd-user, fetched once
+    #: and again when etcd drops it): etcd checks the password with bcrypt,
+    #: which takes seconds on a loaded machine (2.5 s seen on 2 cores).
+    etcd_auth_timeout: float = 10.0
     #: After taking over, a new leader waits this long for members of the
     #: current view to reconnect before suspecting the ones that did not.
     takeover_grace: float = 3.0
     #: Progress (last committed step) is written to etcd at most this often.
     progress_write_interval: float = 0.5
+    #: A replica that refuses to lead because etcd holds a malformed view of
+    #: its job reads the view again this often (it says why only once).
+    refusal_retry: float = 2.0
 
     #: Durable checkpoint manifests kept in etcd (newest first); a writer
     #: deletes its files older than the oldest one kept.

@@ -40,6 +40,22 @@ class ControlPlaneUnavailable(RollcallError):
     """etcd (or every rendezvous replica) cannot be reached right now; retry."""
 
 
+class EtcdCredentialsRefused(ControlPlaneUnavailable):
+    """etcd refused who we are: a wrong user or password, no credentials
+    where etcd requires them, or a user not permitted to read and write
+    ``/rollcall/``. A replica fails to start with it; once running it keeps
+    retrying (the job's workers keep training) and says so. Fix the
+    credentials (``--etcd-user``, ``--etcd-password-file``)."""
+
+
+class MalformedRecord(ControlPlaneUnavailable):
+    """A value read from etcd is not one rollcall writes (planted, forged or
+    corrupted). The message names the key and what is wrong with it. Where
+    the value can be done without it is logged and ignored; a replica that
+    would need it (the job's view) refuses to act on it until it is
+    repaired."""
+
+
 class Evicted(StaleEpoch):
     """This member is not in the committed view any more (removed by a roll
     call, or suspected); rejoin to continue."""

@@ -13,10 +13,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO, cast
 
 from membership.checkpoint import ReplayCost
 from membership.view import View
+from rollcall.private import open_private_append
 
 SCHEMA = "rollcall.events/1"
 #: A view change's record is written at the latest this long after its commit.
@@ -240,9 +241,11 @@ class EventFile:
     """Appends records as JSON lines, flushed one by one."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.exists():
+            path.parent.mkdir(mode=0o700, parents=True)
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+        # Created 0600: the events name every member and its address.
+        self._file = cast(TextIO, open_private_append(path))
 
     def write(self, records: Sequence[dict[str, Any]]) -> None:
         for record in records:

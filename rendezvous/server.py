@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from membership.config import Config
+from rendezvous.etcd_auth import EtcdCredentials
 from rendezvous.events import EventFile
 from rendezvous.metrics import ServiceMetrics, serve
 from rendezvous.metrics import stop as stop_metrics
@@ -58,6 +59,8 @@ class ReplicaOptions:
     config: Config = Config()
     tls: ServerTLS | None = None
     etcd_tls: EtcdClientTLS | None = None
+    #: etcd user and password (None: etcd without authentication).
+    etcd_auth: EtcdCredentials | None = None
     #: Append view-change events (docs/events.md) to this file.
     events: Path | None = None
     #: Serve Prometheus metrics on this port (0: a free one; None: no metrics).
@@ -112,7 +115,7 @@ async def start_replica(options: ReplicaOptions) -> RunningReplica:
     config = options.config
     check_id(options.job, "job", config)
     check_address(options.listen, config, listen=True)
-    store = EtcdStore(options.etcd, options.job, config, options.etcd_tls)
+    store = EtcdStore(options.etcd, options.job, config, options.etcd_tls, options.etcd_auth)
     try:
         await asyncio.get_running_loop().run_in_executor(None, store.ping)
         server = grpc.aio.server(

@@ -29,6 +29,7 @@ from membership.errors import (
     ControlPlaneUnavailable,
     Evicted,
     InvalidRequest,
+    MalformedRecord,
     NoSuchJob,
     NotAMember,
     NotLeader,
@@ -109,6 +110,8 @@ class _Leadership:
     lost_reason: str = ""
     #: Members that declared themselves busy: member id -> (until, reason).
     busy: dict[str, tuple[float, str]] = field(default_factory=dict)
+    #: View commits under way (the view key may change under our own hand).
+    committing: int = 0
 
 
 class Replica(pb_grpc.RendezvousServicer):
@@ -145,6 +148,8 @@ class Replica(pb_grpc.RendezvousServicer):
         #: Held from a fingerprinted joiner's check to its record: a job
         #: that looks empty to one must not take another run's meanwhile.
         self._admitting = asyncio.Lock()
+        #: Why this replica last refused to lead ("" once it leads).
+        self._refusal = ""
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -152,7 +157,7 @@ class Replica(pb_grpc.RendezvousServicer):
         loop = asyncio.get_running_loop()
 
         def on_view(view: View) -> None:
-            loop.call_soon_threadsafe(self._observe_view, view)
+            loop.call_soon_threadsafe(self._observe_stored_view, view)
 
         def on_leader(_: LeaderInfo | None) -> None:
             loop.call_soon_threadsafe(self._leader_changed.set)
@@ -210,6 +215,8 @@ class Replica(pb_grpc.RendezvousServicer):
                 continue
             try:
                 await self._serve_as_leader(info)
+            except MalformedRecord as exc:
+                await self._refuse_to_lead(info, exc)
             except ControlPlaneUnavailable as exc:
                 log.warning("giving up leadership: %s", exc)
                 if self._lead is not None:
@@ -217,8 +224,26 @@ class Replica(pb_grpc.RendezvousServicer):
             finally:
                 self._lead = None
 
+    async def _refuse_to_lead(self, info: LeaderInfo, error: MalformedRecord) -> None:
+        """etcd holds something this replica cannot lead with (the job's
+        view is malformed): say so once, give the election back, and look
+        again after ``refusal_retry``."""
+        if str(error) != self._refusal:
+            self._refusal = str(error)
+            log.error(
+                "replica %s refuses to lead job %s: %s; the workers keep training, but no "
+                "view can change until the key holds a valid view or is deleted",
+                self._advertise, self._job, error,
+            )  # fmt: skip
+        try:
+            await self._etcd(self._store.resign, info)
+        except ControlPlaneUnavailable:
+            pass  # the election lease expires by itself
+        await asyncio.sleep(self._config.refusal_retry)
+
     async def _serve_as_leader(self, info: LeaderInfo) -> None:
         view, revision = await self._etcd(self._store.read_view)
+        self._refusal = ""
         records = {r.member.id: r for r in await self._etcd(self._store.list_members)}
         checkpoints = await self._etcd(self._store.read_checkpoints)
         self._events.checkpoint_step = checkpoints[0].step if checkpoints else None
@@ -373,7 +398,9 @@ class Replica(pb_grpc.RendezvousServicer):
                     if session is not None:
                         self._ask(session, action.epoch)
             elif isinstance(action, CommitView):
-                asyncio.create_task(self._commit(lead, action), name=f"commit-{action.view.epoch}")
+                asyncio.create_task(
+                    self._counted_commit(lead, action), name=f"commit-{action.view.epoch}"
+                )
         self._wake.set()
 
     def _emit(self, records: list[dict[str, Any]]) -> None:
@@ -395,6 +422,13 @@ class Replica(pb_grpc.RendezvousServicer):
         causes = lead.coordinator.rollcall.causes if lead and lead.coordinator.rollcall else ()
         session.send(pb.SessionEvent(roll_call=pb.RollCallRequest(epoch=epoch, causes=causes)))
 
+    async def _counted_commit(self, lead: _Leadership, action: CommitView) -> None:
+        lead.committing += 1
+        try:
+            await self._commit(lead, action)
+        finally:
+            lead.committing -= 1
+
     async def _commit(self, lead: _Leadership, action: CommitView) -> None:
         backoff = self._config.client_retry_initial
         while not lead.lost.is_set():
@@ -404,12 +438,17 @@ class Replica(pb_grpc.RendezvousServicer):
                 )
                 if committed is None:
                     # The comparison failed. Our own earlier attempt may have
-                    # landed with its answer lost; anything else means another
-                    # replica leads now.
-                    current, revision = await self._etcd(self._store.read_view)
+                    # landed with its answer lost; someone who is not the
+                    # leader may have written the key; anything else means
+                    # another replica leads now.
+                    current, revision, malformed = await self._etcd(self._store.read_stored_view)
                     if current != action.view:
-                        self._lose(lead, f"view CAS failed: etcd holds epoch {current.epoch}")
-                        return
+                        if not await self._written_behind_our_back(lead, current, malformed):
+                            what = malformed or f"epoch {current.epoch if current else '?'}"
+                            self._lose(lead, f"view CAS failed: etcd holds {what}")
+                            return
+                        lead.view_revision = revision
+                        continue
                 else:
                     revision = committed
                 break
@@ -439,6 +478,43 @@ class Replica(pb_grpc.RendezvousServicer):
         self._observe_view(action.view)
         self._announce(lead, action)
         self._drain(lead)
+
+    async def _written_behind_our_back(
+        self, lead: _Leadership, stored: View | None, malformed: str
+    ) -> bool:
+        """Whether the view key changed while this replica still holds the
+        election (so no other replica can have committed it): then it was
+        written by someone else, which is said, and the leader's own views
+        go on over it."""
+        if await self._etcd(self._store.read_leader) != lead.info:
+            return False
+        if stored is None:
+            what = f"a malformed value: {malformed}"
+        else:
+            what = f"epoch {stored.epoch}, members {', '.join(stored.ids) or 'none'}"
+        log.warning(
+            "the view of job %s in etcd was not written by this job's leader (%s): ignored; "
+            "the leader keeps epoch %d and writes its views over it",
+            self._job, what, lead.coordinator.view.epoch,
+        )  # fmt: skip
+        return True
+
+    async def _guard_view(self, lead: _Leadership) -> None:
+        """Put the leader's view back if someone else wrote the view key
+        (only the leader commits views): members and clients must never be
+        told of a view this leader did not decide."""
+        if lead.committing:
+            return  # the key may be changing under our own commit
+        stored, revision, malformed = await self._etcd(self._store.read_stored_view)
+        if lead.lost.is_set() or lead.committing or revision == lead.view_revision:
+            return
+        if not await self._written_behind_our_back(lead, stored, malformed):
+            return
+        restored = await self._etcd(
+            self._store.commit_view, lead.coordinator.view, revision, lead.info
+        )
+        if restored is not None and not lead.committing:
+            lead.view_revision = restored
 
     def _announce(self, lead: _Leadership, action: CommitView) -> None:
         event = pb.SessionEvent(view=view_to_pb(action.view))
@@ -538,6 +614,13 @@ class Replica(pb_grpc.RendezvousServicer):
 
     # --- views seen by every replica -------------------------------------------
 
+    def _observe_stored_view(self, view: View) -> None:
+        """A view seen in etcd. The leader knows its own views first-hand
+        and ignores the key (``_guard_view`` puts it back if someone else
+        wrote it)."""
+        if self._lead is None:
+            self._observe_view(view)
+
     def _observe_view(self, view: View) -> None:
         if view.epoch <= self._latest_view.epoch and self._latest_view is not EMPTY_VIEW:
             return
@@ -553,8 +636,12 @@ class Replica(pb_grpc.RendezvousServicer):
         """Backstop for the etcd watch (which is lost while etcd is down)."""
         while True:
             try:
-                view, _ = await self._etcd(self._store.read_view)
-                self._observe_view(view)
+                lead = self._lead
+                if lead is None:
+                    view, _ = await self._etcd(self._store.read_view)
+                    self._observe_stored_view(view)
+                else:
+                    await self._guard_view(lead)
             except ControlPlaneUnavailable:
                 pass
             await asyncio.sleep(1.0)
@@ -716,7 +803,10 @@ class Replica(pb_grpc.RendezvousServicer):
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
             self._check_job(request.job)
-            view, _ = await self._etcd(self._store.read_view)
+            if self._lead is not None:  # its own view, whatever the key holds
+                view = self._lead.coordinator.view
+            else:
+                view, _ = await self._etcd(self._store.read_view)
             leader = await self._etcd(self._store.read_leader)
             checkpoints = await self._etcd(self._store.read_checkpoints)
             lead = self._lead

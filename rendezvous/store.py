@@ -29,6 +29,17 @@ raises :class:`ControlPlaneUnavailable`. Requests carry etcd's "require leader"
 metadata: a member that knows it has no leader (one election timeout after
 losing it) refuses at once instead of letting the request time out, and the
 client moves on to another member.
+
+Authentication. Given credentials, every request carries an etcd token for
+them (``rendezvous.etcd_auth``): fetched on first use, fetched again when
+etcd no longer takes it (restarted, token expired, users changed). When
+etcd refuses who we are (wrong password, no credentials where it requires
+them, no permission on ``/rollcall/``) the call raises
+:class:`EtcdCredentialsRefused`, at once and without retrying.
+
+Validation. Every value read is checked (``rendezvous.records``) before it is
+used: a malformed view raises :class:`MalformedRecord`; a malformed leader,
+member, progress or checkpoint record is logged (once per value) and ignored.
 """
 
 from __future__ import annotations
@@ -49,9 +60,15 @@ from pyetcd.exceptions import NoServerAvailableError
 
 from membership.checkpoint import CheckpointManifest, record
 from membership.config import Config
-from membership.errors import ControlPlaneUnavailable, InvalidRequest
+from membership.errors import (
+    ControlPlaneUnavailable,
+    EtcdCredentialsRefused,
+    InvalidRequest,
+    MalformedRecord,
+)
 from membership.fingerprint import JobFingerprint, check_fingerprint
 from membership.view import EMPTY_VIEW, Member, View
+from rendezvous import etcd_auth, records
 
 _log = logging.getLogger(__name__)
 
@@ -167,9 +184,10 @@ def _leader_value(leader: LeaderInfo) -> bytes:
     )
 
 
-def _parse_leader(value: bytes) -> LeaderInfo:
-    data = json.loads(value)
-    return LeaderInfo(str(data["replica_id"]), str(data["address"]), int(data["lease_id"]))
+def _parse_leader(kv: Any) -> LeaderInfo:
+    """The leader record ``kv`` holds; ``MalformedRecord`` if it is not one
+    a replica wrote (``records.check_leader``)."""
+    return LeaderInfo(*records.check_leader(kv.value, int(kv.lease)))
 
 
 def _await_connection(channel: grpc.Channel, timeout: float) -> None:
@@ -237,6 +255,7 @@ class EtcdStore:
         job: str,
         config: Config,
         tls: EtcdClientTLS | None = None,
+        credentials: etcd_auth.EtcdCredentials | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("EtcdStore needs at least one etcd endpoint")
@@ -255,6 +274,14 @@ class EtcdStore:
         self._watches: set[_KeyWatch] = set()
         self._watches_lock = threading.Lock()
         self._closed = False
+        self._user = credentials.user if credentials is not None else None
+        self._tokens = (
+            etcd_auth.TokenKeeper(credentials, config.etcd_auth_timeout) if credentials else None
+        )
+        self._authenticated: dict[int, grpc.Channel] = {}
+        #: Malformed records already logged: key -> mod_revision.
+        self._warned: dict[bytes, int] = {}
+        self._warned_lock = threading.Lock()
         base = f"{_PREFIX}{job}/"
         self.prefix = base.encode()
         self._view_key = f"{base}view".encode()
@@ -305,11 +332,35 @@ class EtcdStore:
         tried again."""
         with self._select_lock:
             try:
-                return self._client.endpoint_in_use, self._client.channel, False
+                return self._client.endpoint_in_use, self._with_token(self._client.channel), False
             except NoServerAvailableError:
                 oldest = min(self._client.endpoints.values(), key=lambda e: e.last_failed)
                 oldest.last_failed = 0
-                return oldest, self._client.channel, True
+                return oldest, self._with_token(self._client.channel), True
+
+    def _with_token(self, channel: grpc.Channel) -> grpc.Channel:
+        """``channel``, its calls carrying our etcd token if we have credentials."""
+        if self._tokens is None:
+            return channel
+        wrapped = self._authenticated.get(id(channel))
+        if wrapped is None:
+            interceptor = etcd_auth.TokenInterceptor(self._tokens, channel)
+            wrapped = self._authenticated[id(channel)] = grpc.intercept_channel(
+                channel, interceptor
+            )
+        return wrapped
+
+    def _refused(self, exc: grpc.RpcError) -> bool:
+        """Handle an answer about who we are: True if the token was stale
+        (dropped: try again); raises EtcdCredentialsRefused if etcd refuses
+        our credentials; False for any other error."""
+        if self._tokens is not None and etcd_auth.is_stale_token(exc):
+            self._tokens.invalidate()
+            return True
+        refused = etcd_auth.refusal(exc, self._user)
+        if refused is not None:
+            raise refused from None
+        return False
 
     def _call(self, attempt: Callable[[grpc.Channel, float, bool], T]) -> T:
         """Run ``attempt(channel, timeout, retried)`` with failover and retries.
@@ -338,6 +389,10 @@ class EtcdStore:
             try:
                 return attempt(channel, min(self._config.etcd_timeout, remaining), number > 0)
             except grpc.RpcError as exc:
+                if self._refused(exc):
+                    failure = exc
+                    attempts.append(f"{endpoint.netloc}: token no longer valid")
+                    continue
                 if not _unreachable(exc):
                     raise
                 failure = exc
@@ -427,7 +482,40 @@ class EtcdStore:
         if not response.kvs:
             return EMPTY_VIEW, 0
         kv = response.kvs[0]
-        return View.from_json(kv.value), int(kv.mod_revision)
+        return self._checked_view(kv), int(kv.mod_revision)
+
+    def read_stored_view(self) -> tuple[View | None, int, str]:
+        """The view key as it is: ``(view, mod_revision, "")``, or ``(None,
+        mod_revision, why)`` when it holds no valid view (``(EMPTY_VIEW, 0,
+        "")`` when absent). For a leader that checks whether someone else
+        wrote it."""
+        response = self._kv_range(_range(self._view_key))
+        if not response.kvs:
+            return EMPTY_VIEW, 0, ""
+        kv = response.kvs[0]
+        try:
+            return records.check_view(kv.value, self._config), int(kv.mod_revision), ""
+        except MalformedRecord as exc:
+            return None, int(kv.mod_revision), str(exc)
+
+    def _checked_view(self, kv: Any) -> View:
+        try:
+            return records.check_view(kv.value, self._config)
+        except MalformedRecord as exc:
+            raise MalformedRecord(
+                f"etcd holds a malformed view of job {self.job} at {kv.key.decode()} ({exc})"
+            ) from None
+
+    def _ignore(self, kv: Any, why: MalformedRecord | str) -> None:
+        """Log (once per value) that the record ``kv`` is ignored."""
+        key, revision = bytes(kv.key), int(kv.mod_revision)
+        with self._warned_lock:
+            if self._warned.get(key) == revision:
+                return
+            self._warned[key] = revision
+        _log.warning(
+            "etcd: ignored the malformed record %s of job %s (%s)", key.decode(), self.job, why
+        )
 
     def commit_view(self, view: View, prev_revision: int, leader: LeaderInfo) -> int | None:
         """Publish ``view`` in one transaction, if the view key is still at
@@ -523,12 +611,18 @@ class EtcdStore:
                 sort_target=etcdrpc.RangeRequest.CREATE,
             )
         )
-        records = []
+        found = []
         for kv in response.kvs:
-            data = json.loads(kv.value)
-            member = Member(str(data["id"]), str(data["address"]))
-            records.append(MemberRecord(member, int(kv.lease), int(kv.create_revision)))
-        return records
+            member_id = bytes(kv.key)[len(self._members_prefix) :].decode(errors="replace")
+            try:
+                member = records.check_member_record(
+                    member_id, kv.value, int(kv.lease), self._config
+                )
+            except MalformedRecord as exc:
+                self._ignore(kv, exc)
+                continue
+            found.append(MemberRecord(member, int(kv.lease), int(kv.create_revision)))
+        return found
 
     def remove_member(self, member_id: str, lease_id: int) -> None:
         """Revoke the member's lease, which deletes its record. Removing a
@@ -603,12 +697,44 @@ class EtcdStore:
 
         if self._call(attempt):
             return leader
+        self._remove_planted_leader()
         try:
             self._revoke(lease_id)
         except ControlPlaneUnavailable:
             # The unused lease holds no key and expires within election_ttl.
             _log.info("could not revoke unused election lease %x", lease_id)
         return None
+
+    def _remove_planted_leader(self) -> None:
+        """Delete the leader key if it does not hold a leader record a
+        replica wrote (``records.check_leader``: no lease, malformed, another
+        lease named than the key's). Such a key would otherwise stop every
+        replica from leading for good. The deletion compares the key's
+        revision, so a replica's record written meanwhile is never removed."""
+        kv = self._kv_range(_range(self._leader_key)).kvs
+        if not kv:
+            return
+        try:
+            _parse_leader(kv[0])
+            return
+        except MalformedRecord as exc:
+            why = exc
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(self._leader_key, "MOD", int(kv[0].mod_revision))],
+            success=[
+                etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(
+                    key=self._leader_key
+                ))
+            ],
+        )  # fmt: skip
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> bool:
+            return bool(self._txn_call(request, channel, timeout).succeeded)
+
+        if self._call(attempt):
+            _log.warning(
+                "etcd: removed a leader key of job %s that no replica wrote (%s)", self.job, why
+            )
 
     def refresh_leader(self, leader: LeaderInfo) -> bool:
         """Keep our election lease alive. False once the lease is gone or the
@@ -623,7 +749,13 @@ class EtcdStore:
 
     def read_leader(self) -> LeaderInfo | None:
         response = self._kv_range(_range(self._leader_key))
-        return _parse_leader(response.kvs[0].value) if response.kvs else None
+        if not response.kvs:
+            return None
+        try:
+            return _parse_leader(response.kvs[0])
+        except MalformedRecord as exc:
+            self._ignore(response.kvs[0], exc)
+            return None
 
     # --- watches ---------------------------------------------------------------
     def watch_leader(
@@ -638,7 +770,11 @@ class EtcdStore:
         :class:`_KeyWatch`."""
 
         def handle(kv: Any) -> None:
-            callback(None if kv is None else _parse_leader(kv.value))
+            try:
+                callback(None if kv is None else _parse_leader(kv))
+            except MalformedRecord as exc:
+                self._ignore(kv, exc)
+                callback(None)
 
         return self._watch(self._leader_key, handle, after_revision, "leader")
 
@@ -654,8 +790,14 @@ class EtcdStore:
         :class:`_KeyWatch`."""
 
         def handle(kv: Any) -> None:
-            if kv is not None:
-                callback(View.from_json(kv.value))
+            if kv is None:
+                return
+            try:
+                view = records.check_view(kv.value, self._config)
+            except MalformedRecord as exc:
+                self._ignore(kv, exc)
+                return
+            callback(view)
 
         return self._watch(self._view_key, handle, after_revision, "view")
 
@@ -692,8 +834,11 @@ class EtcdStore:
         response = self._kv_range(_range(self._progress_key))
         if not response.kvs:
             return None
-        data = json.loads(response.kvs[0].value)
-        return int(data["epoch"]), int(data["step"])
+        try:
+            return records.check_progress(response.kvs[0].value)
+        except MalformedRecord as exc:
+            self._ignore(response.kvs[0], exc)
+            return None
 
     # --- checkpoints -----------------------------------------------------------
     def read_checkpoints(self) -> list[CheckpointManifest]:
@@ -705,7 +850,14 @@ class EtcdStore:
         if not response.kvs:
             return [], 0
         kv = response.kvs[0]
-        return [CheckpointManifest.from_dict(d) for d in json.loads(kv.value)], int(kv.mod_revision)
+        try:
+            manifests, skipped = records.check_checkpoints(kv.value, self._config)
+        except MalformedRecord as exc:
+            self._ignore(kv, exc)
+            return [], int(kv.mod_revision)
+        if skipped:
+            self._ignore(kv, "; ".join(skipped)[:300])
+        return manifests, int(kv.mod_revision)
 
     def publish_checkpoint(
         self, manifest: CheckpointManifest, keep: int
@@ -841,6 +993,8 @@ class _KeyWatch:
         self._lock = threading.Lock()
         self._call: Any = None
         self._broken = False
+        #: Why etcd last refused this watch our credentials ("" if it did not).
+        self._refusal = ""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -863,6 +1017,8 @@ class _KeyWatch:
             try:
                 if self._follow():
                     backoff = _WATCH_BACKOFF_INITIAL
+            except EtcdCredentialsRefused as exc:
+                self._refused(str(exc))
             except Exception:  # noqa: BLE001 - the thread must survive anything
                 if not self._stop.is_set():
                     _log.exception("watch on %s failed", self._key.decode())
@@ -896,8 +1052,9 @@ class _KeyWatch:
         established = False
         try:
             for response in call:
-                if response.created and not established:
+                if response.created and not established and not response.canceled:
                     established = True
+                    self._refusal = ""
                     if self._broken:
                         self._broken = False
                         _log.info(
@@ -910,7 +1067,7 @@ class _KeyWatch:
                     self._resync()
                     return established
                 if response.canceled:
-                    return established
+                    return self._canceled(response.cancel_reason) and established
                 for event in response.events:
                     self._next_revision = int(event.kv.mod_revision) + 1
                     deleted = event.type == event.DELETE
@@ -933,6 +1090,23 @@ class _KeyWatch:
             with self._lock:
                 self._call = None
         return established
+
+    def _canceled(self, reason: str) -> bool:
+        """etcd ended the watch (``reason``): False when it refused our
+        credentials, which is said once, so that retries back off."""
+        if "invalid auth token" in reason or "revision of auth store is old" in reason:
+            if self._store._tokens is not None:
+                self._store._tokens.invalidate()
+            return True
+        if "user name is empty" in reason or "permission denied" in reason:
+            self._refused(f"etcd refused our credentials ({reason})")
+            return False
+        return True
+
+    def _refused(self, why: str) -> None:
+        if why != self._refusal:
+            self._refusal = why
+            _log.warning("watch on %s: %s; retrying", self._key.decode(), why)
 
     def _abandon(self) -> None:
         with self._lock:

@@ -111,6 +111,20 @@ def token_option(fn: F) -> F:
     )(fn)
 
 
+def check_job(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--job`` by the service's own rules (``rendezvous.validation``), so a
+    bad name is refused here at once rather than by the service later."""
+    if value is None:
+        return None
+    from membership.errors import InvalidRequest
+    from rendezvous.validation import check_id
+
+    try:
+        return check_id(value, "job name", Config())
+    except InvalidRequest as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def split_list(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
@@ -127,13 +141,18 @@ def setup_logging(level: str) -> None:
 @click.version_option(package_name="torch-rollcall")
 def main() -> None:
     """rollcall: keep-alive membership for elastic PyTorch training."""
+    # A program started in the background of a non-interactive shell
+    # inherits SIGINT ignored; every rollcall command stops on Ctrl-C.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @main.command()
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Keep etcd's data here (default: a temporary directory, deleted on exit).",
+    help="Keep etcd's data and the auth/ passwords here, mode 0700 (default: a temporary "
+         "directory, deleted on exit).",
 )
 @click.option(
     "--client-port",
@@ -149,18 +168,82 @@ def main() -> None:
     show_default=True,
     help="Peer port on 127.0.0.1 (0 picks a free one).",
 )
-def etcd(data_dir: Path | None, client_port: int, peer_port: int) -> None:
-    """Run a local single-member etcd for development until Ctrl-C."""
+@click.option(
+    "--no-auth", is_flag=True,
+    help="Leave authentication off: anyone who can reach the port reads and writes everything.",
+)  # fmt: skip
+def etcd(data_dir: Path | None, client_port: int, peer_port: int, no_auth: bool) -> None:
+    """Run a local single-member etcd for development until Ctrl-C.
+
+    Authentication is on: a root user and a rollcall user whose role reads
+    and writes /rollcall/ only, their passwords generated at the first
+    start into the auth directory of the data directory (mode 0700, files
+    0600) and kept there. It prints how to connect."""
     from rendezvous.etcd_local import LocalEtcd
 
+    if data_dir is not None:
+        private_workdir(data_dir, "--data-dir")
     server = LocalEtcd(data_dir=data_dir, client_port=client_port, peer_port=peer_port)
     server.start()
     try:
         click.echo(f"etcd ready at {server.endpoint} (data in {server.data_dir}); Ctrl-C stops it")
+        if no_auth:
+            click.echo("  authentication: off (--no-auth)")
+        else:
+            credentials = secure_etcd([server.endpoint], etcd_auth_dir(server.data_dir))
+            click.echo(connect_lines(server.endpoint, etcd_auth_dir(server.data_dir), credentials))
         wait_for_signal()
     finally:
         server.stop()
         click.echo("etcd stopped", err=True)
+
+
+def etcd_auth_dir(data_dir: Path) -> Path:
+    """Where ``rollcall etcd`` and ``rollcall up`` keep etcd's passwords."""
+    return data_dir / "auth"
+
+
+def secure_etcd(endpoints: list[str], directory: Path) -> Any:
+    """Authentication on in the etcd at ``endpoints``; the rollcall user's
+    credentials (``rendezvous.etcd_auth.enable_auth``)."""
+    from rendezvous.etcd_auth import enable_auth
+
+    return enable_auth(endpoints, directory)
+
+
+def connect_lines(endpoint: str, directory: Path, credentials: Any) -> str:
+    from rendezvous.etcd_auth import ROOT_USER, password_file
+
+    password = password_file(directory)
+    return (
+        f"  authentication: on; user {credentials.user} (reads and writes /rollcall/ only), "
+        f"password in {password}; etcd's {ROOT_USER} password in "
+        f"{password_file(directory, ROOT_USER)}\n"
+        f"  rendezvous:     rollcall rendezvous --etcd {endpoint} --etcd-user {credentials.user} "
+        f"--etcd-password-file {password} --listen HOST:PORT --job NAME\n"
+        f"  etcdctl:        etcdctl --endpoints={endpoint} "
+        f"--user {credentials.user}:\"$(cat {password})\" get --prefix /rollcall/"
+    )
+
+
+@main.command("etcd-auth")
+@click.option("--etcd", "etcd_urls", required=True, metavar="URL[,URL...]",
+              help="etcd endpoints (plain http), e.g. http://127.0.0.1:2379.")
+@click.option("--dir", "directory", required=True,
+              type=click.Path(file_okay=False, path_type=Path),
+              help="Where the passwords are kept (created with mode 0700; files 0600).")
+def etcd_auth(etcd_urls: str, directory: Path) -> None:  # fmt: skip
+    """Turn authentication on in a running etcd (idempotent).
+
+    Creates a root user and a rollcall user whose role reads and writes
+    /rollcall/ only, with passwords generated into --dir unless they are
+    there already, and enables authentication. If it is on already, checks
+    that the kept passwords are etcd's. The deployment of deploy/ runs it
+    once before its rendezvous replicas start."""
+    endpoints = split_list(etcd_urls)
+    credentials = secure_etcd(endpoints, directory)
+    click.echo(f"etcd at {', '.join(endpoints)}: authentication on")
+    click.echo(connect_lines(endpoints[0], directory, credentials))
 
 
 def wait_for_signal() -> None:
@@ -188,7 +271,8 @@ def wait_for_signal() -> None:
     help="etcd endpoints, e.g. http://127.0.0.1:2379.",
 )
 @click.option("--listen", required=True, metavar="HOST:PORT", help="Address to serve gRPC on.")
-@click.option("--job", required=True, help="Name of the job this replica serves.")
+@click.option("--job", required=True, callback=check_job,
+              help="Name of the job this replica serves.")  # fmt: skip
 @click.option(
     "--advertise",
     metavar="HOST:PORT",
@@ -215,6 +299,11 @@ def wait_for_signal() -> None:
 @click.option(
     "--etcd-key", type=click.Path(exists=True, dir_okay=False), help="Client key for etcd."
 )
+@click.option("--etcd-user", help="etcd user to authenticate as (with --etcd-password-file).")
+@click.option(
+    "--etcd-password-file", type=click.Path(dir_okay=False, path_type=Path),
+    help="File holding the etcd user's password (rollcall etcd prints where it is).",
+)  # fmt: skip
 @click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
@@ -247,6 +336,8 @@ def rendezvous(
     etcd_ca: str | None,
     etcd_cert: str | None,
     etcd_key: str | None,
+    etcd_user: str | None,
+    etcd_password_file: Path | None,
     log_level: str,
     events: Path | None,
     metrics_port: int | None,
@@ -265,6 +356,15 @@ def rendezvous(
         raise click.UsageError("--tls-client-ca needs --tls-cert and --tls-key")
     if (etcd_cert or etcd_key) and not etcd_ca:
         raise click.UsageError("--etcd-cert/--etcd-key need --etcd-ca")
+    if bool(etcd_user) != bool(etcd_password_file):
+        raise click.UsageError("--etcd-user and --etcd-password-file go together")
+    from rendezvous.etcd_auth import EtcdCredentials
+
+    credentials = (
+        EtcdCredentials.from_file(etcd_user, etcd_password_file)
+        if etcd_user and etcd_password_file
+        else None
+    )
     options = ReplicaOptions(
         etcd=split_list(etcd_urls),
         job=job,
@@ -274,6 +374,7 @@ def rendezvous(
         config=config,
         tls=ServerTLS(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None,
         etcd_tls=EtcdClientTLS(etcd_ca, etcd_cert, etcd_key) if etcd_ca else None,
+        etcd_auth=credentials,
         events=events,
         metrics_port=metrics_port,
         metrics_host=metrics_host,
@@ -285,7 +386,9 @@ def rendezvous(
 def target_options(fn: F) -> F:
     """--rendezvous and --job, both optional: without them the command
     talks to the `rollcall up` running on this machine."""
-    fn = click.option("--job", help="Job name (default: that of the local `rollcall up`).")(fn)
+    fn = click.option(
+        "--job", callback=check_job, help="Job name (default: that of the local `rollcall up`)."
+    )(fn)
     return click.option(
         "--rendezvous",
         "addresses",
@@ -418,13 +521,13 @@ EXAMPLE_ONLY = ("steps", "global_batch", "micro_batch", "d_model", "layers", "ch
               help="Example only: steps the job trains for; `up` ends when the workers are done.")
 @click.option("--events", type=click.Path(dir_okay=False, path_type=Path),
               help="Write view-change events here (default: in the work directory).")
-@click.option("--job", default="dev", show_default=True, help="Job name.")
+@click.option("--job", default="dev", show_default=True, callback=check_job, help="Job name.")
 @click.option("--listen", default="127.0.0.1:0", show_default=True, metavar="HOST:PORT",
               help="Address of the rendezvous service (port 0 picks a free one).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep etcd's data, the token, checkpoints and logs here; it must be new "
                    "or open to this user only (default: a temporary directory, deleted on "
-                   "exit). Created with mode 0700.")
+                   "exit). Created with mode 0700; one `up` at a time (up.lock).")
 @click.option("--global-batch", type=click.IntRange(min=1), default=32, show_default=True,
               help="Example only.")
 @click.option("--micro-batch", type=click.IntRange(min=1), default=8, show_default=True,
@@ -491,6 +594,7 @@ def up(
         )  # fmt: skip
     owned = data_dir is None
     workdir = private_workdir(data_dir)
+    lock = lock_workdir(workdir)
     token_file = workdir / "token"
     write_token_file(token_file, os.environ.get("ROLLCALL_TOKEN") or secrets.token_urlsafe(24))
     events_path = events or workdir / "events.jsonl"
@@ -498,16 +602,19 @@ def up(
     server = LocalEtcd(data_dir=workdir / "etcd", client_port=free_port(), peer_port=free_port())
     server.start()
     try:
+        credentials = secure_etcd([server.endpoint], etcd_auth_dir(server.data_dir))
         asyncio.run(
             _run_up(
                 server.endpoint, workdir, job, listen, token_file, events_path, config,
                 workers, options, metrics_port, sys.stdout.isatty() if live is None else live,
+                credentials,
             )
         )  # fmt: skip
     finally:
         server.stop()
         if owned:
             shutil.rmtree(workdir, ignore_errors=True)
+        os.close(lock)
         click.echo("rollcall up: stopped", err=True)
 
 
@@ -539,30 +646,52 @@ def check_executable(program: str) -> None:
     fail(f"cannot run {program!r}: it is {what}", EXIT_USAGE)
 
 
-def private_workdir(data_dir: Path | None) -> Path:
+def private_workdir(data_dir: Path | None, what: str = "--data-dir") -> Path:
     """`up`'s work directory (the token, the control socket, checkpoints,
     logs), open to this user only: a new temporary one, or ``data_dir``,
-    created 0700 if new and refused if others may enter it."""
+    created 0700 if new and refused if another user owns it or others may
+    enter it (``rollcall.private``)."""
     if data_dir is None:
         return Path(tempfile.mkdtemp(prefix="rollcall-up-"))  # mkdtemp makes it 0700
-    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    from rollcall.private import private_directory
+
+    return private_directory(data_dir, what)
+
+
+#: In `up`'s work directory: the pid of the `up` that holds it.
+LOCK_NAME = "up.lock"
+
+
+def lock_workdir(workdir: Path) -> int:
+    """Hold `up`'s lock on ``workdir`` (an flock, released by the kernel
+    when the holder dies however it dies, so a stale lock file is simply
+    taken over) and write this pid in it; the descriptor, to close at the
+    end. Another `up` holding it is one line, at once."""
+    import fcntl
+
+    fd = os.open(workdir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        data_dir.mkdir(mode=0o700)
-    except FileExistsError:
-        mode = data_dir.stat().st_mode & 0o777
-        if mode & 0o077:
-            fail(
-                f"--data-dir {data_dir} is open to other users (mode {mode:o}): "
-                "chmod 700 it, or name a new directory"
-            )
-    return data_dir
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        fail(
+            f"another `rollcall up` (pid {holder}) runs on --data-dir {workdir}: "
+            "stop it first, or pass another --data-dir"
+        )
+    os.fchmod(fd, 0o600)  # a lock file left behind may have another mode
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 async def _run_up(
     etcd: str, workdir: Path, job: str, listen: str, token_file: Path, events: Path,
     config: Config, workers: int, options: WorkerOptions, metrics_port: int | None, live: bool,
+    etcd_auth: Any,
 ) -> None:  # fmt: skip
     from rendezvous.client import RendezvousClient
+    from rendezvous.etcd_auth import password_file
     from rendezvous.server import ReplicaOptions, start_replica
     from rollcall.local import LocalCluster, summarize
 
@@ -570,7 +699,7 @@ async def _run_up(
     running = await start_replica(
         ReplicaOptions(
             etcd=[etcd], job=job, listen=listen, token=token, config=config, events=events,
-            metrics_port=metrics_port,
+            metrics_port=metrics_port, etcd_auth=etcd_auth,
         )
     )  # fmt: skip
     cluster = LocalCluster(workdir, job, token_file, running.address, etcd, events, options)
@@ -582,6 +711,8 @@ async def _run_up(
     click.echo(
         f"rollcall up: etcd at {etcd}, rendezvous at {running.address}, job {job}\n"
         f"  token file: {token_file}\n  events:     {events}\n"
+        f"  etcd auth:  user {etcd_auth.user}, password in "
+        f"{password_file(etcd_auth_dir(workdir / 'etcd'))}\n"
         + (f"  metrics:    http://{running.metrics_address}/metrics\n"
            if running.metrics_address else "")
         + f"  workers:    {options.label}; logs in {workdir / 'workers'}\n"
@@ -785,7 +916,7 @@ def chaos(
 @main.command()
 @click.option("--rendezvous", "addresses", required=True, metavar="HOST:PORT[,...]",
               help="Rendezvous replica addresses.")
-@click.option("--job", required=True, help="Job name.")
+@click.option("--job", required=True, callback=check_job, help="Job name.")
 @token_option
 @click.option("--example", type=click.Choice(["lm"]), default="lm", show_default=True,
               help="Built-in job: a char-level transformer LM on the Python stdlib's source.")

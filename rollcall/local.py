@@ -15,7 +15,13 @@ the cluster its member id, state and step: the worker's output is its own
 and goes to its log file.
 
 The discovery files live in ``$XDG_RUNTIME_DIR/rollcall`` (or
-``/tmp/rollcall-<uid>``), one ``up-<pid>.json`` per running ``up``.
+``/tmp/rollcall-<uid>``, ``$TMPDIR`` for ``/tmp`` if set), one
+``up-<pid>.json`` per running ``up``. A record names the token file that
+``status`` and the other commands then send to the rendezvous address it
+names, so both the directory and each record must be this user's own: a
+directory that another user owns or may write is refused, and a record
+that is not this user's, malformed, or names a process of another user is
+ignored.
 """
 
 from __future__ import annotations
@@ -39,9 +45,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from membership.errors import RollcallError
+from membership.config import Config
+from membership.errors import InvalidRequest, RollcallError
 from rendezvous.etcd_local import pid_alive
+from rendezvous.validation import check_address, check_id
 from rendezvous.wire import TOKEN_FILE_ENV
+from rollcall.private import (
+    check_private,
+    create_private,
+    open_private_append,
+    private_directory,
+)
 from worker.environment import (
     ENV_CHECKPOINT_DIR,
     ENV_JOB,
@@ -70,10 +84,54 @@ class NoLocalCluster(RollcallError):
 
 
 def discovery_dir() -> Path:
+    """The directory of the discovery records, created 0700 if absent;
+    refused (``UnsafePath``, one line) if another user owns it or others
+    may enter it: whoever made it could plant a record that sends them
+    the job token."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "rollcall" if runtime else Path(f"/tmp/rollcall-{os.getuid()}")
-    base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return base
+    if runtime:
+        base = Path(runtime) / "rollcall"
+    else:
+        base = Path(tempfile.gettempdir()) / f"rollcall-{os.getuid()}"
+    return private_directory(base, "discovery directory")
+
+
+#: The text fields of a discovery record that name files or sockets.
+_RECORD_PATHS = ("token_file", "control", "events", "workdir")
+
+
+def check_record(path: Path, record: Any) -> dict[str, Any]:
+    """A discovery record as `up` writes it (``ValueError`` naming what is
+    not): this user's own regular file, the fields with their types, a
+    valid job name and rendezvous address, absolute paths."""
+    check_private(path, "discovery record", directory=False)
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    pid = record.get("pid")
+    if type(pid) is not int or pid <= 0:
+        raise ValueError(f"pid {pid!r} is not a process id")
+    try:
+        check_id(str(record.get("job")), "job", Config())
+        check_address(str(record.get("rendezvous")), Config())
+    except InvalidRequest as exc:
+        raise ValueError(str(exc)) from None
+    for name in _RECORD_PATHS:
+        value = record.get(name)
+        if not isinstance(value, str) or not os.path.isabs(value) or "\0" in value:
+            raise ValueError(f"{name} is not an absolute path")
+    command = record.get("command")
+    if command is not None and not (
+        isinstance(command, list) and all(isinstance(a, str) for a in command)
+    ):
+        raise ValueError("command is not a list of arguments")
+    return record
+
+
+def _process_owner(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
 
 
 def find_local() -> dict[str, Any]:
@@ -81,13 +139,18 @@ def find_local() -> dict[str, Any]:
     found = []
     for path in sorted(discovery_dir().glob("up-*.json")):
         try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
+            record = check_record(path, json.loads(path.read_text()))
+        except FileNotFoundError:
+            continue  # its `up` has just ended
+        except (OSError, ValueError) as exc:
+            log.warning("ignored the discovery record %s: %s", path, exc)
             continue
-        if pid_alive(int(record.get("pid", 0))):
-            found.append(record)
-        else:
+        if not pid_alive(record["pid"]):
             path.unlink(missing_ok=True)  # left behind by an `up` that was killed
+        elif _process_owner(record["pid"]) != os.getuid():
+            log.warning("ignored the discovery record %s: its process is not this user's", path)
+        else:
+            found.append(record)
     if not found:
         raise NoLocalCluster(
             "no `rollcall up` is running on this machine; start one, or pass "
@@ -268,7 +331,8 @@ class LocalCluster:
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.control_path))
         self.control_path.chmod(0o600)
         self._discovery = discovery_dir() / f"up-{os.getpid()}.json"
-        self._discovery.write_text(
+        create_private(
+            self._discovery,
             json.dumps(
                 {
                     "pid": os.getpid(), "job": self.job, "rendezvous": self.rendezvous,
@@ -276,7 +340,7 @@ class LocalCluster:
                     "events": str(self.events), "etcd": self.etcd,
                     "workdir": str(self.workdir), "command": list(self.options.command) or None,
                 }  # fmt: skip
-            )
+            ),
         )
 
     async def stop(self) -> None:
@@ -332,7 +396,7 @@ class LocalCluster:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = self._argv(name)
         try:
-            with open(log_path, "ab") as output:
+            with open_private_append(log_path, binary=True) as output:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdout=output, stderr=output, stdin=asyncio.subprocess.DEVNULL,
                     start_new_session=True, env=self._environment(name, theirs.fileno()),
@@ -594,7 +658,7 @@ class DeploymentOperator:
             os.kill(int(worker["pid"]), SIGNALS[sig])
 
     async def add(self) -> str:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        private_directory(self.log_dir, "worker log directory")
         log_path = self.log_dir / f"worker-{time.time_ns()}.log"
         argv = [
             sys.executable, "-m", "rollcall.cli", "worker",
@@ -603,7 +667,7 @@ class DeploymentOperator:
             *(["--token-file", str(self.token_file)] if self.token_file else []),
             *self.worker_args,
         ]  # fmt: skip
-        with open(log_path, "ab") as log_file:
+        with open_private_append(log_path, binary=True) as log_file:
             proc = subprocess.Popen(
                 argv, stdout=log_file, stderr=log_file, stdin=subprocess.DEVNULL,
                 start_new_session=True,

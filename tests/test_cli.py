@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from membership.config import Config
+from membership.errors import EtcdCredentialsRefused
+from rendezvous.etcd_auth import EtcdCredentials
 from rendezvous.etcd_local import LocalEtcd, child_processes, free_port
 from rendezvous.etcd_local import pid_alive as alive
 from rendezvous.store import EtcdStore
@@ -145,6 +147,22 @@ def test_bad_config_override_is_one_line_with_exit_2(command: str, setting: str,
     assert says in line
 
 
+@pytest.mark.parametrize("command", ["status", "rendezvous", "worker", "up", "add", "kill"])
+@pytest.mark.parametrize("job", ["a/b", "", "-lead", "x" * 65, "caf\u00e9"])
+def test_a_bad_job_name_is_refused_at_once_by_the_services_rules(command: str, job: str) -> None:
+    args = {
+        "up": ["up", "--workers", "0"],
+        "add": ["add", "--rendezvous", f"127.0.0.1:{free_port()}"],
+        "kill": ["kill", "--random", "--rendezvous", f"127.0.0.1:{free_port()}"],
+    }.get(command) or [a for a in command_args(command) if a not in ("--job", "j")]
+    started = time.monotonic()
+    result = rollcall(*args, "--job", job, token="t")
+    line = one_error_line(result)
+    assert result.returncode == 2
+    assert "--job" in line and "job name" in line, line
+    assert time.monotonic() - started < QUICK
+
+
 def test_worker_accepts_a_valid_config_override() -> None:
     # Past the override, the worker goes on to want its token.
     result = rollcall(*command_args("worker"), "--set", "fence_window=0.2")
@@ -227,8 +245,16 @@ def test_etcd_command_serves_until_ctrl_c_and_leaves_nothing(tmp_path: Path) -> 
         match = re.match(r"etcd ready at (\S+) \(data in (.+)\);", ready)
         assert match, ready
         endpoint, data_dir = match.group(1), Path(match.group(2))
-        with EtcdStore([endpoint], "probe", Config()) as store:
+        auth = process.wait_line(lambda line: "authentication: on" in line, timeout=5)
+        password = Path(re.search(r"password in (\S+);", auth).group(1))  # type: ignore[union-attr]
+        assert password == data_dir / "auth" / "rollcall.password"
+        assert oct(password.stat().st_mode & 0o777) == "0o600"
+        credentials = EtcdCredentials.from_file("rollcall", password)
+        with EtcdStore([endpoint], "probe", Config(), credentials=credentials) as store:
             store.ping()
+        with EtcdStore([endpoint], "probe", Config()) as store:
+            with pytest.raises(EtcdCredentialsRefused):
+                store.ping()
         etcd_pids = [pid for pid, name in child_processes(process.pid).items() if name == "etcd"]
         assert len(etcd_pids) == 1
     finally:

@@ -102,6 +102,24 @@ def test_training_advances(cluster: ComposeCluster) -> None:
     assert later.epoch == first.epoch and later.members == first.members
 
 
+def test_etcd_refuses_the_job_records_to_a_client_without_credentials(
+    cluster: ComposeCluster,
+) -> None:
+    """Anyone on the compose network reaches etcd: without the rollcall
+    user's password they can neither read nor write /rollcall/ (finding 8),
+    while the replicas, which have it, serve the job (test_training_advances)."""
+    etcd1 = cluster.running("etcd1")[0].id
+    endpoints = "--endpoints=http://etcd1:2379"
+    for argv in (["get", "--prefix", "/rollcall/"], ["put", "/rollcall/demo/leader", "x"]):
+        done = cluster.run(
+            ["docker", "exec", etcd1, "etcdctl", endpoints, "--command-timeout=5s", *argv],
+            timeout=30, check=False,
+        )  # fmt: skip
+        assert done.returncode != 0, done.stdout
+        assert "user name is empty" in done.stderr, done.stderr
+    assert cluster.status().step is not None
+
+
 def test_scaling_to_four_workers_adds_a_member_that_pulls_state(cluster: ComposeCluster) -> None:
     before = settled(cluster)
     old = {c.id for c in cluster.running()}

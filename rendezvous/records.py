@@ -1,0 +1,195 @@
+"""Checks of the values read from etcd, before anything acts on them.
+
+etcd is the job's truth, but what it holds was not necessarily written by
+rollcall: a holder of etcd's credentials (or anyone, where etcd runs without
+authentication) can plant any bytes under ``/rollcall/``. Every record the
+store reads goes through one of these functions, which return the value
+only if it has the shape rollcall writes (types, ranges, the id and address
+rules of ``rendezvous.validation``) and raise :class:`MalformedRecord`
+naming what is wrong otherwise. They are pure: the store decides what a
+malformed value means (ignored and logged, or a refusal to lead).
+
+Fields that rollcall does not know are let through, so that a newer
+version's records can be read by an older one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from membership.checkpoint import CheckpointManifest
+from membership.config import Config
+from membership.errors import InvalidRequest, MalformedRecord
+from membership.view import Member, View
+from rendezvous.validation import MAX_COUNTER, check_digest, check_id
+
+#: Longest replica id accepted in a leader record (``<advertise>-<6 hex>``).
+_MAX_REPLICA_ID = 300
+
+
+def load_json(value: bytes) -> Any:
+    """``value`` as JSON, or :class:`MalformedRecord` ("not JSON")."""
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError) as exc:
+        raise MalformedRecord(f"not JSON: {str(exc)[:80]}") from None
+
+
+def _object(data: Any, what: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise MalformedRecord(f"{what} is a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _counter(data: dict[str, Any], name: str, *, optional: bool = False) -> int | None:
+    value = data.get(name)
+    if value is None and optional:
+        return None
+    if type(value) is not int or not 0 <= value <= MAX_COUNTER:
+        raise MalformedRecord(f"{name} is {str(value)[:40]!r}, not an integer in 0..2^63-1")
+    return value
+
+
+def _text(data: dict[str, Any], name: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str):
+        raise MalformedRecord(f"{name} is {str(value)[:40]!r}, not a string")
+    return value
+
+
+def _address(data: dict[str, Any], name: str, config: Config) -> str:
+    """An address as rollcall stores it: printable text without spaces, of
+    at most ``max_address_length`` characters. (Not the full ``host:port``
+    check of a request: what reached etcd passed it already, and a record
+    is refused for what could hurt, not for its style.)"""
+    value = _text(data, name)
+    if not value or len(value) > config.max_address_length:
+        raise MalformedRecord(f"{name} is empty or longer than {config.max_address_length}")
+    if not value.isprintable() or any(c.isspace() for c in value):
+        raise MalformedRecord(f"{name} {value[:40]!r} has spaces or unprintable characters")
+    return value
+
+
+def _checked(check: Any, *args: Any) -> Any:
+    """A ``rendezvous.validation`` check, its refusal as MalformedRecord."""
+    try:
+        return check(*args)
+    except InvalidRequest as exc:
+        raise MalformedRecord(str(exc)) from None
+
+
+def check_member(data: Any, config: Config) -> Member:
+    """``{"id", "address"}``, both valid."""
+    data = _object(data, "member")
+    member_id = _checked(check_id, _text(data, "id"), "member id", config)
+    return Member(member_id, _address(data, "address", config))
+
+
+def check_view(value: bytes, config: Config) -> View:
+    """A view as ``View.to_json`` writes it: a non-negative epoch, members
+    with valid and distinct ids and valid addresses (ranks, if given, equal
+    to their positions), a non-negative ``resume_step`` or null, a valid
+    digest, and a fetch plan naming members only."""
+    data = _object(load_json(value), "view")
+    epoch = _counter(data, "epoch")
+    raw_members = data.get("members")
+    if not isinstance(raw_members, list):
+        raise MalformedRecord("members is not a list")
+    members = []
+    for rank, raw in enumerate(raw_members):
+        members.append(check_member(raw, config))
+        if raw.get("rank", rank) != rank:
+            raise MalformedRecord(f"member {members[-1].id} has rank {raw['rank']!r}, not {rank}")
+    ids = [m.id for m in members]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise MalformedRecord(f"duplicate member ids {', '.join(duplicates)}")
+    digest = data.get("digest", "")
+    if not isinstance(digest, str):
+        raise MalformedRecord("digest is not a string")
+    _checked(check_digest, digest, config)
+    fetch = data.get("fetch", {})
+    if not isinstance(fetch, dict):
+        raise MalformedRecord("fetch is not an object")
+    plan: dict[str, tuple[str, ...]] = {}
+    for fetcher, sources in fetch.items():
+        if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+            raise MalformedRecord(f"fetch sources of {fetcher[:40]!r} are not a list of ids")
+        strangers = sorted({fetcher, *sources} - set(ids))
+        if strangers:
+            raise MalformedRecord(f"fetch plan names non-members {', '.join(strangers)[:80]}")
+        plan[fetcher] = tuple(sources)
+    assert epoch is not None
+    return View(epoch, tuple(members), _counter(data, "resume_step", optional=True), digest, plan)
+
+
+def check_leader(value: bytes, lease: int) -> tuple[str, str, int]:
+    """``(replica_id, address, lease_id)`` of a leader record: the lease it
+    names is the one the key is tied to (a leader key always has one)."""
+    data = _object(load_json(value), "leader record")
+    replica_id = _text(data, "replica_id")
+    if not replica_id or len(replica_id) > _MAX_REPLICA_ID or not replica_id.isprintable():
+        raise MalformedRecord("replica_id is empty, too long or not printable")
+    address = _address(data, "address", Config())
+    lease_id = _counter(data, "lease_id")
+    if lease == 0:
+        raise MalformedRecord("the key is not tied to a lease, as every leader key is")
+    if lease_id != lease:
+        raise MalformedRecord(f"it names lease {lease_id}, but the key is tied to lease {lease}")
+    assert lease_id is not None
+    return replica_id, address, lease_id
+
+
+def check_member_record(member_id: str, value: bytes, lease: int, config: Config) -> Member:
+    """A member record stored under ``members/<member_id>``: its own id, a
+    valid address, and tied to a lease."""
+    member = check_member(load_json(value), config)
+    if member.id != member_id:
+        raise MalformedRecord(f"it holds member {member.id!r}, not {member_id!r}")
+    if lease == 0:
+        raise MalformedRecord("the key is not tied to a lease, as every member record is")
+    return member
+
+
+def check_progress(value: bytes) -> tuple[int, int]:
+    """``(epoch, step)`` of a progress record."""
+    data = _object(load_json(value), "progress record")
+    epoch, step = _counter(data, "epoch"), _counter(data, "step")
+    assert epoch is not None and step is not None
+    return epoch, step
+
+
+def check_checkpoints(value: bytes, config: Config) -> tuple[list[CheckpointManifest], list[str]]:
+    """The valid manifests of a checkpoint list, newest first, and why each
+    other entry was left out."""
+    data = load_json(value)
+    if not isinstance(data, list):
+        raise MalformedRecord(f"a JSON {type(data).__name__}, not a list of manifests")
+    kept: list[CheckpointManifest] = []
+    skipped: list[str] = []
+    for index, entry in enumerate(data):
+        try:
+            kept.append(check_manifest(entry, config))
+        except MalformedRecord as exc:
+            skipped.append(f"entry {index}: {exc}")
+    kept.sort(key=lambda m: m.step, reverse=True)
+    return kept, skipped
+
+
+def check_manifest(entry: Any, config: Config) -> CheckpointManifest:
+    entry = _object(entry, "manifest")
+    for name in ("step", "size", "epoch"):
+        _counter(entry, name)
+    for name in ("digest", "uri", "sha256", "writer"):
+        _text(entry, name)
+    for name in ("created_unix", "step_seconds"):
+        if type(entry.get(name)) not in (int, float):
+            raise MalformedRecord(f"{name} is not a number")
+    try:
+        manifest = CheckpointManifest.from_dict(entry)
+    except (InvalidRequest, KeyError, TypeError, ValueError) as exc:
+        raise MalformedRecord(str(exc)[:120]) from None
+    _checked(check_digest, manifest.digest, config)
+    _checked(check_id, manifest.writer, "checkpoint writer", config)
+    return manifest
