@@ -85,6 +85,10 @@ class Config:
     takeover_grace: float = 3.0
     #: Progress (last committed step) is written to etcd at most this often.
     progress_write_interval: float = 0.5
+    #: A new leader asks a member of the view that did not reconnect within
+    #: ``takeover_grace`` whether its process is alive; no answer within
+    #: this time counts as dead (``rendezvous.probe``).
+    member_probe_timeout: float = 1.0
 
     #: Durable checkpoint manifests kept in etcd (newest first); a writer
     #: deletes its files older than the oldest one kept.

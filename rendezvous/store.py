@@ -33,6 +33,7 @@ client moves on to another member.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -49,6 +50,7 @@ from pyetcd.exceptions import NoServerAvailableError
 
 from membership.checkpoint import CheckpointManifest, record
 from membership.config import Config
+from membership.continuity import EtcdPosition
 from membership.errors import ControlPlaneUnavailable, InvalidRequest
 from membership.fingerprint import JobFingerprint, check_fingerprint
 from membership.view import EMPTY_VIEW, Member, View
@@ -225,6 +227,50 @@ def _range_op(request: etcdrpc.RangeRequest) -> etcdrpc.RequestOp:
 def _first_kv(response: etcdrpc.TxnResponse, index: int) -> Any:
     kvs = response.responses[index].response_range.kvs
     return kvs[0] if kvs else None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What etcd holds of a job and a replica remembers, so that it can be
+    written back if etcd loses it (``EtcdStore.restore_job``)."""
+
+    view: View
+    #: The view key's mod_revision (0: absent), for a compare-and-swap.
+    view_revision: int
+    progress: tuple[int, int] | None
+    fingerprint: dict[str, str] | None
+    checkpoints: tuple[CheckpointManifest, ...]
+
+
+def _parsed(key: bytes, value: bytes, parse: Callable[[bytes], T]) -> T | None:
+    """``parse(value)``, or None (logged) when the value is malformed."""
+    try:
+        return parse(value)
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError, InvalidRequest) as exc:
+        _log.warning("ignored a malformed value at %s: %s", key.decode(), str(exc)[:200])
+        return None
+
+
+def _progress(value: bytes) -> tuple[int, int]:
+    data = json.loads(value)
+    epoch, step = int(data["epoch"]), int(data["step"])
+    if epoch < 0 or step < 0:
+        raise ValueError(f"negative epoch or step: {epoch}, {step}")
+    return epoch, step
+
+
+def _fingerprint(value: bytes) -> dict[str, str]:
+    data = json.loads(value)
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    return check_fingerprint(data).as_dict()
+
+
+def _manifests(value: bytes) -> list[CheckpointManifest]:
+    data = json.loads(value)
+    if not isinstance(data, list):
+        raise ValueError(f"a JSON {type(data).__name__}, not a list")
+    return [CheckpointManifest.from_dict(item) for item in data]
 
 
 class EtcdStore:
@@ -802,6 +848,138 @@ class EtcdStore:
         response = self._kv_range(_range(self.prefix, prefix=True))
         return {kv.key.decode(): bytes(kv.value) for kv in response.kvs}
 
+    # --- outages and lost data ---------------------------------------------------
+    def reclaim_leadership(
+        self, replica_id: str, address: str, view_revision: int
+    ) -> LeaderInfo | None:
+        """Take the election again under a new lease after ours expired
+        while etcd could not be reached (or kept it alive): only if nobody
+        holds the leader key and the view key is still at ``view_revision``
+        (absent when 0), i.e. nobody led meanwhile. ``None`` otherwise."""
+        lease_id = self._grant(self._config.election_ttl)
+        leader = LeaderInfo(replica_id, address, lease_id)
+        value = _leader_value(leader)
+        if view_revision:
+            view_compare = _compare(self._view_key, "MOD", view_revision)
+        else:
+            view_compare = _compare(self._view_key, "CREATE", 0)
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(self._leader_key, "CREATE", 0), view_compare],
+            success=[_put_op(self._leader_key, value, lease_id)],
+            failure=[_range_op(_range(self._leader_key))],
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> bool:
+            response = self._txn_call(request, channel, timeout)
+            if response.succeeded:
+                return True
+            current = _first_kv(response, 0)
+            return retried and current is not None and current.value == value
+
+        if self._call(attempt):
+            return leader
+        with contextlib.suppress(ControlPlaneUnavailable):  # expires on its own
+            self._revoke(lease_id)
+        return None
+
+    def register_again(self, member: Member) -> MemberRecord:
+        """Record ``member`` again under a new lease: its old lease expired
+        (etcd could not keep it alive) or its record is gone, while the
+        member itself is alive. Replaces any record the id still has."""
+        _check_name("member id", member.id)
+        key = self._member_key(member.id)
+        value = _dumps({"address": member.address, "id": member.id})
+        lease_id = self._grant(self._config.member_lease_ttl)
+        request = etcdrpc.TxnRequest(
+            success=[_put_op(key, value, lease_id), _range_op(_range(key))]
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> Any:
+            return _first_kv(self._txn_call(request, channel, timeout), 1)
+
+        kv = self._call(attempt)
+        return MemberRecord(member, lease_id, int(kv.create_revision) if kv is not None else 0)
+
+    def write_progress_as(self, leader: LeaderInfo, epoch: int, step: int) -> bool:
+        """Record the last committed step reported for view ``epoch``, if
+        the leader key still holds ``leader`` (a deposed leader's late write
+        must not replace its successor's). False if it does not."""
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(self._leader_key, "VALUE", _leader_value(leader))],
+            success=[_put_op(self._progress_key, _dumps({"epoch": epoch, "step": step}))],
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> bool:
+            return bool(self._txn_call(request, channel, timeout).succeeded)
+
+        return self._call(attempt)
+
+    def read_job(self) -> tuple[JobRecord, EtcdPosition]:
+        """The job's record (view, progress, fingerprint, checkpoints) and
+        etcd's position, read at one revision. Malformed values are logged
+        and left out (a malformed view counts as none)."""
+        request = etcdrpc.TxnRequest(
+            success=[
+                _range_op(_range(self._view_key)),
+                _range_op(_range(self._progress_key)),
+                _range_op(_range(self._fingerprint_key)),
+                _range_op(_range(self._checkpoints_key)),
+            ]
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> Any:
+            return self._txn_call(request, channel, timeout)
+
+        response = self._call(attempt)
+        kvs = [_first_kv(response, i) for i in range(4)]
+        view, view_revision = EMPTY_VIEW, 0
+        if kvs[0] is not None:
+            view_revision = int(kvs[0].mod_revision)
+            view = _parsed(self._view_key, kvs[0].value, View.from_json) or EMPTY_VIEW
+        progress = _parsed(self._progress_key, kvs[1].value, _progress) if kvs[1] else None
+        fingerprint = _parsed(self._fingerprint_key, kvs[2].value, _fingerprint) if kvs[2] else None
+        checkpoints = _parsed(self._checkpoints_key, kvs[3].value, _manifests) if kvs[3] else None
+        record = JobRecord(view, view_revision, progress, fingerprint, tuple(checkpoints or ()))
+        header = response.header
+        return record, EtcdPosition(int(header.cluster_id), int(header.revision), view.epoch)
+
+    def restore_job(self, record: JobRecord, found_revision: int, leader: LeaderInfo) -> int | None:
+        """Write ``record`` back into an etcd that lost it: one transaction,
+        only if the leader key holds ``leader`` (the caller leads) and the
+        view key is still at ``found_revision`` (what the caller found there;
+        0: absent). Returns the view's new mod_revision, or ``None`` when a
+        comparison failed and nothing was written."""
+        if found_revision:
+            view_compare = _compare(self._view_key, "MOD", found_revision)
+        else:
+            view_compare = _compare(self._view_key, "CREATE", 0)
+        value = record.view.to_json().encode()
+        puts = [_put_op(self._view_key, value)]
+        if record.progress is not None:
+            epoch, step = record.progress
+            puts.append(_put_op(self._progress_key, _dumps({"epoch": epoch, "step": step})))
+        if record.fingerprint is not None:
+            puts.append(_put_op(self._fingerprint_key, _dumps(record.fingerprint)))
+        if record.checkpoints:
+            manifests = [m.to_dict() for m in record.checkpoints]
+            puts.append(_put_op(self._checkpoints_key, _dumps(manifests)))
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(self._leader_key, "VALUE", _leader_value(leader)), view_compare],
+            success=puts,
+            failure=[_range_op(_range(self._view_key))],
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> int | None:
+            response = self._txn_call(request, channel, timeout)
+            if response.succeeded:
+                return int(response.header.revision)
+            current = _first_kv(response, 0)
+            if retried and current is not None and current.value == value:
+                return int(current.mod_revision)  # an earlier attempt of ours landed
+            return None
+
+        return self._call(attempt)
+
 
 class _KeyWatch:
     """Follows one key from a start revision in a thread of its own.
@@ -906,6 +1084,18 @@ class _KeyWatch:
                             endpoint,
                             self._next_revision,
                         )
+                    if int(response.header.revision) + 1 < self._next_revision:
+                        # etcd's history went back (its data was lost or
+                        # restored from a backup): the revision we wait for
+                        # may never come. Start again from what it holds.
+                        _log.warning(
+                            "etcd's revision went back to %d under the watch on %s (it "
+                            "expected %d): following it from there",
+                            response.header.revision, self._key.decode(), self._next_revision,
+                        )  # fmt: skip
+                        self._next_revision = 0
+                        self._resync()
+                        return established
                 if response.compact_revision:
                     self._resync()
                     return established
