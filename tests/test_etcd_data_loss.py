@@ -23,7 +23,7 @@ import pytest
 from membership.config import Config
 from rendezvous.etcd_local import LocalEtcd
 from rendezvous.store import EtcdStore
-from tests.harness import ControlPlane, WorkerProcess, wait_for
+from tests.harness import ControlPlane, ReplicaProcess, WorkerProcess, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -101,3 +101,48 @@ def test_etcd_wiped_the_leader_writes_the_job_back_and_training_goes_on(
     assert {m["id"] for m in status["members"]} == ids
     assert status["epoch"] >= epoch
     assert len(said()) == 1, said()
+
+
+@pytest.mark.timeout(240)
+def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_nobody_restarts_at_0(
+    etcd: LocalEtcd, tmp_path: Path
+) -> None:
+    plane = ControlPlane([etcd.endpoint], tmp_path, settings=SETTINGS)
+    checkpoints = tmp_path / "ckpt"
+    extra = ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "5"]
+    workers: list[WorkerProcess] = []
+    try:
+        for index in range(2):
+            workers.append(
+                WorkerProcess(plane, tmp_path / f"w{index}.log", steps=1_000_000, extra=extra)
+            )
+        wait_for(lambda: plane.status_json()["checkpoints"], "a checkpoint", PATIENCE)
+        # Every replica and etcd's data are lost; a replica comes back on the
+        # same address and etcd comes back empty.
+        old = plane.replicas[0]
+        port = int(old.address.rsplit(":", 1)[1])
+        old.kill()
+        _wipe(etcd)
+        plane.replicas[0] = ReplicaProcess(
+            plane.etcd, plane.job, plane.token_file, port, tmp_path / "replica-again.log",
+            plane.settings,
+        )  # fmt: skip
+        for worker in workers:
+            assert worker.proc.wait(timeout=PATIENCE) == 6, worker.log_tail()
+            errors = [line for line in worker.log_tail(40).splitlines() if "error:" in line]
+            assert len(errors) == 1 and "etcd lost the job's data" in errors[0], errors
+            assert "is ahead of the committed epoch" not in worker.log_path.read_text()
+        print(f"\n  {errors[0][:300]}")
+        # A new worker with the same checkpoint directory refuses to start
+        # the job at step 0 (exit 4), naming the files and what happened.
+        late = WorkerProcess(plane, tmp_path / "late.log", extra=extra, wait_joined=False)
+        workers.append(late)
+        assert late.proc.wait(timeout=PATIENCE) == 4, late.log_tail()
+        assert "etcd probably lost the job's data" in late.log_tail(), late.log_tail()
+        assert not late.steps(), "the new worker trained from step 0"
+        print(f"  {late.log_tail(1)[:300]}")
+    finally:
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                worker.stop(timeout=20)
+        plane.close()
