@@ -81,8 +81,13 @@ KINDS = (
     "leader_kill",
     "etcd_kill",
     "quorum_loss",
+    "etcd_stall",
     "corrupt_chunk",
 )
+#: An etcd stall (every member SIGSTOPped: a fsync stall of the whole
+#: cluster) lasts a seeded draw from this range, in seconds: longer than
+#: every lease of the cluster's settings at its upper end.
+ETCD_STALL = (5.0, 30.0)
 
 
 class Unexpected(Exception):
@@ -310,6 +315,31 @@ class Soak:
             self.cluster.wait_etcd_healthy(member)
         step = self.last_step()
         self.wait_all(lambda e, world: e["step"] > step)
+
+    def etcd_stall(self, episode: Episode) -> None:
+        """Every etcd member frozen for a seeded 5-30 s: training goes on
+        throughout in the same view, and nobody is evicted afterwards (a
+        worker exiting 3 is a false eviction, counted by ``wait_all``)."""
+        seconds = self.rng.uniform(*ETCD_STALL)
+        episode.detail = f"{seconds:.1f} s"
+        epoch, step = self.epoch(), self.last_step()
+        processes = [m.process for m in self.cluster.etcd if m.process is not None]
+        self.cluster.outage_begins(f"freeze etcd {episode.detail}")
+        for process in processes:
+            freeze(process)
+        try:
+            time.sleep(seconds / 2)
+            self.wait_all(lambda e, world: e["step"] > step)  # training goes on
+            time.sleep(max(0.0, seconds / 2))
+        finally:
+            for process in processes:
+                thaw(process)
+            self.cluster.outage_ends(f"thaw etcd after {episode.detail}")
+        step = self.last_step()
+        time.sleep(HOLD)  # long enough for an eviction that stale leases would cause
+        self.wait_all(lambda e, world: e["step"] > step and e["world"] == world)
+        if self.epoch() > epoch + 1:
+            raise Unexpected(f"the etcd stall changed the view more than once ({epoch})")
 
     def corrupt_chunk(self, episode: Episode) -> None:
         # A peer that corrupts the next few state ranges it serves joins and

@@ -92,6 +92,10 @@ class Config:
     #: A replica that refuses to lead because etcd holds a malformed view of
     #: its job reads the view again this often (it says why only once).
     refusal_retry: float = 2.0
+    #: A new leader asks a member of the view that did not reconnect within
+    #: ``takeover_grace`` whether its process is alive; no answer within
+    #: this time counts as dead (``rendezvous.probe``).
+    member_probe_timeout: float = 1.0
 
     #: Durable checkpoint manifests kept in etcd (newest first); a writer
     #: deletes its files older than the oldest one kept.

@@ -22,7 +22,7 @@ One roll call at a time:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from membership.config import Config
@@ -132,10 +132,21 @@ class Coordinator:
     """Roll-call state machine of the leader replica for one job."""
 
     def __init__(
-        self, config: Config, view: View, now: float, joiners: Sequence[Member] = ()
+        self,
+        config: Config,
+        view: View,
+        now: float,
+        joiners: Sequence[Member] = (),
+        awaiting: Iterable[str] = (),
     ) -> None:
+        """``awaiting``: members of ``view`` that a new leader has not heard
+        from yet. No roll call starts until each has reconnected
+        (``reconnected``), left or been suspected: calling a member that
+        cannot be asked would evict it for the leader's own change, not for
+        anything it did."""
         self._config = config
         self._view = view
+        self._awaiting = {m for m in awaiting if m in view}
         self._joiners: dict[str, Member] = {}  # in arrival order
         self._departed: dict[str, str] = {}  # view member id -> cause
         self._causes: list[str] = []
@@ -167,6 +178,11 @@ class Coordinator:
     def pending_joiners(self) -> tuple[Member, ...]:
         return tuple(self._joiners.values())
 
+    @property
+    def awaiting(self) -> frozenset[str]:
+        """Members of the view not heard from since the leader took over."""
+        return frozenset(self._awaiting)
+
     def knows(self, member_id: str) -> bool:
         """True for members of the view, pending joiners and roll-call candidates."""
         return (
@@ -180,7 +196,7 @@ class Coordinator:
         """Absolute time at which ``tick`` has work to do, if any."""
         if self._rollcall is not None:
             return self._rollcall.deadline
-        if self._proposal is None and self._trigger_at is not None:
+        if self._proposal is None and self._trigger_at is not None and not self._awaiting:
             return self._trigger_at
         return None
 
@@ -198,6 +214,11 @@ class Coordinator:
         self._joiners[member.id] = member
         self._causes.append(f"join:{member.id}")
         self._schedule(now + self._config.join_settle)
+        self.tick(now)
+
+    def reconnected(self, member_id: str, now: float) -> None:
+        """A member of the view opened its session with this leader."""
+        self._awaiting.discard(member_id)
         self.tick(now)
 
     def leave(self, member_id: str, now: float) -> bool:
@@ -253,7 +274,12 @@ class Coordinator:
             if rollcall.complete or now >= rollcall.deadline:
                 self._decide(rollcall)
             return
-        if self._proposal is None and self._trigger_at is not None and now >= self._trigger_at:
+        if (
+            self._proposal is None
+            and self._trigger_at is not None
+            and now >= self._trigger_at
+            and not self._awaiting
+        ):
             self._start(now)
 
     def committed(self, view: View, now: float) -> None:
@@ -270,6 +296,7 @@ class Coordinator:
         self._trigger_at = at if self._trigger_at is None else min(self._trigger_at, at)
 
     def _depart(self, member_id: str, cause: str, now: float) -> bool:
+        self._awaiting.discard(member_id)
         rollcall = self._rollcall
         if rollcall is not None and rollcall.is_candidate(member_id):
             # Still gathering: the decision simply will not include it.

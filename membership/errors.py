@@ -61,6 +61,14 @@ class Evicted(StaleEpoch):
     call, or suspected); rejoin to continue."""
 
 
+class JobRecordLost(RollcallError):
+    """The control plane has no record of the view this member is in: etcd
+    lost the job's data (wiped, replaced, restored from an old backup) and
+    no rendezvous replica remembered it. The member's state is intact but it
+    cannot rejoin under its old id: restart the job's workers; with a
+    checkpoint directory they resume from the newest checkpoint file in it."""
+
+
 class RollCallTimeout(RollcallError):
     """A roll call did not produce a committed view within its bound."""
 

@@ -56,6 +56,18 @@ _CLUSTER_ELECTION_MS = 500
 _SINGLE_HEARTBEAT_MS = 10
 _SINGLE_ELECTION_MS = 100
 _SNAPSHOT_COUNT = 10_000
+#: etcd keeps every revision of every key until it is compacted; rollcall
+#: writes a new revision at every view change, progress write and lease
+#: record, so the history grows without bound (finding: etcd's space quota
+#: then refuses every write). Periodic auto-compaction keeps this much
+#: history (etcd 3.4 compacts every retention period when it is under an
+#: hour): a watch more than this far behind resynchronises by reading the
+#: key again (``rendezvous.store._KeyWatch``). Freed pages are reused, so
+#: the database file stays bounded without defragmentation.
+AUTO_COMPACTION_RETENTION = "5m"
+#: etcd's backend quota (its default, stated): beyond it etcd raises a
+#: NOSPACE alarm and refuses writes until compacted, defragmented and disarmed.
+QUOTA_BACKEND_BYTES = 2 * 1024**3
 _STOP_GRACE = 3.0
 _POLL_INTERVAL = 0.02
 #: pause()/resume() wait at most this long for the kernel to apply the signal.
@@ -177,10 +189,12 @@ def etcd_flags(
     cluster_state: str = "new",
     heartbeat_ms: int | None = None,
     election_ms: int | None = None,
+    compaction_retention: str = AUTO_COMPACTION_RETENTION,
 ) -> list[str]:
     """The command-line flags of one etcd member (without the binary):
     plaintext URLs, the raft timing for a lone member or a cluster member
-    unless given, warnings only, on stderr."""
+    unless given, periodic auto-compaction keeping ``compaction_retention``
+    of history, warnings only, on stderr."""
     single = (_SINGLE_HEARTBEAT_MS, _SINGLE_ELECTION_MS)
     timing = single if alone else (_CLUSTER_HEARTBEAT_MS, _CLUSTER_ELECTION_MS)
     return [
@@ -196,6 +210,9 @@ def etcd_flags(
         f"--heartbeat-interval={heartbeat_ms or timing[0]}",
         f"--election-timeout={election_ms or timing[1]}",
         f"--snapshot-count={_SNAPSHOT_COUNT}",
+        "--auto-compaction-mode=periodic",
+        f"--auto-compaction-retention={compaction_retention}",
+        f"--quota-backend-bytes={QUOTA_BACKEND_BYTES}",
         "--logger=zap",
         "--log-outputs=stderr",
         "--log-level=warn",
@@ -223,7 +240,9 @@ class LocalEtcd:
         cluster_token: str | None = None,
         heartbeat_ms: int | None = None,
         election_ms: int | None = None,
+        compaction_retention: str = AUTO_COMPACTION_RETENTION,
     ) -> None:
+        self._compaction_retention = compaction_retention
         self._heartbeat_ms = heartbeat_ms
         self._election_ms = election_ms
         self._binary = binary
@@ -330,6 +349,7 @@ class LocalEtcd:
             self._initial_cluster or f"{self.name}={self.peer_url}", self._cluster_token,
             alone=self._initial_cluster is None, cluster_state=self._cluster_state,
             heartbeat_ms=self._heartbeat_ms, election_ms=self._election_ms,
+            compaction_retention=self._compaction_retention,
         )  # fmt: skip
         if self.tls is not None:
             flags += [f"--cert-file={self.tls.cert_file}", f"--key-file={self.tls.key_file}"]

@@ -11,6 +11,7 @@ pool and their results come back to the loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 import grpc
 
 from membership.config import Config
+from membership.continuity import Continuity, EtcdPosition
 from membership.coordinator import CommitView, Coordinator, RequestAnswers
 from membership.detector import FailureDetector
 from membership.errors import (
@@ -29,6 +31,7 @@ from membership.errors import (
     ControlPlaneUnavailable,
     Evicted,
     InvalidRequest,
+    JobRecordLost,
     MalformedRecord,
     NoSuchJob,
     NotAMember,
@@ -47,7 +50,8 @@ from membership.view import EMPTY_VIEW, Member, View
 from rendezvous import validation as check
 from rendezvous.events import EventFile, EventLog, MemberReport
 from rendezvous.metrics import ServiceMetrics
-from rendezvous.store import EtcdStore, LeaderInfo, MemberRecord
+from rendezvous.probe import process_answers
+from rendezvous.store import EtcdStore, JobRecord, LeaderInfo, MemberRecord
 from rendezvous.wire import (
     LEADER_METADATA,
     error_metadata,
@@ -112,6 +116,11 @@ class _Leadership:
     busy: dict[str, tuple[float, str]] = field(default_factory=dict)
     #: View commits under way (the view key may change under our own hand).
     committing: int = 0
+    #: Members of the inherited view that did not reconnect within the
+    #: takeover grace but whose process answers (said once each).
+    held_elsewhere: set[str] = field(default_factory=set)
+    #: When etcd stopped answering this leader (None: it answers).
+    unreachable_since: float | None = None
 
 
 class Replica(pb_grpc.RendezvousServicer):
@@ -150,6 +159,11 @@ class Replica(pb_grpc.RendezvousServicer):
         self._admitting = asyncio.Lock()
         #: Why this replica last refused to lead ("" once it leads).
         self._refusal = ""
+        #: The highest etcd position this replica has seen, and the job's
+        #: record as last read or written, to detect and repair lost data.
+        self._continuity = Continuity()
+        self._remembered: JobRecord | None = None
+        self._loss_said = ""
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -242,10 +256,11 @@ class Replica(pb_grpc.RendezvousServicer):
         await asyncio.sleep(self._config.refusal_retry)
 
     async def _serve_as_leader(self, info: LeaderInfo) -> None:
-        view, revision = await self._etcd(self._store.read_view)
+        record = await self._take_over_record(info)
+        view, revision = record.view, record.view_revision
         self._refusal = ""
         records = {r.member.id: r for r in await self._etcd(self._store.list_members)}
-        checkpoints = await self._etcd(self._store.read_checkpoints)
+        checkpoints = record.checkpoints
         self._events.checkpoint_step = checkpoints[0].step if checkpoints else None
         if self._metrics is not None:
             self._metrics.leader.set(1)
@@ -253,7 +268,10 @@ class Replica(pb_grpc.RendezvousServicer):
         joiners = [r.member for r in records.values() if r.member.id not in view]
         lead = _Leadership(
             info=info,
-            coordinator=Coordinator(self._config, view, now, joiners),
+            # No roll call until every member of the view reconnected or was
+            # found dead: calling a member that cannot be asked yet would
+            # evict it for the change of leader, not for anything it did.
+            coordinator=Coordinator(self._config, view, now, joiners, awaiting=view.ids),
             detector=FailureDetector(self._config),
             view_revision=revision,
             records=records,
@@ -271,13 +289,16 @@ class Replica(pb_grpc.RendezvousServicer):
             view.size,
             len(joiners),
         )
-        for member in view.members:
-            if member.id not in records:
-                lead.coordinator.suspect(member.id, now)
+        # A member whose record vanished is not suspected for it: records
+        # expire whenever etcd cannot keep their leases alive (a stall, or no
+        # leader for a while), which says nothing about the member. Every
+        # member of the view gets the takeover grace to reconnect.
         self._drain(lead)
         tasks = [
             asyncio.create_task(self._drive(lead), name="drive"),
             asyncio.create_task(self._keep_alive(lead), name="keep-alive"),
+            asyncio.create_task(self._record_progress(lead), name="progress"),
+            asyncio.create_task(self._account_for_absent(lead), name="absent"),
         ]
         try:
             await lead.lost.wait()
@@ -299,26 +320,20 @@ class Replica(pb_grpc.RendezvousServicer):
             lead.lost.set()
 
     async def _keep_alive(self, lead: _Leadership) -> None:
+        """Every third of the shortest TTL: check that etcd still holds the
+        job's history, hold the election, keep the members' leases alive.
+        While etcd does not answer, nothing is decided: sessions stay open,
+        heartbeats are acknowledged and training goes on."""
         period = min(self._config.election_ttl, self._config.member_lease_ttl) / 3
         while True:
             try:
-                if not await self._etcd(self._store.refresh_leader, lead.info):
-                    self._lose(lead, "election lease lost")
+                if not await self._hold_leadership(lead):
                     return
-                now = self._clock()
-                leases = {
-                    r.lease_id: member_id
-                    for member_id, r in lead.records.items()
-                    if self._lease_deserved(lead, member_id, now)
-                }
-                remaining = await self._etcd(self._store.keep_alive, list(leases))
-                for lease_id, ttl in remaining.items():
-                    if ttl <= 0 and lease_id in leases:
-                        self._suspect(lead, leases[lease_id], "lease expired")
-                await self._write_progress(lead)
+                await self._keep_members(lead)
+                self._answered_again(lead)
                 self._emit(self._events.tick(self._clock()))
             except ControlPlaneUnavailable as exc:
-                log.warning("keep-alive: %s", exc)
+                self._unreachable(lead, exc)
             await asyncio.sleep(period)
 
     def _lease_deserved(self, lead: _Leadership, member_id: str, now: float) -> bool:
@@ -329,7 +344,263 @@ class Replica(pb_grpc.RendezvousServicer):
             return member_id in lead.busy or not lead.detector.suspected(member_id, now)
         if member_id in lead.join_deadlines:
             return now < lead.join_deadlines[member_id]
-        return now < lead.grace_until
+        return now < lead.grace_until or member_id in lead.coordinator.awaiting
+
+    # --- etcd outages and lost data --------------------------------------------
+
+    async def _hold_leadership(self, lead: _Leadership) -> bool:
+        """One keep-alive round's checks of etcd; False once this replica
+        no longer leads. Its election lease having expired is no reason to
+        step down (etcd could not keep it alive: a stall, or this replica
+        could not reach it for longer than its TTL): if nobody took over,
+        it takes the election again and keeps every session."""
+        record, position = await self._etcd(self._store.read_job)
+        lost = self._continuity.lost(position)
+        if lost is not None:
+            return await self._restore_in_place(lead, record, position, lost)
+        self._continuity.advance(position)
+        self._remember(
+            fingerprint=record.fingerprint, checkpoints=record.checkpoints, progress=record.progress
+        )
+        if await self._etcd(self._store.refresh_leader, lead.info):
+            return True
+        info = await self._etcd(
+            self._store.reclaim_leadership, self.replica_id, self._advertise, lead.view_revision
+        )
+        if info is None:
+            self._lose(lead, "election lease lost: another replica leads now")
+            return False
+        lead.info = info
+        log.warning(
+            "replica %s: its election lease expired while etcd could not keep it alive and "
+            "nobody took over: it leads again at epoch %d, keeping its %d sessions",
+            self._advertise, lead.coordinator.view.epoch, len(lead.sessions),
+        )  # fmt: skip
+        return True
+
+    async def _keep_members(self, lead: _Leadership) -> None:
+        """Keep the leases of members that deserve it alive; record again
+        those whose lease etcd let expire or whose record is gone while
+        their session is alive (that is etcd's failure, not theirs)."""
+        now = self._clock()
+        leases = {
+            r.lease_id: member_id
+            for member_id, r in lead.records.items()
+            if self._lease_deserved(lead, member_id, now)
+        }
+        remaining = await self._etcd(self._store.keep_alive, list(leases))
+        again = [leases[lease_id] for lease_id, ttl in remaining.items() if ttl <= 0]
+        again += [m for m in lead.sessions if m not in lead.records]
+        if again:
+            await self._register_again(lead, again)
+
+    async def _register_again(self, lead: _Leadership, member_ids: list[str]) -> None:
+        done = []
+        for member_id in member_ids:
+            member = self._member_of(lead, member_id)
+            if member is None:
+                continue
+            record = await self._etcd(self._store.register_again, member)
+            if lead.lost.is_set() or not lead.coordinator.knows(member_id):
+                # Suspected or gone meanwhile: the new record is not wanted.
+                asyncio.create_task(self._remove_record(record))
+                continue
+            lead.records[member_id] = record
+            done.append(member_id)
+        if done:
+            log.warning(
+                "recorded %d members again under new etcd leases (their leases expired or "
+                "their records were gone while their sessions stayed alive): %s",
+                len(done), ", ".join(done),
+            )  # fmt: skip
+
+    @staticmethod
+    def _member_of(lead: _Leadership, member_id: str) -> Member | None:
+        record = lead.records.get(member_id)
+        if record is not None:
+            return record.member
+        coordinator = lead.coordinator
+        candidates = coordinator.rollcall.candidates if coordinator.rollcall else ()
+        for member in (*coordinator.view.members, *coordinator.pending_joiners, *candidates):
+            if member.id == member_id:
+                return member
+        return None
+
+    def _unreachable(self, lead: _Leadership, exc: ControlPlaneUnavailable) -> None:
+        if lead.unreachable_since is None:
+            lead.unreachable_since = self._clock()
+            log.warning(
+                "etcd does not answer (%s): sessions stay open and training goes on; view "
+                "changes and the progress record wait until it answers again", exc,
+            )  # fmt: skip
+        else:
+            log.debug("etcd still does not answer: %s", exc)
+
+    def _answered_again(self, lead: _Leadership) -> None:
+        if lead.unreachable_since is not None:
+            log.warning(
+                "etcd answers again after %.1f s: nobody was evicted for it",
+                self._clock() - lead.unreachable_since,
+            )
+            lead.unreachable_since = None
+
+    async def _account_for_absent(self, lead: _Leadership) -> None:
+        """After the takeover grace, members of the inherited view that did
+        not reconnect: one whose process does not answer at its address is
+        suspected; one whose process answers is alive and most likely still
+        held by the previous leader, cut off from etcd (it keeps its
+        sessions until it reaches etcd and finds it lost the election), so
+        it is not evicted: roll calls wait for it, and it is asked again
+        every takeover grace."""
+        await asyncio.sleep(max(0.0, lead.grace_until - self._clock()))
+        while lead.coordinator.awaiting:
+            for member_id in sorted(lead.coordinator.awaiting):
+                member = self._member_of(lead, member_id)
+                if member is None or member_id in lead.sessions:
+                    continue
+                if await process_answers(member.address, self._config.member_probe_timeout):
+                    if member_id not in lead.held_elsewhere:
+                        lead.held_elsewhere.add(member_id)
+                        log.warning(
+                            "%s did not reconnect within the takeover grace, but its process "
+                            "answers at %s: it is alive (probably still held by a replica cut "
+                            "off from etcd), not evicted; roll calls wait for it",
+                            member_id, member.address,
+                        )  # fmt: skip
+                elif member_id in lead.coordinator.awaiting and member_id not in lead.sessions:
+                    self._suspect(
+                        lead, member_id,
+                        f"did not reconnect after leader failover, and nothing answers at "
+                        f"{member.address}",
+                    )  # fmt: skip
+            await asyncio.sleep(self._config.takeover_grace)
+
+    def _remember(self, **changes: Any) -> None:
+        """Update this replica's memory of the job's record (what it would
+        write back if etcd lost it); ``None`` values change nothing."""
+        known = self._remembered or JobRecord(EMPTY_VIEW, 0, None, None, ())
+        updates = {k: v for k, v in changes.items() if v is not None}
+        self._remembered = dataclasses.replace(known, **updates)
+
+    def _record_of(self, lead: _Leadership) -> JobRecord:
+        """The job's record as the leader knows it now."""
+        view = lead.coordinator.view
+        known = self._remembered or JobRecord(EMPTY_VIEW, 0, None, None, ())
+        progress = (view.epoch, lead.step) if lead.step is not None else known.progress
+        return dataclasses.replace(known, view=view, view_revision=lead.view_revision,
+                                   progress=progress)  # fmt: skip
+
+    def _follow_record(self, record: JobRecord, position: EtcdPosition) -> None:
+        """A standby's poll: remember the record, or say once that etcd lost it."""
+        lost = self._continuity.lost(position)
+        if lost is not None:
+            if self._loss_said != lost:
+                self._loss_said = lost
+                log.error(
+                    "etcd lost job %s's data (%s): the leader writes back what it remembers; "
+                    "this replica remembers epoch %d", self._job, lost, self._continuity.epoch,
+                )  # fmt: skip
+            return
+        self._continuity.advance(position)
+        self._remember(view=record.view, view_revision=record.view_revision,
+                       progress=record.progress, fingerprint=record.fingerprint,
+                       checkpoints=record.checkpoints)  # fmt: skip
+        self._observe_view(record.view)
+
+    async def _take_over_record(self, info: LeaderInfo) -> JobRecord:
+        """The job's record for a replica that just won the election: what
+        etcd holds, or, if etcd lost the history this replica saw, what the
+        replica remembers, written back first."""
+        record, position = await self._etcd(self._store.read_job)
+        lost = self._continuity.lost(position)
+        known = self._remembered
+        if lost is None or known is None or known.view.epoch <= record.view.epoch:
+            if lost is not None:
+                log.error("etcd's history of job %s changed (%s); it holds epoch %d, which "
+                          "this replica follows", self._job, lost, record.view.epoch)  # fmt: skip
+            if lost is None:
+                self._continuity.advance(position)
+            else:
+                self._continuity.rebase(position)
+            self._remember(view=record.view, view_revision=record.view_revision,
+                           progress=record.progress, fingerprint=record.fingerprint,
+                           checkpoints=record.checkpoints)  # fmt: skip
+            return record
+        revision = await self._etcd(self._store.restore_job, known, record.view_revision, info)
+        if revision is None:
+            raise ControlPlaneUnavailable(
+                "etcd lost the job's data and another replica wrote it first"
+            )
+        await self._after_restore(known, lost, revision)
+        return dataclasses.replace(known, view_revision=revision)
+
+    async def _restore_in_place(
+        self, lead: _Leadership, found: JobRecord, position: EtcdPosition, lost: str
+    ) -> bool:
+        """etcd lost the history this leader saw: write back the job's
+        record from memory (view, progress, fingerprint, checkpoint
+        manifests) and lead on with every session; the workers notice
+        nothing. False (stepping down) when etcd holds a newer view than
+        ours, or another replica leads there already."""
+        known = self._record_of(lead)
+        if found.view.epoch >= known.view.epoch:
+            self._continuity.rebase(position)
+            self._lose(lead, f"etcd's history changed ({lost}) and it holds epoch "
+                             f"{found.view.epoch}")  # fmt: skip
+            return False
+        info = lead.info
+        if not await self._etcd(self._store.refresh_leader, info):
+            taken = await self._etcd(self._store.campaign, self.replica_id, self._advertise)
+            if taken is None:
+                log.error("etcd lost job %s's data (%s), and another replica leads it there "
+                          "already: stepping down", self._job, lost)  # fmt: skip
+                self._lose(lead, "etcd lost the job's data; another replica leads")
+                return False
+            info = taken
+        revision = await self._etcd(self._store.restore_job, known, found.view_revision, info)
+        if revision is None:
+            self._lose(lead, "etcd lost the job's data; another replica wrote it first")
+            return False
+        lead.info, lead.view_revision = info, revision
+        await self._after_restore(known, lost, revision)
+        return True
+
+    async def _after_restore(self, known: JobRecord, lost: str, revision: int) -> None:
+        _, position = await self._etcd(self._store.read_job)
+        self._continuity.rebase(position)
+        self._remember(view=known.view, view_revision=revision)
+        self._loss_said = ""
+        step = known.progress[1] if known.progress is not None else None
+        log.error(
+            "etcd lost job %s's data (%s): wrote back from this replica's memory the view "
+            "(epoch %d, %d members), the progress record (step %s), %s and %d checkpoint "
+            "manifests; training goes on",
+            self._job, lost, known.view.epoch, known.view.size, step,
+            "the fingerprint" if known.fingerprint is not None else "no fingerprint",
+            len(known.checkpoints),
+        )  # fmt: skip
+
+    def _ahead(self, lead: _Leadership, member_id: str, epoch: int) -> RollcallError:
+        """The error for a member's message whose epoch is ahead of this
+        leader's view: this replica is behind (another one committed that
+        epoch), the message is malformed (a member it knows cannot be
+        ahead), or, from a member it has never heard of, etcd lost the view
+        the member is in and no replica remembers it."""
+        committed = lead.coordinator.view.epoch
+        if epoch <= self._continuity.epoch:
+            return NotLeader(
+                f"replica {self._advertise} is behind epoch {epoch} (it holds {committed}): "
+                "it no longer leads"
+            )
+        if lead.coordinator.knows(member_id):
+            return InvalidRequest(f"epoch {epoch} is ahead of the committed epoch {committed}")
+        return JobRecordLost(
+            f"member {member_id} is at epoch {epoch}, but etcd holds job {self._job} at epoch "
+            f"{committed} and this replica never saw a later one: etcd lost the job's data "
+            "(wiped, replaced or restored from an old backup) and no replica remembered it. "
+            "This worker's state is intact but cannot rejoin under its old id: restart the "
+            "job's workers (with a checkpoint directory they resume from the newest file in it)"
+        )
 
     # --- the roll-call driver -------------------------------------------------
 
@@ -341,7 +612,6 @@ class Replica(pb_grpc.RendezvousServicer):
         suspicions then wait one more round instead of evicting members for
         the leader's own lag."""
         lagging = False
-        grace_checked = False
         next_suspicion: float | None = None
         while True:
             now = self._clock()
@@ -355,11 +625,6 @@ class Replica(pb_grpc.RendezvousServicer):
                     if member_id not in lead.busy:
                         self._suspect(lead, member_id, "heartbeat detector")
                 next_suspicion = None
-            if now >= lead.grace_until and not grace_checked:
-                grace_checked = True
-                for member in lead.coordinator.view.members:
-                    if member.id not in lead.sessions and member.id not in lead.detector:
-                        self._suspect(lead, member.id, "did not reconnect after leader failover")
             for member_id, deadline in list(lead.join_deadlines.items()):
                 if now >= deadline and member_id not in lead.sessions:
                     self._suspect(lead, member_id, "joined but never opened a session")
@@ -438,11 +703,21 @@ class Replica(pb_grpc.RendezvousServicer):
                 )
                 if committed is None:
                     # The comparison failed. Our own earlier attempt may have
-                    # landed with its answer lost; someone who is not the
-                    # leader may have written the key; anything else means
-                    # another replica leads now.
+                    # landed with its answer lost; the view untouched means
+                    # only our election lease lapsed (the keep-alive takes it
+                    # again or steps down), a view older than ours that etcd
+                    # lost it (the keep-alive restores it); someone who is not
+                    # the leader may have written the key; anything else
+                    # means another replica leads now.
                     current, revision, malformed = await self._etcd(self._store.read_stored_view)
                     if current != action.view:
+                        if current is not None and (
+                            revision == lead.view_revision
+                            or current.epoch < action.previous.epoch
+                        ):
+                            await asyncio.sleep(backoff)
+                            backoff = min(backoff * 2, self._config.client_retry_max)
+                            continue
                         if not await self._written_behind_our_back(lead, current, malformed):
                             what = malformed or f"epoch {current.epoch if current else '?'}"
                             self._lose(lead, f"view CAS failed: etcd holds {what}")
@@ -593,8 +868,8 @@ class Replica(pb_grpc.RendezvousServicer):
 
     async def _put_progress(self, lead: _Leadership, epoch: int, step: int) -> None:
         now = self._clock()
-        await self._etcd(self._store.write_progress, epoch, step)
-        lead.step_written, lead.step_written_at = (epoch, step), now
+        if await self._etcd(self._store.write_progress_as, lead.info, epoch, step):
+            lead.step_written, lead.step_written_at = (epoch, step), now
 
     async def _flush_progress(self, lead: _Leadership, epoch: int, step: int) -> None:
         """The last step of a view that is being replaced, whatever the rate."""
@@ -603,14 +878,19 @@ class Replica(pb_grpc.RendezvousServicer):
         except ControlPlaneUnavailable as exc:
             log.warning("progress of epoch %d not recorded: %s", epoch, exc)
 
-    async def _write_progress(self, lead: _Leadership) -> None:
-        """The current view's last step, at most every progress_write_interval."""
-        epoch = lead.coordinator.view.epoch
-        if lead.step is None or (epoch, lead.step) == lead.step_written:
-            return
-        if self._clock() - lead.step_written_at < self._config.progress_write_interval:
-            return
-        await self._put_progress(lead, epoch, lead.step)
+    async def _record_progress(self, lead: _Leadership) -> None:
+        """The current view's last step, every progress_write_interval when
+        it changed. A write that etcd does not answer is retried with the
+        step current then, so the record is current again within an
+        interval of etcd answering (and of this replica leading again)."""
+        while True:
+            epoch = lead.coordinator.view.epoch
+            if lead.step is not None and (epoch, lead.step) != lead.step_written:
+                try:
+                    await self._put_progress(lead, epoch, lead.step)
+                except ControlPlaneUnavailable:
+                    pass  # the keep-alive says that etcd does not answer
+            await asyncio.sleep(self._config.progress_write_interval)
 
     # --- views seen by every replica -------------------------------------------
 
@@ -622,6 +902,7 @@ class Replica(pb_grpc.RendezvousServicer):
             self._observe_view(view)
 
     def _observe_view(self, view: View) -> None:
+        self._continuity.saw_epoch(view.epoch)
         if view.epoch <= self._latest_view.epoch and self._latest_view is not EMPTY_VIEW:
             return
         self._latest_view = view
@@ -633,13 +914,14 @@ class Replica(pb_grpc.RendezvousServicer):
         asyncio.ensure_future(notify())
 
     async def _poll_view_forever(self) -> None:
-        """Backstop for the etcd watch (which is lost while etcd is down)."""
+        """Backstop for the etcd watch (which is lost while etcd is down),
+        and the standby's memory of the job's record (``_remember``)."""
         while True:
             try:
                 lead = self._lead
                 if lead is None:
-                    view, _ = await self._etcd(self._store.read_view)
-                    self._observe_stored_view(view)
+                    record, position = await self._etcd(self._store.read_job)
+                    self._follow_record(record, position)
                 else:
                     await self._guard_view(lead)
             except ControlPlaneUnavailable:
@@ -668,7 +950,7 @@ class Replica(pb_grpc.RendezvousServicer):
         check.check_counter(epoch, "epoch")
         view = lead.coordinator.view
         if epoch > view.epoch:
-            raise InvalidRequest(f"epoch {epoch} is ahead of the committed epoch {view.epoch}")
+            raise self._ahead(lead, member_id, epoch)
         if lead.coordinator.knows(member_id):
             return
         if epoch < view.epoch:
@@ -757,6 +1039,7 @@ class Replica(pb_grpc.RendezvousServicer):
             )
             admission = admit(fingerprint, stored.fingerprint, activity)
             if admission.verdict is Verdict.MATCHES:
+                self._remember(fingerprint=fingerprint.as_dict())
                 return
             if admission.verdict is Verdict.REFUSE:
                 refusal = describe_mismatch(self._job, admission.differences)
@@ -764,6 +1047,7 @@ class Replica(pb_grpc.RendezvousServicer):
                 raise ConfigurationMismatch(refusal)
             if not await self._etcd(self._store.record_fingerprint, fingerprint, stored.revision):
                 continue  # another writer got in between: decide again
+            self._remember(fingerprint=fingerprint.as_dict())
             if admission.verdict is Verdict.REPLACE:
                 changes = (f"{d.name} {d.job} -> {d.joiner}" for d in admission.differences)
                 changed = ", ".join(changes)
@@ -864,6 +1148,7 @@ class Replica(pb_grpc.RendezvousServicer):
             if accepted:
                 log.info("checkpoint of step %d published by %s", manifest.step, manifest.writer)
                 self._events.checkpoint_step = manifest.step
+                self._remember(checkpoints=tuple(kept))
             return pb.PublishCheckpointResponse(
                 accepted=accepted, checkpoints=[manifest_to_pb(m) for m in kept]
             )
@@ -951,6 +1236,10 @@ class Replica(pb_grpc.RendezvousServicer):
         lead.sessions[request.member_id] = session
         lead.join_deadlines.pop(request.member_id, None)
         lead.detector.watch(request.member_id, now)
+        if request.member_id in lead.coordinator.awaiting:
+            lead.held_elsewhere.discard(request.member_id)
+            lead.coordinator.reconnected(request.member_id, now)
+            self._drain(lead)
         session.send(pb.SessionEvent(view=view_to_pb(lead.coordinator.view)))
         for other, (until, reason) in lead.busy.items():
             if other != request.member_id and until > now:

@@ -44,6 +44,7 @@ member, progress or checkpoint record is logged (once per value) and ignored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -60,6 +61,7 @@ from pyetcd.exceptions import NoServerAvailableError
 
 from membership.checkpoint import CheckpointManifest, record
 from membership.config import Config
+from membership.continuity import EtcdPosition
 from membership.errors import (
     ControlPlaneUnavailable,
     EtcdCredentialsRefused,
@@ -243,6 +245,30 @@ def _range_op(request: etcdrpc.RangeRequest) -> etcdrpc.RequestOp:
 def _first_kv(response: etcdrpc.TxnResponse, index: int) -> Any:
     kvs = response.responses[index].response_range.kvs
     return kvs[0] if kvs else None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What etcd holds of a job and a replica remembers, so that it can be
+    written back if etcd loses it (``EtcdStore.restore_job``)."""
+
+    view: View
+    #: The view key's mod_revision (0: absent), for a compare-and-swap.
+    view_revision: int
+    progress: tuple[int, int] | None
+    fingerprint: dict[str, str] | None
+    checkpoints: tuple[CheckpointManifest, ...]
+
+
+def _fingerprint(value: bytes) -> dict[str, str]:
+    """The fingerprint record ``value`` holds, or ``MalformedRecord``."""
+    try:
+        data = json.loads(value)
+        if not isinstance(data, dict):
+            raise InvalidRequest(f"a JSON {type(data).__name__}, not an object")
+        return check_fingerprint(data).as_dict()
+    except (ValueError, RecursionError, InvalidRequest) as exc:
+        raise MalformedRecord(str(exc)[:200] or type(exc).__name__) from None
 
 
 class EtcdStore:
@@ -505,6 +531,17 @@ class EtcdStore:
             raise MalformedRecord(
                 f"etcd holds a malformed view of job {self.job} at {kv.key.decode()} ({exc})"
             ) from None
+
+    def _checked(self, kv: Any, check: Callable[[bytes], T]) -> T | None:
+        """``check(kv.value)``, or None when ``kv`` is absent or malformed
+        (logged once per value)."""
+        if kv is None:
+            return None
+        try:
+            return check(kv.value)
+        except MalformedRecord as exc:
+            self._ignore(kv, exc)
+            return None
 
     def _ignore(self, kv: Any, why: MalformedRecord | str) -> None:
         """Log (once per value) that the record ``kv`` is ignored."""
@@ -954,6 +991,146 @@ class EtcdStore:
         response = self._kv_range(_range(self.prefix, prefix=True))
         return {kv.key.decode(): bytes(kv.value) for kv in response.kvs}
 
+    # --- outages and lost data ---------------------------------------------------
+    def reclaim_leadership(
+        self, replica_id: str, address: str, view_revision: int
+    ) -> LeaderInfo | None:
+        """Take the election again under a new lease after ours expired
+        while etcd could not be reached (or kept it alive): only if nobody
+        holds the leader key and the view key is still at ``view_revision``
+        (absent when 0), i.e. nobody led meanwhile. ``None`` otherwise."""
+        lease_id = self._grant(self._config.election_ttl)
+        leader = LeaderInfo(replica_id, address, lease_id)
+        value = _leader_value(leader)
+        if view_revision:
+            view_compare = _compare(self._view_key, "MOD", view_revision)
+        else:
+            view_compare = _compare(self._view_key, "CREATE", 0)
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(self._leader_key, "CREATE", 0), view_compare],
+            success=[_put_op(self._leader_key, value, lease_id)],
+            failure=[_range_op(_range(self._leader_key))],
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> bool:
+            response = self._txn_call(request, channel, timeout)
+            if response.succeeded:
+                return True
+            current = _first_kv(response, 0)
+            return retried and current is not None and current.value == value
+
+        if self._call(attempt):
+            return leader
+        with contextlib.suppress(ControlPlaneUnavailable):  # expires on its own
+            self._revoke(lease_id)
+        return None
+
+    def register_again(self, member: Member) -> MemberRecord:
+        """Record ``member`` again under a new lease: its old lease expired
+        (etcd could not keep it alive) or its record is gone, while the
+        member itself is alive. Replaces any record the id still has."""
+        _check_name("member id", member.id)
+        key = self._member_key(member.id)
+        value = _dumps({"address": member.address, "id": member.id})
+        lease_id = self._grant(self._config.member_lease_ttl)
+        request = etcdrpc.TxnRequest(
+            success=[_put_op(key, value, lease_id), _range_op(_range(key))]
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> Any:
+            return _first_kv(self._txn_call(request, channel, timeout), 1)
+
+        kv = self._call(attempt)
+        return MemberRecord(member, lease_id, int(kv.create_revision) if kv is not None else 0)
+
+    def write_progress_as(self, leader: LeaderInfo, epoch: int, step: int) -> bool:
+        """Record the last committed step reported for view ``epoch``, if
+        the leader key still holds ``leader`` (a deposed leader's late write
+        must not replace its successor's). False if it does not."""
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(self._leader_key, "VALUE", _leader_value(leader))],
+            success=[_put_op(self._progress_key, _dumps({"epoch": epoch, "step": step}))],
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> bool:
+            return bool(self._txn_call(request, channel, timeout).succeeded)
+
+        return self._call(attempt)
+
+    def read_job(self) -> tuple[JobRecord, EtcdPosition]:
+        """The job's record (view, progress, fingerprint, checkpoints) and
+        etcd's position, read at one revision. Malformed values are logged
+        and left out (a malformed view counts as none)."""
+        request = etcdrpc.TxnRequest(
+            success=[
+                _range_op(_range(self._view_key)),
+                _range_op(_range(self._progress_key)),
+                _range_op(_range(self._fingerprint_key)),
+                _range_op(_range(self._checkpoints_key)),
+            ]
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> Any:
+            return self._txn_call(request, channel, timeout)
+
+        response = self._call(attempt)
+        kvs = [_first_kv(response, i) for i in range(4)]
+        view, view_revision = EMPTY_VIEW, 0
+        if kvs[0] is not None:
+            # A malformed view is never "no view": MalformedRecord (the
+            # replica refuses to lead on it, ``records.check_view``).
+            view, view_revision = self._checked_view(kvs[0]), int(kvs[0].mod_revision)
+        progress = self._checked(kvs[1], records.check_progress)
+        fingerprint = self._checked(kvs[2], _fingerprint)
+        checkpoints: list[CheckpointManifest] | None = None
+        if kvs[3] is not None:
+            try:
+                checkpoints, skipped = records.check_checkpoints(kvs[3].value, self._config)
+                if skipped:
+                    self._ignore(kvs[3], "; ".join(skipped)[:300])
+            except MalformedRecord as exc:
+                self._ignore(kvs[3], exc)
+        record = JobRecord(view, view_revision, progress, fingerprint, tuple(checkpoints or ()))
+        header = response.header
+        return record, EtcdPosition(int(header.cluster_id), int(header.revision), view.epoch)
+
+    def restore_job(self, record: JobRecord, found_revision: int, leader: LeaderInfo) -> int | None:
+        """Write ``record`` back into an etcd that lost it: one transaction,
+        only if the leader key holds ``leader`` (the caller leads) and the
+        view key is still at ``found_revision`` (what the caller found there;
+        0: absent). Returns the view's new mod_revision, or ``None`` when a
+        comparison failed and nothing was written."""
+        if found_revision:
+            view_compare = _compare(self._view_key, "MOD", found_revision)
+        else:
+            view_compare = _compare(self._view_key, "CREATE", 0)
+        value = record.view.to_json().encode()
+        puts = [_put_op(self._view_key, value)]
+        if record.progress is not None:
+            epoch, step = record.progress
+            puts.append(_put_op(self._progress_key, _dumps({"epoch": epoch, "step": step})))
+        if record.fingerprint is not None:
+            puts.append(_put_op(self._fingerprint_key, _dumps(record.fingerprint)))
+        if record.checkpoints:
+            manifests = [m.to_dict() for m in record.checkpoints]
+            puts.append(_put_op(self._checkpoints_key, _dumps(manifests)))
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(self._leader_key, "VALUE", _leader_value(leader)), view_compare],
+            success=puts,
+            failure=[_range_op(_range(self._view_key))],
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> int | None:
+            response = self._txn_call(request, channel, timeout)
+            if response.succeeded:
+                return int(response.header.revision)
+            current = _first_kv(response, 0)
+            if retried and current is not None and current.value == value:
+                return int(current.mod_revision)  # an earlier attempt of ours landed
+            return None
+
+        return self._call(attempt)
+
 
 class _KeyWatch:
     """Follows one key from a start revision in a thread of its own.
@@ -1063,6 +1240,18 @@ class _KeyWatch:
                             endpoint,
                             self._next_revision,
                         )
+                    if int(response.header.revision) + 1 < self._next_revision:
+                        # etcd's history went back (its data was lost or
+                        # restored from a backup): the revision we wait for
+                        # may never come. Start again from what it holds.
+                        _log.warning(
+                            "etcd's revision went back to %d under the watch on %s (it "
+                            "expected %d): following it from there",
+                            response.header.revision, self._key.decode(), self._next_revision,
+                        )  # fmt: skip
+                        self._next_revision = 0
+                        self._resync()
+                        return established
                 if response.compact_revision:
                     self._resync()
                     return established

@@ -21,6 +21,7 @@ from membership.errors import (
     ControlPlaneUnavailable,
     Evicted,
     InvalidRequest,
+    JobRecordLost,
     NoSuchJob,
     NotAMember,
     NotLeader,
@@ -67,6 +68,7 @@ STATUS_OF: dict[type[RollcallError], grpc.StatusCode] = {
     StaleEpoch: grpc.StatusCode.FAILED_PRECONDITION,
     Evicted: grpc.StatusCode.FAILED_PRECONDITION,
     ConfigurationMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    JobRecordLost: grpc.StatusCode.FAILED_PRECONDITION,
     Oversized: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotAMember: grpc.StatusCode.NOT_FOUND,
     NoSuchJob: grpc.StatusCode.NOT_FOUND,
@@ -86,6 +88,7 @@ def status_of(error: RollcallError) -> grpc.StatusCode:
 #: name in ``ERROR_METADATA``, so that the client raises the right one.
 NAMED_BY_METADATA: dict[str, type[RollcallError]] = {
     "ConfigurationMismatch": ConfigurationMismatch,
+    "JobRecordLost": JobRecordLost,
 }
 
 

@@ -40,6 +40,9 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 #: ``rollcall worker``: its settings differ from its job's (ConfigurationMismatch).
 EXIT_MISMATCH = 5
+#: ``rollcall worker``: etcd lost the job's data and no replica remembered it
+#: (JobRecordLost): the worker cannot rejoin under its old id.
+EXIT_RECORD_LOST = 6
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
@@ -991,7 +994,13 @@ def worker(
     setup_logging(log_level)
     import torch
 
-    from membership.errors import CannotResume, ConfigurationMismatch, Evicted, UnsafeFenceWindow
+    from membership.errors import (
+        CannotResume,
+        ConfigurationMismatch,
+        Evicted,
+        JobRecordLost,
+        UnsafeFenceWindow,
+    )
     from worker.examples.lm import LMConfig, build, loss_sum
     from worker.runtime import Elastic
     from worker.state import capture, digest
@@ -1052,6 +1061,8 @@ def worker(
         fail(f"evicted from job {job}: {exc}; this worker's state is stale, start it again", 3)
     except CannotResume as exc:
         fail(f"job {job} cannot resume: {exc}", 4)
+    except JobRecordLost as exc:
+        fail(f"job {job}: {exc}", EXIT_RECORD_LOST)
     except UnsafeFenceWindow as exc:
         fail(f"left job {job} at once: {exc}", EXIT_MISMATCH)
     except ConfigurationMismatch as exc:

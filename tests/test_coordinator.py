@@ -641,6 +641,59 @@ def test_wakeup_after_commit_is_the_deferred_join_settle() -> None:
     assert coordinator.next_wakeup() == 0.2 + SETTLE
 
 
+# --- a new leader waiting for the view's members -------------------------------------
+
+
+def adopted(*member_ids: str, awaiting: tuple[str, ...]) -> Coordinator:
+    """A new leader's coordinator: view 1 of ``member_ids``, not yet heard
+    from ``awaiting``."""
+    view = View(1, tuple(worker(i) for i in member_ids))
+    return Coordinator(CONFIG, view, now=0.0, awaiting=awaiting)
+
+
+def test_no_rollcall_starts_while_a_member_of_the_view_has_not_reconnected() -> None:
+    coordinator = adopted("a", "b", awaiting=("a", "b"))
+    coordinator.reconnected("a", 0.1)
+
+    coordinator.join(worker("c"), 0.2)
+    coordinator.tick(10.0)
+
+    assert coordinator.rollcall is None and coordinator.take_actions() == []
+    assert coordinator.awaiting == {"b"}
+    assert coordinator.next_wakeup() is None
+
+
+def test_rollcall_starts_once_the_last_member_reconnects_and_calls_everyone() -> None:
+    coordinator = adopted("a", "b", awaiting=("a", "b"))
+    coordinator.join(worker("c"), 0.2)
+    coordinator.reconnected("a", 0.3)
+
+    coordinator.reconnected("b", 0.4)
+
+    actions = coordinator.take_actions()
+    assert actions == [RequestAnswers(2, ("a", "b", "c"))]
+
+
+@pytest.mark.parametrize("depart", ["leave", "suspect"])
+def test_a_member_not_reconnected_that_departs_ends_the_wait(depart: str) -> None:
+    coordinator = adopted("a", "b", awaiting=("b",))
+
+    getattr(coordinator, depart)("b", 0.5)
+
+    assert coordinator.awaiting == frozenset()
+    rollcall = coordinator.rollcall
+    assert rollcall is not None and [c.id for c in rollcall.candidates] == ["a"]
+
+
+def test_awaiting_ids_outside_the_view_are_ignored() -> None:
+    coordinator = adopted("a", awaiting=("z",))
+
+    coordinator.join(worker("c"), 0.0)
+    coordinator.tick(SETTLE)
+
+    assert coordinator.awaiting == frozenset() and coordinator.rollcall is not None
+
+
 # --- plan_resume on its own --------------------------------------------------------
 
 

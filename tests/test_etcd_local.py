@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -20,9 +21,11 @@ from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 from pyetcd.exceptions import Etcd3Exception
 
 from rendezvous.etcd_local import (
+    AUTO_COMPACTION_RETENTION,
     EtcdServerTLS,
     LocalEtcd,
     LocalEtcdCluster,
+    etcd_flags,
     free_port,
     running_etcd_children,
 )
@@ -255,3 +258,36 @@ def test_servers_left_running_are_killed_at_exit() -> None:
     assert all(wait_until_dead(int(pid)) for pid in pids)
     assert not Path(single_dir).exists()
     assert not Path(cluster_dir).exists()
+
+
+def test_flags_configure_periodic_auto_compaction_and_the_quota(tmp_path: Path) -> None:
+    flags = etcd_flags("m", tmp_path, "http://a:1", "http://a:2", "m=http://a:2", "t", alone=True)
+
+    assert "--auto-compaction-mode=periodic" in flags
+    assert f"--auto-compaction-retention={AUTO_COMPACTION_RETENTION}" in flags
+    assert "--quota-backend-bytes=2147483648" in flags
+
+
+@pytest.mark.integration
+def test_started_server_compacts_its_history_by_itself() -> None:
+    etcdctl = shutil.which("etcdctl")
+    assert etcdctl is not None, "etcdctl is missing: apt-get install etcd-client"
+    with LocalEtcd(compaction_retention="1s") as server:
+
+        def ctl(*args: str) -> subprocess.CompletedProcess[str]:
+            argv = [etcdctl, f"--endpoints={server.endpoint}", *args]
+            env = {**os.environ, "ETCDCTL_API": "3"}
+            return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=10)
+
+        for value in range(5):
+            assert ctl("put", "k", str(value)).returncode == 0
+        first = ctl("get", "k", "--rev=2")
+        assert first.returncode == 0 and "0" in first.stdout
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            old = ctl("get", "k", "--rev=2")
+            if old.returncode != 0:
+                break
+            ctl("put", "k", "again")  # compaction needs revisions to compact to
+            time.sleep(0.5)
+        assert "compacted" in old.stderr, (old.returncode, old.stdout, old.stderr)

@@ -42,7 +42,7 @@ import grpc
 import torch
 from torch.distributed import ReduceOp
 
-from membership.checkpoint import CheckpointManifest, ReplayCost
+from membership.checkpoint import FILE_PATTERN, CheckpointManifest, ReplayCost
 from membership.config import Config
 from membership.errors import (
     ControlPlaneUnavailable,
@@ -1008,6 +1008,29 @@ class Elastic:
             self._client.publish_checkpoint(manifest), timeout=self._config.client_call_deadline
         )
 
+    def _refuse_orphaned_checkpoints(self) -> None:
+        """etcd holds no record of the job (no progress, no manifest) but
+        this worker's checkpoint directory holds checkpoint files: etcd most
+        likely lost the job's data, and starting at step 0 would silently
+        discard (and later overwrite) them. ``ProgressLost`` unless
+        ``start_over``."""
+        if self.checkpoints is None or self._start_over:
+            return
+        directory = self.checkpoints.directory
+        try:
+            names = [p.name for p in directory.iterdir()]
+        except OSError:
+            return
+        steps = sorted(int(m.group(1)) for n in names if (m := FILE_PATTERN.fullmatch(n)))
+        if steps:
+            raise ProgressLost(
+                f"job {self.job_name} has no record in etcd (no progress, no checkpoint "
+                f"manifest), but {directory} holds {len(steps)} checkpoint files (newest: step "
+                f"{steps[-1]}): etcd probably lost the job's data. Starting at step 0 would "
+                "silently discard them. Restore etcd from a backup, or start over on purpose "
+                "with start_over=True (rollcall worker --start-over) or a new job name"
+            )
+
     def _resume_from_checkpoint(self, view: View) -> None:
         """No member of ``view`` holds any state: load the newest usable
         durable checkpoint, if the job has one, and report the replay cost.
@@ -1018,6 +1041,7 @@ class Elastic:
         status = self._remote(self._client.status(), f"epoch {view.epoch}: reading checkpoints")
         if not status.checkpoints:
             if status.last_step is None:
+                self._refuse_orphaned_checkpoints()
                 return  # a new job: step 0 is where it starts
             if not self._start_over:
                 raise ProgressLost(

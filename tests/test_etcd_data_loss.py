@@ -1,0 +1,148 @@
+"""etcd loses the job's data while workers train: real etcd killed, its data
+directory wiped, started again empty; a real `rollcall rendezvous` replica;
+real `rollcall worker` processes.
+
+What must hold (docs/protocol.md, "etcd lost its data"): the replica that
+led the job notices (the job's view epoch or etcd's revision went back, or
+the cluster id changed), says so in one clear line, and writes back what it
+remembers (view, progress, fingerprint, checkpoint manifests), so that the
+workers train on in the same view and nobody restarts from step 0. When no
+replica remembers (it lost its memory too), a worker exits with the
+documented code 6 and one line saying that etcd lost the job's data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from membership.config import Config
+from rendezvous.etcd_local import LocalEtcd
+from rendezvous.store import EtcdStore
+from tests.harness import ControlPlane, ReplicaProcess, WorkerProcess, wait_for
+
+pytestmark = pytest.mark.integration
+
+PATIENCE = 60.0
+SETTINGS = ("member_lease_ttl=6", "election_ttl=2", "takeover_grace=2.0")
+LOSS_LINE = "etcd lost job"
+
+
+@pytest.fixture
+def team(etcd: LocalEtcd, tmp_path: Path) -> Iterator[tuple[ControlPlane, list[WorkerProcess]]]:
+    plane = ControlPlane([etcd.endpoint], tmp_path, settings=SETTINGS)
+    workers: list[WorkerProcess] = []
+    try:
+        for index in range(3):
+            workers.append(WorkerProcess(plane, tmp_path / f"worker{index}.log", steps=1_000_000))
+        for worker in workers:
+            worker.wait_event(lambda e: e["event"] == "step" and e["world"] == 3, timeout=PATIENCE)
+        yield plane, workers
+    finally:
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                worker.stop(timeout=20)
+        plane.close()
+
+
+def _last_step(worker: WorkerProcess) -> int:
+    return max(e["step"] for e in worker.steps())
+
+
+def _wipe(etcd: LocalEtcd) -> None:
+    etcd.kill()
+    etcd.wipe_data()
+    etcd.start()
+
+
+@pytest.mark.timeout(180)
+def test_etcd_wiped_the_leader_writes_the_job_back_and_training_goes_on(
+    team: tuple[ControlPlane, list[WorkerProcess]], etcd: LocalEtcd
+) -> None:
+    plane, workers = team
+    ids = {w.member_id for w in workers}
+    epoch = plane.status_json()["epoch"]
+    # Let the progress record be written at least once.
+    time.sleep(2.0)
+    before = [_last_step(w) for w in workers]
+    _wipe(etcd)
+    wiped = time.monotonic()
+    replica = plane.replicas[0]
+
+    def said() -> list[str]:
+        return [line for line in replica.log_path.read_text().splitlines() if LOSS_LINE in line]
+
+    wait_for(lambda: said(), "the replica says etcd lost the job's data", PATIENCE)
+    print(f"\n  said after {time.monotonic() - wiped:.1f} s: {said()[0][-240:]}")
+    with EtcdStore([etcd.endpoint], plane.job, Config()) as store:
+
+        def restored() -> bool:
+            view, _ = store.read_view()
+            progress = store.read_progress()
+            return view.epoch >= epoch and progress is not None
+
+        wait_for(restored, "the view and progress written back", PATIENCE)
+        view, _ = store.read_view()
+        assert {m.id for m in view.members} == ids
+        progress = store.read_progress()
+        assert progress is not None and progress[1] >= min(before)
+    # Training goes on, in the same members, never from step 0.
+    time.sleep(5.0)
+    for worker, first in zip(workers, before, strict=True):
+        assert worker.proc.poll() is None, f"{worker.member_id} exited: {worker.log_tail()}"
+        after = [e["step"] for e in worker.steps()]
+        assert _last_step(worker) > first + 5
+        assert after == sorted(after), "a worker's steps went back"
+    status = plane.status_json()
+    assert {m["id"] for m in status["members"]} == ids
+    assert status["epoch"] >= epoch
+    assert len(said()) == 1, said()
+
+
+@pytest.mark.timeout(240)
+def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_nobody_restarts_at_0(
+    etcd: LocalEtcd, tmp_path: Path
+) -> None:
+    plane = ControlPlane([etcd.endpoint], tmp_path, settings=SETTINGS)
+    checkpoints = tmp_path / "ckpt"
+    extra = ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "5"]
+    workers: list[WorkerProcess] = []
+    try:
+        for index in range(2):
+            workers.append(
+                WorkerProcess(plane, tmp_path / f"w{index}.log", steps=1_000_000, extra=extra)
+            )
+        wait_for(lambda: plane.status_json()["checkpoints"], "a checkpoint", PATIENCE)
+        # Every replica and etcd's data are lost; a replica comes back on the
+        # same address and etcd comes back empty.
+        old = plane.replicas[0]
+        port = int(old.address.rsplit(":", 1)[1])
+        old.kill()
+        _wipe(etcd)
+        plane.replicas[0] = ReplicaProcess(
+            plane.etcd, plane.job, plane.token_file, port, tmp_path / "replica-again.log",
+            plane.settings,
+        )  # fmt: skip
+        for worker in workers:
+            assert worker.proc.wait(timeout=PATIENCE) == 6, worker.log_tail()
+            errors = [line for line in worker.log_tail(40).splitlines() if "error:" in line]
+            assert len(errors) == 1 and "etcd lost the job's data" in errors[0], errors
+            assert "is ahead of the committed epoch" not in worker.log_path.read_text()
+        print(f"\n  {errors[0][:300]}")
+        # A new worker with the same checkpoint directory refuses to start
+        # the job at step 0 (exit 4), naming the files and what happened.
+        late = WorkerProcess(plane, tmp_path / "late.log", extra=extra, wait_joined=False)
+        workers.append(late)
+        assert late.proc.wait(timeout=PATIENCE) == 4, late.log_tail()
+        assert "etcd probably lost the job's data" in late.log_tail(), late.log_tail()
+        assert not late.steps(), "the new worker trained from step 0"
+        print(f"  {late.log_tail(1)[:300]}")
+    finally:
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                worker.stop(timeout=20)
+        plane.close()
