@@ -27,6 +27,7 @@ from membership.errors import (
     NoSuchJob,
     NotAMember,
     NotLeader,
+    PermissionDenied,
     RollcallError,
     StaleEpoch,
     Unauthenticated,
@@ -114,6 +115,8 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
     code, message = error.code(), error.details() or ""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return Unauthenticated(message)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDenied(message)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -153,6 +156,9 @@ class RendezvousClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._leader_hint: str | None = None
         self.member_id: str | None = None
+        #: The member's credential from the Join answer: every later call
+        #: naming the member carries it.
+        self._member_secret = ""
         self._view = EMPTY_VIEW
         self._view_changed = asyncio.Event()
         self._heartbeat_interval = self._config.heartbeat_interval
@@ -318,6 +324,7 @@ class RendezvousClient:
             "Join", request, leader_only=True, patience=self._config.join_deadline
         )
         self.member_id = response.member_id
+        self._member_secret = response.member_secret
         bound = response.earliest_suspicion_s
         if bound and self._config.fence_window >= bound:
             self._view = view_from_pb(response.view)
@@ -403,6 +410,7 @@ class RendezvousClient:
                 member_id=self.member_id,
                 epoch=self._view.epoch,
                 checkpoint=manifest_to_pb(manifest),
+                member_secret=self._member_secret,
             ),
             leader_only=True,
         )
@@ -416,7 +424,10 @@ class RendezvousClient:
         try:
             await self._call(
                 "Leave",
-                pb.LeaveRequest(job=self._job, member_id=self.member_id, epoch=self._view.epoch),
+                pb.LeaveRequest(
+                    job=self._job, member_id=self.member_id, epoch=self._view.epoch,
+                    member_secret=self._member_secret,
+                ),  # fmt: skip
                 leader_only=True,
             )
         finally:
@@ -507,8 +518,9 @@ class RendezvousClient:
                 await call.write(
                     pb.SessionRequest(
                         open=pb.Open(
-                            job=self._job, member_id=self.member_id, epoch=self._view.epoch
-                        )
+                            job=self._job, member_id=self.member_id, epoch=self._view.epoch,
+                            member_secret=self._member_secret,
+                        )  # fmt: skip
                     )
                 )
                 event = await call.read()

@@ -23,6 +23,7 @@ import grpc
 
 from membership.config import Config
 from membership.coordinator import CommitView, Coordinator, RequestAnswers
+from membership.credentials import SECRET_BYTES, secret_hash, secret_matches
 from membership.detector import FailureDetector
 from membership.errors import (
     ConfigurationMismatch,
@@ -32,6 +33,7 @@ from membership.errors import (
     NoSuchJob,
     NotAMember,
     NotLeader,
+    PermissionDenied,
     RollcallError,
     StaleEpoch,
 )
@@ -590,6 +592,16 @@ class Replica(pb_grpc.RendezvousServicer):
             )
         raise NotAMember(f"member {member_id!r} is not a member of job {self._job}")
 
+    def _authenticate(self, lead: _Leadership, member_id: str, presented: str) -> None:
+        """Refuse a request naming ``member_id`` that does not carry its
+        member secret (checked against the hash in its record)."""
+        record = lead.records.get(member_id)
+        if record is None or not secret_matches(presented, record.secret_hash):
+            raise PermissionDenied(
+                f"request for member {member_id} without its member secret: refused "
+                "(a member's calls carry the secret its Join answer gave it)"
+            )
+
     async def _abort(self, context: grpc.aio.ServicerContext, error: RollcallError) -> None:
         metadata = error_metadata(error)
         if isinstance(error, NotLeader):
@@ -620,26 +632,29 @@ class Replica(pb_grpc.RendezvousServicer):
             fingerprint = check.check_fingerprint(request.fingerprint)
             member = Member(f"{name[: self._config.max_id_length - 9]}-{secrets.token_hex(4)}",
                             request.address)  # fmt: skip
+            secret = secrets.token_hex(SECRET_BYTES)
             lead = self._leader()
             if fingerprint is None:  # not checked: operator tools, lightweight members
-                await self._enrol(lead, member)
+                await self._enrol(lead, member, secret)
             else:
                 async with self._admitting:
                     await self._admit(lead, fingerprint, request.address)
-                    await self._enrol(lead, member)
+                    await self._enrol(lead, member, secret)
             log.info("join %s at %s", member.id, request.address)
             return pb.JoinResponse(
                 member_id=member.id,
                 view=view_to_pb(lead.coordinator.view),
                 heartbeat_interval_ms=round(self._config.heartbeat_interval * 1000),
                 earliest_suspicion_s=self._config.earliest_suspicion(),
+                member_secret=secret,
             )
         except RollcallError as error:
             await self._abort(context, error)
 
-    async def _enrol(self, lead: _Leadership, member: Member) -> None:
-        """Record a joiner in etcd and hand it to the coordinator."""
-        record = await self._etcd(self._store.add_member, member)
+    async def _enrol(self, lead: _Leadership, member: Member, secret: str) -> None:
+        """Record a joiner (with the hash of its secret) in etcd and hand it
+        to the coordinator."""
+        record = await self._etcd(self._store.add_member, member, secret_hash(secret))
         if lead.lost.is_set():
             raise NotLeader("replica lost leadership during the join")
         now = self._clock()
@@ -695,6 +710,7 @@ class Replica(pb_grpc.RendezvousServicer):
             check.check_id(request.member_id, "member_id", self._config)
             lead = self._leader()
             self._fence(lead, request.member_id, request.epoch)
+            self._authenticate(lead, request.member_id, request.member_secret)
             now = self._clock()
             lead.coordinator.leave(request.member_id, now)
             self._events.cause(now, "leave")
@@ -758,6 +774,7 @@ class Replica(pb_grpc.RendezvousServicer):
             check.check_counter(manifest.step, "checkpoint step")
             lead = self._leader()
             self._fence(lead, request.member_id, request.epoch)
+            self._authenticate(lead, request.member_id, request.member_secret)
             view = lead.coordinator.view
             if request.epoch != view.epoch or request.member_id not in view:
                 raise StaleEpoch(
@@ -853,6 +870,7 @@ class Replica(pb_grpc.RendezvousServicer):
         check.check_id(request.member_id, "member_id", self._config)
         lead = self._leader()
         self._fence(lead, request.member_id, request.epoch)
+        self._authenticate(lead, request.member_id, request.member_secret)
         now = self._clock()
         old = lead.sessions.pop(request.member_id, None)
         if old is not None:

@@ -5,7 +5,8 @@ with ``etcdctl get --prefix /rollcall/jobs/``::
 
     view            the committed view (``View.to_json``)
     leader          {"address", "lease_id", "replica_id"}, tied to the leader's lease
-    members/<id>    {"address", "id"}, each tied to its own lease
+    members/<id>    {"address", "id", "secret_sha256"}, each tied to its own
+                    lease (the hash of the member's secret, ``membership.credentials``)
     progress        {"epoch", "step"}: last committed step reported for the view
     checkpoints     [manifest, ...]: durable checkpoints, newest first
                     (``membership.checkpoint.CheckpointManifest``)
@@ -49,6 +50,7 @@ from pyetcd.exceptions import NoServerAvailableError
 
 from membership.checkpoint import CheckpointManifest, record
 from membership.config import Config
+from membership.credentials import is_secret_text
 from membership.errors import ControlPlaneUnavailable, InvalidRequest
 from membership.fingerprint import JobFingerprint, check_fingerprint
 from membership.view import EMPTY_VIEW, Member, View
@@ -130,6 +132,10 @@ class MemberRecord:
     lease_id: int
     #: etcd revision at which the record was created: orders joiners by arrival.
     create_revision: int
+    #: Hash of the member's secret (``membership.credentials.secret_hash``);
+    #: "" when the record holds none or a malformed one: nothing then proves
+    #: a request to be the member's.
+    secret_hash: str = ""
 
 
 @dataclass(frozen=True)
@@ -482,15 +488,16 @@ class EtcdStore:
     def _member_key(self, member_id: str) -> bytes:
         return self._members_prefix + member_id.encode()
 
-    def add_member(self, member: Member) -> MemberRecord:
-        """Record ``member`` under a new lease of ``config.member_lease_ttl``.
+    def add_member(self, member: Member, secret_hash: str = "") -> MemberRecord:
+        """Record ``member`` (and the hash of its secret) under a new lease of
+        ``config.member_lease_ttl``.
 
         A member id holds one record at a time: adding an id that already has
         a record raises :class:`InvalidRequest` (remove it first).
         """
         _check_name("member id", member.id)
         key = self._member_key(member.id)
-        value = _dumps({"address": member.address, "id": member.id})
+        value = _dumps({"address": member.address, "id": member.id, "secret_sha256": secret_hash})
         lease_id = self._grant(self._config.member_lease_ttl)
         request = etcdrpc.TxnRequest(
             compare=[_compare(key, "CREATE", 0)],
@@ -511,7 +518,7 @@ class EtcdStore:
         if kv is None:
             self._revoke(lease_id)
             raise InvalidRequest(f"member {member.id!r} already has a record in job {self.job!r}")
-        return MemberRecord(member, lease_id, int(kv.create_revision))
+        return MemberRecord(member, lease_id, int(kv.create_revision), secret_hash)
 
     def list_members(self) -> list[MemberRecord]:
         """Every member record, oldest first (by create_revision)."""
@@ -527,7 +534,9 @@ class EtcdStore:
         for kv in response.kvs:
             data = json.loads(kv.value)
             member = Member(str(data["id"]), str(data["address"]))
-            records.append(MemberRecord(member, int(kv.lease), int(kv.create_revision)))
+            secret = data.get("secret_sha256")
+            secret = secret if isinstance(secret, str) and is_secret_text(secret) else ""
+            records.append(MemberRecord(member, int(kv.lease), int(kv.create_revision), secret))
         return records
 
     def remove_member(self, member_id: str, lease_id: int) -> None:

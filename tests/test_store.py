@@ -13,6 +13,7 @@ import pytest
 
 from membership.checkpoint import CheckpointManifest
 from membership.config import Config
+from membership.credentials import secret_hash
 from membership.errors import ControlPlaneUnavailable, InvalidRequest
 from membership.fingerprint import JobFingerprint
 from membership.view import EMPTY_VIEW, Member, View
@@ -219,6 +220,20 @@ def test_members_are_listed_in_arrival_order(store: EtcdStore) -> None:
     revisions = [r.create_revision for r in records]
     assert revisions == sorted(revisions) and len(set(revisions)) == 3
     assert len({r.lease_id for r in records}) == 3
+
+
+def test_a_members_secret_hash_is_kept_in_its_record(store: EtcdStore) -> None:
+    """The hash of the member's secret travels with its record, so that any
+    replica leading later can check the member's requests; a value that is
+    no such hash (a hand-written record) reads as none, which proves nothing."""
+    hashed = secret_hash("s" * 64)
+    written = store.add_member(Member("a", "127.0.0.1:1"), hashed)
+    store.add_member(Member("b", "127.0.0.1:2"), "not a hash")
+
+    records = {r.member.id: r for r in store.list_members()}
+
+    assert records["a"] == written and records["a"].secret_hash == hashed
+    assert records["b"].secret_hash == ""
 
 
 def test_add_member_returns_its_record(store: EtcdStore, config: Config) -> None:

@@ -1,0 +1,150 @@
+"""A malicious holder of the job token, against a real etcd, a real replica
+and real workers (findings 9 and 10 of issue 12): member ids are not
+credentials, roll-call answers are claims, and a worker's state and the
+view's bootstrap store are for the view's members only.
+
+Each test names what an attacker tried and checks that it was refused and
+changed nothing: the view, the members' places, what the workers train."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+
+from membership.view import View
+from rendezvous.wire import token_metadata, view_from_pb
+from rollcall.pb import rendezvous_pb2 as pb
+from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
+from tests.harness import ControlPlane, MemberProcess, WorkerProcess, wait_for
+
+Code = grpc.StatusCode
+
+#: Generous bound for "training goes on" waits on a loaded 2-core machine.
+PATIENCE = 60.0
+#: How long the floods below go on.
+FLOOD_SECONDS = 10.0
+
+
+def status(plane: ControlPlane) -> pb.StatusResponse:
+    async def ask() -> pb.StatusResponse:
+        async with grpc.aio.insecure_channel(plane.addresses[0]) as channel:
+            return await pb_grpc.RendezvousStub(channel).Status(
+                pb.StatusRequest(job=plane.job), metadata=token_metadata(plane.token), timeout=10
+            )
+
+    return asyncio.run(ask())
+
+
+def settled_view(plane: ControlPlane, members: int | None = None) -> View:
+    """The committed view once no roll call runs (and, if given, once it
+    has ``members`` members)."""
+
+    def ready() -> View | None:
+        response = status(plane)
+        view = view_from_pb(response.view)
+        settled = response.rollcall_epoch == 0 and members in (None, view.size)
+        return view if settled else None
+
+    view: View = wait_for(ready, f"a settled view of {members or 'any size'}", timeout=PATIENCE)
+    return view
+
+
+def two_members(plane: ControlPlane) -> tuple[MemberProcess, MemberProcess]:
+    first, second = plane.add_member("a"), plane.add_member("b")
+    both = {first.member_id, second.member_id}
+    for member in (first, second):
+        member.wait_event(lambda e: e["event"] == "view" and both <= set(e["members"]), 30)
+    return first, second
+
+
+def wait_step(worker: WorkerProcess, predicate: Any, timeout: float = PATIENCE) -> dict[str, Any]:
+    return worker.wait_event(lambda e: e["event"] == "step" and predicate(e), timeout)
+
+
+# --- member ids are not credentials ---------------------------------------------------
+
+
+def test_a_leave_naming_a_member_without_its_secret_is_refused_and_evicts_nobody(
+    control_plane: ControlPlane,
+) -> None:
+    """Finding 10: with the token, a forged Leave evicted a healthy member."""
+    first, second = two_members(control_plane)
+    before = settled_view(control_plane, 2)
+
+    async def forged_leave() -> grpc.aio.AioRpcError | None:
+        async with grpc.aio.insecure_channel(control_plane.addresses[0]) as channel:
+            try:
+                await pb_grpc.RendezvousStub(channel).Leave(
+                    pb.LeaveRequest(job=control_plane.job, member_id=first.member_id,
+                                    epoch=before.epoch),
+                    metadata=token_metadata(control_plane.token), timeout=10,
+                )  # fmt: skip
+            except grpc.aio.AioRpcError as error:
+                return error
+            return None
+
+    refused = asyncio.run(forged_leave())
+    time.sleep(1.0)  # a roll call (50 ms settle, then answers) would be over by now
+    after = settled_view(control_plane)
+
+    assert refused is not None, "a Leave naming another member was accepted"
+    assert refused.code() == Code.PERMISSION_DENIED, refused.details()
+    assert "secret" in (refused.details() or "")
+    assert after == before
+    assert first.proc.poll() is None and not [e for e in first.views() if e["epoch"] > after.epoch]
+
+
+def test_a_session_opened_under_a_members_id_is_refused_and_its_reports_start_nothing(
+    control_plane: ControlPlane,
+) -> None:
+    """Finding 10: a session opened under member 0's id, sending failure
+    reports in a loop, forced 171 view changes in 20 s."""
+    first, second = two_members(control_plane)
+    before = settled_view(control_plane, 2)
+
+    async def flood() -> tuple[grpc.aio.AioRpcError | None, int]:
+        md = token_metadata(control_plane.token)
+        async with grpc.aio.insecure_channel(control_plane.addresses[0]) as channel:
+            call = pb_grpc.RendezvousStub(channel).Session(metadata=md, timeout=FLOOD_SECONDS + 5)
+            opening = pb.Open(job=control_plane.job, member_id=first.member_id, epoch=before.epoch)
+            epoch, sent = before.epoch, 0
+
+            async def read_views() -> None:
+                nonlocal epoch
+                async for event in call:
+                    if event.HasField("view"):
+                        epoch = max(epoch, event.view.epoch)
+
+            try:
+                await call.write(pb.SessionRequest(open=opening))
+                reader = asyncio.ensure_future(read_views())
+                deadline = time.monotonic() + FLOOD_SECONDS
+                while time.monotonic() < deadline and not reader.done():
+                    report = pb.FailureReport(epoch=epoch, peer_id=second.member_id,
+                                              reason="reset by peer")  # fmt: skip
+                    await call.write(pb.SessionRequest(failure=report))
+                    sent += 1
+                    await asyncio.sleep(0.01)
+                if not reader.done():
+                    call.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+                await call.code()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass
+            code = await call.code()
+            if code == Code.PERMISSION_DENIED:
+                return grpc.aio.AioRpcError(code, None, None, await call.details()), sent
+            return None, sent
+
+    refused, sent = asyncio.run(flood())
+    after = settled_view(control_plane)
+    print(f"\n{sent} reports sent, {after.epoch - before.epoch} view changes")
+
+    assert refused is not None, (
+        f"a session under another member's id was accepted: {sent} reports forced "
+        f"{after.epoch - before.epoch} view changes"
+    )
+    assert after == before
