@@ -21,12 +21,14 @@ One roll call at a time:
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from membership.config import Config
 from membership.errors import InvalidRequest, NotAMember, StaleEpoch
+from membership.ratelimit import Admission, ReportLimiter
 from membership.view import Member, View
 
 
@@ -60,6 +62,15 @@ class CommitView:
 
 
 Action = RequestAnswers | CommitView
+
+
+class ReportOutcome(enum.Enum):
+    """What became of a member's failure report (``Coordinator.report``)."""
+
+    ROLL_CALL = "a roll call is held"
+    NOT_NEEDED = "no roll call: not a member of the view in force, or a view change is under way"
+    LIMITED = "ignored: the reporter is over its limit (first refusal since it was within it)"
+    STILL_LIMITED = "ignored: the reporter is still over its limit"
 
 
 @dataclass
@@ -143,6 +154,7 @@ class Coordinator:
         self._rollcall: RollCall | None = None
         self._proposal: CommitView | None = None
         self._actions: list[Action] = []
+        self._reporters = ReportLimiter(config.report_burst, config.report_interval)
         for member in joiners:
             self.join(member, now)
 
@@ -216,16 +228,35 @@ class Coordinator:
         Returns whether a roll call was scheduled: not for a non-member of the
         view in force, nor while a view change is already under way (every
         member rebuilds its group for that one anyway)."""
-        if member_id not in self._view or member_id in self._departed:
-            return False
-        if self._rollcall is not None or self._proposal is not None:
-            # A view change is already under way: every member rebuilds its
-            # group for it, so the report needs no roll call of its own.
+        if not self._would_recheck(member_id):
             return False
         self._causes.append(cause)
         self._schedule(now)
         self.tick(now)
         return True
+
+    def report(self, reporter: str, member_id: str, cause: str, now: float) -> ReportOutcome:
+        """Member ``reporter`` reports ``member_id`` failing (or, naming
+        itself, asks for a roll call): ``recheck``, within the reporter's
+        limit of ``report_burst`` roll calls in a row and one more per
+        ``report_interval``. Only reports that would start a roll call
+        count against it."""
+        if not self._would_recheck(member_id):
+            return ReportOutcome.NOT_NEEDED
+        admission = self._reporters.take(reporter, now)
+        if admission is Admission.REFUSED:
+            return ReportOutcome.LIMITED
+        if admission is Admission.STILL_REFUSED:
+            return ReportOutcome.STILL_LIMITED
+        self.recheck(member_id, cause, now)
+        return ReportOutcome.ROLL_CALL
+
+    def _would_recheck(self, member_id: str) -> bool:
+        if member_id not in self._view or member_id in self._departed:
+            return False
+        # While a view change is already under way every member rebuilds
+        # its group for it, so a report needs no roll call of its own.
+        return self._rollcall is None and self._proposal is None
 
     def answer(self, member_id: str, epoch: int, step: int | None, digest: str, now: float) -> None:
         """A candidate answers roll call ``epoch``."""
@@ -262,6 +293,7 @@ class Coordinator:
             raise ValueError(f"view {view.epoch} was not proposed")
         self._view = view
         self._proposal = None
+        self._reporters.keep_only(view.ids)
         self.tick(now)
 
     # --- internals -----------------------------------------------------------

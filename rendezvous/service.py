@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import grpc
 
 from membership.config import Config
-from membership.coordinator import CommitView, Coordinator, RequestAnswers
+from membership.coordinator import CommitView, Coordinator, ReportOutcome, RequestAnswers
 from membership.credentials import SECRET_BYTES, secret_hash, secret_matches
 from membership.detector import FailureDetector
 from membership.errors import (
@@ -465,6 +465,24 @@ class Replica(pb_grpc.RendezvousServicer):
             await self._etcd(self._store.remove_member, record.member.id, record.lease_id)
         except ControlPlaneUnavailable:
             pass  # not kept alive any more: the lease expires on its own
+
+    def _on_report(
+        self, lead: _Leadership, member_id: str, report: pb.FailureReport, now: float
+    ) -> None:
+        """A member's failure report of the view in force: a roll call,
+        within the member's limit (``Config.report_burst``)."""
+        cause = f"report:{report.peer_id} by {member_id}"
+        outcome = lead.coordinator.report(member_id, report.peer_id, cause, now)
+        if outcome is ReportOutcome.ROLL_CALL:
+            self._events.cause(now, "report")
+            log.info("%s reports %s failing: %s", member_id, report.peer_id, report.reason)
+            self._drain(lead)
+        elif outcome is ReportOutcome.LIMITED:
+            log.warning(
+                "%s sends more failure reports than its limit (%d roll calls in a row, then one "
+                "per %g s, Config.report_burst): ignored until it is within it again",
+                member_id, self._config.report_burst, self._config.report_interval,
+            )  # fmt: skip
 
     def _declare_busy(
         self, lead: _Leadership, member_id: str, seconds: float, reason: str, now: float
@@ -944,13 +962,8 @@ class Replica(pb_grpc.RendezvousServicer):
             check.check_id(report.peer_id, "peer_id", self._config)
             check.check_text(report.reason, "reason", _MAX_REASON)
             lead.detector.heartbeat(member_id, now)
-            cause = f"report:{report.peer_id} by {member_id}"
-            if report.epoch == lead.coordinator.view.epoch and lead.coordinator.recheck(
-                report.peer_id, cause, now
-            ):
-                self._events.cause(now, "report")
-                log.info("%s reports %s failing: %s", member_id, report.peer_id, report.reason)
-                self._drain(lead)
+            if report.epoch == lead.coordinator.view.epoch:
+                self._on_report(lead, member_id, report, now)
         elif kind == "view_report":
             r = request.view_report
             self._fence(lead, member_id, r.epoch)

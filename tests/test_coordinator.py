@@ -30,6 +30,7 @@ from membership.coordinator import (
     Answer,
     CommitView,
     Coordinator,
+    ReportOutcome,
     RequestAnswers,
     plan_resume,
 )
@@ -347,6 +348,68 @@ def test_recheck_of_a_non_member_returns_false_and_changes_nothing() -> None:
 
     assert snapshot(coordinator) == before
     assert coordinator.take_actions() == []
+
+
+def report_until_limited(coordinator: Coordinator, reporter: str, now: float) -> int:
+    """Reports by ``reporter`` naming ``b``, each roll call committed with
+    everyone answering, until one is refused; returns how many were held."""
+    held = 0
+    while True:
+        outcome = coordinator.report(reporter, "b", f"report:b by {reporter}", now)
+        if outcome is not ReportOutcome.ROLL_CALL:
+            assert outcome is ReportOutcome.LIMITED
+            return held
+        held += 1
+        answer_missing(coordinator, now)
+        commit(coordinator, now)
+
+
+def test_a_members_reports_start_report_burst_roll_calls_then_are_limited() -> None:
+    coordinator = established("a", "b")
+
+    assert report_until_limited(coordinator, "a", 0.0) == CONFIG.report_burst
+    epoch = coordinator.view.epoch
+    assert coordinator.report("a", "b", "again", 0.0) is ReportOutcome.STILL_LIMITED
+    assert coordinator.rollcall is None and coordinator.take_actions() == []
+    assert coordinator.view.epoch == epoch
+
+
+def test_a_limited_member_gets_one_roll_call_per_report_interval() -> None:
+    coordinator = established("a", "b")
+    report_until_limited(coordinator, "a", 0.0)
+
+    later = CONFIG.report_interval
+    assert coordinator.report("a", "b", "later", later) is ReportOutcome.ROLL_CALL
+
+
+def test_the_limit_is_per_member() -> None:
+    coordinator = established("a", "b", "c")
+    report_until_limited(coordinator, "a", 0.0)
+
+    assert coordinator.report("c", "b", "report:b by c", 0.0) is ReportOutcome.ROLL_CALL
+
+
+def test_a_report_that_needs_no_roll_call_costs_nothing() -> None:
+    coordinator = established("a", "b")
+    rollcall_over(coordinator, "c", 0.0)  # a view change is under way
+
+    for _ in range(10 * CONFIG.report_burst):
+        assert coordinator.report("a", "b", "during", 0.0) is ReportOutcome.NOT_NEEDED
+        assert coordinator.report("a", "ghost", "stranger", 0.0) is ReportOutcome.NOT_NEEDED
+    answer_missing(coordinator, 0.1)
+    commit(coordinator, 0.1)
+
+    assert report_until_limited(coordinator, "a", 0.2) == CONFIG.report_burst
+
+
+def test_a_report_naming_the_reporter_itself_counts_against_its_limit() -> None:
+    coordinator = established("a", "b")
+    for _ in range(CONFIG.report_burst):
+        assert coordinator.report("a", "a", "self", 0.0) is ReportOutcome.ROLL_CALL
+        answer_missing(coordinator, 0.0)
+        commit(coordinator, 0.0)
+
+    assert coordinator.report("a", "b", "peer", 0.0) is ReportOutcome.LIMITED
 
 
 @pytest.mark.parametrize("depart", ["leave", "suspect"])
@@ -841,6 +904,20 @@ class RollCallMachine(RuleBasedStateMachine):
             self.queued.add(member_id)
         else:
             assert snapshot(self.coordinator) == before, "refused recheck changed state"
+        self.drain()
+
+    @precondition(lambda self: self.coordinator.view.size > 0)
+    @rule(data=st.data())
+    def member_reports_a_failure_within_its_limit(self, data: st.DataObject) -> None:
+        view = self.coordinator.view
+        reporter = data.draw(st.sampled_from(view.ids))
+        member_id = data.draw(st.sampled_from([*view.ids, "nobody"]))
+        before = snapshot(self.coordinator)
+        outcome = self.coordinator.report(reporter, member_id, f"report:{member_id}", self.now)
+        if outcome is ReportOutcome.ROLL_CALL:
+            self.queued.add(member_id)
+        else:
+            assert snapshot(self.coordinator) == before, "an ignored report changed state"
         self.drain()
 
     @rule(data=st.data(), how=st.sampled_from(["leave", "suspect"]))

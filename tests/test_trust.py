@@ -9,12 +9,15 @@ changed nothing: the view, the members' places, what the workers train."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
 import grpc
 
+from membership.config import Config
 from membership.view import View
+from rendezvous.client import RendezvousClient
 from rendezvous.wire import token_metadata, view_from_pb
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
@@ -148,3 +151,46 @@ def test_a_session_opened_under_a_members_id_is_refused_and_its_reports_start_no
         f"{after.epoch - before.epoch} view changes"
     )
     assert after == before
+
+
+def test_a_members_flood_of_failure_reports_costs_a_bounded_number_of_roll_calls(
+    control_plane: ControlPlane,
+) -> None:
+    """A member with its own credentials (a malicious token holder that
+    joined) flooding failure reports and self roll-calls: each member's
+    reports may start at most ``report_burst`` roll calls at once and one
+    per ``report_interval`` after that (3, then 1 per 5 s by default)."""
+    first, second = two_members(control_plane)
+    settled_view(control_plane, 2)
+
+    async def flood() -> tuple[int, int, int]:
+        client = RendezvousClient(control_plane.addresses, control_plane.job, control_plane.token)
+        try:
+            me = await client.join("127.0.0.1:1", name="flood")
+            await client.wait_member(PATIENCE)
+            await asyncio.sleep(0.5)
+            start, sent = client.view.epoch, 0
+            deadline = time.monotonic() + FLOOD_SECONDS
+            while time.monotonic() < deadline:
+                peer = me if sent % 2 else first.member_id
+                client.report_failure(peer, "reset by peer")
+                sent += 1
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(1.0)
+            return start, client.view.epoch, sent
+        finally:
+            with contextlib.suppress(Exception):
+                await client.leave()
+            await client.close()
+
+    start, end, sent = asyncio.run(flood())
+    changes = end - start
+    print(f"\n{sent} reports in {FLOOD_SECONDS:.0f} s: {changes} view changes")
+
+    # report_burst (3) + one per report_interval (5 s), and one more for
+    # a refill landing at the edge of the window.
+    bound = 3 + int(FLOOD_SECONDS / 5.0) + 1
+    assert changes <= bound, f"{changes} view changes from one member's reports (bound {bound})"
+    assert changes >= 1, "the reports within the limit must still start roll calls"
+    assert (Config().report_burst, Config().report_interval) == (3, 5.0)
+    assert first.proc.poll() is None and second.proc.poll() is None
