@@ -553,6 +553,12 @@ class RendezvousClient:
         else:
             result = self._on_roll_call(epoch, causes)
             step, digest = await result if inspect.isawaitable(result) else result
+        if step is not None and step != self._step and self.member_id in self._view:
+            # The leader checks an answer against the progress reported in
+            # the view (docs/protocol.md, "A roll call"): report the step
+            # the answer names first, which progress reports (at most one
+            # per heartbeat interval) may not have named yet.
+            self.report_progress(step)
         answer = pb.RollCallAnswer(epoch=epoch, digest=digest)
         if step is not None:
             answer.step = step

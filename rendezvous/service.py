@@ -22,7 +22,14 @@ from typing import Any, TypeVar
 import grpc
 
 from membership.config import Config
-from membership.coordinator import CommitView, Coordinator, ReportOutcome, RequestAnswers
+from membership.coordinator import (
+    CommitView,
+    Coordinator,
+    Refusal,
+    RefusedClaim,
+    ReportOutcome,
+    RequestAnswers,
+)
 from membership.credentials import SECRET_BYTES, secret_hash, secret_matches
 from membership.detector import FailureDetector
 from membership.errors import (
@@ -375,8 +382,26 @@ class Replica(pb_grpc.RendezvousServicer):
                     if session is not None:
                         self._ask(session, action.epoch)
             elif isinstance(action, CommitView):
+                for claim in action.refused:
+                    self._log_refused(action.view, claim)
                 asyncio.create_task(self._commit(lead, action), name=f"commit-{action.view.epoch}")
         self._wake.set()
+
+    @staticmethod
+    def _log_refused(view: View, claim: RefusedClaim) -> None:
+        """A roll-call answer whose step the view does not resume from."""
+        if claim.why is Refusal.AHEAD:
+            log.warning(
+                "roll call %d: %s claims step %d, more than one step ahead of the job's "
+                "recorded progress (%s): not believed; it fetches step %s from the others",
+                view.epoch, claim.member_id, claim.step, claim.bound, view.resume_step,
+            )  # fmt: skip
+        else:
+            log.warning(
+                "roll call %d: joiner %s claims step %d: a joiner's state is never adopted; "
+                "it fetches step %s from the survivors",
+                view.epoch, claim.member_id, claim.step, view.resume_step,
+            )  # fmt: skip
 
     def _emit(self, records: list[dict[str, Any]]) -> None:
         """Write finished event records to the events file and the metrics."""
@@ -935,6 +960,7 @@ class Replica(pb_grpc.RendezvousServicer):
             check.check_counter(step, "step")
             lead.detector.heartbeat(member_id, now)
             view = lead.coordinator.view
+            lead.coordinator.progress(member_id, epoch, step)
             if epoch == view.epoch and member_id in view:
                 lead.step = max(step, lead.step if lead.step is not None else step)
                 lead.trained = True

@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from membership.config import Config
 from membership.view import View
@@ -65,6 +68,24 @@ def two_members(plane: ControlPlane) -> tuple[MemberProcess, MemberProcess]:
 
 def wait_step(worker: WorkerProcess, predicate: Any, timeout: float = PATIENCE) -> dict[str, Any]:
     return worker.wait_event(lambda e: e["event"] == "step" and predicate(e), timeout)
+
+
+@pytest.fixture
+def workers(control_plane: ControlPlane, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
+    """Two real workers training the example LM together."""
+    team: list[WorkerProcess] = []
+    try:
+        for index in range(2):
+            team.append(
+                WorkerProcess(control_plane, tmp_path / f"worker{index}.log", steps=100_000)
+            )
+        for worker in team:
+            wait_step(worker, lambda e: e["world"] == 2 and e["step"] >= 5)
+        yield team
+    finally:
+        for worker in team:
+            with contextlib.suppress(Exception):
+                worker.stop(timeout=20)
 
 
 # --- member ids are not credentials ---------------------------------------------------
@@ -194,3 +215,55 @@ def test_a_members_flood_of_failure_reports_costs_a_bounded_number_of_roll_calls
     assert changes >= 1, "the reports within the limit must still start roll calls"
     assert (Config().report_burst, Config().report_interval) == (3, 5.0)
     assert first.proc.poll() is None and second.proc.poll() is None
+
+
+# --- roll-call answers are claims -------------------------------------------------------
+
+
+def test_a_joiners_inflated_answer_is_refused_and_training_goes_on_unaffected(
+    control_plane: ControlPlane, workers: list[WorkerProcess]
+) -> None:
+    """Finding 9: a client joined as "evil" and answered the roll call with
+    step = real + 5000 and the digest of an all-zero model; every worker
+    pulled its state and the job went on from it, 5000 steps skipped."""
+    before = settled_view(control_plane, 2)
+    honest = set(before.ids)
+    forged = "sha256:" + "0" * 64
+
+    async def poison() -> View:
+        client = RendezvousClient(control_plane.addresses, control_plane.job, control_plane.token)
+
+        async def answer(epoch: int, causes: tuple[str, ...]) -> tuple[int | None, str]:
+            reached = (await client.status()).step or 0
+            return reached + 5000, forged
+
+        try:
+            await client.join("127.0.0.1:1", name="evil", on_roll_call=answer)
+            view = await client.wait_member(PATIENCE)
+            await client.leave()
+            return view
+        finally:
+            await client.close()
+
+    poisoned = asyncio.run(poison())
+    reached = max(e["step"] for w in workers for e in w.steps())
+    evil = next(i for i in poisoned.ids if i not in honest)
+    print(f"\nview {poisoned.epoch}: resume {poisoned.resume_step}, fetch {dict(poisoned.fetch)}")
+
+    assert poisoned.resume_step is not None and poisoned.resume_step <= reached + 1, (
+        f"the view resumes at {poisoned.resume_step}, the workers had reached {reached}"
+    )
+    assert poisoned.digest != forged
+    assert evil in poisoned.fetch, "the joiner must fetch the survivors' state"
+    assert all(evil not in sources for sources in poisoned.fetch.values())
+    for worker in workers:
+        wait_step(worker, lambda e: e["epoch"] > poisoned.epoch and e["world"] == 2)
+    for worker in workers:
+        steps = [e["step"] for e in worker.steps()]
+        assert max(steps) < reached + 1000, "steps were skipped"
+        assert all(b - a <= 1 for a, b in zip(steps, steps[1:], strict=False)), steps
+    digests: dict[int, set[str]] = {}
+    for worker in workers:
+        for event in worker.steps():
+            digests.setdefault(event["step"], set()).add(event["digest"])
+    assert all(len(d) == 1 for d in digests.values()), "the workers' replicas diverged"
