@@ -59,6 +59,10 @@ RollCallHandler = Callable[[int, tuple[str, ...]], RollCallAnswer | Awaitable[Ro
 #: Called when a peer declares itself busy: (member id, seconds from now, reason).
 BusyHandler = Callable[[str, float, str], None]
 
+#: Epoch secrets kept for views before the newest one received (a state
+#: server answers for the view it is in, which may lag by a view or two).
+_EPOCH_SECRETS_KEPT = 2
+
 _RETRY_CODES = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -159,6 +163,8 @@ class RendezvousClient:
         #: The member's credential from the Join answer: every later call
         #: naming the member carries it.
         self._member_secret = ""
+        #: Epoch secrets of the latest views this member is in (epoch -> secret).
+        self._epoch_secrets: dict[int, str] = {}
         self._view = EMPTY_VIEW
         self._view_changed = asyncio.Event()
         self._heartbeat_interval = self._config.heartbeat_interval
@@ -441,6 +447,16 @@ class RendezvousClient:
             await channel.close()
         self._channels.clear()
 
+    def epoch_secret(self, epoch: int) -> str | None:
+        """The secret of view ``epoch`` as the leader sent it (only to members
+        of that view, just before the view), or None if it did not."""
+        return self._epoch_secrets.get(epoch)
+
+    def _keep_epoch_secret(self, epoch: int, secret: str) -> None:
+        self._epoch_secrets[epoch] = secret
+        for old in [e for e in self._epoch_secrets if e < epoch - _EPOCH_SECRETS_KEPT]:
+            del self._epoch_secrets[old]
+
     @property
     def ended(self) -> RollcallError | None:
         """Why the session ended, if it did (``Evicted``, ``Unauthenticated``...)."""
@@ -533,6 +549,8 @@ class RendezvousClient:
                 kind = event.WhichOneof("kind")
                 if kind == "ack":
                     self.last_acked = max(self.last_acked, event.ack.sent_at)
+                elif kind == "epoch_secret":
+                    self._keep_epoch_secret(event.epoch_secret.epoch, event.epoch_secret.secret)
                 elif kind == "view":
                     self._set_view(view_from_pb(event.view))
                 elif kind == "roll_call":

@@ -30,7 +30,7 @@ from membership.coordinator import (
     ReportOutcome,
     RequestAnswers,
 )
-from membership.credentials import SECRET_BYTES, secret_hash, secret_matches
+from membership.credentials import SECRET_BYTES, epoch_secret, secret_hash, secret_matches
 from membership.detector import FailureDetector
 from membership.errors import (
     ConfigurationMismatch,
@@ -118,6 +118,11 @@ class _Leadership:
     lost_reason: str = ""
     #: Members that declared themselves busy: member id -> (until, reason).
     busy: dict[str, tuple[float, str]] = field(default_factory=dict)
+    #: The job's epoch key (etcd), from which each view's epoch secret is derived.
+    epoch_key: str = ""
+    #: The events announcing the last view announced (``_view_events``),
+    #: made once however many sessions receive them.
+    announcing: tuple[View, tuple[pb.SessionEvent, pb.SessionEvent]] | None = None
 
 
 class Replica(pb_grpc.RendezvousServicer):
@@ -230,6 +235,7 @@ class Replica(pb_grpc.RendezvousServicer):
         view, revision = await self._etcd(self._store.read_view)
         records = {r.member.id: r for r in await self._etcd(self._store.list_members)}
         checkpoints = await self._etcd(self._store.read_checkpoints)
+        epoch_key = await self._etcd(self._store.epoch_key)
         self._events.checkpoint_step = checkpoints[0].step if checkpoints else None
         if self._metrics is not None:
             self._metrics.leader.set(1)
@@ -244,6 +250,7 @@ class Replica(pb_grpc.RendezvousServicer):
             grace_until=now + self._config.takeover_grace if view.members else now,
             join_deadlines={j.id: now + self._config.join_session_timeout for j in joiners},
             trained=view.resume_step is not None,
+            epoch_key=epoch_key,
         )
         self._lead = lead
         self._observe_view(view)
@@ -467,11 +474,37 @@ class Replica(pb_grpc.RendezvousServicer):
         self._announce(lead, action)
         self._drain(lead)
 
+    def _view_events(
+        self, lead: _Leadership, view: View
+    ) -> tuple[pb.SessionEvent, pb.SessionEvent]:
+        """The events announcing ``view``: its epoch secret (for its members
+        only) and the view itself."""
+        if lead.announcing is not None and lead.announcing[0] == view:
+            return lead.announcing[1]
+        secret = epoch_secret(lead.epoch_key, self._job, view)
+        events = (
+            pb.SessionEvent(epoch_secret=pb.EpochSecret(epoch=view.epoch, secret=secret)),
+            pb.SessionEvent(view=view_to_pb(view)),
+        )
+        lead.announcing = (view, events)
+        return events
+
+    @staticmethod
+    def _send_view(
+        session: _Session, view: View, events: tuple[pb.SessionEvent, pb.SessionEvent]
+    ) -> None:
+        """Send a view on ``session``, preceded by its epoch secret if the
+        session's member is in it (never to anyone else)."""
+        secret, announcement = events
+        if session.member_id in view:
+            session.send(secret)
+        session.send(announcement)
+
     def _announce(self, lead: _Leadership, action: CommitView) -> None:
-        event = pb.SessionEvent(view=view_to_pb(action.view))
         removed = set(action.removed)
+        events = self._view_events(lead, action.view)
         for member_id, session in list(lead.sessions.items()):
-            session.send(event)
+            self._send_view(session, action.view, events)
             if member_id in removed:
                 session.close(
                     Evicted(f"member {member_id} is not in view {action.view.epoch}; rejoin")
@@ -922,7 +955,8 @@ class Replica(pb_grpc.RendezvousServicer):
         lead.sessions[request.member_id] = session
         lead.join_deadlines.pop(request.member_id, None)
         lead.detector.watch(request.member_id, now)
-        session.send(pb.SessionEvent(view=view_to_pb(lead.coordinator.view)))
+        view = lead.coordinator.view
+        self._send_view(session, view, self._view_events(lead, view))
         for other, (until, reason) in lead.busy.items():
             if other != request.member_id and until > now:
                 busy = pb.PeerBusy(member_id=other, seconds=until - now, reason=reason)

@@ -13,6 +13,8 @@ with ``etcdctl get --prefix /rollcall/jobs/``::
     fingerprint     {field: value}: what every worker of the job must match
                     (``membership.fingerprint.JobFingerprint``), recorded by
                     the first fingerprinted join
+    epoch_key       {"key"}: the random key every view's epoch secret is
+                    derived from (``membership.credentials.epoch_secret``)
 
 The store is synchronous: the asyncio service calls it from worker threads.
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -50,7 +53,7 @@ from pyetcd.exceptions import NoServerAvailableError
 
 from membership.checkpoint import CheckpointManifest, record
 from membership.config import Config
-from membership.credentials import is_secret_text
+from membership.credentials import SECRET_BYTES, is_secret_text
 from membership.errors import ControlPlaneUnavailable, InvalidRequest
 from membership.fingerprint import JobFingerprint, check_fingerprint
 from membership.view import EMPTY_VIEW, Member, View
@@ -233,6 +236,20 @@ def _first_kv(response: etcdrpc.TxnResponse, index: int) -> Any:
     return kvs[0] if kvs else None
 
 
+def _first_kv_of(response: etcdrpc.RangeResponse) -> Any:
+    return response.kvs[0] if response.kvs else None
+
+
+def _parse_epoch_key(value: bytes) -> str | None:
+    """The key of an ``epoch_key`` value, or None if it is malformed."""
+    try:
+        data = json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+    key = data.get("key") if isinstance(data, dict) else None
+    return key if isinstance(key, str) and is_secret_text(key) else None
+
+
 class EtcdStore:
     """A job's durable state in etcd. See the module docstring for the layout
     and for how connection errors become :class:`ControlPlaneUnavailable`."""
@@ -269,6 +286,7 @@ class EtcdStore:
         self._progress_key = f"{base}progress".encode()
         self._checkpoints_key = f"{base}checkpoints".encode()
         self._fingerprint_key = f"{base}fingerprint".encode()
+        self._epoch_key_key = f"{base}epoch_key".encode()
 
     def _make_endpoint(self, url: str, tls: EtcdClientTLS | None) -> Endpoint:
         parts = urlsplit(url)
@@ -805,6 +823,42 @@ class EtcdStore:
             return retried and current is not None and current.value == value
 
         return self._call(attempt)
+
+    # --- epoch key -------------------------------------------------------------
+    def epoch_key(self) -> str:
+        """The job's epoch key (``membership.credentials``: 64 hex digits),
+        created at random if the job has none yet (create-if-absent), so that
+        every replica that leads derives the same epoch secrets. A malformed
+        value is logged and replaced (compare-and-swap on its revision):
+        epoch secrets derived from it change, and members that held the old
+        ones are refused by their peers until the next view."""
+        for _ in range(_CAS_ATTEMPTS):
+            kv = _first_kv_of(self._kv_range(_range(self._epoch_key_key)))
+            if kv is not None:
+                stored = _parse_epoch_key(kv.value)
+                if stored is not None:
+                    return stored
+                _log.warning("job %s: the epoch key in etcd is malformed: replaced", self.job)
+            fresh = secrets.token_hex(SECRET_BYTES)
+            compare = (
+                _compare(self._epoch_key_key, "MOD", int(kv.mod_revision))
+                if kv is not None
+                else _compare(self._epoch_key_key, "CREATE", 0)
+            )
+            request = etcdrpc.TxnRequest(
+                compare=[compare], success=[_put_op(self._epoch_key_key, _dumps({"key": fresh}))]
+            )
+
+            def attempt(
+                channel: grpc.Channel, timeout: float, retried: bool, txn: Any = request
+            ) -> bool:
+                return bool(self._txn_call(txn, channel, timeout).succeeded)
+
+            if self._call(attempt):
+                return fresh
+            # Another replica wrote one meanwhile (or our earlier attempt
+            # landed and its answer was lost): read it.
+        raise ControlPlaneUnavailable("epoch key: too much contention on etcd")
 
     def snapshot(self) -> dict[str, bytes]:
         """Every key under the job's prefix with its value."""

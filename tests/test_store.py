@@ -552,6 +552,31 @@ def test_a_malformed_fingerprint_is_reported_not_raised(etcd: LocalEtcd, store: 
     assert store.read_fingerprint().fingerprint == RUN1
 
 
+def test_the_epoch_key_is_made_once_and_kept(etcd: LocalEtcd, store: EtcdStore,
+                                              config: Config) -> None:  # fmt: skip
+    """Every replica that leads derives the same epoch secrets: the first
+    call makes the job's epoch key, later ones (from any store) read it."""
+    key = store.epoch_key()
+    other = EtcdStore([etcd.endpoint], "job-a", config)
+    try:
+        assert other.epoch_key() == key == store.epoch_key()
+    finally:
+        other.close()
+    assert len(key) == 64 and int(key, 16) >= 0
+
+
+@pytest.mark.parametrize("value", [b"{", b"\xff", b"[]", b'{"key": "short"}', b'{"key": 5}'])
+def test_a_malformed_epoch_key_is_replaced(etcd: LocalEtcd, store: EtcdStore,
+                                           value: bytes) -> None:  # fmt: skip
+    client = client_for(etcd.endpoint)
+    try:
+        client.put("/rollcall/jobs/job-a/epoch_key", value)
+    finally:
+        client.close()
+    key = store.epoch_key()
+    assert len(key) == 64 and store.epoch_key() == key
+
+
 # --- etcd unreachable ----------------------------------------------------------------
 
 

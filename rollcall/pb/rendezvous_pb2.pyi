@@ -169,16 +169,26 @@ class ViewReport(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., fetch_s: _Optional[float] = ..., rebuild_s: _Optional[float] = ..., first_step_s: _Optional[float] = ..., lost_work_s: _Optional[float] = ..., step_s: _Optional[float] = ..., launch_s: _Optional[float] = ..., global_batch: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("roll_call", "view", "ack", "busy")
+    __slots__ = ("roll_call", "view", "ack", "busy", "epoch_secret")
     ROLL_CALL_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_SECRET_FIELD_NUMBER: _ClassVar[int]
     roll_call: RollCallRequest
     view: View
     ack: HeartbeatAck
     busy: PeerBusy
-    def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., busy: _Optional[_Union[PeerBusy, _Mapping]] = ...) -> None: ...
+    epoch_secret: EpochSecret
+    def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., busy: _Optional[_Union[PeerBusy, _Mapping]] = ..., epoch_secret: _Optional[_Union[EpochSecret, _Mapping]] = ...) -> None: ...
+
+class EpochSecret(_message.Message):
+    __slots__ = ("epoch", "secret")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    secret: str
+    def __init__(self, epoch: _Optional[int] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class PeerBusy(_message.Message):
     __slots__ = ("member_id", "seconds", "reason")
