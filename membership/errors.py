@@ -22,6 +22,13 @@ class PermissionDenied(RollcallError):
     were lost (rejoin)."""
 
 
+class StoreTampered(RollcallError, RuntimeError):
+    """A value in a view's bootstrap store does not carry the view's epoch
+    secret (written by someone without it, or moved from another key or
+    view): the group's build fails as if a peer were absent, and a roll call
+    follows. A ``RuntimeError`` so that it crosses torch's store interface."""
+
+
 class StaleEpoch(RollcallError):
     """The request belongs to an epoch the sender is no longer part of:
     the sender must rejoin before it may act again."""

@@ -1107,6 +1107,8 @@ STATE_JOB = "job1"
 SERVER, PEER = "src", "peer"
 STATE_VIEW = View(epoch=3, members=(Member(SERVER, "127.0.0.1:1"), Member(PEER, "127.0.0.1:2")))
 STATE_TOKEN = "state-token"
+#: The epoch secret of STATE_VIEW, which the server and PEER received.
+STATE_SECRET = "ab" * 32
 _DATA = bytes(range(256)) * 1200  # two chunks
 SNAPSHOT = Snapshot(step=7, digest="sha256:" + hashlib.sha256(_DATA).hexdigest(), data=_DATA)
 
@@ -1137,9 +1139,14 @@ UNTOUCHED = Served(state_pb.StateInfo(step=7, digest=SNAPSHOT.digest, size=len(_
 
 
 def state_request(
-    member_id: str = PEER, epoch: int = STATE_VIEW.epoch, job: str = STATE_JOB
+    member_id: str = PEER,
+    epoch: int = STATE_VIEW.epoch,
+    job: str = STATE_JOB,
+    epoch_secret: str = STATE_SECRET,
 ) -> state_pb.StateRequest:
-    return state_pb.StateRequest(job=job, member_id=member_id, epoch=epoch)
+    return state_pb.StateRequest(
+        job=job, member_id=member_id, epoch=epoch, epoch_secret=epoch_secret
+    )
 
 
 def fetch_request(**changes: Any) -> state_pb.FetchRequest:
@@ -1147,6 +1154,7 @@ def fetch_request(**changes: Any) -> state_pb.FetchRequest:
     fields: dict[str, Any] = {
         "job": STATE_JOB, "member_id": PEER, "epoch": STATE_VIEW.epoch,
         "digest": SNAPSHOT.digest, "offset": 0, "length": len(_DATA),
+        "epoch_secret": STATE_SECRET,
     }  # fmt: skip
     return state_pb.FetchRequest(**{**fields, **changes})
 
@@ -1180,6 +1188,7 @@ def assert_state_refused(
             StateServer(
                 STATE_JOB, Config(), lambda: worker.own_id, lambda: STATE_VIEW,
                 lambda: SNAPSHOT, worker.store_port,
+                epoch_secret=lambda e: STATE_SECRET if e == STATE_VIEW.epoch else None,
             ),
             server,
         )  # fmt: skip
@@ -1218,6 +1227,8 @@ STATE_VALID = {
 }
 assert STATE_VALID.keys() == STATE.keys(), "a method without hostile cases"
 NOT_IN_VIEW = "is not in this worker's view"
+NO_SECRET = "does not carry view 3's epoch secret"
+DENIED = Code.PERMISSION_DENIED
 
 STATE_CASES = {
     **{
@@ -1257,6 +1268,10 @@ STATE_CASES = {
             ("another job", build(job="job2"), Code.INVALID_ARGUMENT, "is not this worker's job"),
             ("malformed member id", build(member_id="a b"), Code.INVALID_ARGUMENT, "member_id"),
             ("empty job", build(job=""), Code.INVALID_ARGUMENT, "job is empty"),
+            ("no epoch secret", build(epoch_secret=""), DENIED, NO_SECRET),
+            ("wrong epoch secret", build(epoch_secret="cd" * 32), DENIED, NO_SECRET),
+            ("malformed epoch secret", build(epoch_secret="x" * 999), DENIED, NO_SECRET),
+            ("a near miss of the secret", build(epoch_secret="ab" * 31 + "ac"), DENIED, NO_SECRET),
         ]
     },
     "GroupStore asked of a worker that is not rank 0": StateCase(

@@ -267,3 +267,110 @@ def test_a_joiners_inflated_answer_is_refused_and_training_goes_on_unaffected(
         for event in worker.steps():
             digests.setdefault(event["step"], set()).add(event["digest"])
     assert all(len(d) == 1 for d in digests.values()), "the workers' replicas diverged"
+
+
+# --- a worker's state and the view's bootstrap store are for members only -------------
+
+
+def test_epoch_secrets_go_to_the_views_members_only_and_survive_a_failover(
+    etcd: Any, tmp_path: Path
+) -> None:
+    """A view's epoch secret reaches its members (not a member of an older
+    view only, not anyone reading Status), and the standby that takes over
+    derives the same one, so the members' proofs hold across a failover."""
+    with contextlib.closing(ControlPlane([etcd.endpoint], tmp_path, replicas=2)) as plane:
+
+        async def scenario() -> None:
+            a = RendezvousClient(plane.addresses, plane.job, plane.token)
+            b = RendezvousClient(plane.addresses, plane.job, plane.token)
+            try:
+                await a.join("127.0.0.1:1", name="a")
+                first = await a.wait_member(PATIENCE)
+                await b.join("127.0.0.1:2", name="b")
+                both = await b.wait_member(PATIENCE)
+                await a.wait_view(lambda v: v.epoch >= both.epoch, PATIENCE)
+                held = a.epoch_secret(both.epoch)
+                assert held is not None and len(held) == 64
+                assert b.epoch_secret(both.epoch) == held
+                assert a.epoch_secret(first.epoch) not in (None, held)
+                assert b.epoch_secret(first.epoch) is None, "b was not in the first view"
+                assert held not in str(await a.status()), "Status must not carry it"
+
+                named = (await a.status()).leader
+                leader = next(r for r in plane.replicas if r.address == named)
+                a._epoch_secrets.clear()  # what a reopened session is sent again
+                leader.kill()
+                deadline = time.monotonic() + PATIENCE
+                while a.epoch_secret(both.epoch) is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                assert a.epoch_secret(both.epoch) == held, "the standby derives another secret"
+                assert a.view.epoch == both.epoch and b.ended is None
+            finally:
+                await a.close()
+                await b.close()
+
+        asyncio.run(scenario())
+
+
+
+def _state_calls(
+    address: str, job: str, token: str, member_id: str, epoch: int, secret: str
+) -> dict[str, Any]:
+    """Describe, Fetch and GroupStore on the state server at ``address``,
+    naming ``member_id`` with ``secret``: each call's answer or status code."""
+    from rollcall.pb import state_pb2 as spb
+    from rollcall.pb import state_pb2_grpc as spb_grpc
+
+    async def ask() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = spb_grpc.StateTransferStub(channel)
+            metadata = token_metadata(token)
+            request = spb.StateRequest(
+                job=job, member_id=member_id, epoch=epoch, epoch_secret=secret
+            )
+            for name, call in (("describe", stub.Describe), ("group_store", stub.GroupStore)):
+                try:
+                    out[name] = await call(request, metadata=metadata, timeout=10)
+                except grpc.aio.AioRpcError as exc:
+                    out[name] = exc.code()
+            info = out["describe"]
+            digest = info.digest if not isinstance(info, Code) else "sha256:" + "0" * 64
+            fetch = spb.FetchRequest(
+                job=job, member_id=member_id, epoch=epoch, digest=digest, offset=0,
+                length=max(1, getattr(info, "size", 1)), epoch_secret=secret,
+            )  # fmt: skip
+            try:
+                out["fetch"] = 0
+                async for chunk in stub.Fetch(fetch, metadata=metadata, timeout=10):
+                    out["fetch"] += len(chunk.data)
+            except grpc.aio.AioRpcError as exc:
+                out["fetch"] = exc.code()
+        return out
+
+    return asyncio.run(ask())
+
+
+@pytest.mark.parametrize("secret", ["", "0" * 64, "not a secret"])
+def test_a_state_pull_naming_a_member_without_the_epoch_secret_is_refused(
+    control_plane: ControlPlane, workers: list[WorkerProcess], secret: str
+) -> None:
+    """Finding 10: a token holder that is not a member pulled the full state
+    from a worker by naming a member id and the epoch (both in ``Status``),
+    and rank 0's ``GroupStore`` handed it the bootstrap store's port."""
+    view = settled_view(control_plane, 2)
+    rank0, rank1 = view.members
+    asked = _state_calls(
+        rank0.address, control_plane.job, control_plane.token, rank1.id, view.epoch, secret
+    )
+    print(f"\n{asked}")
+    assert asked == {
+        "describe": Code.PERMISSION_DENIED,
+        "group_store": Code.PERMISSION_DENIED,
+        "fetch": Code.PERMISSION_DENIED,
+    }
+    # Nothing changed: the same view trains on.
+    reached = max(e["step"] for e in workers[0].steps())
+    for worker in workers:
+        wait_step(worker, lambda e: e["step"] >= reached + 5)
+    assert settled_view(control_plane, 2).epoch == view.epoch
