@@ -55,7 +55,10 @@ DOCUMENTED_REJECTIONS = {
     Code.NOT_FOUND,
 }
 #: Codes a worker's state server may answer a malformed request with.
-STATE_REJECTIONS = {Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION}
+STATE_REJECTIONS = {
+    Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION,
+    Code.PERMISSION_DENIED,
+}  # fmt: skip
 #: A well-formed peer address (nobody listens there; it is never dialled).
 ADDRESS = "127.0.0.1:29500"
 #: Over the replica's 64 KiB message limit.

@@ -33,6 +33,7 @@ from tests.test_bad_input import (
     STATE,
     STATE_JOB,
     STATE_REJECTIONS,
+    STATE_SECRET,
     STATE_VIEW,
     UNDECODABLE,
     Code,
@@ -533,11 +534,13 @@ def test_undecodable_bytes_are_refused_on_every_method(job: Job, data: st.DataOb
 
 def might_serve(rpc: str, request: Any) -> bool:
     """Whether the state server might answer: a member of its view at its
-    epoch (and for Fetch, its digest and a range inside its state)."""
+    epoch with the view's epoch secret (and for Fetch, its digest and a
+    range inside its state)."""
     admitted = (
         request.job == STATE_JOB
         and request.member_id in STATE_VIEW
         and request.epoch == STATE_VIEW.epoch
+        and request.epoch_secret == STATE_SECRET
     )
     if rpc != "Fetch":
         return admitted
@@ -554,6 +557,9 @@ def test_arbitrary_state_request_is_refused_with_a_documented_code(data: st.Data
         "job": texts, "member_id": members, "epoch": epochs(STATE_VIEW.epoch),
         "digest": digests, "offset": st.one_of(counters, st.integers(0, len(SNAPSHOT.data) + 1)),
         "length": st.one_of(counters, st.integers(0, len(SNAPSHOT.data) + 1)),
+        "epoch_secret": st.one_of(
+            st.just(STATE_SECRET), st.just(""), st.text("0123456789abcdef", max_size=66), texts
+        ),
     }  # fmt: skip
     valid = fetch_request() if rpc == "Fetch" else state_request()
     fields = {f.name: getattr(valid, f.name) for f in valid.DESCRIPTOR.fields}
