@@ -74,6 +74,8 @@ from rendezvous.etcd_local import LocalEtcd, free_port  # noqa: E402
 from rollcall.tether import tethered  # noqa: E402
 
 JOB = "recovery"
+#: The epoch secret the transfer benchmark's server and fetcher share.
+EPOCH_SECRET = "5e" * 32
 WORKERS = 4
 TIMEOUT = 90.0
 STEPS = 10_000_000
@@ -602,7 +604,10 @@ def serve_state(d_model: int, layers: int, out: Any, stop: Any) -> None:
             raise RuntimeError("not hosted here")
 
         state_pb2_grpc.add_StateTransferServicer_to_server(
-            StateServer(JOB, Config(), lambda: "source", lambda: view, lambda: snap, no_store),
+            StateServer(
+                JOB, Config(), lambda: "source", lambda: view, lambda: snap, no_store,
+                epoch_secret=lambda _: EPOCH_SECRET,
+            ),
             server,
         )  # fmt: skip
         port = server.add_insecure_port("127.0.0.1:0")
@@ -632,7 +637,7 @@ def transfer_alone(d_model: int, layers: int, repeats: int) -> dict[str, Any]:
         port, expected, nbytes = out.get(timeout=120)
 
         async def fetch_once() -> tuple[float, float]:
-            fetcher = StateFetcher(JOB, "joiner", JOB)
+            fetcher = StateFetcher(JOB, "joiner", JOB, epoch_secret=lambda _: EPOCH_SECRET)
             try:
                 blob, _, report = await fetcher.fetch([f"127.0.0.1:{port}"], 1, expected, 60)
             finally:

@@ -71,6 +71,16 @@ class Config:
     #: or it is dropped.
     join_session_timeout: float = 10.0
 
+    #: Roll calls that one member's failure reports (naming a peer, or the
+    #: member itself to ask for one) may start in a row; after that one more
+    #: per ``report_interval``. Reports over the limit are ignored (logged
+    #: once), so a member flooding them costs at most
+    #: ``report_burst + t / report_interval`` view changes in ``t`` seconds.
+    report_burst: int = 3
+    #: See ``report_burst``: seconds per further roll call a member's
+    #: reports may start once its burst is spent.
+    report_interval: float = 5.0
+
     # --- etcd --------------------------------------------------------------
     #: TTL of each member's etcd lease. The leader refreshes it while the
     #: member's session is healthy; it must outlive a leader failover.

@@ -14,19 +14,23 @@ One roll call at a time:
 2. ``RequestAnswers`` asks each candidate to abort its step and answer with
    its last committed step and state digest;
 3. when every candidate answered, or at the deadline, the new view is decided
-   (``decide_view``) and ``CommitView`` is emitted;
+   (``decide_view``; answers are claims, checked by ``plan_resume`` against
+   the job's recorded progress, and a joiner's state is never adopted) and
+   ``CommitView`` is emitted;
 4. the caller commits it in etcd and reports ``committed``; triggers that
    arrived meanwhile start the next roll call.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from membership.config import Config
 from membership.errors import InvalidRequest, NotAMember, StaleEpoch
+from membership.ratelimit import Admission, ReportLimiter
 from membership.view import Member, View
 
 
@@ -57,9 +61,20 @@ class CommitView:
     previous: View
     removed: tuple[str, ...]
     causes: tuple[str, ...]
+    #: Roll-call answers whose step the view does not resume from.
+    refused: tuple[RefusedClaim, ...] = ()
 
 
 Action = RequestAnswers | CommitView
+
+
+class ReportOutcome(enum.Enum):
+    """What became of a member's failure report (``Coordinator.report``)."""
+
+    ROLL_CALL = "a roll call is held"
+    NOT_NEEDED = "no roll call: not a member of the view in force, or a view change is under way"
+    LIMITED = "ignored: the reporter is over its limit (first refusal since it was within it)"
+    STILL_LIMITED = "ignored: the reporter is still over its limit"
 
 
 @dataclass
@@ -95,37 +110,126 @@ class RollCall:
         return tuple(c.id for c in self.candidates if c.id not in self.answers)
 
 
-def plan_resume(
-    order: Sequence[str], answers: Mapping[str, Answer]
-) -> tuple[int | None, str, dict[str, tuple[str, ...]]]:
-    """Resume step, agreed digest and fetch plan for members ``order``.
+class Refusal(enum.Enum):
+    """Why a roll-call answer's step was not believed."""
 
-    The view resumes from the highest committed step any member holds. Among
-    the holders of that step the most common digest wins (ties: the smallest
-    digest, so every replica computes the same answer); those holders are
-    the sources, and every other member fetches from them.
+    JOINER = "a joiner's state is never adopted: it fetches the survivors'"
+    AHEAD = "more than one step ahead of the job's recorded progress"
+
+
+@dataclass(frozen=True)
+class RefusedClaim:
+    """A member's claimed step that the view does not resume from: the
+    member counts as holding nothing and fetches the agreed state."""
+
+    member_id: str
+    step: int
+    why: Refusal
+    #: The progress the claim was checked against (for ``AHEAD``).
+    bound: int | None = None
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """Resume step, agreed digest, who fetches from whom, and the claims
+    that were not believed."""
+
+    step: int | None
+    digest: str
+    fetch: dict[str, tuple[str, ...]]
+    refused: tuple[RefusedClaim, ...] = ()
+
+
+def progress_bound(
+    member_id: str,
+    survivor_steps: Mapping[str, int],
+    resume: int | None,
+    reports: Mapping[str, int],
+) -> int | None:
+    """The job's recorded progress, as far as it vouches for the step that
+    survivor ``member_id`` claims: the resume step of the view in force
+    (committed, so agreed at the last roll call) and the steps the *other*
+    survivors answered, which honest members hold to within one (a step
+    whose all-reduce completed on some ranks only). Only when no other
+    survivor holds a step (it trained alone, or the others are new) does the
+    progress reported in the view in force count, its own included: nobody
+    else can vouch for it. None: the job has no recorded progress."""
+    others = [step for other, step in survivor_steps.items() if other != member_id]
+    if not others:
+        others = list(reports.values())
+    known = [step for step in (resume, *others) if step is not None]
+    return max(known, default=None)
+
+
+def plan_resume(
+    order: Sequence[str],
+    answers: Mapping[str, Answer],
+    *,
+    survivors: Collection[str],
+    resume: int | None = None,
+    reports: Mapping[str, int] | None = None,
+) -> ResumePlan:
+    """Resume step, agreed digest and fetch plan for members ``order``
+    (survivors first, in view order, then joiners).
+
+    Answers are claims, checked before they are used:
+
+    - a joiner's step (a member not in ``survivors``, the view in force) is
+      never adopted: the job resumes from state its survivors hold;
+    - a survivor's step is believed only if it is at most one step ahead of
+      the job's recorded progress (``progress_bound``: ``resume``, the view
+      in force's resume step; the other survivors' steps; ``reports``, the
+      progress reported by the members of the view in force).
+
+    A member whose claim is refused counts as holding nothing. The view
+    resumes from the highest step believed. Among its holders the most
+    common digest wins, ties going to the most senior holder (earliest in
+    ``order``), so that every replica decides alike and a newer member's
+    digest never wins a tie against an older one's; those holders are the
+    sources, and every other member fetches from them.
     """
-    steps = {i: answers[i].step for i in order if answers[i].step is not None}
-    if not steps:
-        return None, "", {}
-    resume = max(s for s in steps.values() if s is not None)
-    holders = [i for i in order if steps.get(i) == resume]
+    reported = reports or {}
+    claims = {i: step for i in order if (step := answers[i].step) is not None}
+    survivor_steps = {i: step for i, step in claims.items() if i in survivors}
+    believed: dict[str, int] = {}
+    refused: list[RefusedClaim] = []
+    for member_id, step in claims.items():
+        if member_id not in survivors:
+            refused.append(RefusedClaim(member_id, step, Refusal.JOINER))
+            continue
+        bound = progress_bound(member_id, survivor_steps, resume, reported)
+        if bound is not None and step > bound + 1:
+            refused.append(RefusedClaim(member_id, step, Refusal.AHEAD, bound))
+            continue
+        believed[member_id] = step
+    if not believed:
+        return ResumePlan(None, "", {}, tuple(refused))
+    step = max(believed.values())
+    holders = [i for i in order if believed.get(i) == step]
     counts = Counter(answers[i].digest for i in holders)
     best = max(counts.values())
-    digest = min(d for d, n in counts.items() if n == best)
+    digest = next(answers[i].digest for i in holders if counts[answers[i].digest] == best)
     sources = tuple(i for i in holders if answers[i].digest == digest)
     fetch = {i: sources for i in order if i not in sources}
-    return resume, digest, fetch
+    return ResumePlan(step, digest, fetch, tuple(refused))
 
 
-def decide_view(rollcall: RollCall) -> View:
-    """The new view: candidates that answered, in candidate order (survivors
-    keep their relative order, joiners come after them)."""
+def decide_view(
+    rollcall: RollCall, previous: View, reports: Mapping[str, int] | None = None
+) -> tuple[View, tuple[RefusedClaim, ...]]:
+    """The new view after ``previous``: candidates that answered, in
+    candidate order (survivors keep their relative order, joiners come after
+    them), resuming as ``plan_resume`` decides; and the claims refused."""
     members = tuple(c for c in rollcall.candidates if c.id in rollcall.answers)
-    resume, digest, fetch = plan_resume([m.id for m in members], rollcall.answers)
-    return View(
-        epoch=rollcall.epoch, members=members, resume_step=resume, digest=digest, fetch=fetch
-    )
+    plan = plan_resume(
+        [m.id for m in members], rollcall.answers, survivors=previous.ids,
+        resume=previous.resume_step, reports=reports,
+    )  # fmt: skip
+    view = View(
+        epoch=rollcall.epoch, members=members, resume_step=plan.step, digest=plan.digest,
+        fetch=plan.fetch,
+    )  # fmt: skip
+    return view, plan.refused
 
 
 class Coordinator:
@@ -154,6 +258,9 @@ class Coordinator:
         self._rollcall: RollCall | None = None
         self._proposal: CommitView | None = None
         self._actions: list[Action] = []
+        self._reporters = ReportLimiter(config.report_burst, config.report_interval)
+        #: Highest step each member of the view in force reported committing in it.
+        self._reports: dict[str, int] = {}
         for member in joiners:
             self.join(member, now)
 
@@ -237,16 +344,35 @@ class Coordinator:
         Returns whether a roll call was scheduled: not for a non-member of the
         view in force, nor while a view change is already under way (every
         member rebuilds its group for that one anyway)."""
-        if member_id not in self._view or member_id in self._departed:
-            return False
-        if self._rollcall is not None or self._proposal is not None:
-            # A view change is already under way: every member rebuilds its
-            # group for it, so the report needs no roll call of its own.
+        if not self._would_recheck(member_id):
             return False
         self._causes.append(cause)
         self._schedule(now)
         self.tick(now)
         return True
+
+    def report(self, reporter: str, member_id: str, cause: str, now: float) -> ReportOutcome:
+        """Member ``reporter`` reports ``member_id`` failing (or, naming
+        itself, asks for a roll call): ``recheck``, within the reporter's
+        limit of ``report_burst`` roll calls in a row and one more per
+        ``report_interval``. Only reports that would start a roll call
+        count against it."""
+        if not self._would_recheck(member_id):
+            return ReportOutcome.NOT_NEEDED
+        admission = self._reporters.take(reporter, now)
+        if admission is Admission.REFUSED:
+            return ReportOutcome.LIMITED
+        if admission is Admission.STILL_REFUSED:
+            return ReportOutcome.STILL_LIMITED
+        self.recheck(member_id, cause, now)
+        return ReportOutcome.ROLL_CALL
+
+    def _would_recheck(self, member_id: str) -> bool:
+        if member_id not in self._view or member_id in self._departed:
+            return False
+        # While a view change is already under way every member rebuilds
+        # its group for it, so a report needs no roll call of its own.
+        return self._rollcall is None and self._proposal is None
 
     def answer(self, member_id: str, epoch: int, step: int | None, digest: str, now: float) -> None:
         """A candidate answers roll call ``epoch``."""
@@ -265,6 +391,14 @@ class Coordinator:
             raise InvalidRequest(f"step must be >= 0, got {step}")
         rollcall.answers[member_id] = Answer(member_id, step, digest)
         self.tick(now)
+
+    def progress(self, member_id: str, epoch: int, step: int) -> None:
+        """Member ``member_id`` reports having committed ``step`` in view
+        ``epoch``. Counted only for members of the view in force at its
+        epoch: the job's recorded progress that roll-call answers are
+        checked against."""
+        if epoch == self._view.epoch and member_id in self._view:
+            self._reports[member_id] = max(step, self._reports.get(member_id, step))
 
     def tick(self, now: float) -> None:
         """Let time pass: start a due roll call, close one that is complete
@@ -288,6 +422,8 @@ class Coordinator:
             raise ValueError(f"view {view.epoch} was not proposed")
         self._view = view
         self._proposal = None
+        self._reports = {}
+        self._reporters.keep_only(view.ids)
         self.tick(now)
 
     # --- internals -----------------------------------------------------------
@@ -345,11 +481,11 @@ class Coordinator:
         self.tick(now)
 
     def _decide(self, rollcall: RollCall) -> None:
-        view = decide_view(rollcall)
+        view, refused = decide_view(rollcall, self._view, self._reports)
         kept = set(view.ids)
         removed = tuple(m.id for m in self._view.members if m.id not in kept) + tuple(
             c.id for c in rollcall.candidates if c.id not in kept and c.id not in self._view
         )
         self._rollcall = None
-        self._proposal = CommitView(view, self._view, removed, rollcall.causes)
+        self._proposal = CommitView(view, self._view, removed, rollcall.causes, refused)
         self._actions.append(self._proposal)

@@ -15,6 +15,20 @@ class Unauthenticated(RollcallError):
     """The job token is missing or wrong."""
 
 
+class PermissionDenied(RollcallError):
+    """The request names a member (or acts in a view) without that member's
+    secret (or the view's epoch secret): it does not come from that member,
+    and nothing changed. A genuine member sees it only if its credentials
+    were lost (rejoin)."""
+
+
+class StoreTampered(RollcallError, RuntimeError):
+    """A value in a view's bootstrap store does not carry the view's epoch
+    secret (written by someone without it, or moved from another key or
+    view): the group's build fails as if a peer were absent, and a roll call
+    follows. A ``RuntimeError`` so that it crosses torch's store interface."""
+
+
 class StaleEpoch(RollcallError):
     """The request belongs to an epoch the sender is no longer part of:
     the sender must rejoin before it may act again."""

@@ -27,6 +27,7 @@ from membership.errors import (
     NoSuchJob,
     NotAMember,
     NotLeader,
+    PermissionDenied,
     RollcallError,
     StaleEpoch,
     Unauthenticated,
@@ -57,6 +58,10 @@ RollCallAnswer = tuple[int | None, str]
 RollCallHandler = Callable[[int, tuple[str, ...]], RollCallAnswer | Awaitable[RollCallAnswer]]
 #: Called when a peer declares itself busy: (member id, seconds from now, reason).
 BusyHandler = Callable[[str, float, str], None]
+
+#: Epoch secrets kept for views before the newest one received (a state
+#: server answers for the view it is in, which may lag by a view or two).
+_EPOCH_SECRETS_KEPT = 2
 
 _RETRY_CODES = {
     grpc.StatusCode.UNAVAILABLE,
@@ -114,6 +119,8 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
     code, message = error.code(), error.details() or ""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return Unauthenticated(message)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDenied(message)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -153,6 +160,11 @@ class RendezvousClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._leader_hint: str | None = None
         self.member_id: str | None = None
+        #: The member's credential from the Join answer: every later call
+        #: naming the member carries it.
+        self._member_secret = ""
+        #: Epoch secrets of the latest views this member is in (epoch -> secret).
+        self._epoch_secrets: dict[int, str] = {}
         self._view = EMPTY_VIEW
         self._view_changed = asyncio.Event()
         self._heartbeat_interval = self._config.heartbeat_interval
@@ -318,6 +330,7 @@ class RendezvousClient:
             "Join", request, leader_only=True, patience=self._config.join_deadline
         )
         self.member_id = response.member_id
+        self._member_secret = response.member_secret
         bound = response.earliest_suspicion_s
         if bound and self._config.fence_window >= bound:
             self._view = view_from_pb(response.view)
@@ -403,6 +416,7 @@ class RendezvousClient:
                 member_id=self.member_id,
                 epoch=self._view.epoch,
                 checkpoint=manifest_to_pb(manifest),
+                member_secret=self._member_secret,
             ),
             leader_only=True,
         )
@@ -416,7 +430,10 @@ class RendezvousClient:
         try:
             await self._call(
                 "Leave",
-                pb.LeaveRequest(job=self._job, member_id=self.member_id, epoch=self._view.epoch),
+                pb.LeaveRequest(
+                    job=self._job, member_id=self.member_id, epoch=self._view.epoch,
+                    member_secret=self._member_secret,
+                ),  # fmt: skip
                 leader_only=True,
             )
         finally:
@@ -429,6 +446,16 @@ class RendezvousClient:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+    def epoch_secret(self, epoch: int) -> str | None:
+        """The secret of view ``epoch`` as the leader sent it (only to members
+        of that view, just before the view), or None if it did not."""
+        return self._epoch_secrets.get(epoch)
+
+    def _keep_epoch_secret(self, epoch: int, secret: str) -> None:
+        self._epoch_secrets[epoch] = secret
+        for old in [e for e in self._epoch_secrets if e < epoch - _EPOCH_SECRETS_KEPT]:
+            del self._epoch_secrets[old]
 
     @property
     def ended(self) -> RollcallError | None:
@@ -507,8 +534,9 @@ class RendezvousClient:
                 await call.write(
                     pb.SessionRequest(
                         open=pb.Open(
-                            job=self._job, member_id=self.member_id, epoch=self._view.epoch
-                        )
+                            job=self._job, member_id=self.member_id, epoch=self._view.epoch,
+                            member_secret=self._member_secret,
+                        )  # fmt: skip
                     )
                 )
                 event = await call.read()
@@ -521,6 +549,8 @@ class RendezvousClient:
                 kind = event.WhichOneof("kind")
                 if kind == "ack":
                     self.last_acked = max(self.last_acked, event.ack.sent_at)
+                elif kind == "epoch_secret":
+                    self._keep_epoch_secret(event.epoch_secret.epoch, event.epoch_secret.secret)
                 elif kind == "view":
                     self._set_view(view_from_pb(event.view))
                 elif kind == "roll_call":
@@ -541,6 +571,12 @@ class RendezvousClient:
         else:
             result = self._on_roll_call(epoch, causes)
             step, digest = await result if inspect.isawaitable(result) else result
+        if step is not None and step != self._step and self.member_id in self._view:
+            # The leader checks an answer against the progress reported in
+            # the view (docs/protocol.md, "A roll call"): report the step
+            # the answer names first, which progress reports (at most one
+            # per heartbeat interval) may not have named yet.
+            self.report_progress(step)
         answer = pb.RollCallAnswer(epoch=epoch, digest=digest)
         if step is not None:
             answer.step = step

@@ -24,7 +24,15 @@ import grpc
 
 from membership.config import Config
 from membership.continuity import Continuity, EtcdPosition
-from membership.coordinator import CommitView, Coordinator, RequestAnswers
+from membership.coordinator import (
+    CommitView,
+    Coordinator,
+    Refusal,
+    RefusedClaim,
+    ReportOutcome,
+    RequestAnswers,
+)
+from membership.credentials import SECRET_BYTES, epoch_secret, secret_hash, secret_matches
 from membership.detector import FailureDetector
 from membership.errors import (
     ConfigurationMismatch,
@@ -36,6 +44,7 @@ from membership.errors import (
     NoSuchJob,
     NotAMember,
     NotLeader,
+    PermissionDenied,
     RollcallError,
     StaleEpoch,
 )
@@ -121,6 +130,14 @@ class _Leadership:
     held_elsewhere: set[str] = field(default_factory=set)
     #: When etcd stopped answering this leader (None: it answers).
     unreachable_since: float | None = None
+    #: The job's epoch key (etcd), from which each view's epoch secret is derived.
+    epoch_key: str = ""
+    #: Member id -> the hash of its secret (etcd's secrets/<id>), for members
+    #: whose record is gone with an expired lease.
+    secret_hashes: dict[str, str] = field(default_factory=dict)
+    #: The events announcing the last view announced (``_view_events``),
+    #: made once however many sessions receive them.
+    announcing: tuple[View, tuple[pb.SessionEvent, pb.SessionEvent]] | None = None
 
 
 class Replica(pb_grpc.RendezvousServicer):
@@ -261,6 +278,12 @@ class Replica(pb_grpc.RendezvousServicer):
         self._refusal = ""
         records = {r.member.id: r for r in await self._etcd(self._store.list_members)}
         checkpoints = record.checkpoints
+        epoch_key = await self._etcd(self._store.epoch_key)
+        # Secret hashes outlive the records (which expire with their leases
+        # when etcd cannot keep them alive): the members of the view that
+        # reconnect without a record are still recognised.
+        hashes = await self._etcd(self._store.list_secret_hashes)
+        hashes = {i: h for i, h in hashes.items() if i in view or i in records}
         self._events.checkpoint_step = checkpoints[0].step if checkpoints else None
         if self._metrics is not None:
             self._metrics.leader.set(1)
@@ -278,6 +301,8 @@ class Replica(pb_grpc.RendezvousServicer):
             grace_until=now + self._config.takeover_grace if view.members else now,
             join_deadlines={j.id: now + self._config.join_session_timeout for j in joiners},
             trained=view.resume_step is not None,
+            epoch_key=epoch_key,
+            secret_hashes=hashes,
         )
         self._lead = lead
         self._observe_view(view)
@@ -400,7 +425,9 @@ class Replica(pb_grpc.RendezvousServicer):
             member = self._member_of(lead, member_id)
             if member is None:
                 continue
-            record = await self._etcd(self._store.register_again, member)
+            old = lead.records.get(member_id)
+            hashed = (old.secret_hash if old else "") or lead.secret_hashes.get(member_id, "")
+            record = await self._etcd(self._store.register_again, member, hashed)
             if lead.lost.is_set() or not lead.coordinator.knows(member_id):
                 # Suspected or gone meanwhile: the new record is not wanted.
                 asyncio.create_task(self._remove_record(record))
@@ -663,10 +690,28 @@ class Replica(pb_grpc.RendezvousServicer):
                     if session is not None:
                         self._ask(session, action.epoch)
             elif isinstance(action, CommitView):
+                for claim in action.refused:
+                    self._log_refused(action.view, claim)
                 asyncio.create_task(
                     self._counted_commit(lead, action), name=f"commit-{action.view.epoch}"
                 )
         self._wake.set()
+
+    @staticmethod
+    def _log_refused(view: View, claim: RefusedClaim) -> None:
+        """A roll-call answer whose step the view does not resume from."""
+        if claim.why is Refusal.AHEAD:
+            log.warning(
+                "roll call %d: %s claims step %d, more than one step ahead of the job's "
+                "recorded progress (%s): not believed; it fetches step %s from the others",
+                view.epoch, claim.member_id, claim.step, claim.bound, view.resume_step,
+            )  # fmt: skip
+        else:
+            log.warning(
+                "roll call %d: joiner %s claims step %d: a joiner's state is never adopted; "
+                "it fetches step %s from the survivors",
+                view.epoch, claim.member_id, claim.step, view.resume_step,
+            )  # fmt: skip
 
     def _emit(self, records: list[dict[str, Any]]) -> None:
         """Write finished event records to the events file and the metrics."""
@@ -790,12 +835,37 @@ class Replica(pb_grpc.RendezvousServicer):
         )
         if restored is not None and not lead.committing:
             lead.view_revision = restored
+    def _view_events(
+        self, lead: _Leadership, view: View
+    ) -> tuple[pb.SessionEvent, pb.SessionEvent]:
+        """The events announcing ``view``: its epoch secret (for its members
+        only) and the view itself."""
+        if lead.announcing is not None and lead.announcing[0] == view:
+            return lead.announcing[1]
+        secret = epoch_secret(lead.epoch_key, self._job, view)
+        events = (
+            pb.SessionEvent(epoch_secret=pb.EpochSecret(epoch=view.epoch, secret=secret)),
+            pb.SessionEvent(view=view_to_pb(view)),
+        )
+        lead.announcing = (view, events)
+        return events
+
+    @staticmethod
+    def _send_view(
+        session: _Session, view: View, events: tuple[pb.SessionEvent, pb.SessionEvent]
+    ) -> None:
+        """Send a view on ``session``, preceded by its epoch secret if the
+        session's member is in it (never to anyone else)."""
+        secret, announcement = events
+        if session.member_id in view:
+            session.send(secret)
+        session.send(announcement)
 
     def _announce(self, lead: _Leadership, action: CommitView) -> None:
-        event = pb.SessionEvent(view=view_to_pb(action.view))
         removed = set(action.removed)
+        events = self._view_events(lead, action.view)
         for member_id, session in list(lead.sessions.items()):
-            session.send(event)
+            self._send_view(session, action.view, events)
             if member_id in removed:
                 session.close(
                     Evicted(f"member {member_id} is not in view {action.view.epoch}; rejoin")
@@ -814,6 +884,24 @@ class Replica(pb_grpc.RendezvousServicer):
             await self._etcd(self._store.remove_member, record.member.id, record.lease_id)
         except ControlPlaneUnavailable:
             pass  # not kept alive any more: the lease expires on its own
+
+    def _on_report(
+        self, lead: _Leadership, member_id: str, report: pb.FailureReport, now: float
+    ) -> None:
+        """A member's failure report of the view in force: a roll call,
+        within the member's limit (``Config.report_burst``)."""
+        cause = f"report:{report.peer_id} by {member_id}"
+        outcome = lead.coordinator.report(member_id, report.peer_id, cause, now)
+        if outcome is ReportOutcome.ROLL_CALL:
+            self._events.cause(now, "report")
+            log.info("%s reports %s failing: %s", member_id, report.peer_id, report.reason)
+            self._drain(lead)
+        elif outcome is ReportOutcome.LIMITED:
+            log.warning(
+                "%s sends more failure reports than its limit (%d roll calls in a row, then one "
+                "per %g s, Config.report_burst): ignored until it is within it again",
+                member_id, self._config.report_burst, self._config.report_interval,
+            )  # fmt: skip
 
     def _declare_busy(
         self, lead: _Leadership, member_id: str, seconds: float, reason: str, now: float
@@ -959,6 +1047,17 @@ class Replica(pb_grpc.RendezvousServicer):
             )
         raise NotAMember(f"member {member_id!r} is not a member of job {self._job}")
 
+    def _authenticate(self, lead: _Leadership, member_id: str, presented: str) -> None:
+        """Refuse a request naming ``member_id`` that does not carry its
+        member secret (checked against the hash in its record)."""
+        record = lead.records.get(member_id)
+        expected = record.secret_hash if record is not None else ""
+        if not secret_matches(presented, expected or lead.secret_hashes.get(member_id, "")):
+            raise PermissionDenied(
+                f"request for member {member_id} without its member secret: refused "
+                "(a member's calls carry the secret its Join answer gave it)"
+            )
+
     async def _abort(self, context: grpc.aio.ServicerContext, error: RollcallError) -> None:
         metadata = error_metadata(error)
         if isinstance(error, NotLeader):
@@ -989,26 +1088,29 @@ class Replica(pb_grpc.RendezvousServicer):
             fingerprint = check.check_fingerprint(request.fingerprint)
             member = Member(f"{name[: self._config.max_id_length - 9]}-{secrets.token_hex(4)}",
                             request.address)  # fmt: skip
+            secret = secrets.token_hex(SECRET_BYTES)
             lead = self._leader()
             if fingerprint is None:  # not checked: operator tools, lightweight members
-                await self._enrol(lead, member)
+                await self._enrol(lead, member, secret)
             else:
                 async with self._admitting:
                     await self._admit(lead, fingerprint, request.address)
-                    await self._enrol(lead, member)
+                    await self._enrol(lead, member, secret)
             log.info("join %s at %s", member.id, request.address)
             return pb.JoinResponse(
                 member_id=member.id,
                 view=view_to_pb(lead.coordinator.view),
                 heartbeat_interval_ms=round(self._config.heartbeat_interval * 1000),
                 earliest_suspicion_s=self._config.earliest_suspicion(),
+                member_secret=secret,
             )
         except RollcallError as error:
             await self._abort(context, error)
 
-    async def _enrol(self, lead: _Leadership, member: Member) -> None:
-        """Record a joiner in etcd and hand it to the coordinator."""
-        record = await self._etcd(self._store.add_member, member)
+    async def _enrol(self, lead: _Leadership, member: Member, secret: str) -> None:
+        """Record a joiner (with the hash of its secret) in etcd and hand it
+        to the coordinator."""
+        record = await self._etcd(self._store.add_member, member, secret_hash(secret))
         if lead.lost.is_set():
             raise NotLeader("replica lost leadership during the join")
         now = self._clock()
@@ -1066,6 +1168,7 @@ class Replica(pb_grpc.RendezvousServicer):
             check.check_id(request.member_id, "member_id", self._config)
             lead = self._leader()
             self._fence(lead, request.member_id, request.epoch)
+            self._authenticate(lead, request.member_id, request.member_secret)
             now = self._clock()
             lead.coordinator.leave(request.member_id, now)
             self._events.cause(now, "leave")
@@ -1132,6 +1235,7 @@ class Replica(pb_grpc.RendezvousServicer):
             check.check_counter(manifest.step, "checkpoint step")
             lead = self._leader()
             self._fence(lead, request.member_id, request.epoch)
+            self._authenticate(lead, request.member_id, request.member_secret)
             view = lead.coordinator.view
             if request.epoch != view.epoch or request.member_id not in view:
                 raise StaleEpoch(
@@ -1228,6 +1332,7 @@ class Replica(pb_grpc.RendezvousServicer):
         check.check_id(request.member_id, "member_id", self._config)
         lead = self._leader()
         self._fence(lead, request.member_id, request.epoch)
+        self._authenticate(lead, request.member_id, request.member_secret)
         now = self._clock()
         old = lead.sessions.pop(request.member_id, None)
         if old is not None:
@@ -1240,7 +1345,8 @@ class Replica(pb_grpc.RendezvousServicer):
             lead.held_elsewhere.discard(request.member_id)
             lead.coordinator.reconnected(request.member_id, now)
             self._drain(lead)
-        session.send(pb.SessionEvent(view=view_to_pb(lead.coordinator.view)))
+        view = lead.coordinator.view
+        self._send_view(session, view, self._view_events(lead, view))
         for other, (until, reason) in lead.busy.items():
             if other != request.member_id and until > now:
                 busy = pb.PeerBusy(member_id=other, seconds=until - now, reason=reason)
@@ -1278,6 +1384,7 @@ class Replica(pb_grpc.RendezvousServicer):
             check.check_counter(step, "step")
             lead.detector.heartbeat(member_id, now)
             view = lead.coordinator.view
+            lead.coordinator.progress(member_id, epoch, step)
             if epoch == view.epoch and member_id in view:
                 lead.step = max(step, lead.step if lead.step is not None else step)
                 lead.trained = True
@@ -1305,13 +1412,8 @@ class Replica(pb_grpc.RendezvousServicer):
             check.check_id(report.peer_id, "peer_id", self._config)
             check.check_text(report.reason, "reason", _MAX_REASON)
             lead.detector.heartbeat(member_id, now)
-            cause = f"report:{report.peer_id} by {member_id}"
-            if report.epoch == lead.coordinator.view.epoch and lead.coordinator.recheck(
-                report.peer_id, cause, now
-            ):
-                self._events.cause(now, "report")
-                log.info("%s reports %s failing: %s", member_id, report.peer_id, report.reason)
-                self._drain(lead)
+            if report.epoch == lead.coordinator.view.epoch:
+                self._on_report(lead, member_id, report, now)
         elif kind == "view_report":
             r = request.view_report
             self._fence(lead, member_id, r.epoch)

@@ -5,13 +5,20 @@ with ``etcdctl get --prefix /rollcall/jobs/``::
 
     view            the committed view (``View.to_json``)
     leader          {"address", "lease_id", "replica_id"}, tied to the leader's lease
-    members/<id>    {"address", "id"}, each tied to its own lease
+    members/<id>    {"address", "id", "secret_sha256"}, each tied to its own
+                    lease (the hash of the member's secret, ``membership.credentials``)
+    secrets/<id>    the member's secret hash again, tied to no lease: a member
+                    whose lease etcd let expire (an outage, a partition) is
+                    still recognised by the leader it reconnects to; deleted
+                    with the member
     progress        {"epoch", "step"}: last committed step reported for the view
     checkpoints     [manifest, ...]: durable checkpoints, newest first
                     (``membership.checkpoint.CheckpointManifest``)
     fingerprint     {field: value}: what every worker of the job must match
                     (``membership.fingerprint.JobFingerprint``), recorded by
                     the first fingerprinted join
+    epoch_key       {"key"}: the random key every view's epoch secret is
+                    derived from (``membership.credentials.epoch_secret``)
 
 The store is synchronous: the asyncio service calls it from worker threads.
 
@@ -47,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -62,6 +70,7 @@ from pyetcd.exceptions import NoServerAvailableError
 from membership.checkpoint import CheckpointManifest, record
 from membership.config import Config
 from membership.continuity import EtcdPosition
+from membership.credentials import SECRET_BYTES, is_secret_text
 from membership.errors import (
     ControlPlaneUnavailable,
     EtcdCredentialsRefused,
@@ -149,6 +158,10 @@ class MemberRecord:
     lease_id: int
     #: etcd revision at which the record was created: orders joiners by arrival.
     create_revision: int
+    #: Hash of the member's secret (``membership.credentials.secret_hash``);
+    #: "" when the record holds none or a malformed one: nothing then proves
+    #: a request to be the member's.
+    secret_hash: str = ""
 
 
 @dataclass(frozen=True)
@@ -271,6 +284,20 @@ def _fingerprint(value: bytes) -> dict[str, str]:
         raise MalformedRecord(str(exc)[:200] or type(exc).__name__) from None
 
 
+def _first_kv_of(response: etcdrpc.RangeResponse) -> Any:
+    return response.kvs[0] if response.kvs else None
+
+
+def _parse_epoch_key(value: bytes) -> str | None:
+    """The key of an ``epoch_key`` value, or None if it is malformed."""
+    try:
+        data = json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+    key = data.get("key") if isinstance(data, dict) else None
+    return key if isinstance(key, str) and is_secret_text(key) else None
+
+
 class EtcdStore:
     """A job's durable state in etcd. See the module docstring for the layout
     and for how connection errors become :class:`ControlPlaneUnavailable`."""
@@ -313,9 +340,11 @@ class EtcdStore:
         self._view_key = f"{base}view".encode()
         self._leader_key = f"{base}leader".encode()
         self._members_prefix = f"{base}members/".encode()
+        self._secrets_prefix = f"{base}secrets/".encode()
         self._progress_key = f"{base}progress".encode()
         self._checkpoints_key = f"{base}checkpoints".encode()
         self._fingerprint_key = f"{base}fingerprint".encode()
+        self._epoch_key_key = f"{base}epoch_key".encode()
 
     def _make_endpoint(self, url: str, tls: EtcdClientTLS | None) -> Endpoint:
         parts = urlsplit(url)
@@ -607,19 +636,24 @@ class EtcdStore:
     def _member_key(self, member_id: str) -> bytes:
         return self._members_prefix + member_id.encode()
 
-    def add_member(self, member: Member) -> MemberRecord:
-        """Record ``member`` under a new lease of ``config.member_lease_ttl``.
+    def add_member(self, member: Member, secret_hash: str = "") -> MemberRecord:
+        """Record ``member`` (and the hash of its secret) under a new lease of
+        ``config.member_lease_ttl``.
 
         A member id holds one record at a time: adding an id that already has
         a record raises :class:`InvalidRequest` (remove it first).
         """
         _check_name("member id", member.id)
         key = self._member_key(member.id)
-        value = _dumps({"address": member.address, "id": member.id})
+        value = _dumps({"address": member.address, "id": member.id, "secret_sha256": secret_hash})
         lease_id = self._grant(self._config.member_lease_ttl)
         request = etcdrpc.TxnRequest(
             compare=[_compare(key, "CREATE", 0)],
-            success=[_put_op(key, value, lease_id), _range_op(_range(key))],
+            success=[
+                _put_op(key, value, lease_id),
+                _range_op(_range(key)),
+                _put_op(self._secret_key(member.id), secret_hash.encode()),
+            ],
             failure=[_range_op(_range(key))],
         )
 
@@ -636,7 +670,7 @@ class EtcdStore:
         if kv is None:
             self._revoke(lease_id)
             raise InvalidRequest(f"member {member.id!r} already has a record in job {self.job!r}")
-        return MemberRecord(member, lease_id, int(kv.create_revision))
+        return MemberRecord(member, lease_id, int(kv.create_revision), secret_hash)
 
     def list_members(self) -> list[MemberRecord]:
         """Every member record, oldest first (by create_revision)."""
@@ -658,13 +692,42 @@ class EtcdStore:
             except MalformedRecord as exc:
                 self._ignore(kv, exc)
                 continue
-            found.append(MemberRecord(member, int(kv.lease), int(kv.create_revision)))
+            # The hash of the member's secret: a record without a valid one
+            # opens no session (``membership.credentials``).
+            secret = json.loads(kv.value).get("secret_sha256")
+            secret = secret if isinstance(secret, str) and is_secret_text(secret) else ""
+            found.append(MemberRecord(member, int(kv.lease), int(kv.create_revision), secret))
         return found
 
     def remove_member(self, member_id: str, lease_id: int) -> None:
-        """Revoke the member's lease, which deletes its record. Removing a
-        member that is already gone is not an error."""
+        """Revoke the member's lease, which deletes its record, and delete
+        its secret hash. Removing a member that is already gone is not an
+        error."""
         self._revoke(lease_id)
+        request = etcdrpc.DeleteRangeRequest(key=self._secret_key(member_id))
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> None:
+            etcdrpc.KVStub(channel).DeleteRange(request, timeout=timeout, metadata=_REQUIRE_LEADER)
+
+        self._call(attempt)
+
+    def _secret_key(self, member_id: str) -> bytes:
+        return self._secrets_prefix + member_id.encode()
+
+    def list_secret_hashes(self) -> dict[str, str]:
+        """Member id -> the hash of its secret, for every member not removed
+        (their records may be gone with an expired lease). Malformed values
+        are left out (logged): such a member opens no session."""
+        response = self._kv_range(_range(self._secrets_prefix, prefix=True))
+        found = {}
+        for kv in response.kvs:
+            member_id = bytes(kv.key)[len(self._secrets_prefix) :].decode(errors="replace")
+            value = bytes(kv.value).decode(errors="replace")
+            if is_secret_text(value):
+                found[member_id] = value
+            else:
+                self._ignore(kv, "not a secret hash")
+        return found
 
     def keep_alive(self, lease_ids: Iterable[int]) -> dict[int, int]:
         """Refresh many leases over one keep-alive stream.
@@ -986,6 +1049,42 @@ class EtcdStore:
 
         return self._call(attempt)
 
+    # --- epoch key -------------------------------------------------------------
+    def epoch_key(self) -> str:
+        """The job's epoch key (``membership.credentials``: 64 hex digits),
+        created at random if the job has none yet (create-if-absent), so that
+        every replica that leads derives the same epoch secrets. A malformed
+        value is logged and replaced (compare-and-swap on its revision):
+        epoch secrets derived from it change, and members that held the old
+        ones are refused by their peers until the next view."""
+        for _ in range(_CAS_ATTEMPTS):
+            kv = _first_kv_of(self._kv_range(_range(self._epoch_key_key)))
+            if kv is not None:
+                stored = _parse_epoch_key(kv.value)
+                if stored is not None:
+                    return stored
+                _log.warning("job %s: the epoch key in etcd is malformed: replaced", self.job)
+            fresh = secrets.token_hex(SECRET_BYTES)
+            compare = (
+                _compare(self._epoch_key_key, "MOD", int(kv.mod_revision))
+                if kv is not None
+                else _compare(self._epoch_key_key, "CREATE", 0)
+            )
+            request = etcdrpc.TxnRequest(
+                compare=[compare], success=[_put_op(self._epoch_key_key, _dumps({"key": fresh}))]
+            )
+
+            def attempt(
+                channel: grpc.Channel, timeout: float, retried: bool, txn: Any = request
+            ) -> bool:
+                return bool(self._txn_call(txn, channel, timeout).succeeded)
+
+            if self._call(attempt):
+                return fresh
+            # Another replica wrote one meanwhile (or our earlier attempt
+            # landed and its answer was lost): read it.
+        raise ControlPlaneUnavailable("epoch key: too much contention on etcd")
+
     def snapshot(self) -> dict[str, bytes]:
         """Every key under the job's prefix with its value."""
         response = self._kv_range(_range(self.prefix, prefix=True))
@@ -1025,23 +1124,29 @@ class EtcdStore:
             self._revoke(lease_id)
         return None
 
-    def register_again(self, member: Member) -> MemberRecord:
-        """Record ``member`` again under a new lease: its old lease expired
-        (etcd could not keep it alive) or its record is gone, while the
-        member itself is alive. Replaces any record the id still has."""
+    def register_again(self, member: Member, secret_hash: str) -> MemberRecord:
+        """Record ``member`` (and the hash of its secret) again under a new
+        lease: its old lease expired (etcd could not keep it alive) or its
+        record is gone, while the member itself is alive. Replaces any
+        record the id still has."""
         _check_name("member id", member.id)
         key = self._member_key(member.id)
-        value = _dumps({"address": member.address, "id": member.id})
+        value = _dumps({"address": member.address, "id": member.id, "secret_sha256": secret_hash})
         lease_id = self._grant(self._config.member_lease_ttl)
         request = etcdrpc.TxnRequest(
-            success=[_put_op(key, value, lease_id), _range_op(_range(key))]
+            success=[
+                _put_op(key, value, lease_id),
+                _range_op(_range(key)),
+                _put_op(self._secret_key(member.id), secret_hash.encode()),
+            ]
         )
 
         def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> Any:
             return _first_kv(self._txn_call(request, channel, timeout), 1)
 
         kv = self._call(attempt)
-        return MemberRecord(member, lease_id, int(kv.create_revision) if kv is not None else 0)
+        revision = int(kv.create_revision) if kv is not None else 0
+        return MemberRecord(member, lease_id, revision, secret_hash)
 
     def write_progress_as(self, leader: LeaderInfo, epoch: int, step: int) -> bool:
         """Record the last committed step reported for view ``epoch``, if

@@ -25,6 +25,7 @@ from membership.errors import (
     NoSuchJob,
     NotAMember,
     NotLeader,
+    PermissionDenied,
     RollcallError,
     StaleEpoch,
     Unauthenticated,
@@ -64,6 +65,7 @@ TRANSPORT_LIMIT = 4 * 1024 * 1024
 #: Which gRPC status each named error travels as (documented in the .proto).
 STATUS_OF: dict[type[RollcallError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     StaleEpoch: grpc.StatusCode.FAILED_PRECONDITION,
     Evicted: grpc.StatusCode.FAILED_PRECONDITION,

@@ -184,6 +184,8 @@ class MemberProcess(Process):
         super().__init__(argv, {"ROLLCALL_TOKEN": token}, log_path)
         joined = self.wait_event(lambda e: e["event"] == "joined", timeout=30)
         self.member_id: str = joined["member_id"]
+        #: Its member secret: what a request naming it must carry.
+        self.secret: str = joined["secret"]
 
     def views(self) -> list[dict[str, Any]]:
         while not self.lines.empty():

@@ -3,7 +3,8 @@
     python -m tests.member_process --rendezvous A[,B] --job J [--address HOST:PORT]
 
 Reads the token from $ROLLCALL_TOKEN. Prints one JSON object per line on
-stdout: {"event": "joined", "member_id": ...}, {"event": "view", "epoch": N,
+stdout: {"event": "joined", "member_id": ..., "secret": ...} (its member
+secret, so that a test may speak for it), {"event": "view", "epoch": N,
 "members": [...]}, {"event": "ended", "error": ...}, {"event": "left"}.
 Answers roll calls with its last reported step. On SIGTERM it leaves cleanly.
 """
@@ -38,7 +39,7 @@ async def run(args: argparse.Namespace) -> int:
         emit(event="view", epoch=view.epoch, members=list(view.ids))
 
     member_id = await client.join(args.address, name=args.name, on_view=on_view)
-    emit(event="joined", member_id=member_id)
+    emit(event="joined", member_id=member_id, secret=client._member_secret)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)

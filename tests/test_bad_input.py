@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,13 +48,17 @@ CALL_TIMEOUT = 10.0
 SETTLE = 0.1
 #: Codes the replica may answer a malformed request with (docs/protocol.md).
 DOCUMENTED_REJECTIONS = {
+    Code.PERMISSION_DENIED,
     Code.INVALID_ARGUMENT,
     Code.RESOURCE_EXHAUSTED,
     Code.FAILED_PRECONDITION,
     Code.NOT_FOUND,
 }
 #: Codes a worker's state server may answer a malformed request with.
-STATE_REJECTIONS = {Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION}
+STATE_REJECTIONS = {
+    Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION,
+    Code.PERMISSION_DENIED,
+}  # fmt: skip
 #: A well-formed peer address (nobody listens there; it is never dialled).
 ADDRESS = "127.0.0.1:29500"
 #: Over the replica's 64 KiB message limit.
@@ -178,6 +182,8 @@ class Job:
     store: EtcdStore
     members: tuple[str, ...]
     puppet: str | None = None
+    #: Member id -> its member secret (from its Join answer).
+    secrets: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -197,6 +203,12 @@ class Target:
     puppet: str | None
     epoch: int
     in_view: frozenset[str]
+    #: Member id -> its member secret.
+    secrets: Mapping[str, str] = field(default_factory=dict)
+
+    def secret_of(self, member_id: str) -> str:
+        """The member's secret ("" for ids the tests hold none for)."""
+        return self.secrets.get(member_id, "")
 
 
 @dataclass(frozen=True)
@@ -205,22 +217,23 @@ class JobState:
     status: pb.StatusResponse
 
 
-def add_two_members(plane: ControlPlane) -> tuple[str, str]:
+def add_two_members(plane: ControlPlane) -> tuple[MemberProcess, MemberProcess]:
     """Two member processes, both in the committed view."""
     first, second = plane.add_member("a"), plane.add_member("b")
     both = {first.member_id, second.member_id}
     for member in (first, second):
         member.wait_event(lambda e: e["event"] == "view" and both <= set(e["members"]), 30)
-    return first.member_id, second.member_id
+    return first, second
 
 
-async def enlist_puppet(plane: ControlPlane) -> str:
+async def enlist_puppet(plane: ControlPlane) -> tuple[str, str]:
     """A member of the view that no process runs: the tests speak for it.
     It joins, answers its first roll call, and ends its session with a
     message the replica refuses, which (unlike a broken stream) does not make
     the leader suspect it. A test may then open sessions as the puppet
     without a process reconnecting behind its back; the replica's relaxed
-    detector (``PUPPET_SETTINGS``) lets it stay silent in between."""
+    detector (``PUPPET_SETTINGS``) lets it stay silent in between. Returns
+    its id and its member secret."""
     md = token_metadata(plane.token)
     async with grpc.aio.insecure_channel(plane.addresses[0]) as channel:
         stub = pb_grpc.RendezvousStub(channel)
@@ -232,10 +245,12 @@ async def enlist_puppet(plane: ControlPlane) -> str:
             timeout=CALL_TIMEOUT,
         )
         call = stub.Session(metadata=md, timeout=30)
-        puppet = joined.member_id
+        puppet, secret = joined.member_id, joined.member_secret
         await call.write(
             pb.SessionRequest(
-                open=pb.Open(job=plane.job, member_id=puppet, epoch=joined.view.epoch)
+                open=pb.Open(
+                    job=plane.job, member_id=puppet, epoch=joined.view.epoch, member_secret=secret
+                )
             )
         )
         while True:
@@ -250,15 +265,18 @@ async def enlist_puppet(plane: ControlPlane) -> str:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await drain(call)
         assert refused.value.code() == Code.INVALID_ARGUMENT, refused.value.details()
-        return puppet
+        return puppet, secret
 
 
-async def publish_checkpoint(plane: ControlPlane, member_id: str, step: int) -> None:
+async def publish_checkpoint(plane: ControlPlane, member: MemberProcess, step: int) -> None:
     md = token_metadata(plane.token)
+    member_id = member.member_id
     async with grpc.aio.insecure_channel(plane.addresses[0]) as channel:
         stub = pb_grpc.RendezvousStub(channel)
         epoch = (await stub.Status(pb.StatusRequest(job=plane.job), metadata=md)).view.epoch
-        target = Target(plane.job, (member_id,), None, epoch, frozenset())
+        target = Target(
+            plane.job, (member_id,), None, epoch, frozenset(), {member_id: member.secret}
+        )
         response = await stub.PublishCheckpoint(
             publish(member_id, step=step)(target), metadata=md, timeout=CALL_TIMEOUT
         )
@@ -272,11 +290,13 @@ def running_job(workdir: Path) -> Iterator[Job]:
     with LocalEtcd() as etcd:
         plane = ControlPlane([etcd.endpoint], workdir, settings=PUPPET_SETTINGS)
         try:
-            members = add_two_members(plane)
-            puppet = asyncio.run(enlist_puppet(plane))
-            asyncio.run(publish_checkpoint(plane, members[0], CHECKPOINT_STEP))
+            processes = add_two_members(plane)
+            puppet, secret = asyncio.run(enlist_puppet(plane))
+            asyncio.run(publish_checkpoint(plane, processes[0], CHECKPOINT_STEP))
+            members = tuple(p.member_id for p in processes)
+            secrets = {p.member_id: p.secret for p in processes} | {puppet: secret}
             with EtcdStore([etcd.endpoint], plane.job, Config()) as store:
-                job = Job(plane, store, members, puppet)
+                job = Job(plane, store, members, puppet, secrets)
                 settled_target(job)
                 yield job
         finally:
@@ -300,9 +320,11 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
 @pytest.fixture
 def own_job(control_plane: ControlPlane, etcd: LocalEtcd) -> Iterator[Job]:
     """A job of its own (default detector, no puppet), for tests that change it."""
-    members = add_two_members(control_plane)
+    processes = add_two_members(control_plane)
+    members = tuple(p.member_id for p in processes)
+    secrets = {p.member_id: p.secret for p in processes}
     with EtcdStore([etcd.endpoint], control_plane.job, Config()) as store:
-        yield Job(control_plane, store, members)
+        yield Job(control_plane, store, members, secrets=secrets)
 
 
 @pytest.fixture
@@ -347,7 +369,9 @@ def settled_target(job: Job) -> Target:
         response = current_status(job)
         if response.rollcall_epoch == 0 or time.monotonic() > deadline:
             in_view = frozenset(m.id for m in response.view.members)
-            return Target(job.name, job.members, job.puppet, response.view.epoch, in_view)
+            return Target(
+                job.name, job.members, job.puppet, response.view.epoch, in_view, job.secrets
+            )
         time.sleep(0.05)
 
 
@@ -411,24 +435,45 @@ def join(
     )
 
 
-def leave(who: str | int = 0, epoch: int | None = None, job: str | None = None) -> Build:
-    """Leave as ``who`` at ``epoch`` (default: the current one)."""
+def secret_for(t: Target, who: str, secret: str | int | None) -> str:
+    """``secret``: a text, the secret of member ``secret`` (an index into the
+    member processes), or (None) ``who``'s own."""
+    if secret is None:
+        return t.secret_of(who)
+    return t.secret_of(t.members[secret]) if isinstance(secret, int) else secret
+
+
+def leave(
+    who: str | int = 0,
+    epoch: int | None = None,
+    job: str | None = None,
+    secret: str | int | None = None,
+) -> Build:
+    """Leave as ``who`` at ``epoch`` (default: the current one), with
+    ``secret`` (default: ``who``'s own)."""
     return lambda t: pb.LeaveRequest(
         job=t.job if job is None else job,
         member_id=member(t, who),
         epoch=t.epoch if epoch is None else epoch,
+        member_secret=secret_for(t, member(t, who), secret),
     )
 
 
 def open_(
-    t: Target, who: str | int | None = None, epoch: int | None = None, job: str | None = None
+    t: Target,
+    who: str | int | None = None,
+    epoch: int | None = None,
+    job: str | None = None,
+    secret: str | int | None = None,
 ) -> pb.SessionRequest:
-    """Open a session as ``who`` (default: the puppet)."""
+    """Open a session as ``who`` (default: the puppet), with ``secret``
+    (default: ``who``'s own)."""
     return pb.SessionRequest(
         open=pb.Open(
             job=t.job if job is None else job,
             member_id=member(t, who),
             epoch=t.epoch if epoch is None else epoch,
+            member_secret=secret_for(t, member(t, who), secret),
         )
     )
 
@@ -455,10 +500,12 @@ def publish(
     epoch: int | None = None,
     job: str | None = None,
     checkpoint_epoch: int | None = None,
+    secret: str | int | None = None,
     **changes: Any,
 ) -> Build:
-    """PublishCheckpoint as ``who`` at ``epoch``, the manifest's fields
-    overridden by ``changes`` (its epoch by ``checkpoint_epoch``)."""
+    """PublishCheckpoint as ``who`` at ``epoch`` with ``secret`` (default:
+    ``who``'s own), the manifest's fields overridden by ``changes`` (its
+    epoch by ``checkpoint_epoch``)."""
 
     def build(t: Target) -> pb.PublishCheckpointRequest:
         fields: dict[str, Any] = {
@@ -473,6 +520,7 @@ def publish(
             member_id=member(t, who),
             epoch=t.epoch if epoch is None else epoch,
             checkpoint=pb.Checkpoint(**fields),
+            member_secret=secret_for(t, member(t, who), secret),
         )
 
     return build
@@ -821,6 +869,27 @@ CASES = {
     "oversized Open": Case(
         "Session", session(lambda t: open_(t, HUGE)), Code.RESOURCE_EXHAUSTED, "larger than max"
     ),
+    # A member's id without its secret: not that member's request.
+    **{
+        f"{rpc} {what}": Case(rpc, build, Code.PERMISSION_DENIED, "without its member secret")
+        for what, secret in [
+            ("without the member's secret", ""),
+            ("with another member's secret", 1),
+            ("with a malformed secret", "not hex"),
+            ("with a well-formed wrong secret", "0" * 64),
+        ]
+        for rpc, build in [
+            ("Leave", leave(0, secret=secret)),
+            ("Session", session(lambda t, secret=secret: open_(t, secret=secret))),
+            ("PublishCheckpoint", publish(0, secret=secret)),
+        ]
+    },
+    "the puppet's secret on member 0's Open": Case(
+        "Session",
+        session(lambda t: open_(t, 0, secret=t.secret_of(t.puppet or ""))),
+        Code.PERMISSION_DENIED,
+        "without its member secret",
+    ),
     # Unknown or departed members, unknown job.
     "unknown member on Leave": Case(
         "Leave", leave("ghost-0"), Code.NOT_FOUND, "'ghost-0' is not a member of job"
@@ -1001,8 +1070,9 @@ def test_a_replayed_checkpoint_changes_nothing(job: Job, replayed: str) -> None:
     elif replayed == "the newest step, changed":
         manifest.uri = newest.uri + ".other"
     request = pb.PublishCheckpointRequest(
-        job=t.job, member_id=t.members[0], epoch=t.epoch, checkpoint=manifest
-    )
+        job=t.job, member_id=t.members[0], epoch=t.epoch, checkpoint=manifest,
+        member_secret=t.secret_of(t.members[0]),
+    )  # fmt: skip
 
     async def republish() -> pb.PublishCheckpointResponse:
         async with grpc.aio.insecure_channel(job.address) as channel:
@@ -1040,6 +1110,8 @@ STATE_JOB = "job1"
 SERVER, PEER = "src", "peer"
 STATE_VIEW = View(epoch=3, members=(Member(SERVER, "127.0.0.1:1"), Member(PEER, "127.0.0.1:2")))
 STATE_TOKEN = "state-token"
+#: The epoch secret of STATE_VIEW, which the server and PEER received.
+STATE_SECRET = "ab" * 32
 _DATA = bytes(range(256)) * 1200  # two chunks
 SNAPSHOT = Snapshot(step=7, digest="sha256:" + hashlib.sha256(_DATA).hexdigest(), data=_DATA)
 
@@ -1070,9 +1142,14 @@ UNTOUCHED = Served(state_pb.StateInfo(step=7, digest=SNAPSHOT.digest, size=len(_
 
 
 def state_request(
-    member_id: str = PEER, epoch: int = STATE_VIEW.epoch, job: str = STATE_JOB
+    member_id: str = PEER,
+    epoch: int = STATE_VIEW.epoch,
+    job: str = STATE_JOB,
+    epoch_secret: str = STATE_SECRET,
 ) -> state_pb.StateRequest:
-    return state_pb.StateRequest(job=job, member_id=member_id, epoch=epoch)
+    return state_pb.StateRequest(
+        job=job, member_id=member_id, epoch=epoch, epoch_secret=epoch_secret
+    )
 
 
 def fetch_request(**changes: Any) -> state_pb.FetchRequest:
@@ -1080,6 +1157,7 @@ def fetch_request(**changes: Any) -> state_pb.FetchRequest:
     fields: dict[str, Any] = {
         "job": STATE_JOB, "member_id": PEER, "epoch": STATE_VIEW.epoch,
         "digest": SNAPSHOT.digest, "offset": 0, "length": len(_DATA),
+        "epoch_secret": STATE_SECRET,
     }  # fmt: skip
     return state_pb.FetchRequest(**{**fields, **changes})
 
@@ -1113,6 +1191,7 @@ def assert_state_refused(
             StateServer(
                 STATE_JOB, Config(), lambda: worker.own_id, lambda: STATE_VIEW,
                 lambda: SNAPSHOT, worker.store_port,
+                epoch_secret=lambda e: STATE_SECRET if e == STATE_VIEW.epoch else None,
             ),
             server,
         )  # fmt: skip
@@ -1151,6 +1230,8 @@ STATE_VALID = {
 }
 assert STATE_VALID.keys() == STATE.keys(), "a method without hostile cases"
 NOT_IN_VIEW = "is not in this worker's view"
+NO_SECRET = "does not carry view 3's epoch secret"
+DENIED = Code.PERMISSION_DENIED
 
 STATE_CASES = {
     **{
@@ -1190,6 +1271,10 @@ STATE_CASES = {
             ("another job", build(job="job2"), Code.INVALID_ARGUMENT, "is not this worker's job"),
             ("malformed member id", build(member_id="a b"), Code.INVALID_ARGUMENT, "member_id"),
             ("empty job", build(job=""), Code.INVALID_ARGUMENT, "job is empty"),
+            ("no epoch secret", build(epoch_secret=""), DENIED, NO_SECRET),
+            ("wrong epoch secret", build(epoch_secret="cd" * 32), DENIED, NO_SECRET),
+            ("malformed epoch secret", build(epoch_secret="x" * 999), DENIED, NO_SECRET),
+            ("a near miss of the secret", build(epoch_secret="ab" * 31 + "ac"), DENIED, NO_SECRET),
         ]
     },
     "GroupStore asked of a worker that is not rank 0": StateCase(

@@ -30,6 +30,9 @@ from membership.coordinator import (
     Answer,
     CommitView,
     Coordinator,
+    Refusal,
+    RefusedClaim,
+    ReportOutcome,
     RequestAnswers,
     plan_resume,
 )
@@ -349,6 +352,68 @@ def test_recheck_of_a_non_member_returns_false_and_changes_nothing() -> None:
     assert coordinator.take_actions() == []
 
 
+def report_until_limited(coordinator: Coordinator, reporter: str, now: float) -> int:
+    """Reports by ``reporter`` naming ``b``, each roll call committed with
+    everyone answering, until one is refused; returns how many were held."""
+    held = 0
+    while True:
+        outcome = coordinator.report(reporter, "b", f"report:b by {reporter}", now)
+        if outcome is not ReportOutcome.ROLL_CALL:
+            assert outcome is ReportOutcome.LIMITED
+            return held
+        held += 1
+        answer_missing(coordinator, now)
+        commit(coordinator, now)
+
+
+def test_a_members_reports_start_report_burst_roll_calls_then_are_limited() -> None:
+    coordinator = established("a", "b")
+
+    assert report_until_limited(coordinator, "a", 0.0) == CONFIG.report_burst
+    epoch = coordinator.view.epoch
+    assert coordinator.report("a", "b", "again", 0.0) is ReportOutcome.STILL_LIMITED
+    assert coordinator.rollcall is None and coordinator.take_actions() == []
+    assert coordinator.view.epoch == epoch
+
+
+def test_a_limited_member_gets_one_roll_call_per_report_interval() -> None:
+    coordinator = established("a", "b")
+    report_until_limited(coordinator, "a", 0.0)
+
+    later = CONFIG.report_interval
+    assert coordinator.report("a", "b", "later", later) is ReportOutcome.ROLL_CALL
+
+
+def test_the_limit_is_per_member() -> None:
+    coordinator = established("a", "b", "c")
+    report_until_limited(coordinator, "a", 0.0)
+
+    assert coordinator.report("c", "b", "report:b by c", 0.0) is ReportOutcome.ROLL_CALL
+
+
+def test_a_report_that_needs_no_roll_call_costs_nothing() -> None:
+    coordinator = established("a", "b")
+    rollcall_over(coordinator, "c", 0.0)  # a view change is under way
+
+    for _ in range(10 * CONFIG.report_burst):
+        assert coordinator.report("a", "b", "during", 0.0) is ReportOutcome.NOT_NEEDED
+        assert coordinator.report("a", "ghost", "stranger", 0.0) is ReportOutcome.NOT_NEEDED
+    answer_missing(coordinator, 0.1)
+    commit(coordinator, 0.1)
+
+    assert report_until_limited(coordinator, "a", 0.2) == CONFIG.report_burst
+
+
+def test_a_report_naming_the_reporter_itself_counts_against_its_limit() -> None:
+    coordinator = established("a", "b")
+    for _ in range(CONFIG.report_burst):
+        assert coordinator.report("a", "a", "self", 0.0) is ReportOutcome.ROLL_CALL
+        answer_missing(coordinator, 0.0)
+        commit(coordinator, 0.0)
+
+    assert coordinator.report("a", "b", "peer", 0.0) is ReportOutcome.LIMITED
+
+
 @pytest.mark.parametrize("depart", ["leave", "suspect"])
 def test_departure_of_an_unknown_id_returns_false_and_changes_nothing(depart: str) -> None:
     coordinator = established("a")
@@ -457,11 +522,14 @@ def test_member_with_a_minority_digest_fetches_from_the_majority() -> None:
     assert view.fetch == {"a": ("b", "c")}
 
 
-def test_digest_tie_is_resolved_to_the_smallest_digest() -> None:
+def test_digest_tie_goes_to_the_most_senior_holder() -> None:
+    """Every replica decides alike, and a newer member's digest never wins
+    a tie against an older one's (a smallest-digest rule could be won by
+    grinding a state until its digest sorts first)."""
     view = decide({"a": (7, "y"), "b": (7, "x"), "c": (6, "x")})
 
-    assert view.digest == "x"
-    assert view.fetch == {"a": ("b",), "c": ("b",)}
+    assert view.digest == "y"
+    assert view.fetch == {"b": ("a",), "c": ("a",)}
 
 
 def test_decision_does_not_depend_on_the_order_answers_arrive_in() -> None:
@@ -487,6 +555,207 @@ def test_no_committed_step_means_no_resume_step_and_nothing_to_fetch() -> None:
     assert view.fetch == {}
 
 
+# --- answers are claims -------------------------------------------------------------
+
+
+def decide_after(
+    previous: View,
+    answers: Mapping[str, tuple[int | None, str]],
+    reports: Mapping[str, int] | None = None,
+) -> CommitView:
+    """The proposal of a roll call after ``previous`` in which every member
+    of ``previous`` and every other id of ``answers`` (joiners) answers as
+    given, the members of ``previous`` having reported ``reports``."""
+    coordinator = Coordinator(CONFIG, previous, now=0.0)
+    for member_id, step in (reports or {}).items():
+        coordinator.progress(member_id, previous.epoch, step)
+    joiners = [i for i in answers if i not in previous]
+    for joiner in joiners:
+        coordinator.join(worker(joiner), 0.0)
+    if not joiners:
+        coordinator.recheck(previous.ids[0], "report", 0.0)
+    coordinator.tick(SETTLE)
+    for member_id, (step, digest) in answers.items():
+        coordinator.answer(member_id, previous.epoch + 1, step, digest, SETTLE)
+    return only_commit(coordinator.take_actions())
+
+
+def view_of(*member_ids: str, resume: int | None = None) -> View:
+    return View(3, tuple(worker(i) for i in member_ids), resume, "d" if resume else "")
+
+
+def test_a_joiners_claimed_step_is_never_adopted() -> None:
+    """Finding 9: a joiner answering step = real + 5000 with the digest of
+    an all-zero model became the only source of every member's state."""
+    proposal = decide_after(
+        view_of("a", "b", resume=10),
+        {"a": (20, "d20"), "b": (20, "d20"), "evil": (5020, "zero")},
+    )
+
+    assert proposal.view.resume_step == 20 and proposal.view.digest == "d20"
+    assert proposal.view.fetch == {"evil": ("a", "b")}
+    assert proposal.refused == (RefusedClaim("evil", 5020, Refusal.JOINER),)
+
+
+def test_a_joiner_never_becomes_a_source_even_when_nobody_else_holds_state() -> None:
+    proposal = decide_after(view_of("a"), {"a": (None, ""), "evil": (7, "x")})
+
+    assert proposal.view.resume_step is None and proposal.view.fetch == {}
+    assert [c.member_id for c in proposal.refused] == ["evil"]
+
+
+def test_a_survivor_more_than_one_step_ahead_of_the_others_is_not_believed() -> None:
+    proposal = decide_after(
+        view_of("a", "b", "c", resume=10), {"a": (30, "d"), "b": (30, "d"), "c": (32, "zero")}
+    )
+
+    assert proposal.view.resume_step == 30
+    assert proposal.view.fetch == {"c": ("a", "b")}
+    assert proposal.refused == (RefusedClaim("c", 32, Refusal.AHEAD, 30),)
+
+
+def test_a_survivor_one_step_ahead_of_the_others_is_believed() -> None:
+    """An all-reduce that completed on some ranks only: those hold one step
+    more, and the view resumes from it."""
+    proposal = decide_after(view_of("a", "b", resume=10), {"a": (30, "d30"), "b": (31, "d31")})
+
+    assert proposal.view.resume_step == 31
+    assert proposal.view.fetch == {"a": ("b",)}
+    assert proposal.refused == ()
+
+
+def test_a_lone_survivor_is_believed_up_to_one_step_past_its_own_reports() -> None:
+    """Nobody else can vouch for a member that trained alone: its own
+    progress reports are the job's record (a worker reports the step it
+    answers with just before the answer)."""
+    believed = decide_after(view_of("a", resume=10), {"a": (501, "d"), "j": (None, "")},
+                            reports={"a": 500})  # fmt: skip
+    refused = decide_after(view_of("a", resume=10), {"a": (600, "d"), "j": (None, "")},
+                           reports={"a": 500})  # fmt: skip
+
+    assert believed.view.resume_step == 501 and believed.view.fetch == {"j": ("a",)}
+    assert refused.view.resume_step is None
+    assert refused.refused == (RefusedClaim("a", 600, Refusal.AHEAD, 500),)
+
+
+def test_a_survivor_without_reports_is_held_to_the_views_resume_step() -> None:
+    assert decide_after(view_of("a", resume=10), {"a": (11, "d")}).view.resume_step == 11
+    assert decide_after(view_of("a", resume=10), {"a": (12, "d")}).view.resume_step is None
+
+
+def test_the_others_answers_not_their_stale_reports_vouch_for_a_survivor() -> None:
+    """Progress reports are at most one per heartbeat interval, so another
+    member's may lag its answer by several steps: with other survivors
+    answering, their answers count, not the reports."""
+    proposal = decide_after(
+        view_of("a", "b", resume=10), {"a": (40, "d"), "b": (40, "d")}, reports={"a": 33, "b": 36}
+    )
+
+    assert proposal.view.resume_step == 40 and proposal.refused == ()
+
+
+def test_a_job_with_no_recorded_progress_believes_its_survivors() -> None:
+    proposal = decide_after(view_of("a", "b"), {"a": (4, "d"), "b": (None, "")})
+
+    assert proposal.view.resume_step == 4 and proposal.view.fetch == {"b": ("a",)}
+
+
+def test_a_worker_resumed_from_a_checkpoint_is_believed() -> None:
+    """A worker alone in a view without state loads the job's newest
+    checkpoint and asks for a roll call: its step is the job's."""
+    with_report = decide_after(view_of("w"), {"w": (299, "ckpt")}, reports={"w": 299})
+    without = decide_after(view_of("w"), {"w": (299, "ckpt")})
+
+    assert with_report.view.resume_step == without.view.resume_step == 299
+
+
+def test_only_reports_of_the_view_in_force_by_its_members_count() -> None:
+    coordinator = Coordinator(CONFIG, view_of("a", resume=10), now=0.0)
+    coordinator.progress("a", 2, 500)  # an older view
+    coordinator.progress("stranger", 3, 500)
+    coordinator.recheck("a", "report", 0.0)
+    coordinator.answer("a", 4, 500, "d", 0.0)
+
+    proposal = only_commit(coordinator.take_actions())
+
+    assert proposal.view.resume_step is None
+    assert proposal.refused == (RefusedClaim("a", 500, Refusal.AHEAD, 10),)
+
+
+def test_reports_are_forgotten_when_the_next_view_is_committed() -> None:
+    coordinator = Coordinator(CONFIG, view_of("a", resume=10), now=0.0)
+    coordinator.progress("a", 3, 500)
+    coordinator.recheck("a", "report", 0.0)
+    coordinator.answer("a", 4, 11, "d", 0.0)
+    commit(coordinator, 0.0)
+    coordinator.recheck("a", "report", 0.0)
+    coordinator.answer("a", 5, 500, "d", 0.0)
+
+    assert only_commit(coordinator.take_actions()).view.resume_step is None
+
+
+HONEST_STEPS = st.integers(0, 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    survivors=st.dictionaries(
+        st.sampled_from("abcdef"),
+        st.tuples(st.none() | HONEST_STEPS, st.sampled_from(["x", "y"])),
+        min_size=1,
+    ),
+    resume=st.none() | HONEST_STEPS,
+    claim=st.tuples(st.none() | st.integers(0, 10_000), st.sampled_from(["x", "zero"])),
+)
+def test_a_joiner_changes_nothing_about_what_the_survivors_resume_from(
+    survivors: dict[str, tuple[int | None, str]],
+    resume: int | None,
+    claim: tuple[int | None, str],
+) -> None:
+    order = sorted(survivors)
+    answers = {i: Answer(i, *survivors[i]) for i in order}
+    alone = plan_resume(order, answers, survivors=order, resume=resume)
+
+    joined = plan_resume(
+        [*order, "evil"], {**answers, "evil": Answer("evil", *claim)}, survivors=order,
+        resume=resume,
+    )  # fmt: skip
+
+    assert (joined.step, joined.digest) == (alone.step, alone.digest)
+    assert {i: f for i, f in joined.fetch.items() if i != "evil"} == alone.fetch
+    if alone.step is not None:
+        assert joined.fetch["evil"] == tuple(i for i in order if i not in alone.fetch)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    honest=st.lists(st.sampled_from([0, 1]), min_size=1, max_size=5),
+    base=st.integers(0, 1000),
+    lie=st.integers(0, 10_000),
+    liar_first=st.booleans(),
+)
+def test_one_lying_survivor_cannot_move_the_job_more_than_one_step(
+    honest: list[int], base: int, lie: int, liar_first: bool
+) -> None:
+    """Honest survivors hold the same step or one less; one liar claims
+    anything with a state of its own: the view never resumes more than one
+    step past the honest members' newest, and from the liar alone only if
+    its claim is within that step."""
+    honest_ids = [f"h{n}" for n in range(len(honest))]
+    order = ["liar", *honest_ids] if liar_first else [*honest_ids, "liar"]
+    answers = {i: Answer(i, base + s, f"d{base + s}") for i, s in zip(honest_ids, honest,
+                                                                       strict=True)}  # fmt: skip
+    answers["liar"] = Answer("liar", lie, "zero")
+    newest = base + max(honest)
+
+    plan = plan_resume(order, answers, survivors=order, resume=base)
+
+    assert plan.step is not None and plan.step <= newest + 1
+    sources = {i for i in order if i not in plan.fetch}
+    if lie > newest + 1:
+        assert "liar" not in sources and plan.step == newest
+
+
 def test_answer_of_a_candidate_that_then_departs_does_not_count() -> None:
     coordinator = established("a", "b", "c")
     rollcall_over(coordinator, "d", 0.0)
@@ -498,7 +767,7 @@ def test_answer_of_a_candidate_that_then_departs_does_not_count() -> None:
 
     assert view.resume_step == 8
     assert view.digest == "d8"
-    assert view.fetch == {}
+    assert view.fetch == {"d": ("a", "b")}, "the joiner's own claim is not adopted"
 
 
 def test_latest_answer_of_a_candidate_counts() -> None:
@@ -697,42 +966,92 @@ def test_awaiting_ids_outside_the_view_are_ignored() -> None:
 # --- plan_resume on its own --------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     st.dictionaries(
         st.sampled_from("abcdefgh"),
         st.tuples(st.none() | st.integers(0, 3), st.sampled_from(["x", "y", "z"])),
         min_size=1,
     ),
+    st.sets(st.sampled_from("abcdefgh")),
+    st.none() | st.integers(0, 3),
+    st.dictionaries(st.sampled_from("abcdefgh"), st.integers(0, 3)),
     st.randoms(use_true_random=False),
 )
 def test_plan_resume_fits_the_answers_whatever_their_arrival_order(
-    raw: dict[str, tuple[int | None, str]], random: Random
+    raw: dict[str, tuple[int | None, str]],
+    survivor_ids: set[str],
+    resume: int | None,
+    reports: dict[str, int],
+    random: Random,
 ) -> None:
-    order = sorted(raw)
+    order = sorted(raw, key=lambda i: (i not in survivor_ids, i))  # survivors first
+    previous = View(1, tuple(worker(i) for i in sorted(survivor_ids)), resume)
     arrival = list(raw)
     random.shuffle(arrival)
+    survivors = [i for i in order if i in survivor_ids]
 
-    resume, digest, fetch = plan_resume(order, {i: Answer(i, *raw[i]) for i in arrival})
+    plan = plan_resume(
+        order, {i: Answer(i, *raw[i]) for i in arrival}, survivors=survivors, resume=resume,
+        reports=reports,
+    )  # fmt: skip
 
-    assert (resume, digest, fetch) == plan_resume(order, {i: Answer(i, *raw[i]) for i in order})
-    check_resume_plan(View(1, tuple(worker(i) for i in order), resume, digest, fetch), raw)
+    in_order = plan_resume(
+        order, {i: Answer(i, *raw[i]) for i in order}, survivors=survivors, resume=resume,
+        reports=reports,
+    )  # fmt: skip
+    assert plan == in_order
+    view = View(2, tuple(worker(i) for i in order), plan.step, plan.digest, plan.fetch)
+    check_resume_plan(view, raw, previous, reports)
 
 
-def check_resume_plan(view: View, answers: Mapping[str, tuple[int | None, str]]) -> None:
-    """``view``'s resume step, digest and fetch plan fit its members' answers."""
-    steps = [answers[i][0] for i in view.ids if answers[i][0] is not None]
-    expected = max(steps, default=None)
+def believed_steps(
+    view: View,
+    answers: Mapping[str, tuple[int | None, str]],
+    previous: View,
+    reports: Mapping[str, int],
+) -> dict[str, int]:
+    """The steps docs/protocol.md says the view believes: survivors' only,
+    each at most one past the resume step of ``previous`` and the other
+    survivors' steps (or, if none of those holds a step, the reports)."""
+    steps = {
+        i: step
+        for i in view.ids
+        if i in previous and (step := answers[i][0]) is not None
+    }
+    believed = {}
+    for member_id, step in steps.items():
+        vouching = [s for other, s in steps.items() if other != member_id] or list(
+            reports.values()
+        )
+        known = [s for s in [previous.resume_step, *vouching] if s is not None]
+        if not known or step <= max(known) + 1:
+            believed[member_id] = step
+    return believed
+
+
+def check_resume_plan(
+    view: View,
+    answers: Mapping[str, tuple[int | None, str]],
+    previous: View,
+    reports: Mapping[str, int],
+) -> None:
+    """``view``'s resume step, digest and fetch plan fit its members'
+    answers as claims checked against the job's progress."""
+    believed = believed_steps(view, answers, previous, reports)
+    expected = max(believed.values(), default=None)
     assert view.resume_step == expected
     if expected is None:
         assert view.digest == ""
         assert view.fetch == {}
         return
-    holders = [i for i in view.ids if answers[i][0] == expected]
+    holders = [i for i in view.ids if believed.get(i) == expected]
     counts = Counter(answers[i][1] for i in holders)
     assert counts[view.digest] == max(counts.values())
-    assert view.digest == min(d for d, n in counts.items() if n == max(counts.values()))
+    senior = next(i for i in holders if counts[answers[i][1]] == max(counts.values()))
+    assert view.digest == answers[senior][1], "a digest tie goes to the most senior holder"
     sources = {i for i in holders if answers[i][1] == view.digest}
+    assert sources <= set(previous.ids), "a joiner is a source"
     assert set(view.fetch) <= set(view.ids)
     for member_id in view.ids:
         if member_id in sources:
@@ -768,6 +1087,8 @@ class RollCallMachine(RuleBasedStateMachine):
         self.views: list[View] = [EMPTY_VIEW]  # committed, in order
         self.called: dict[int, tuple[str, ...]] = {}  # epoch -> candidates at start
         self.answers: dict[int, dict[str, tuple[int | None, str]]] = {}
+        #: Progress reported by members of the view in force, in it.
+        self.reports: dict[str, int] = {}
         self.pending: CommitView | None = None
 
     # --- the caller's loop ---
@@ -806,7 +1127,7 @@ class RollCallMachine(RuleBasedStateMachine):
         assert view.ids == tuple(i for i in called if i in view), "view is not in call order"
         assert not set(view.ids) & self.departed, "departed member kept"
         assert set(self.views[-1].ids) - set(view.ids) <= set(proposal.removed)
-        check_resume_plan(view, {i: answered[i] for i in view.ids})
+        check_resume_plan(view, {i: answered[i] for i in view.ids}, self.views[-1], self.reports)
         self.dropped |= set(called) - set(view.ids)
         self.pending = proposal
 
@@ -822,6 +1143,7 @@ class RollCallMachine(RuleBasedStateMachine):
         assert sorted(view.ids, key=self.issued.index) == list(view.ids), "not in arrival order"
         self.gone |= set(previous.ids) - set(view.ids)
         self.views.append(view)
+        self.reports = {}
         self.coordinator.committed(view, self.now)
         assert self.coordinator.view == view
         self.drain()
@@ -895,6 +1217,29 @@ class RollCallMachine(RuleBasedStateMachine):
         else:
             assert snapshot(self.coordinator) == before, "refused recheck changed state"
         self.drain()
+
+    @precondition(lambda self: self.coordinator.view.size > 0)
+    @rule(data=st.data())
+    def member_reports_a_failure_within_its_limit(self, data: st.DataObject) -> None:
+        view = self.coordinator.view
+        reporter = data.draw(st.sampled_from(view.ids))
+        member_id = data.draw(st.sampled_from([*view.ids, "nobody"]))
+        before = snapshot(self.coordinator)
+        outcome = self.coordinator.report(reporter, member_id, f"report:{member_id}", self.now)
+        if outcome is ReportOutcome.ROLL_CALL:
+            self.queued.add(member_id)
+        else:
+            assert snapshot(self.coordinator) == before, "an ignored report changed state"
+        self.drain()
+
+    @rule(data=st.data(), step=st.integers(0, 4), stale=st.booleans())
+    def member_reports_progress(self, data: st.DataObject, step: int, stale: bool) -> None:
+        view = self.coordinator.view
+        member_id = data.draw(st.sampled_from([*view.ids, "nobody"]))
+        epoch = view.epoch - 1 if stale else view.epoch
+        self.coordinator.progress(member_id, epoch, step)
+        if member_id in view and not stale:
+            self.reports[member_id] = max(step, self.reports.get(member_id, step))
 
     @rule(data=st.data(), how=st.sampled_from(["leave", "suspect"]))
     def depart_unknown(self, data: st.DataObject, how: str) -> None:

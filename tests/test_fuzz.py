@@ -33,6 +33,7 @@ from tests.test_bad_input import (
     STATE,
     STATE_JOB,
     STATE_REJECTIONS,
+    STATE_SECRET,
     STATE_VIEW,
     UNDECODABLE,
     Code,
@@ -117,6 +118,7 @@ def might_publish(t: Target, request: pb.PublishCheckpointRequest) -> bool:
     return (
         request.job == t.job
         and request.member_id in t.in_view
+        and request.member_secret == t.secret_of(request.member_id)
         and request.epoch == t.epoch
         and c.step <= INT64_MAX
         and c.epoch <= t.epoch
@@ -146,6 +148,8 @@ def opening_fate(t: Target, first: pb.SessionRequest | bytes) -> Fate:
         return Fate.REFUSED
     request = first.open
     if request.job != t.job or request.member_id not in t.in_view or request.epoch > t.epoch:
+        return Fate.REFUSED
+    if request.member_secret != t.secret_of(request.member_id):
         return Fate.REFUSED
     return Fate.HARMLESS if request.member_id == t.puppet else Fate.CHANGES
 
@@ -277,6 +281,13 @@ def epochs(epoch: int) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(near), counters)
 
 
+def member_secrets(t: Target) -> st.SearchStrategy[str]:
+    """Member secrets: the job's own (each member's), empty, well-formed
+    strangers and anything."""
+    known = sorted(t.secrets.values())
+    return st.one_of(st.sampled_from([*known, "", "0" * 64, "f" * 63]), short_texts)
+
+
 def ids(t: Target) -> st.SearchStrategy[str]:
     """Member ids: the job's own, unknown ones and anything."""
     known = sorted(t.in_view)
@@ -330,7 +341,9 @@ def session_messages(t: Target) -> st.SearchStrategy[pb.SessionRequest | bytes]:
     reports = st.builds(
         pb.ViewReport, epoch=epoch, global_batch=st.integers(0, 2**32 - 1), **durations
     )
-    opens = st.builds(pb.Open, job=short_texts, member_id=ids(t), epoch=epoch)
+    opens = st.builds(
+        pb.Open, job=short_texts, member_id=ids(t), epoch=epoch, member_secret=member_secrets(t)
+    )
     busy = st.builds(pb.Busy, epoch=epoch, seconds=numbers, reason=reasons)
     return st.one_of(
         heartbeats.map(lambda m: pb.SessionRequest(heartbeat=m)),
@@ -394,15 +407,22 @@ def test_arbitrary_join_is_refused_with_a_documented_code(
 def test_arbitrary_leave_is_refused_with_a_documented_code(
     job: Job, target: Target, data: st.DataObject
 ) -> None:
-    valid = {"job": target.job, "member_id": target.members[0], "epoch": target.epoch}
+    first = target.members[0]
+    valid = {
+        "job": target.job, "member_id": first, "epoch": target.epoch,
+        "member_secret": target.secret_of(first),
+    }  # fmt: skip
     strategies = {
         "job": texts,
         "member_id": st.one_of(ids(target), texts),
         "epoch": epochs(target.epoch),
+        "member_secret": member_secrets(target),
     }
     request = pb.LeaveRequest(**fuzzed_fields(data, valid, strategies))
     member = request.member_id in target.in_view
-    assume(not (request.job == target.job and member and request.epoch <= target.epoch))
+    own = request.member_secret == target.secret_of(request.member_id)
+    assume(not (request.job == target.job and member and own and request.epoch <= target.epoch))
+    event("with the member's secret" if own else "without the member's secret")
     assert_refused_with_a_documented_code(job, "Leave", request)
 
 
@@ -414,11 +434,16 @@ def test_arbitrary_session_opening_is_refused_with_a_documented_code(
     """A session whose first message is not a valid Open: an Open with
     fields replaced (unknown or malformed member, stale or future epoch,
     another job...), any other message, or bytes that are no message."""
-    valid = {"job": target.job, "member_id": target.puppet, "epoch": target.epoch}
+    assert target.puppet is not None
+    valid = {
+        "job": target.job, "member_id": target.puppet, "epoch": target.epoch,
+        "member_secret": target.secret_of(target.puppet),
+    }  # fmt: skip
     strategies = {
         "job": texts,
         "member_id": st.one_of(ids(target), texts),
         "epoch": epochs(target.epoch),
+        "member_secret": member_secrets(target),
     }
     fuzzed_open = pb.SessionRequest(open=pb.Open(**fuzzed_fields(data, valid, strategies)))
     first = data.draw(st.one_of(st.just(fuzzed_open), session_messages(target)), label="first")
@@ -476,16 +501,20 @@ def test_arbitrary_checkpoint_is_refused_with_a_documented_code(
     base = publish(0, step=CHECKPOINT_STEP - 1)(target)  # well-formed, not newer
     manifest = {f.name: getattr(base.checkpoint, f.name) for f in pb.Checkpoint.DESCRIPTOR.fields}
     manifest["checkpoint_epoch"] = manifest.pop("epoch")
-    valid = {"job": base.job, "member_id": base.member_id, "epoch": base.epoch, **manifest}
+    valid = {
+        "job": base.job, "member_id": base.member_id, "epoch": base.epoch,
+        "member_secret": base.member_secret, **manifest,
+    }  # fmt: skip
     strategies = {
         "job": texts, "member_id": ids(target), "epoch": epochs(target.epoch),
+        "member_secret": member_secrets(target),
         "step": counters, "digest": digests, "uri": texts, "size": counters, "sha256": sha256s,
         "checkpoint_epoch": epochs(target.epoch), "writer": ids(target),
         "created_unix": numbers, "step_seconds": numbers,
     }  # fmt: skip
     fields = fuzzed_fields(data, valid, strategies)
     who, epoch, name = fields.pop("member_id"), fields.pop("epoch"), fields.pop("job")
-    request = publish(who, epoch, name, **fields)(target)
+    request = publish(who, epoch, name, secret=fields.pop("member_secret"), **fields)(target)
     assume(not might_publish(target, request))
     assert_refused_with_a_documented_code(job, "PublishCheckpoint", request)
 
@@ -505,11 +534,13 @@ def test_undecodable_bytes_are_refused_on_every_method(job: Job, data: st.DataOb
 
 def might_serve(rpc: str, request: Any) -> bool:
     """Whether the state server might answer: a member of its view at its
-    epoch (and for Fetch, its digest and a range inside its state)."""
+    epoch with the view's epoch secret (and for Fetch, its digest and a
+    range inside its state)."""
     admitted = (
         request.job == STATE_JOB
         and request.member_id in STATE_VIEW
         and request.epoch == STATE_VIEW.epoch
+        and request.epoch_secret == STATE_SECRET
     )
     if rpc != "Fetch":
         return admitted
@@ -526,6 +557,9 @@ def test_arbitrary_state_request_is_refused_with_a_documented_code(data: st.Data
         "job": texts, "member_id": members, "epoch": epochs(STATE_VIEW.epoch),
         "digest": digests, "offset": st.one_of(counters, st.integers(0, len(SNAPSHOT.data) + 1)),
         "length": st.one_of(counters, st.integers(0, len(SNAPSHOT.data) + 1)),
+        "epoch_secret": st.one_of(
+            st.just(STATE_SECRET), st.just(""), st.text("0123456789abcdef", max_size=66), texts
+        ),
     }  # fmt: skip
     valid = fetch_request() if rpc == "Fetch" else state_request()
     fields = {f.name: getattr(valid, f.name) for f in valid.DESCRIPTOR.fields}

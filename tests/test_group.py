@@ -49,6 +49,8 @@ GROUP_TIMEOUT = 5.0
 PROMPT = 2.0
 #: Bound on process start-up plus one group build (importing torch ~1.5 s).
 START_BOUND = 60.0
+#: The epoch secret every rank of a test group received.
+EPOCH_SECRET = "ab" * 32
 #: 64 MB of float32 gradients: a single all-reduce of it takes tens of ms.
 LARGE_ELEMENTS = 16 * 1024 * 1024
 
@@ -98,7 +100,7 @@ def _join_epoch(
         port = ports.get(timeout=START_BOUND)
     return EpochGroup.build(
         epoch, rank, size, LOOPBACK, port, rank == 0, timeout, abort,
-        patience=patience, hard_timeout=hard_timeout,
+        patience=patience, hard_timeout=hard_timeout, secret=EPOCH_SECRET,
     )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from membership.checkpoint import CheckpointManifest
 from membership.config import Config
+from membership.credentials import secret_hash
 from membership.errors import ControlPlaneUnavailable, InvalidRequest
 from membership.fingerprint import JobFingerprint
 from membership.view import EMPTY_VIEW, Member, View
@@ -219,6 +220,20 @@ def test_members_are_listed_in_arrival_order(store: EtcdStore) -> None:
     revisions = [r.create_revision for r in records]
     assert revisions == sorted(revisions) and len(set(revisions)) == 3
     assert len({r.lease_id for r in records}) == 3
+
+
+def test_a_members_secret_hash_is_kept_in_its_record(store: EtcdStore) -> None:
+    """The hash of the member's secret travels with its record, so that any
+    replica leading later can check the member's requests; a value that is
+    no such hash (a hand-written record) reads as none, which proves nothing."""
+    hashed = secret_hash("s" * 64)
+    written = store.add_member(Member("a", "127.0.0.1:1"), hashed)
+    store.add_member(Member("b", "127.0.0.1:2"), "not a hash")
+
+    records = {r.member.id: r for r in store.list_members()}
+
+    assert records["a"] == written and records["a"].secret_hash == hashed
+    assert records["b"].secret_hash == ""
 
 
 def test_add_member_returns_its_record(store: EtcdStore, config: Config) -> None:
@@ -535,6 +550,31 @@ def test_a_malformed_fingerprint_is_reported_not_raised(etcd: LocalEtcd, store: 
     assert read.fingerprint is None and read.malformed and read.revision > 0
     assert store.record_fingerprint(RUN1, read.revision)  # it takes the malformed one's place
     assert store.read_fingerprint().fingerprint == RUN1
+
+
+def test_the_epoch_key_is_made_once_and_kept(etcd: LocalEtcd, store: EtcdStore,
+                                              config: Config) -> None:  # fmt: skip
+    """Every replica that leads derives the same epoch secrets: the first
+    call makes the job's epoch key, later ones (from any store) read it."""
+    key = store.epoch_key()
+    other = EtcdStore([etcd.endpoint], "job-a", config)
+    try:
+        assert other.epoch_key() == key == store.epoch_key()
+    finally:
+        other.close()
+    assert len(key) == 64 and int(key, 16) >= 0
+
+
+@pytest.mark.parametrize("value", [b"{", b"\xff", b"[]", b'{"key": "short"}', b'{"key": 5}'])
+def test_a_malformed_epoch_key_is_replaced(etcd: LocalEtcd, store: EtcdStore,
+                                           value: bytes) -> None:  # fmt: skip
+    client = client_for(etcd.endpoint)
+    try:
+        client.put("/rollcall/jobs/job-a/epoch_key", value)
+    finally:
+        client.close()
+    key = store.epoch_key()
+    assert len(key) == 64 and store.epoch_key() == key
 
 
 # --- etcd unreachable ----------------------------------------------------------------

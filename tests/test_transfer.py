@@ -39,6 +39,9 @@ def corrupted(snap: Snapshot) -> Snapshot:
     return Snapshot(snap.step, snap.digest, bytes(data))
 
 
+#: The epoch secret of VIEW, as its members received it.
+SECRET = "5e" * 32
+
 async def serve(snapshot: Snapshot, view: View) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server(interceptors=[TokenInterceptor(TOKEN)])
 
@@ -46,7 +49,10 @@ async def serve(snapshot: Snapshot, view: View) -> tuple[grpc.aio.Server, str]:
         raise AssertionError("not used here")
 
     state_pb2_grpc.add_StateTransferServicer_to_server(
-        StateServer(JOB, Config(), lambda: "src", lambda: view, lambda: snapshot, no_store),
+        StateServer(
+            JOB, Config(), lambda: "src", lambda: view, lambda: snapshot, no_store,
+            epoch_secret=lambda epoch: SECRET if epoch == view.epoch else None,
+        ),  # fmt: skip
         server,
     )
     port = server.add_insecure_port("127.0.0.1:0")
@@ -62,7 +68,7 @@ def test_a_corrupt_source_is_detected_and_the_state_fetched_again_elsewhere():
 
     async def scenario():
         servers = [await serve(corrupted(good), VIEW), await serve(good, VIEW)]
-        fetcher = StateFetcher(JOB, "fetcher", TOKEN)
+        fetcher = StateFetcher(JOB, "fetcher", TOKEN, epoch_secret=lambda _: SECRET)
         try:
             return await fetcher.fetch([a for _, a in servers], 3, good.digest, timeout=20)
         finally:
@@ -82,7 +88,7 @@ def test_an_unreachable_source_is_skipped():
 
     async def scenario():
         server, address = await serve(good, VIEW)
-        fetcher = StateFetcher(JOB, "fetcher", TOKEN)
+        fetcher = StateFetcher(JOB, "fetcher", TOKEN, epoch_secret=lambda _: SECRET)
         try:
             dead = f"127.0.0.1:{free_port()}"
             return await fetcher.fetch([dead, address], 3, good.digest, timeout=5)
@@ -96,16 +102,22 @@ def test_an_unreachable_source_is_skipped():
 
 
 @pytest.mark.parametrize(
-    ("member_id", "epoch", "token"),
-    [("stranger", 3, TOKEN), ("fetcher", 2, TOKEN), ("fetcher", 3, "wrong-token")],
-    ids=["not a member", "stale epoch", "wrong token"],
+    ("member_id", "epoch", "token", "secret"),
+    [
+        ("stranger", 3, TOKEN, SECRET),
+        ("fetcher", 2, TOKEN, SECRET),
+        ("fetcher", 3, "wrong-token", SECRET),
+        ("fetcher", 3, TOKEN, ""),
+        ("fetcher", 3, TOKEN, "0" * 64),
+    ],
+    ids=["not a member", "stale epoch", "wrong token", "no epoch secret", "wrong epoch secret"],
 )
-def test_only_members_of_the_current_view_may_pull(member_id, epoch, token):
+def test_only_members_of_the_current_view_may_pull(member_id, epoch, token, secret):
     good = make_snapshot()
 
     async def scenario():
         server, address = await serve(good, VIEW)
-        fetcher = StateFetcher(JOB, member_id, token)
+        fetcher = StateFetcher(JOB, member_id, token, epoch_secret=lambda _: secret)
         try:
             await fetcher.fetch([address], epoch, good.digest, timeout=1.5)
         finally:

@@ -56,7 +56,6 @@ import torch
 from torch.distributed import (
     AllreduceOptions,
     BroadcastOptions,
-    PrefixStore,
     ProcessGroupGloo,
     ReduceOp,
     Store,
@@ -65,6 +64,7 @@ from torch.distributed import (
 )
 
 from membership.errors import RollcallError
+from worker.bootstrap import epoch_store
 
 __all__ = [
     "ABORT_POLL_INTERVAL",
@@ -385,6 +385,7 @@ def _meet(
     timeout: float,
     patience: Patience,
     abort: AbortFlag,
+    secret: str,
 ) -> TCPStore:
     """Connect to the epoch's store (unless this rank hosts it) and wait there
     until every rank has arrived: gloo itself would wait for an absent peer
@@ -396,7 +397,7 @@ def _meet(
     store = hosted or TCPStore(
         store_host, store_port, None, False, _delta(timeout), wait_for_workers=False
     )
-    scoped = PrefixStore(f"epoch{epoch}", store)
+    scoped = epoch_store(epoch, store, secret)
     scoped.set(f"rollcall/joined/{rank}", "1")
     keys = [f"rollcall/joined/{peer}" for peer in range(size)]
     while not scoped.check(keys):
@@ -494,10 +495,10 @@ def _connections_of(
 
 def _publish_listeners(
     epoch: int, rank: int, size: int, store: TCPStore, listener: tuple[str, int] | None,
-    timeout: float,
+    timeout: float, secret: str,
 ) -> set[tuple[str, int]]:  # fmt: skip
     """Every rank's gloo listener, exchanged through the epoch's store."""
-    scoped = PrefixStore(f"epoch{epoch}", store)
+    scoped = epoch_store(epoch, store, secret)
     scoped.set(f"rollcall/gloo/{rank}", "" if listener is None else f"{listener[0]}:{listener[1]}")
     values = scoped.multi_get([f"rollcall/gloo/{peer}" for peer in range(size)])
     found = set()
@@ -565,9 +566,14 @@ class EpochGroup:
         listen_host: str = LOOPBACK,
         patience: Patience | None = None,
         hard_timeout: float | None = None,
+        *,
+        secret: str,
     ) -> EpochGroup:
         """Connect to the epoch's bootstrap store, wait for all ``size`` ranks
         and build the group; ``listen_host`` is the address gloo binds to.
+        Every key and value the ranks exchange is sealed with the view's
+        epoch ``secret`` (``worker.bootstrap``): a value written by anyone
+        without it fails the build as an absent peer would.
 
         ``patience`` (default: ``timeout`` from the start of each wait) says
         how long a wait for peers may go on, here and in every collective;
@@ -580,7 +586,7 @@ class EpochGroup:
             raise ValueError(f"rank {rank} outside a group of {size}")
         outcome = cls._build(
             epoch, rank, size, store_host, store_port, is_store_host, timeout, abort, listen_host,
-            patience or _patient(timeout), hard_timeout,
+            patience or _patient(timeout), hard_timeout, secret,
         )  # fmt: skip
         if isinstance(outcome, StepAborted):
             raise outcome
@@ -600,6 +606,7 @@ class EpochGroup:
         listen_host: str,
         patience: Patience,
         hard_timeout: float | None,
+        secret: str,
     ) -> EpochGroup | StepAborted:
         hosted = None
         if is_store_host:
@@ -611,12 +618,13 @@ class EpochGroup:
         store = _Call(
             f"epoch {epoch} rendezvous",
             lambda: _meet(
-                epoch, rank, size, store_host, store_port, hosted, timeout, patience, abort
+                epoch, rank, size, store_host, store_port, hosted, timeout, patience, abort,
+                secret,
             ),
         ).join(abort, timeout)
         if isinstance(store, StepAborted):
             return store
-        scoped = PrefixStore(f"epoch{epoch}", store)
+        scoped = epoch_store(epoch, store, secret)
         before = {c.fd for c in _tcp_sockets()}
         pg = _Call(
             f"epoch {epoch} group",
@@ -628,7 +636,7 @@ class EpochGroup:
         listener, _ = _connections_of(before, after, set())
         peers = _Call(
             f"epoch {epoch} listeners",
-            lambda: _publish_listeners(epoch, rank, size, store, listener, timeout),
+            lambda: _publish_listeners(epoch, rank, size, store, listener, timeout, secret),
         ).join(abort, timeout)
         if isinstance(peers, StepAborted):
             cls(epoch, rank, size, timeout, abort, pg, store).close()

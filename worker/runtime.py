@@ -460,6 +460,7 @@ class Elastic:
                 current_view=lambda: self._view,
                 snapshot=lambda: self._snapshot,
                 store_port=self._store_port,
+                epoch_secret=self._client.epoch_secret,
                 faults=self._faults,
             ),
             server,
@@ -481,7 +482,9 @@ class Elastic:
         with self._state:
             self._member.joined(member_id)
         self._launch_s = process_age()
-        self._fetcher = StateFetcher(self.job_name, self.member_id, self._token)
+        self._fetcher = StateFetcher(
+            self.job_name, self.member_id, self._token, epoch_secret=self._client.epoch_secret
+        )
         log.info("joined job %s as %s", self.job_name, self.member_id)
         log.debug("state server of %s at %s", self.member_id, self.address)
         self._report.joined(self.member_id, self.address)
@@ -753,6 +756,12 @@ class Elastic:
                 "pulled step %d (%d bytes) from %d peers in %.3f s (%d whole refetches)",
                 state.step, report.size, len(report.sources), report.seconds, report.retries,
             )  # fmt: skip
+        secret = self._client.epoch_secret(view.epoch)
+        if secret is None:
+            # Sent just before the view on the same session: not expected.
+            reason = f"no epoch secret was received for view {view.epoch}"
+            self._ask_for_rollcall(reason)
+            raise StepAborted(f"epoch {view.epoch}: {reason}; asked for a roll call")
         built = time.perf_counter()
         old, self._group = self._group, None
         if old is not None:
@@ -773,7 +782,7 @@ class Elastic:
         self._group = EpochGroup.build(
             view.epoch, rank, view.size, host, port, rank == 0, timeout, abort,
             listen_host=self._host, patience=self._patience,
-            hard_timeout=self._config.collective_backstop(),
+            hard_timeout=self._config.collective_backstop(), secret=secret,
         )  # fmt: skip
         ready = time.perf_counter()
         self._loader.enter_view(rank, view.size, self.committed_step + 1)

@@ -7,6 +7,11 @@ process group's bootstrap store. A joiner or a member that is behind calls
 byte range per source), a range that fails is fetched again from another
 source, and the result is checked against the digest agreed at the roll
 call; a corrupt result is fetched again, one source at a time.
+
+Every call proves that its caller is a member of the server's current view
+by carrying that view's epoch secret (``membership.credentials``), which
+the leader sends on the sessions of the view's members only: the job token
+and a member id read from ``Status`` are not enough (PERMISSION_DENIED).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Any, TypeVar
 import grpc
 
 from membership.config import Config
-from membership.errors import InvalidRequest, RollcallError, StaleEpoch
+from membership.credentials import secrets_equal
+from membership.errors import InvalidRequest, PermissionDenied, RollcallError, StaleEpoch
 from membership.view import View
 from rendezvous import validation as check
 from rendezvous.client import ClientTLS, open_channel
@@ -56,7 +62,9 @@ class TransferFailed(RollcallError):
 
 
 class StateServer(pb_grpc.StateTransferServicer):
-    """Serves this worker's snapshot to members of its current view."""
+    """Serves this worker's snapshot to members of its current view, who
+    prove it with the view's epoch secret (``epoch_secret(epoch)``: the one
+    this worker received, None if none)."""
 
     def __init__(
         self,
@@ -66,8 +74,10 @@ class StateServer(pb_grpc.StateTransferServicer):
         current_view: Callable[[], View],
         snapshot: Callable[[], Snapshot | None],
         store_port: Callable[[int], Awaitable[int]],
+        epoch_secret: Callable[[int], str | None],
         faults: Faults | None = None,
     ) -> None:
+        self._epoch_secret = epoch_secret
         self._job = job
         self._faults = faults or Faults()
         self._own_id = own_id
@@ -76,7 +86,7 @@ class StateServer(pb_grpc.StateTransferServicer):
         self._snapshot = snapshot
         self._store_port = store_port
 
-    def _admit(self, job: str, member_id: str, epoch: int) -> View:
+    def _admit(self, job: str, member_id: str, epoch: int, secret: str) -> View:
         check.check_id(job, "job", self._config)
         check.check_id(member_id, "member_id", self._config)
         if job != self._job:
@@ -86,6 +96,11 @@ class StateServer(pb_grpc.StateTransferServicer):
             raise StaleEpoch(
                 f"member {member_id} in epoch {epoch} is not in this worker's view {view.epoch}"
             )
+        if not secrets_equal(secret, self._epoch_secret(epoch)):
+            raise PermissionDenied(
+                f"the request naming member {member_id} does not carry view {epoch}'s epoch "
+                "secret: only the view's members may call this worker"
+            )
         return view
 
     async def _fail(self, context: grpc.aio.ServicerContext, error: RollcallError) -> None:
@@ -93,7 +108,7 @@ class StateServer(pb_grpc.StateTransferServicer):
 
     async def Describe(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
-            self._admit(request.job, request.member_id, request.epoch)
+            self._admit(request.job, request.member_id, request.epoch, request.epoch_secret)
         except RollcallError as error:
             await self._fail(context, error)
         snap = self._snapshot()
@@ -103,7 +118,7 @@ class StateServer(pb_grpc.StateTransferServicer):
 
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
-            self._admit(request.job, request.member_id, request.epoch)
+            self._admit(request.job, request.member_id, request.epoch, request.epoch_secret)
             check.check_digest(request.digest, self._config)  # it is echoed below
             snap = self._snapshot()
             if snap is None or snap.digest != request.digest:
@@ -125,7 +140,7 @@ class StateServer(pb_grpc.StateTransferServicer):
 
     async def GroupStore(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
-            view = self._admit(request.job, request.member_id, request.epoch)
+            view = self._admit(request.job, request.member_id, request.epoch, request.epoch_secret)
             if not view.members or view.members[0].id != self._own_id():
                 raise InvalidRequest("only the view's rank 0 hosts the group store")
         except RollcallError as error:
@@ -145,7 +160,8 @@ class FetchReport:
 
 
 class StateFetcher:
-    """Client side of the transfer for one member."""
+    """Client side of the transfer for one member; ``epoch_secret(epoch)``
+    is the secret of the view it acts in (None: not received)."""
 
     def __init__(
         self,
@@ -154,7 +170,10 @@ class StateFetcher:
         token: str,
         tls: ClientTLS | None = None,
         progress: Callable[[int, int], None] | None = None,
+        *,
+        epoch_secret: Callable[[int], str | None],
     ) -> None:
+        self._epoch_secret = epoch_secret
         self._job = job
         self._member_id = member_id
         self._metadata = token_metadata(token)
@@ -181,13 +200,21 @@ class StateFetcher:
         deadline = time.monotonic() + timeout
         info = await self._retrying(
             lambda: self._stub(address).GroupStore(
-                pb.StateRequest(job=self._job, member_id=self._member_id, epoch=epoch),
+                self._request(epoch),
                 metadata=self._metadata,
                 timeout=max(0.1, deadline - time.monotonic()),
             ),
             deadline,
         )
         return int(info.port)
+
+    def _secret(self, epoch: int) -> str:
+        return self._epoch_secret(epoch) or ""
+
+    def _request(self, epoch: int) -> pb.StateRequest:
+        return pb.StateRequest(
+            job=self._job, member_id=self._member_id, epoch=epoch, epoch_secret=self._secret(epoch)
+        )
 
     async def _retrying(self, attempt: Callable[[], Awaitable[T]], deadline: float) -> T:
         """Retry while the peer has not caught up with the view yet
@@ -255,7 +282,7 @@ class StateFetcher:
     async def _describe(self, address: str, epoch: int, deadline: float) -> pb.StateInfo:
         return await self._retrying(
             lambda: self._stub(address).Describe(
-                pb.StateRequest(job=self._job, member_id=self._member_id, epoch=epoch),
+                self._request(epoch),
                 metadata=self._metadata,
                 timeout=max(0.1, deadline - time.monotonic()),
             ),
@@ -274,7 +301,7 @@ class StateFetcher:
             call = self._stub(address).Fetch(
                 pb.FetchRequest(
                     job=self._job, member_id=self._member_id, epoch=epoch, digest=expected,
-                    offset=offset, length=length,
+                    offset=offset, length=length, epoch_secret=self._secret(epoch),
                 ),
                 metadata=self._metadata,
                 timeout=max(0.1, deadline - time.monotonic()),

@@ -59,16 +59,18 @@ class JoinRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., address: _Optional[str] = ..., name: _Optional[str] = ..., fingerprint: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("member_id", "view", "heartbeat_interval_ms", "earliest_suspicion_s")
+    __slots__ = ("member_id", "view", "heartbeat_interval_ms", "earliest_suspicion_s", "member_secret")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     EARLIEST_SUSPICION_S_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     view: View
     heartbeat_interval_ms: int
     earliest_suspicion_s: float
-    def __init__(self, member_id: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., earliest_suspicion_s: _Optional[float] = ...) -> None: ...
+    member_secret: str
+    def __init__(self, member_id: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., earliest_suspicion_s: _Optional[float] = ..., member_secret: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "heartbeat", "progress", "answer", "failure", "view_report", "busy")
@@ -89,14 +91,16 @@ class SessionRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., answer: _Optional[_Union[RollCallAnswer, _Mapping]] = ..., failure: _Optional[_Union[FailureReport, _Mapping]] = ..., view_report: _Optional[_Union[ViewReport, _Mapping]] = ..., busy: _Optional[_Union[Busy, _Mapping]] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("job", "member_id", "epoch")
+    __slots__ = ("job", "member_id", "epoch", "member_secret")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     job: str
     member_id: str
     epoch: int
-    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    member_secret: str
+    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., member_secret: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("epoch", "sent_at")
@@ -165,16 +169,26 @@ class ViewReport(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., fetch_s: _Optional[float] = ..., rebuild_s: _Optional[float] = ..., first_step_s: _Optional[float] = ..., lost_work_s: _Optional[float] = ..., step_s: _Optional[float] = ..., launch_s: _Optional[float] = ..., global_batch: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("roll_call", "view", "ack", "busy")
+    __slots__ = ("roll_call", "view", "ack", "busy", "epoch_secret")
     ROLL_CALL_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_SECRET_FIELD_NUMBER: _ClassVar[int]
     roll_call: RollCallRequest
     view: View
     ack: HeartbeatAck
     busy: PeerBusy
-    def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., busy: _Optional[_Union[PeerBusy, _Mapping]] = ...) -> None: ...
+    epoch_secret: EpochSecret
+    def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., busy: _Optional[_Union[PeerBusy, _Mapping]] = ..., epoch_secret: _Optional[_Union[EpochSecret, _Mapping]] = ...) -> None: ...
+
+class EpochSecret(_message.Message):
+    __slots__ = ("epoch", "secret")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    secret: str
+    def __init__(self, epoch: _Optional[int] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class PeerBusy(_message.Message):
     __slots__ = ("member_id", "seconds", "reason")
@@ -201,14 +215,16 @@ class RollCallRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., causes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("job", "member_id", "epoch")
+    __slots__ = ("job", "member_id", "epoch", "member_secret")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     job: str
     member_id: str
     epoch: int
-    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    member_secret: str
+    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., member_secret: _Optional[str] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
@@ -261,16 +277,18 @@ class Checkpoint(_message.Message):
     def __init__(self, step: _Optional[int] = ..., digest: _Optional[str] = ..., uri: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., epoch: _Optional[int] = ..., writer: _Optional[str] = ..., created_unix: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class PublishCheckpointRequest(_message.Message):
-    __slots__ = ("job", "member_id", "epoch", "checkpoint")
+    __slots__ = ("job", "member_id", "epoch", "checkpoint", "member_secret")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     job: str
     member_id: str
     epoch: int
     checkpoint: Checkpoint
-    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
+    member_secret: str
+    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., member_secret: _Optional[str] = ...) -> None: ...
 
 class PublishCheckpointResponse(_message.Message):
     __slots__ = ("accepted", "checkpoints")

@@ -6,14 +6,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StateRequest(_message.Message):
-    __slots__ = ("job", "member_id", "epoch")
+    __slots__ = ("job", "member_id", "epoch", "epoch_secret")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_SECRET_FIELD_NUMBER: _ClassVar[int]
     job: str
     member_id: str
     epoch: int
-    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    epoch_secret: str
+    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., epoch_secret: _Optional[str] = ...) -> None: ...
 
 class StateInfo(_message.Message):
     __slots__ = ("step", "digest", "size")
@@ -26,20 +28,22 @@ class StateInfo(_message.Message):
     def __init__(self, step: _Optional[int] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("job", "member_id", "epoch", "digest", "offset", "length")
+    __slots__ = ("job", "member_id", "epoch", "digest", "offset", "length", "epoch_secret")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_SECRET_FIELD_NUMBER: _ClassVar[int]
     job: str
     member_id: str
     epoch: int
     digest: str
     offset: int
     length: int
-    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., digest: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    epoch_secret: str
+    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., digest: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., epoch_secret: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("offset", "data")
