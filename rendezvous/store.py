@@ -7,7 +7,7 @@ with ``etcdctl get --prefix /rollcall/jobs/``::
     leader          {"address", "lease_id", "replica_id"}, tied to the leader's lease
     members/<id>    {"address", "id", "secret_sha256"}, each tied to its own
                     lease (the hash of the member's secret, ``membership.credentials``)
-    secrets/<id>    the member's secret hash again, tied to no lease: a member
+    secrets/<id>    {"secret_sha256"}: the member's secret hash again, tied to no lease: a member
                     whose lease etcd let expire (an outage, a partition) is
                     still recognised by the leader it reconnects to; deleted
                     with the member
@@ -652,7 +652,7 @@ class EtcdStore:
             success=[
                 _put_op(key, value, lease_id),
                 _range_op(_range(key)),
-                _put_op(self._secret_key(member.id), secret_hash.encode()),
+                _put_op(self._secret_key(member.id), _dumps({"secret_sha256": secret_hash})),
             ],
             failure=[_range_op(_range(key))],
         )
@@ -722,8 +722,12 @@ class EtcdStore:
         found = {}
         for kv in response.kvs:
             member_id = bytes(kv.key)[len(self._secrets_prefix) :].decode(errors="replace")
-            value = bytes(kv.value).decode(errors="replace")
-            if is_secret_text(value):
+            try:
+                data = json.loads(kv.value)
+                value = data.get("secret_sha256") if isinstance(data, dict) else None
+            except (ValueError, RecursionError):
+                value = None
+            if isinstance(value, str) and is_secret_text(value):
                 found[member_id] = value
             else:
                 self._ignore(kv, "not a secret hash")
@@ -1137,7 +1141,7 @@ class EtcdStore:
             success=[
                 _put_op(key, value, lease_id),
                 _range_op(_range(key)),
-                _put_op(self._secret_key(member.id), secret_hash.encode()),
+                _put_op(self._secret_key(member.id), _dumps({"secret_sha256": secret_hash})),
             ]
         )
 

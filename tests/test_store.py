@@ -194,12 +194,31 @@ def test_values_are_json_under_the_job_prefix(store: EtcdStore) -> None:
         "/rollcall/jobs/job-a/view",
         "/rollcall/jobs/job-a/leader",
         "/rollcall/jobs/job-a/members/a",
+        "/rollcall/jobs/job-a/secrets/a",
         "/rollcall/jobs/job-a/progress",
     }
     decoded = {key: json.loads(value) for key, value in snapshot.items()}
     assert decoded["/rollcall/jobs/job-a/leader"]["replica_id"] == "replica-1"
-    assert decoded["/rollcall/jobs/job-a/members/a"] == {"address": "127.0.0.1:1", "id": "a"}
+    assert decoded["/rollcall/jobs/job-a/members/a"] == {
+        "address": "127.0.0.1:1",
+        "id": "a",
+        "secret_sha256": "",
+    }
     assert decoded["/rollcall/jobs/job-a/progress"] == {"epoch": 1, "step": 7}
+    assert decoded["/rollcall/jobs/job-a/secrets/a"] == {"secret_sha256": ""}
+
+
+def test_a_members_secret_hash_outlives_its_lease_until_it_is_removed(store: EtcdStore) -> None:
+    hashed = "ab" * 32
+    record = store.add_member(Member("a", "127.0.0.1:1"), hashed)
+    store.add_member(Member("b", "127.0.0.1:2"), "cd" * 32)
+    store._revoke(record.lease_id)  # etcd let the lease expire: the record is gone
+    assert [r.member.id for r in store.list_members()] == ["b"]
+    assert store.list_secret_hashes() == {"a": hashed, "b": "cd" * 32}
+    again = store.register_again(Member("a", "127.0.0.1:1"), hashed)
+    assert [r.secret_hash for r in store.list_members() if r.member.id == "a"] == [hashed]
+    store.remove_member("a", again.lease_id)
+    assert store.list_secret_hashes() == {"b": "cd" * 32}
 
 
 def test_job_name_with_slash_is_rejected(etcd: LocalEtcd, config: Config) -> None:
