@@ -1083,5 +1083,14 @@ def _register_report() -> None:
 _register_report()
 
 
+def _register_checkpoints() -> None:
+    from rollcall.checkpoints import build
+
+    main.add_command(build(resolve_target, target_options, token_option))
+
+
+_register_checkpoints()
+
+
 if __name__ == "__main__":
     main()
