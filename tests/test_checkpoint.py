@@ -406,6 +406,7 @@ class Outcomes:
         )  # fmt: skip
 
 
+@pytest.mark.integration  # mounts a tmpfs (mount(8))
 def test_a_read_only_directory_fails_each_checkpoint_without_ending_the_writer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -423,6 +424,7 @@ def test_a_read_only_directory_fails_each_checkpoint_without_ending_the_writer(
     assert seen.crashes == []
 
 
+@pytest.mark.integration  # mounts a tmpfs (mount(8))
 def test_a_full_disk_fails_cleanly_and_the_writer_recovers_when_it_has_room(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
