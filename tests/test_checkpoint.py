@@ -566,3 +566,30 @@ def test_the_failure_record_is_kept_in_etcd_and_a_malformed_one_ignored(etcd):
         assert store.read_checkpoint_failure() is None
         store.write_checkpoint_failure(None)
         assert store.read_checkpoint_failure() is None
+
+
+def test_the_live_view_and_status_warn_while_durability_is_stuck():
+    from types import SimpleNamespace
+
+    from membership.checkpoint import CheckpointFailure, Durability
+    from rollcall.checkpoints import durability_line
+    from rollcall.live import headline
+
+    failure = CheckpointFailure(349, "No space left on device (ENOSPC): /d/x", 1.0e9, 4, "w-1")
+    cluster = SimpleNamespace(workers=[], options=SimpleNamespace(steps=None))
+    summary = {"goodput": None, "view_changes": []}
+
+    def status(durability: Durability) -> SimpleNamespace:
+        view = SimpleNamespace(epoch=3, size=2)
+        return SimpleNamespace(step=400, view=view, checkpoints=[], durability=durability)
+
+    assert durability_line(Durability(299)) is None
+    assert "\n" not in headline(cluster, status(Durability(299)), summary)  # type: ignore[arg-type]
+    line = durability_line(Durability(299, failure))
+    assert line is not None and line.startswith("durability stuck at step 299 since ")
+    assert "No space left on device (ENOSPC)" in line and "4 failed attempts" in line
+    shown = headline(cluster, status(Durability(299, failure)), summary)  # type: ignore[arg-type]
+    assert shown.splitlines()[1] == f"warning: {line}"
+    assert durability_line(Durability(None, failure)).startswith(  # type: ignore[union-attr]
+        "durability stuck at no checkpoint since "
+    )
