@@ -1286,6 +1286,8 @@ class Replica(pb_grpc.RendezvousServicer):
                 self._remember(checkpoints=tuple(kept))
                 self._emit(self._events.checkpoint(self._clock(), manifest))
                 await self._durability_restored(manifest)
+            if accepted:
+                await self._progress_covers(lead, manifest.step)
             return pb.PublishCheckpointResponse(
                 accepted=accepted, checkpoints=[manifest_to_pb(m) for m in kept]
             )
@@ -1308,6 +1310,19 @@ class Replica(pb_grpc.RendezvousServicer):
             if lead.lost.is_set():
                 raise NotLeader("replica lost leadership while checking a checkpoint")
             await asyncio.sleep(self._config.heartbeat_interval / 2)
+
+    async def _progress_covers(self, lead: _Leadership, step: int) -> None:
+        """The progress record is never behind the newest recorded
+        checkpoint: a resuming worker checks manifests against it, and its
+        replay cost counts from it."""
+        written = lead.step_written
+        if written is not None and written[1] >= step:
+            return
+        reported = max(step, lead.step if lead.step is not None else step)
+        try:
+            await self._put_progress(lead, lead.coordinator.view.epoch, reported)
+        except ControlPlaneUnavailable as exc:  # the manifest is recorded; the next write follows
+            log.warning("progress of step %d not recorded with its checkpoint: %s", step, exc)
 
     async def _durability_restored(self, manifest: CheckpointManifest) -> None:
         """A checkpoint was recorded: a failure recorded before it is over."""

@@ -593,3 +593,17 @@ def test_the_live_view_and_status_warn_while_durability_is_stuck():
     assert durability_line(Durability(None, failure)).startswith(  # type: ignore[union-attr]
         "durability stuck at no checkpoint since "
     )
+
+
+def test_a_resuming_worker_passes_over_checkpoints_beyond_the_jobs_progress(tmp_path: Path):
+    published, forged = Published(), Published()
+    written(tmp_path / "real", [4, 9], writer=CheckpointWriter(tmp_path / "real", JOB, published))
+    # A file that passes every check of its own manifest, of a step the job never reached.
+    written(tmp_path / "lure", [10**11], writer=CheckpointWriter(tmp_path / "lure", JOB, forged))
+    real, lure = published.kept[0], forged.kept[0]
+    assert load_newest([lure, real]).manifest == lure  # what the progress check stops
+    loaded = load_newest([lure, real], limit=real.step + 1)
+    assert loaded.manifest == real and "beyond the job's recorded progress" in loaded.skipped[0]
+    assert load_newest([real], limit=None).manifest == real  # no progress known: none checked
+    with pytest.raises(CheckpointUnusable, match="beyond the job's recorded progress"):
+        load_newest([real], limit=real.step - 1)

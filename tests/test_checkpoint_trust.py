@@ -61,6 +61,24 @@ def verifies(manifest: dict[str, Any]) -> bool:
     return len(blob) == manifest["size"] and hashlib.sha256(blob).hexdigest() == manifest["sha256"]
 
 
+def self_consistent_forgery(real: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A manifest of step 10^12 and a file matching it in every check a
+    reader makes (size, SHA-256, loads, digest, step): the real state
+    relabelled."""
+    from dataclasses import replace
+
+    from worker.state import digest, from_bytes, to_bytes
+
+    state = replace(from_bytes(Path(real["uri"]).read_bytes()), step=FORGED_STEP)
+    blob = to_bytes(state)
+    path.write_bytes(blob)
+    return {
+        **{k: v for k, v in real.items() if k != "file"}, "step": FORGED_STEP,
+        "digest": digest(state), "uri": str(path), "size": len(blob),
+        "sha256": hashlib.sha256(blob).hexdigest(),
+    }  # fmt: skip
+
+
 def real_checkpoints(plane: ControlPlane) -> list[dict[str, Any]]:
     return [m for m in plane.status_json()["checkpoints"] if m["step"] < FORGED_STEP - 10]
 
@@ -95,13 +113,23 @@ def test_forged_manifests_in_etcd_delete_no_real_checkpoint_and_durability_goes_
         assert all(verifies(m) for m in kept), (kept, sorted(os.listdir(directory)))
         assert "not published: a newer one exists" not in workers[0].log_tail(10_000)
 
-        # Every replica lost: a new worker resumes from the newest real one.
+        # Every replica lost: a new worker resumes from the newest real one,
+        # even when a forged manifest beyond the job's progress names a file
+        # that passes every check of its own (a state file of step 10^12).
         workers[0].kill()
         wait_for(lambda: not plane.status_json()["members"], "the view to empty", PATIENCE)
+        status = plane.status_json()
         newest = real_checkpoints(plane)[0]
+        assert status["last_step"] >= newest["step"], status  # progress covers the checkpoint
+        lure = self_consistent_forgery(newest, tmp_path / "lure.rcs")
+        etcdctl_put(
+            plane.etcd[0], f"/rollcall/jobs/{plane.job}/checkpoints",
+            json.dumps([lure, *status["checkpoints"]]),
+        )  # fmt: skip
         workers.append(start(plane, tmp_path, "w1", directory))
         resumed = workers[1].wait_event(lambda e: e["event"] == "resumed", PATIENCE)
         assert resumed["s_ckpt"] == newest["step"]
+        assert "beyond the job's recorded progress" in workers[1].log_tail(20_000)
         wait_step(workers[1], lambda e: e["step"] > newest["step"])
     finally:
         for worker in workers:

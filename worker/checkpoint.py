@@ -133,14 +133,20 @@ def state_problem(manifest: CheckpointManifest) -> tuple[ReplicaState | None, st
     return state, None
 
 
-def load_newest(manifests: Sequence[CheckpointManifest]) -> Loaded:
+def load_newest(manifests: Sequence[CheckpointManifest], limit: int | None = None) -> Loaded:
     """Load the newest checkpoint that passes every check; older ones are
-    tried when a newer one is missing or corrupt. Raises
-    :class:`CheckpointUnusable` naming each one's problem if none does."""
+    tried when a newer one is missing or corrupt, or beyond ``limit`` (the
+    highest step the job's recorded progress allows,
+    ``membership.checkpoint.progress_limit``; None: no progress is known and
+    none is checked). Raises :class:`CheckpointUnusable` naming each one's
+    problem if none does."""
     started = time.perf_counter()
     skipped: list[str] = []
     for manifest in manifests:
-        state, problem = state_problem(manifest)
+        state: ReplicaState | None = None
+        problem: str | None = f"beyond the job's recorded progress (step {(limit or 0) - 1})"
+        if limit is None or manifest.step <= limit:
+            state, problem = state_problem(manifest)
         if state is not None:
             return Loaded(state, manifest, time.perf_counter() - started, tuple(skipped))
         reason = f"checkpoint of step {manifest.step} at {manifest.uri}: {problem}"

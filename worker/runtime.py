@@ -42,7 +42,12 @@ import grpc
 import torch
 from torch.distributed import ReduceOp
 
-from membership.checkpoint import CheckpointManifest, ReplayCost, parse_file_name
+from membership.checkpoint import (
+    CheckpointManifest,
+    ReplayCost,
+    parse_file_name,
+    progress_limit,
+)
 from membership.config import Config
 from membership.errors import (
     ControlPlaneUnavailable,
@@ -1091,7 +1096,11 @@ class Elastic:
                 "as asked (start_over)", self.job_name, status.last_step,
             )  # fmt: skip
             return
-        loaded = load_newest(status.checkpoints)
+        # A manifest beyond the job's recorded progress is not trusted (the
+        # leader records progress at least up to each checkpoint it accepts).
+        known = status.last_step is not None
+        limit = progress_limit(status.last_step, status.step) if known else None
+        loaded = load_newest(status.checkpoints, limit)
         with self._lock:
             self._restore(loaded.state)
             self._snapshot = None  # served without RNG states, captured at the roll call
