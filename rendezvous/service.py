@@ -1312,15 +1312,17 @@ class Replica(pb_grpc.RendezvousServicer):
             await asyncio.sleep(self._config.heartbeat_interval / 2)
 
     async def _progress_covers(self, lead: _Leadership, step: int) -> None:
-        """The progress record is never behind the newest recorded
-        checkpoint: a resuming worker checks manifests against it, and its
-        replay cost counts from it."""
+        """The progress record is never more than one step behind the
+        newest recorded checkpoint (a resuming worker checks manifests
+        against it, and its replay cost counts from it): the reported step
+        is written at once if the record is further behind."""
         written = lead.step_written
-        if written is not None and written[1] >= step:
-            return
-        reported = max(step, lead.step if lead.step is not None else step)
+        if written is not None and written[1] >= step - 1:
+            return  # the checks allow one step past the progress
+        if lead.step is None or (written is not None and lead.step <= written[1]):
+            return  # nothing newer reported: never raised on the checkpoint's word alone
         try:
-            await self._put_progress(lead, lead.coordinator.view.epoch, reported)
+            await self._put_progress(lead, lead.coordinator.view.epoch, lead.step)
         except ControlPlaneUnavailable as exc:  # the manifest is recorded; the next write follows
             log.warning("progress of step %d not recorded with its checkpoint: %s", step, exc)
 
