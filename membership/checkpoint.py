@@ -13,10 +13,9 @@ Everything here is pure: no files, no clock (times are passed in).
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -31,8 +30,6 @@ FILE_PATTERN = re.compile(r"ckpt\+(?P<job>[^+/]+)\+(?P<step>\d{12})\+(?P<writer>
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 #: Longest checkpoint location accepted.
 MAX_URI_LENGTH = 4096
-#: Entries of a stored record looked at (it holds ``checkpoint_keep``).
-MAX_RECORD_ENTRIES = 64
 #: Longest failure reason kept (the service refuses longer ones).
 MAX_REASON_LENGTH = 200
 
@@ -107,39 +104,6 @@ class CheckpointManifest:
                 raise InvalidRequest(f"manifest {field.name} is a {type(value).__name__}")
             values[field.name] = value
         return cls(**values)
-
-
-def parse_record(
-    raw: bytes, check: Callable[[CheckpointManifest], object] = lambda _: None
-) -> tuple[list[CheckpointManifest], list[str]]:
-    """The manifests of a stored ``checkpoints`` record, newest first, and a
-    problem for each entry left out (not JSON, not a list, a malformed
-    manifest, one ``check`` refuses, a step twice). Never raises: a
-    malformed record is ignored entry by entry, and the caller logs why."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        return [], [f"not JSON ({str(exc)[:80]})"]
-    if not isinstance(data, list):
-        return [], [f"a JSON {type(data).__name__}, not a list"]
-    manifests: list[CheckpointManifest] = []
-    problems: list[str] = []
-    if len(data) > MAX_RECORD_ENTRIES:
-        problems.append(f"{len(data) - MAX_RECORD_ENTRIES} entries beyond {MAX_RECORD_ENTRIES}")
-    steps: set[int] = set()
-    for index, entry in enumerate(data[:MAX_RECORD_ENTRIES]):
-        try:
-            manifest = CheckpointManifest.from_dict(entry)
-            check(manifest)
-        except InvalidRequest as exc:
-            problems.append(f"entry {index}: {exc}")
-            continue
-        if manifest.step in steps:
-            problems.append(f"entry {index}: step {manifest.step} twice")
-            continue
-        steps.add(manifest.step)
-        manifests.append(manifest)
-    return sorted(manifests, key=lambda m: -m.step), problems
 
 
 def record(

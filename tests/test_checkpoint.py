@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import stat
 import subprocess
@@ -27,7 +26,6 @@ from membership.checkpoint import (
     file_name,
     next_failure,
     parse_file_name,
-    parse_record,
     progress_limit,
     record,
     superseded,
@@ -459,25 +457,6 @@ def test_a_failure_report_that_raises_does_not_end_the_writer(
 
 
 # --- the record's pure rules ----------------------------------------------------------
-
-
-def test_a_stored_record_is_read_entry_by_entry_and_malformed_ones_are_left_out():
-    good = manifest(9).to_dict()
-    raw = json.dumps(
-        [good, {**good, "step": "5"}, {**good, "size": True}, "x", {**good, "sha256": "A"},
-         manifest(4).to_dict(), {**manifest(4).to_dict(), "uri": "/other"}]
-    ).encode()  # fmt: skip
-    manifests, problems = parse_record(raw)
-    assert [m.step for m in manifests] == [9, 4]
-    assert len(problems) == 5 and "step 4 twice" in problems[-1]
-    assert parse_record(b"{not json")[0] == [] and "not JSON" in parse_record(b"{")[1][0]
-    assert parse_record(b'{"a": 1}') == ([], ["a JSON dict, not a list"])
-    refused, why = parse_record(json.dumps([good]).encode(), check=refuse_writer)
-    assert refused == [] and "writer" in why[0]
-
-
-def refuse_writer(m: CheckpointManifest) -> None:
-    raise InvalidRequest("checkpoint writer refused")
 
 
 def test_the_jobs_progress_bounds_the_steps_a_manifest_may_hold():
