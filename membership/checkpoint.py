@@ -1,32 +1,51 @@
-"""Durable checkpoints: the manifest that publishes one, and the replay cost
-of resuming from it.
+"""Durable checkpoints: the manifest that publishes one, the rules a job
+trusts manifests by, what durability is stuck at, and the replay cost of
+resuming from a checkpoint.
 
 A checkpoint is the fallback for losing every live replica (DESIGN.md, "Steps,
 commits and coherent state"). A worker writes the replica state of a committed
 step to a file, and only once the file is complete and synced does it publish
 a :class:`CheckpointManifest` through the rendezvous service, which records
 it in etcd. A job that later finds no live replica loads the newest one.
+
+Everything here is pure: no files, no clock (times are passed in).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from membership.errors import InvalidRequest
 
-#: File names of checkpoints, by step (sorting them sorts by step).
-FILE_PATTERN = re.compile(r"ckpt-(\d{12})\.rcs")
+#: A checkpoint file's name: ``ckpt+<job>+<step, 12 digits>+<writer>.rcs``.
+#: ``+`` is outside the charset of job names and member ids, so the three
+#: never run together: a job's files are told apart from every other job's
+#: sharing the directory, and two writers (or two runs of one job name)
+#: never write the same name.
+FILE_PATTERN = re.compile(r"ckpt\+(?P<job>[^+/]+)\+(?P<step>\d{12})\+(?P<writer>[^+/]+)\.rcs")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 #: Longest checkpoint location accepted.
 MAX_URI_LENGTH = 4096
+#: Longest failure reason kept (the service refuses longer ones).
+MAX_REASON_LENGTH = 200
 
 
-def file_name(step: int) -> str:
-    return f"ckpt-{step:012d}.rcs"
+def file_name(job: str, step: int, writer: str) -> str:
+    """The name of ``writer``'s checkpoint of ``step`` for ``job``."""
+    return f"ckpt+{job}+{step:012d}+{writer}.rcs"
+
+
+def parse_file_name(name: str, job: str) -> int | None:
+    """The step of one of ``job``'s checkpoint files; None for any other name
+    (another job's, a temporary file, anything else)."""
+    match = FILE_PATTERN.fullmatch(name)
+    if match is None or match.group("job") != job:
+        return None
+    return int(match.group("step"))
 
 
 @dataclass(frozen=True)
@@ -63,18 +82,28 @@ class CheckpointManifest:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CheckpointManifest:
-        return cls(
-            step=int(data["step"]),
-            digest=str(data["digest"]),
-            uri=str(data["uri"]),
-            size=int(data["size"]),
-            sha256=str(data["sha256"]),
-            epoch=int(data["epoch"]),
-            writer=str(data["writer"]),
-            created_unix=float(data["created_unix"]),
-            step_seconds=float(data["step_seconds"]),
-        )
+    def from_dict(cls, data: Any) -> CheckpointManifest:
+        """A manifest from its stored form, checked strictly (types included:
+        ``"5"`` is not a step, ``true`` is not a size); ``InvalidRequest``
+        naming the problem otherwise."""
+        if not isinstance(data, Mapping):
+            raise InvalidRequest(f"a manifest must be an object, got {type(data).__name__}")
+        values: dict[str, Any] = {}
+        for field in fields(cls):
+            if field.name not in data:
+                raise InvalidRequest(f"manifest has no {field.name}")
+            value = data[field.name]
+            if field.type == "int":
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif field.type == "float":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                value = float(value) if ok else value
+            else:
+                ok = isinstance(value, str)
+            if not ok:
+                raise InvalidRequest(f"manifest {field.name} is a {type(value).__name__}")
+            values[field.name] = value
+        return cls(**values)
 
 
 def record(
@@ -85,6 +114,136 @@ def record(
     if kept and new.step <= kept[0].step:
         return False, kept
     return True, [new, *kept][:keep]
+
+
+def progress_limit(*steps: int | None) -> int | None:
+    """The highest step a manifest of the job may hold: one past its
+    progress (the highest of ``steps`` known: the leader's current step, the
+    view's resume step, the progress record). None if the job has none: it
+    never committed a step, so no checkpoint of it can exist."""
+    known = [step for step in steps if step is not None]
+    return max(known) + 1 if known else None
+
+
+def beyond_progress(
+    manifests: Sequence[CheckpointManifest], limit: int | None
+) -> tuple[list[CheckpointManifest], list[CheckpointManifest]]:
+    """Split ``manifests`` into those the job's progress allows and those
+    beyond it (forged, or from another run), which are not trusted."""
+    trusted = [m for m in manifests if limit is not None and m.step <= limit]
+    return trusted, [m for m in manifests if limit is None or m.step > limit]
+
+
+def superseded(
+    files: Mapping[str, int],
+    kept: Sequence[CheckpointManifest],
+    verified: Collection[str],
+    written_step: int,
+) -> list[str]:
+    """Which of a writer's ``files`` (location -> step) a prune may delete.
+
+    Only those no kept manifest names and older than the newest kept
+    checkpoint that counts: its file was verified (``verified`` holds the
+    locations of the kept manifests whose files exist with their recorded
+    size and SHA-256) and its step is not beyond the step the writer has
+    just written (a manifest claiming more is not believed, even if it
+    names a real file). If none counts, nothing is deleted: the newest
+    complete checkpoint is never among the deleted."""
+    counting = [m.step for m in kept if m.uri in verified and m.step <= written_step]
+    if not counting:
+        return []
+    newest = max(counting)
+    named = {m.uri for m in kept}
+    return sorted(uri for uri, step in files.items() if uri not in named and step < newest)
+
+
+@dataclass(frozen=True)
+class CheckpointFailure:
+    """The job's durability is stuck: checkpoints fail to be written or
+    published. Recorded by the leader from the writers' reports."""
+
+    #: Step of the latest checkpoint that failed.
+    step: int
+    reason: str
+    #: Unix time of the first failure since the newest recorded checkpoint.
+    since_unix: float
+    #: Failed attempts since then.
+    failures: int
+    writer: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CheckpointFailure:
+        """Strict, as :meth:`CheckpointManifest.from_dict`."""
+        if not isinstance(data, Mapping):
+            raise InvalidRequest(f"a failure record must be an object, got {type(data).__name__}")
+        step, failures = data.get("step"), data.get("failures")
+        since, reason, writer = data.get("since_unix"), data.get("reason"), data.get("writer")
+        counters_ok = all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, failures)
+        )
+        if not counters_ok or not isinstance(reason, str) or not isinstance(writer, str):
+            raise InvalidRequest("malformed failure record")
+        if isinstance(since, bool) or not isinstance(since, (int, float)):
+            raise InvalidRequest("malformed failure record")
+        if not (math.isfinite(since) and since >= 0):
+            raise InvalidRequest("malformed failure record")
+        assert isinstance(step, int) and isinstance(failures, int)
+        return cls(step, reason[:MAX_REASON_LENGTH], float(since), failures, writer)
+
+
+def next_failure(
+    previous: CheckpointFailure | None,
+    durable_step: int | None,
+    step: int,
+    reason: str,
+    writer: str,
+    now_unix: float,
+) -> CheckpointFailure:
+    """The failure record after a writer reported that the checkpoint of
+    ``step`` failed: the same streak (first failure time kept, one more
+    attempt) unless a checkpoint was recorded since ``previous``."""
+    reason = reason[:MAX_REASON_LENGTH]
+    if previous is None or not stuck_since(previous, durable_step):
+        return CheckpointFailure(step, reason, now_unix, 1, writer)
+    return CheckpointFailure(
+        max(step, previous.step), reason, previous.since_unix, previous.failures + 1, writer
+    )
+
+
+def stuck_since(failure: CheckpointFailure | None, durable_step: int | None) -> bool:
+    """Whether ``failure`` still holds: no checkpoint of a later step was
+    recorded after it."""
+    return failure is not None and (durable_step is None or failure.step > durable_step)
+
+
+@dataclass(frozen=True)
+class Durability:
+    """How far the job's progress is durable, and whether it is stuck."""
+
+    #: Step of the newest recorded checkpoint the job's progress allows.
+    durable_step: int | None
+    #: Set while checkpoints fail (none recorded since the failure).
+    failure: CheckpointFailure | None = None
+
+    @property
+    def stuck(self) -> bool:
+        return self.failure is not None
+
+
+def durability(
+    manifests: Sequence[CheckpointManifest],
+    failure: CheckpointFailure | None,
+    limit: int | None,
+) -> Durability:
+    """The job's durability from its record: the newest manifest within
+    the job's progress (``limit``, see :func:`progress_limit`; a forged one
+    beyond it does not count), and the failure if it still holds."""
+    trusted, _ = beyond_progress(manifests, limit)
+    durable = trusted[0].step if trusted else None
+    return Durability(durable, failure if stuck_since(failure, durable) else None)
 
 
 @dataclass(frozen=True)

@@ -108,8 +108,14 @@ class Config:
     member_probe_timeout: float = 1.0
 
     #: Durable checkpoint manifests kept in etcd (newest first); a writer
-    #: deletes its files older than the oldest one kept.
+    #: deletes the files they no longer name once a newer one it verified
+    #: is kept (worker/checkpoint.py).
     checkpoint_keep: int = 3
+    #: ``PublishCheckpoint`` refuses a manifest whose step is more than one
+    #: past the job's progress, after waiting at most this long for the
+    #: progress to get there (the writer's own progress report may arrive
+    #: just after its publication).
+    checkpoint_progress_wait: float = 2.0
 
     # --- request limits ----------------------------------------------------
     #: Largest gRPC message accepted by the service.

@@ -42,6 +42,11 @@ class NoSuchJob(RollcallError):
     """The service does not serve the job named in the request."""
 
 
+class NoSuchCheckpoint(RollcallError):
+    """No manifest of that step is in the job's checkpoint record (`rollcall
+    checkpoints list` shows the recorded ones)."""
+
+
 class NotLeader(RollcallError):
     """This replica does not run roll calls; try the leader (may be named)."""
 

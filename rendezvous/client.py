@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from membership.checkpoint import CheckpointManifest
+from membership.checkpoint import CheckpointManifest, Durability
 from membership.config import Config
 from membership.errors import (
     ControlPlaneUnavailable,
@@ -39,6 +39,7 @@ from rendezvous.wire import (
     ERROR_METADATA,
     LEADER_METADATA,
     NAMED_BY_METADATA,
+    durability_from_pb,
     manifest_from_pb,
     manifest_to_pb,
     token_metadata,
@@ -112,6 +113,8 @@ class Status:
     checkpoints: tuple[CheckpointManifest, ...] = ()
     #: Last committed step recorded for the job in any view.
     last_step: int | None = None
+    #: How far the job is durable, and whether checkpoints fail.
+    durability: Durability = Durability(None)
 
 
 def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
@@ -268,6 +271,7 @@ class RendezvousClient:
             rollcall_epoch=response.rollcall_epoch,
             checkpoints=tuple(manifest_from_pb(m) for m in response.checkpoints),
             last_step=response.last_step if response.HasField("last_step") else None,
+            durability=durability_from_pb(response.durability),
         )
 
     async def watch(self, after_epoch: int = 0) -> AsyncIterator[View]:
@@ -421,6 +425,29 @@ class RendezvousClient:
             leader_only=True,
         )
         return response.accepted, tuple(manifest_from_pb(m) for m in response.checkpoints)
+
+    def report_checkpoint_failure(self, step: int, reason: str) -> None:
+        """This member could not make the checkpoint of ``step`` durable."""
+        self._send(
+            pb.SessionRequest(
+                checkpoint_failure=pb.CheckpointFailure(
+                    epoch=self._view.epoch, step=step, reason=reason
+                )
+            )
+        )
+
+    async def forget_checkpoints(
+        self, steps: Sequence[int] | None
+    ) -> tuple[tuple[CheckpointManifest, ...], tuple[CheckpointManifest, ...]]:
+        """Remove the manifests of ``steps`` (None: all) from the job's
+        record; returns (forgotten, kept). ``NoSuchCheckpoint`` if a step is
+        not recorded (nothing is removed then)."""
+        request = pb.ForgetCheckpointsRequest(job=self._job, steps=steps or (), all=steps is None)
+        response = await self._call("ForgetCheckpoints", request, leader_only=True)
+        return (
+            tuple(manifest_from_pb(m) for m in response.forgotten),
+            tuple(manifest_from_pb(m) for m in response.kept),
+        )
 
     async def leave(self) -> None:
         """Leave cleanly; the others reconfigure at once."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, cast
 
-from membership.checkpoint import ReplayCost
+from membership.checkpoint import CheckpointFailure, CheckpointManifest, ReplayCost
 from membership.view import View
 from rollcall.private import open_private_append
 
@@ -165,6 +165,40 @@ class EventLog:
                 step=step,
                 members=view.size,
                 samples=self._samples(step),
+            )  # fmt: skip
+        ]
+
+    def checkpoint(self, now: float, manifest: CheckpointManifest) -> list[dict[str, Any]]:
+        """A checkpoint was recorded (durability is at its step)."""
+        self.checkpoint_step = manifest.step
+        return [
+            self._record(
+                "checkpoint", now, step=manifest.step, epoch=manifest.epoch,
+                writer=manifest.writer, uri=manifest.uri, size=manifest.size,
+            )  # fmt: skip
+        ]
+
+    def checkpoint_failed(self, now: float, failure: CheckpointFailure) -> list[dict[str, Any]]:
+        """A checkpoint failed to be written or published: durability is
+        stuck at the newest recorded one."""
+        return [
+            self._record(
+                "checkpoint_failed", now, step=failure.step, reason=failure.reason,
+                writer=failure.writer, failures=failure.failures, since=failure.since_unix,
+                durable_step=self.checkpoint_step,
+            )  # fmt: skip
+        ]
+
+    def checkpoints_forgotten(
+        self, now: float, forgotten: Sequence[CheckpointManifest], newest: int | None
+    ) -> list[dict[str, Any]]:
+        """An operator removed manifests from the record (``rollcall
+        checkpoints forget``)."""
+        self.checkpoint_step = newest
+        return [
+            self._record(
+                "checkpoints_forgotten", now, steps=[m.step for m in forgotten],
+                uris=[m.uri for m in forgotten], durable_step=newest,
             )  # fmt: skip
         ]
 

@@ -63,6 +63,19 @@ class ServiceMetrics:
             "rollcall_lost_work_seconds", "Compute thrown away by aborted steps",
             registry=self.registry,
         )  # fmt: skip
+        self.checkpoint_failures = Counter(
+            "rollcall_checkpoint_failures", "Checkpoints members failed to make durable",
+            registry=self.registry,
+        )  # fmt: skip
+        self.durable_step = Gauge(
+            "rollcall_durable_step", "Step of the newest recorded checkpoint (-1: none)",
+            registry=self.registry,
+        )  # fmt: skip
+        self.durability_stuck = Gauge(
+            "rollcall_durability_stuck", "1 while checkpoints fail (none recorded since)",
+            registry=self.registry,
+        )  # fmt: skip
+        self.durable_step.set(-1)
         self._last_step: int | None = None
 
     def progress(self, step: int, global_batch: int | None) -> None:
@@ -73,6 +86,15 @@ class ServiceMetrics:
 
     def record(self, event: dict[str, Any]) -> None:
         """Account for one event record (docs/events.md)."""
+        if event["kind"] in ("checkpoint", "checkpoints_forgotten"):
+            step = event["step"] if event["kind"] == "checkpoint" else event["durable_step"]
+            self.durable_step.set(-1 if step is None else step)
+            if event["kind"] == "checkpoint":
+                self.durability_stuck.set(0)
+            return
+        if event["kind"] == "checkpoint_failed":
+            self.durability_stuck.set(1)
+            return
         if event["kind"] != "view_change":
             return
         self.view_changes.labels(event["cause"]).inc()

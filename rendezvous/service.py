@@ -22,6 +22,14 @@ from typing import Any, TypeVar
 
 import grpc
 
+from membership.checkpoint import (
+    CheckpointFailure,
+    CheckpointManifest,
+    durability,
+    next_failure,
+    progress_limit,
+    stuck_since,
+)
 from membership.config import Config
 from membership.continuity import Continuity, EtcdPosition
 from membership.coordinator import (
@@ -63,6 +71,7 @@ from rendezvous.probe import process_answers
 from rendezvous.store import EtcdStore, JobRecord, LeaderInfo, MemberRecord
 from rendezvous.wire import (
     LEADER_METADATA,
+    durability_to_pb,
     error_metadata,
     manifest_from_pb,
     manifest_to_pb,
@@ -181,6 +190,11 @@ class Replica(pb_grpc.RendezvousServicer):
         self._continuity = Continuity()
         self._remembered: JobRecord | None = None
         self._loss_said = ""
+        #: The job's durability failure (as recorded in etcd, or newer), and
+        #: when it was last written there (written at most every
+        #: progress_write_interval; the events follow the writes).
+        self._failure: CheckpointFailure | None = None
+        self._failure_written = -float("inf")
 
     # --- lifecycle ---------------------------------------------------------
 
@@ -285,8 +299,13 @@ class Replica(pb_grpc.RendezvousServicer):
         hashes = await self._etcd(self._store.list_secret_hashes)
         hashes = {i: h for i, h in hashes.items() if i in view or i in records}
         self._events.checkpoint_step = checkpoints[0].step if checkpoints else None
+        self._failure = await self._etcd(self._store.read_checkpoint_failure)
         if self._metrics is not None:
             self._metrics.leader.set(1)
+            self._metrics.durable_step.set(checkpoints[0].step if checkpoints else -1)
+            self._metrics.durability_stuck.set(
+                stuck_since(self._failure, self._events.checkpoint_step)
+            )
         now = self._clock()
         joiners = [r.member for r in records.values() if r.member.id not in view]
         lead = _Leadership(
@@ -1219,6 +1238,12 @@ class Replica(pb_grpc.RendezvousServicer):
                 response.last_step = progress[1]
             if lead is not None and lead.coordinator.rollcall is not None:
                 response.rollcall_epoch = lead.coordinator.rollcall.epoch
+            failure = await self._etcd(self._store.read_checkpoint_failure)
+            limit = progress_limit(
+                step, response.last_step if response.HasField("last_step") else None,
+                view.resume_step,
+            )  # fmt: skip
+            response.durability.CopyFrom(durability_to_pb(durability(checkpoints, failure, limit)))
             return response
         except RollcallError as error:
             await self._abort(context, error)
@@ -1246,15 +1271,137 @@ class Replica(pb_grpc.RendezvousServicer):
                 raise InvalidRequest(
                     f"checkpoint epoch {manifest.epoch} is ahead of view {view.epoch}"
                 )
+            limit = await self._checkpoint_limit(lead, manifest.step)
+            if limit is None or manifest.step > limit:
+                progress = "no committed step" if limit is None else f"step {limit - 1}"
+                raise InvalidRequest(
+                    f"checkpoint of step {manifest.step} is beyond the job's progress "
+                    f"({progress}): a checkpoint holds a committed step"
+                )
             accepted, kept = await self._etcd(
-                self._store.publish_checkpoint, manifest, self._config.checkpoint_keep
+                self._store.publish_checkpoint, manifest, self._config.checkpoint_keep, limit
             )
-            if accepted:
+            if accepted and self._events.checkpoint_step != manifest.step:
                 log.info("checkpoint of step %d published by %s", manifest.step, manifest.writer)
-                self._events.checkpoint_step = manifest.step
                 self._remember(checkpoints=tuple(kept))
+                self._emit(self._events.checkpoint(self._clock(), manifest))
+                await self._durability_restored(manifest)
+            if accepted:
+                await self._progress_covers(lead, manifest.step)
             return pb.PublishCheckpointResponse(
                 accepted=accepted, checkpoints=[manifest_to_pb(m) for m in kept]
+            )
+        except RollcallError as error:
+            await self._abort(context, error)
+
+    async def _checkpoint_limit(self, lead: _Leadership, step: int) -> int | None:
+        """The highest step the job's progress allows a checkpoint of
+        (``membership.checkpoint.progress_limit``), waiting at most
+        ``checkpoint_progress_wait`` for it to reach ``step``: the writer
+        reports its progress just before publishing, on another stream."""
+        progress = await self._etcd(self._store.read_progress)
+        deadline = self._clock() + self._config.checkpoint_progress_wait
+        while True:
+            limit = progress_limit(
+                lead.step, lead.coordinator.view.resume_step, progress[1] if progress else None
+            )
+            if (limit is not None and step <= limit) or self._clock() >= deadline:
+                return limit
+            if lead.lost.is_set():
+                raise NotLeader("replica lost leadership while checking a checkpoint")
+            await asyncio.sleep(self._config.heartbeat_interval / 2)
+
+    async def _progress_covers(self, lead: _Leadership, step: int) -> None:
+        """The progress record is never more than one step behind the
+        newest recorded checkpoint (a resuming worker checks manifests
+        against it, and its replay cost counts from it): the reported step
+        is written at once if the record is further behind."""
+        written = lead.step_written
+        if written is not None and written[1] >= step - 1:
+            return  # the checks allow one step past the progress
+        if lead.step is None or (written is not None and lead.step <= written[1]):
+            return  # nothing newer reported: never raised on the checkpoint's word alone
+        try:
+            await self._put_progress(lead, lead.coordinator.view.epoch, lead.step)
+        except ControlPlaneUnavailable as exc:  # the manifest is recorded; the next write follows
+            log.warning("progress of step %d not recorded with its checkpoint: %s", step, exc)
+
+    async def _durability_restored(self, manifest: CheckpointManifest) -> None:
+        """A checkpoint was recorded: a failure recorded before it is over."""
+        if self._metrics is not None:
+            self._metrics.durable_step.set(manifest.step)
+        if self._failure is None:
+            return
+        failure, self._failure = self._failure, None
+        log.warning(
+            "checkpoints recorded again at step %d after %d failed attempts since %s",
+            manifest.step, failure.failures,
+            time.strftime("%H:%M:%S", time.localtime(failure.since_unix)),
+        )  # fmt: skip
+        try:
+            await self._etcd(self._store.write_checkpoint_failure, None)
+        except ControlPlaneUnavailable as exc:  # it no longer counts once a later step is recorded
+            log.warning("checkpoint failure record not cleared: %s", exc)
+
+    def _checkpoint_failed(self, lead: _Leadership, member_id: str, report: Any) -> None:
+        """A member of the view could not make a checkpoint durable: record
+        it (etcd, events) at most every progress_write_interval, count it
+        every time."""
+        self._fence(lead, member_id, report.epoch)
+        check.check_counter(report.step, "checkpoint step")
+        check.check_text(report.reason, "checkpoint failure reason", _MAX_REASON)
+        now = self._clock()
+        lead.detector.heartbeat(member_id, now)
+        view = lead.coordinator.view
+        if report.epoch != view.epoch or member_id not in view:
+            return  # late: the member is not in the view in force
+        self._failure = next_failure(
+            self._failure, self._events.checkpoint_step, report.step, report.reason, member_id,
+            time.time(),
+        )  # fmt: skip
+        if self._metrics is not None:
+            self._metrics.checkpoint_failures.inc()
+        if now - self._failure_written < self._config.progress_write_interval:
+            return
+        self._failure_written = now
+        failure = self._failure
+        log.warning(
+            "durability stuck at step %s: %s's checkpoint of step %d failed (%d attempts): %s",
+            self._events.checkpoint_step, member_id, report.step, failure.failures,
+            report.reason,
+        )  # fmt: skip
+        self._emit(self._events.checkpoint_failed(now, failure))
+        asyncio.create_task(self._write_failure(failure))
+
+    async def _write_failure(self, failure: CheckpointFailure) -> None:
+        try:
+            await self._etcd(self._store.write_checkpoint_failure, failure)
+        except ControlPlaneUnavailable as exc:
+            log.warning("checkpoint failure not recorded in etcd: %s", exc)
+
+    async def ForgetCheckpoints(
+        self, request: pb.ForgetCheckpointsRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        try:
+            self._check_job(request.job)
+            for step in request.steps:
+                check.check_counter(step, "checkpoint step")
+            if request.all == bool(request.steps):
+                raise InvalidRequest("name the steps of the checkpoints to forget, or all")
+            self._leader()
+            forgotten, kept = await self._etcd(
+                self._store.forget_checkpoints, None if request.all else list(request.steps)
+            )
+            newest = kept[0].step if kept else None
+            self._remember(checkpoints=tuple(kept))
+            log.warning(
+                "checkpoint record: the manifests of steps %s were removed on request "
+                "(%d kept)", ", ".join(str(m.step) for m in forgotten) or "none", len(kept),
+            )  # fmt: skip
+            self._emit(self._events.checkpoints_forgotten(self._clock(), forgotten, newest))
+            return pb.ForgetCheckpointsResponse(
+                forgotten=[manifest_to_pb(m) for m in forgotten],
+                kept=[manifest_to_pb(m) for m in kept],
             )
         except RollcallError as error:
             await self._abort(context, error)
@@ -1435,6 +1582,8 @@ class Replica(pb_grpc.RendezvousServicer):
             self._declare_busy(lead, member_id, min(seconds, self._config.busy_max), busy.reason,
                                now)  # fmt: skip
             self._wake.set()
+        elif kind == "checkpoint_failure":
+            self._checkpoint_failed(lead, member_id, request.checkpoint_failure)
         elif kind == "open":
             raise InvalidRequest("Open sent twice on one session")
         else:

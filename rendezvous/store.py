@@ -13,7 +13,10 @@ with ``etcdctl get --prefix /rollcall/jobs/``::
                     with the member
     progress        {"epoch", "step"}: last committed step reported for the view
     checkpoints     [manifest, ...]: durable checkpoints, newest first
-                    (``membership.checkpoint.CheckpointManifest``)
+                    (``membership.checkpoint.CheckpointManifest``); absent
+                    when there are none
+    checkpoint_failure  {"step", "reason", "since_unix", "failures", "writer"}:
+                    checkpoints fail (``membership.checkpoint.CheckpointFailure``)
     fingerprint     {field: value}: what every worker of the job must match
                     (``membership.fingerprint.JobFingerprint``), recorded by
                     the first fingerprinted join
@@ -67,7 +70,12 @@ from pyetcd import etcdrpc
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 from pyetcd.exceptions import NoServerAvailableError
 
-from membership.checkpoint import CheckpointManifest, record
+from membership.checkpoint import (
+    CheckpointFailure,
+    CheckpointManifest,
+    beyond_progress,
+    record,
+)
 from membership.config import Config
 from membership.continuity import EtcdPosition
 from membership.credentials import SECRET_BYTES, is_secret_text
@@ -76,6 +84,7 @@ from membership.errors import (
     EtcdCredentialsRefused,
     InvalidRequest,
     MalformedRecord,
+    NoSuchCheckpoint,
 )
 from membership.fingerprint import JobFingerprint, check_fingerprint
 from membership.view import EMPTY_VIEW, Member, View
@@ -343,6 +352,9 @@ class EtcdStore:
         self._secrets_prefix = f"{base}secrets/".encode()
         self._progress_key = f"{base}progress".encode()
         self._checkpoints_key = f"{base}checkpoints".encode()
+        self._checkpoint_failure_key = f"{base}checkpoint_failure".encode()
+        # Revision of a malformed failure record already logged.
+        self._failure_warned = 0
         self._fingerprint_key = f"{base}fingerprint".encode()
         self._epoch_key_key = f"{base}epoch_key".encode()
 
@@ -946,7 +958,8 @@ class EtcdStore:
 
     # --- checkpoints -----------------------------------------------------------
     def read_checkpoints(self) -> list[CheckpointManifest]:
-        """The published checkpoint manifests, newest first."""
+        """The published checkpoint manifests, newest first. Entries that are
+        malformed are left out, and logged once per version of the record."""
         return self._read_checkpoints()[0]
 
     def _read_checkpoints(self) -> tuple[list[CheckpointManifest], int]:
@@ -964,35 +977,105 @@ class EtcdStore:
         return manifests, int(kv.mod_revision)
 
     def publish_checkpoint(
-        self, manifest: CheckpointManifest, keep: int
+        self, manifest: CheckpointManifest, keep: int, limit: int | None = None
     ) -> tuple[bool, list[CheckpointManifest]]:
         """Record ``manifest`` if it is newer than every recorded one, keeping
         the ``keep`` newest; a compare-and-swap on the key, retried when
-        another writer got in between. Returns (accepted, manifests kept)."""
+        another writer got in between. With ``limit`` (the highest step the
+        job's progress allows), recorded manifests beyond it are dropped
+        first (logged): a forged one must not hold the record. Returns
+        (accepted, manifests kept)."""
+        dropped: list[CheckpointManifest]
         for _ in range(_CAS_ATTEMPTS):
-            kept, revision = self._read_checkpoints()
+            recorded, revision = self._read_checkpoints()
+            kept, dropped = recorded, []
+            if limit is not None:
+                kept, dropped = beyond_progress(recorded, limit)
             accepted, updated = record(kept, manifest, keep)
             if not accepted:
                 # (Or an earlier attempt of ours landed and its answer was lost.)
-                return bool(kept) and kept[0] == manifest, kept
-            value = _dumps([m.to_dict() for m in updated])
-            compare = (
-                _compare(self._checkpoints_key, "MOD", revision)
-                if revision
-                else _compare(self._checkpoints_key, "CREATE", 0)
-            )
-            request = etcdrpc.TxnRequest(
-                compare=[compare], success=[_put_op(self._checkpoints_key, value)]
-            )
-
-            def attempt(
-                channel: grpc.Channel, timeout: float, retried: bool, txn: Any = request
-            ) -> bool:
-                return bool(self._txn_call(txn, channel, timeout).succeeded)
-
-            if self._call(attempt):
-                return True, updated
+                accepted = bool(kept) and kept[0] == manifest
+                if not dropped:
+                    return accepted, kept
+            if self._swap_checkpoints(revision, updated):
+                for gone in dropped:
+                    _log.warning(
+                        "job %s: dropped the recorded checkpoint of step %d (%s): it is beyond "
+                        "the job's progress (step %d at most)", self.job, gone.step, gone.uri,
+                        limit,
+                    )  # fmt: skip
+                return accepted, updated
         raise ControlPlaneUnavailable("checkpoint manifest: too much contention on etcd")
+
+    def forget_checkpoints(
+        self, steps: Sequence[int] | None
+    ) -> tuple[list[CheckpointManifest], list[CheckpointManifest]]:
+        """Remove the manifests of ``steps`` from the record (None: the whole
+        record, malformed entries too). Raises ``NoSuchCheckpoint`` naming
+        any step not recorded (nothing removed then). Returns (forgotten,
+        kept)."""
+        for _ in range(_CAS_ATTEMPTS):
+            recorded, revision = self._read_checkpoints()
+            if steps is None:
+                forgotten, kept = recorded, []
+            else:
+                missing = sorted(set(steps) - {m.step for m in recorded})
+                if missing:
+                    have = ", ".join(str(m.step) for m in recorded) or "none"
+                    raise NoSuchCheckpoint(
+                        f"no checkpoint of step {', '.join(map(str, missing))} is recorded for "
+                        f"job {self.job} (recorded: {have})"
+                    )
+                forgotten = [m for m in recorded if m.step in steps]
+                kept = [m for m in recorded if m.step not in steps]
+            if revision == 0 or self._swap_checkpoints(revision, kept):
+                return forgotten, kept
+        raise ControlPlaneUnavailable("checkpoint record: too much contention on etcd")
+
+    def _swap_checkpoints(self, revision: int, manifests: Sequence[CheckpointManifest]) -> bool:
+        """Replace the record read at ``revision`` (0: absent) by
+        ``manifests``, or delete it when there are none (a job without
+        checkpoints has no key). False if it changed meanwhile."""
+        key = self._checkpoints_key
+        compare = _compare(key, "MOD", revision) if revision else _compare(key, "CREATE", 0)
+        if manifests:
+            op = _put_op(key, _dumps([m.to_dict() for m in manifests]))
+        else:
+            op = etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key))
+        request = etcdrpc.TxnRequest(compare=[compare], success=[op])
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> bool:
+            return bool(self._txn_call(request, channel, timeout).succeeded)
+
+        return self._call(attempt)
+
+    def read_checkpoint_failure(self) -> CheckpointFailure | None:
+        """The job's durability failure record, if any; a malformed one is
+        logged once and read as none."""
+        response = self._kv_range(_range(self._checkpoint_failure_key))
+        if not response.kvs:
+            return None
+        kv = response.kvs[0]
+        try:
+            return CheckpointFailure.from_dict(json.loads(kv.value))
+        except (ValueError, RecursionError, InvalidRequest) as exc:
+            if int(kv.mod_revision) != self._failure_warned:
+                self._failure_warned = int(kv.mod_revision)
+                _log.warning("job %s: the checkpoint failure record in etcd is ignored: %s",
+                             self.job, str(exc)[:200])  # fmt: skip
+            return None
+
+    def write_checkpoint_failure(self, failure: CheckpointFailure | None) -> None:
+        """Record that checkpoints fail (None: that they no longer do)."""
+        if failure is not None:
+            self._put(self._checkpoint_failure_key, _dumps(failure.to_dict()))
+            return
+        request = etcdrpc.DeleteRangeRequest(key=self._checkpoint_failure_key)
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> None:
+            etcdrpc.KVStub(channel).DeleteRange(request, timeout=timeout, metadata=_REQUIRE_LEADER)
+
+        self._call(attempt)
 
     # --- fingerprint -----------------------------------------------------------
     def read_fingerprint(self) -> StoredFingerprint:

@@ -15,13 +15,14 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from membership.checkpoint import CheckpointManifest
+from membership.checkpoint import CheckpointFailure, CheckpointManifest, Durability
 from membership.errors import (
     ConfigurationMismatch,
     ControlPlaneUnavailable,
     Evicted,
     InvalidRequest,
     JobRecordLost,
+    NoSuchCheckpoint,
     NoSuchJob,
     NotAMember,
     NotLeader,
@@ -73,6 +74,7 @@ STATUS_OF: dict[type[RollcallError], grpc.StatusCode] = {
     JobRecordLost: grpc.StatusCode.FAILED_PRECONDITION,
     Oversized: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotAMember: grpc.StatusCode.NOT_FOUND,
+    NoSuchCheckpoint: grpc.StatusCode.NOT_FOUND,
     NoSuchJob: grpc.StatusCode.NOT_FOUND,
     NotLeader: grpc.StatusCode.UNAVAILABLE,
     ControlPlaneUnavailable: grpc.StatusCode.UNAVAILABLE,
@@ -91,6 +93,7 @@ def status_of(error: RollcallError) -> grpc.StatusCode:
 NAMED_BY_METADATA: dict[str, type[RollcallError]] = {
     "ConfigurationMismatch": ConfigurationMismatch,
     "JobRecordLost": JobRecordLost,
+    "NoSuchCheckpoint": NoSuchCheckpoint,
 }
 
 
@@ -133,6 +136,32 @@ def manifest_from_pb(message: pb.Checkpoint) -> CheckpointManifest:
     return CheckpointManifest(
         **{f.name: getattr(message, f.name) for f in dataclasses.fields(CheckpointManifest)}
     )
+
+
+def durability_to_pb(durability: Durability) -> pb.Durability:
+    message = pb.Durability()
+    if durability.durable_step is not None:
+        message.durable_step = durability.durable_step
+    failure = durability.failure
+    if failure is not None:
+        message.failures = failure.failures
+        message.failed_step = failure.step
+        message.reason = failure.reason
+        message.failing_since_unix = failure.since_unix
+        message.writer = failure.writer
+    return message
+
+
+def durability_from_pb(message: pb.Durability) -> Durability:
+    failure = None
+    if message.failures:
+        failure = CheckpointFailure(
+            step=message.failed_step, reason=message.reason,
+            since_unix=message.failing_since_unix, failures=message.failures,
+            writer=message.writer,
+        )  # fmt: skip
+    durable = message.durable_step if message.HasField("durable_step") else None
+    return Durability(durable, failure)
 
 
 def read_token(token_file: str | os.PathLike[str] | None) -> str:

@@ -453,6 +453,7 @@ def status(
     """Show a job's current view, leader and last committed step."""
     from rendezvous.client import ClientTLS, RendezvousClient
     from rendezvous.wire import read_token
+    from rollcall.checkpoints import durability_json, durability_line
     from rollcall.local import find_local
 
     local = None if addresses or job else find_local()
@@ -488,6 +489,7 @@ def status(
                     "rollcall_epoch": result.rollcall_epoch or None,
                     "last_step": result.last_step,
                     "checkpoints": [m.to_dict() for m in result.checkpoints],
+                    "durability": durability_json(result.durability),
                 }
             )
         )
@@ -510,6 +512,9 @@ def status(
             f"newest checkpoint: step {newest.step}  {newest.uri}  ({newest.size} bytes, "
             f"{len(result.checkpoints)} kept)"
         )
+    stuck = durability_line(result.durability)
+    if stuck is not None:
+        click.echo(f"warning: {stuck}")
 
 
 #: `up` options that configure the built-in example: refused with a COMMAND.
@@ -1076,6 +1081,15 @@ def _register_report() -> None:
 
 
 _register_report()
+
+
+def _register_checkpoints() -> None:
+    from rollcall.checkpoints import build
+
+    main.add_command(build(resolve_target, target_options, token_option))
+
+
+_register_checkpoints()
 
 
 if __name__ == "__main__":

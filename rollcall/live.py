@@ -11,6 +11,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from rollcall.checkpoints import durability_line
 from rollcall.local import LocalCluster
 from rollcall.report import ViewChange
 
@@ -59,6 +60,7 @@ def events_table(events: Sequence[ViewChange]) -> Table:
 
 
 def headline(cluster: LocalCluster, status: Any, summary: dict[str, Any]) -> str:
+    """The job in a line; a second line warns while durability is stuck."""
     training = [w for w in cluster.workers if w.alive and w.samples_s]
     rate = sum(w.samples_s or 0 for w in training) / max(1, len(training))
     goodput = summary["goodput"]
@@ -68,12 +70,14 @@ def headline(cluster: LocalCluster, status: Any, summary: dict[str, Any]) -> str
     newest = status.checkpoints[0].step if status is not None and status.checkpoints else None
     if cluster.options.steps is not None:
         step = f"{step}/{cluster.options.steps}"
-    return (
+    line = (
         f"epoch {epoch}  step {step}  members {members}  "
         f"samples/s {rate:.0f}  goodput {'-' if goodput is None else f'{goodput:.3f}'}  "
         f"view changes {len(summary['view_changes'])}  "
         f"checkpoint {'-' if newest is None else newest}"
     )
+    stuck = durability_line(status.durability) if status is not None else None
+    return line if stuck is None else f"{line}\nwarning: {stuck}"
 
 
 def render(cluster: LocalCluster, status: Any, summary: dict[str, Any]) -> Group:

@@ -69,8 +69,13 @@ HUGER = "x" * (5 << 20)
 UNDECODABLE = b"\x0a\x05ab"
 #: The replica's config for the shared jobs: a member that no process runs
 #: (the puppet) keeps its place between the sessions the tests open for it.
-PUPPET_SETTINGS = (*TEST_SETTINGS, "max_silence=600", "phi_min_std=60", "member_lease_ttl=900")
-#: Step of the checkpoint the shared jobs have published.
+PUPPET_SETTINGS = (
+    *TEST_SETTINGS, "max_silence=600", "phi_min_std=60", "member_lease_ttl=900",
+    # A checkpoint beyond the job's progress is refused without a long wait.
+    "checkpoint_progress_wait=0.05",
+)  # fmt: skip
+#: Step of the checkpoint the shared jobs have published, and their progress
+#: (written into etcd: their members report none).
 CHECKPOINT_STEP = 1000
 #: The configuration the shared jobs' puppet joined with (the job's fingerprint).
 PUPPET_FINGERPRINT = {"global_batch": "48", "micro_batch": "8", "seed": "0"}
@@ -268,12 +273,17 @@ async def enlist_puppet(plane: ControlPlane) -> tuple[str, str]:
         return puppet, secret
 
 
-async def publish_checkpoint(plane: ControlPlane, member: MemberProcess, step: int) -> None:
+async def publish_checkpoint(
+    plane: ControlPlane, store: EtcdStore, member: MemberProcess, step: int
+) -> None:
+    """Publish a checkpoint of ``step``, recording that much progress first
+    (a checkpoint beyond the job's progress is refused)."""
     md = token_metadata(plane.token)
     member_id = member.member_id
     async with grpc.aio.insecure_channel(plane.addresses[0]) as channel:
         stub = pb_grpc.RendezvousStub(channel)
         epoch = (await stub.Status(pb.StatusRequest(job=plane.job), metadata=md)).view.epoch
+        store.write_progress(epoch, step)
         target = Target(
             plane.job, (member_id,), None, epoch, frozenset(), {member_id: member.secret}
         )
@@ -292,10 +302,10 @@ def running_job(workdir: Path) -> Iterator[Job]:
         try:
             processes = add_two_members(plane)
             puppet, secret = asyncio.run(enlist_puppet(plane))
-            asyncio.run(publish_checkpoint(plane, processes[0], CHECKPOINT_STEP))
             members = tuple(p.member_id for p in processes)
             secrets = {p.member_id: p.secret for p in processes} | {puppet: secret}
             with EtcdStore([etcd.endpoint], plane.job, Config()) as store:
+                asyncio.run(publish_checkpoint(plane, store, processes[0], CHECKPOINT_STEP))
                 job = Job(plane, store, members, puppet, secrets)
                 settled_target(job)
                 yield job
@@ -526,6 +536,25 @@ def publish(
     return build
 
 
+def forget(
+    steps: Collection[int] = (CHECKPOINT_STEP,), everything: bool = False, job: str | None = None
+) -> Build:
+    """ForgetCheckpoints of ``steps`` (or ``everything``)."""
+    return lambda t: pb.ForgetCheckpointsRequest(
+        job=t.job if job is None else job, steps=list(steps), all=everything
+    )
+
+
+def checkpoint_failure(
+    epoch: int | None = None, step: int = CHECKPOINT_STEP + 5, reason: str = "disk full"
+) -> Build:
+    return lambda t: pb.SessionRequest(
+        checkpoint_failure=pb.CheckpointFailure(
+            epoch=t.epoch if epoch is None else epoch, step=step, reason=reason
+        )
+    )
+
+
 def heartbeat(epoch: int | None = None, sent_at: float = 1.0) -> Callable[[Target], Any]:
     return lambda t: pb.SessionRequest(
         heartbeat=pb.Heartbeat(epoch=t.epoch if epoch is None else epoch, sent_at=sent_at)
@@ -572,6 +601,7 @@ VALID = {
     "Watch": watch(),
     "Session": session(open_),
     "PublishCheckpoint": publish(),
+    "ForgetCheckpoints": forget(),
 }
 assert VALID.keys() == RENDEZVOUS.keys(), "a method without hostile cases"
 
@@ -994,6 +1024,49 @@ CASES = {
     ),
     "oversized checkpoint manifest": Case(
         "PublishCheckpoint", publish(uri=HUGE), Code.RESOURCE_EXHAUSTED, "larger than max"
+    ),
+    "checkpoint beyond the job's progress": Case(
+        "PublishCheckpoint",
+        publish(step=CHECKPOINT_STEP + 2),
+        Code.INVALID_ARGUMENT,
+        f"checkpoint of step {CHECKPOINT_STEP + 2} is beyond the job's progress",
+    ),
+    "checkpoint of step 10^12": Case(
+        "PublishCheckpoint", publish(step=10**12), Code.INVALID_ARGUMENT, "beyond the job's"
+    ),
+    # Checkpoint failures (session) and the record's repair (operators).
+    "checkpoint failure with an overlong reason": Case(
+        "Session",
+        after_open(checkpoint_failure(reason="r" * 257)),
+        Code.INVALID_ARGUMENT,
+        "checkpoint failure reason is longer than 256",
+    ),
+    "checkpoint failure of a step beyond int64": Case(
+        "Session", after_open(checkpoint_failure(step=2**63)), Code.INVALID_ARGUMENT, "out of range"
+    ),
+    "checkpoint failure from a future epoch": Case(
+        "Session",
+        after_open(lambda t: checkpoint_failure(epoch=t.epoch + 1)(t)),
+        Code.INVALID_ARGUMENT,
+        "is ahead of the committed epoch",
+    ),
+    "forget neither steps nor all": Case(
+        "ForgetCheckpoints", forget(()), Code.INVALID_ARGUMENT, "name the steps"
+    ),
+    "forget steps and all": Case(
+        "ForgetCheckpoints", forget(everything=True), Code.INVALID_ARGUMENT, "name the steps"
+    ),
+    "forget a step not recorded": Case(
+        "ForgetCheckpoints",
+        forget((CHECKPOINT_STEP, 7)),
+        Code.NOT_FOUND,
+        "no checkpoint of step 7 is recorded",
+    ),
+    "forget a step beyond int64": Case(
+        "ForgetCheckpoints", forget((2**64 - 1,)), Code.INVALID_ARGUMENT, "out of range"
+    ),
+    "forget for the wrong job": Case(
+        "ForgetCheckpoints", forget(job="job2"), Code.NOT_FOUND, "no such job"
     ),
 }
 

@@ -1,29 +1,49 @@
-"""Durable checkpoints: the manifest rules, the background writer, the loader
-that trusts nothing it has not checked, and the etcd record."""
+"""Durable checkpoints: the manifest rules, the background writer (names,
+modes, pruning only what it verified, surviving a full or read-only disk),
+the loader that trusts nothing it has not checked, and the etcd record
+(validated, bounded by the job's progress, repaired by forgetting)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import stat
+import subprocess
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
-from membership.checkpoint import CheckpointManifest, ReplayCost, file_name, record
+from membership.checkpoint import (
+    CheckpointFailure,
+    CheckpointManifest,
+    ReplayCost,
+    beyond_progress,
+    durability,
+    file_name,
+    next_failure,
+    parse_file_name,
+    progress_limit,
+    record,
+    superseded,
+)
 from membership.config import Config
-from membership.errors import InvalidRequest
+from membership.errors import InvalidRequest, NoSuchCheckpoint
 from rendezvous.store import EtcdStore
 from worker.checkpoint import CheckpointUnusable, CheckpointWriter, load_newest, process_age
-from worker.state import capture, digest
+from worker.state import capture, digest, to_bytes
+
+JOB = "ckjob"
 
 
 def manifest(at: int, **changes: object) -> CheckpointManifest:
     step = at
     fields: dict[str, object] = {
-        "step": step, "digest": "sha256:ab", "uri": f"/ckpt/{file_name(step)}", "size": 10,
-        "sha256": "0" * 64, "epoch": 1, "writer": "w-1", "created_unix": 1.0,
+        "step": step, "digest": "sha256:ab", "uri": f"/ckpt/{file_name(JOB, step, 'w-1')}",
+        "size": 10, "sha256": "0" * 64, "epoch": 1, "writer": "w-1", "created_unix": 1.0,
         "step_seconds": 0.05,
     }  # fmt: skip
     fields.update(changes)
@@ -100,7 +120,7 @@ def test_replay_cost_is_replayed_steps_times_step_time_plus_launch_and_load():
 
 def test_the_writer_publishes_only_a_complete_synced_file(tmp_path: Path):
     published = Published()
-    writer = CheckpointWriter(tmp_path, published)
+    writer = CheckpointWriter(tmp_path, JOB, published)
     state = make_state(4)
     assert writer.submit(state, epoch=2, writer="w-1", step_seconds=0.05)
     assert writer.wait(30)
@@ -110,16 +130,17 @@ def test_the_writer_publishes_only_a_complete_synced_file(tmp_path: Path):
     assert m.step == 4 and m.epoch == 2 and m.size == len(blob)
     assert m.sha256 == hashlib.sha256(blob).hexdigest()
     assert m.digest == digest(state)
-    assert [p.name for p in tmp_path.iterdir()] == [file_name(4)]  # no temporary left
+    assert [p.name for p in tmp_path.iterdir()] == [file_name(JOB, 4, "w-1")]  # no temporary
 
 
-def test_the_writer_deletes_files_older_than_the_oldest_kept_manifest(tmp_path: Path):
+def test_the_writer_deletes_its_files_the_record_no_longer_names(tmp_path: Path):
     published = Published(keep=2)
-    writer = CheckpointWriter(tmp_path, published)
+    writer = CheckpointWriter(tmp_path, JOB, published)
     for step in (4, 9, 14):
         assert writer.submit(make_state(step), 1, "w-1", 0.05)
         assert writer.wait(30)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [file_name(9), file_name(14)]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [file_name(JOB, 9, "w-1"), file_name(JOB, 14, "w-1")]
 
 
 def test_a_failed_publish_is_reported_and_the_next_checkpoint_still_written(tmp_path: Path):
@@ -131,7 +152,7 @@ def test_a_failed_publish_is_reported_and_the_next_checkpoint_still_written(tmp_
             raise InvalidRequest("stale epoch")
         return True, [m]
 
-    writer = CheckpointWriter(tmp_path, refuse)
+    writer = CheckpointWriter(tmp_path, JOB, refuse)
     writer.submit(make_state(4), 1, "w-1", 0.05)
     writer.wait(30)
     assert writer.written == 0 and "stale epoch" in (writer.last_error or "")
@@ -142,7 +163,7 @@ def test_a_failed_publish_is_reported_and_the_next_checkpoint_still_written(tmp_
 
 def write_checkpoints(tmp_path: Path, steps: Sequence[int]) -> list[CheckpointManifest]:
     published = Published(keep=len(steps))
-    writer = CheckpointWriter(tmp_path, published)
+    writer = CheckpointWriter(tmp_path, JOB, published)
     for step in steps:
         writer.submit(make_state(step, seed=step), 1, "w-1", 0.05)
         assert writer.wait(30)
@@ -223,9 +244,345 @@ def test_a_checkpoint_due_while_the_previous_one_is_written_is_skipped(tmp_path:
         release.wait(30)
         return True, [m]
 
-    writer = CheckpointWriter(tmp_path, slow)
+    writer = CheckpointWriter(tmp_path, JOB, slow)
     assert writer.submit(make_state(4), 1, "w-1", 0.05)
     assert not writer.ready(9) and not writer.submit(make_state(9), 1, "w-1", 0.05)
     assert writer.skipped == 2
     release.set()
     assert writer.wait(30) and writer.written == 1 and writer.ready(14)
+
+
+# --- trusting the record: names, pruning, forged manifests -------------------------
+
+
+def written(
+    tmp_path: Path, steps: Sequence[int], keep: int = 3, job: str = JOB,
+    writer: CheckpointWriter | None = None, name: str = "w-1",
+) -> CheckpointWriter:  # fmt: skip
+    """A writer (new, or ``writer``) that wrote ``steps`` into ``tmp_path``."""
+    if writer is None:
+        writer = CheckpointWriter(tmp_path, job, Published(keep))
+    for step in steps:
+        assert writer.submit(make_state(step, seed=step), 1, name, 0.05)
+        assert writer.wait(30)
+    return writer
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_file_names_carry_the_job_the_step_and_the_writer():
+    name = file_name("run1", 299, "w0-1a2b")
+    assert name == "ckpt+run1+000000000299+w0-1a2b.rcs"
+    assert parse_file_name(name, "run1") == 299
+    assert parse_file_name(name, "run") is None and parse_file_name(name, "run1+") is None
+    # '+' is no id character: a job named like another's prefix never matches.
+    assert parse_file_name(file_name("a-000000000001", 5, "w"), "a") is None
+    assert parse_file_name(".ckpt+run1+000000000299+w0.rcs.12.ab.tmp", "run1") is None
+
+
+def test_checkpoint_files_and_their_directory_are_private(tmp_path: Path):
+    directory = tmp_path / "new" / "ckpt"
+    old = os.umask(0)  # what the file is created with, not what a umask leaves of it
+    try:
+        written(directory, [4])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    (path,) = directory.iterdir()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def forged_record(steps: Sequence[int], directory: Path) -> list[CheckpointManifest]:
+    return [
+        manifest(step, uri=str(directory / f"forged-{step}"), size=1000, writer="evil-1")
+        for step in steps
+    ]
+
+
+def test_forged_manifests_make_the_writer_delete_nothing_and_it_reports_them(tmp_path: Path):
+    writer = written(tmp_path, [4, 9])
+    before = names(tmp_path)
+    failures: list[tuple[int, str]] = []
+    published = Published()
+    published.kept = forged_record([10**12, 10**12 - 1, 10**12 - 2], tmp_path)
+    writer._publish, writer._on_failure = published, lambda s, r: failures.append((s, r))
+    written(tmp_path, [14, 19], writer=writer)
+    new = [file_name(JOB, 14, "w-1"), file_name(JOB, 19, "w-1")]
+    assert names(tmp_path) == sorted([*before, *new])
+    assert [s for s, _ in failures] == [14, 19]
+    assert "cannot verify" in failures[0][1] and writer.failing == 2
+
+
+def test_a_manifest_that_lies_about_a_real_files_step_counts_for_nothing(tmp_path: Path):
+    writer = written(tmp_path, [4, 9, 14])
+    own = {m.step: m for m in writer._publish.kept}  # type: ignore[attr-defined]
+    # The file of step 4, claimed to hold step 13: deleting 9 on its account
+    # would keep nothing newer that is real.
+    liar = CheckpointManifest(**{**own[4].to_dict(), "step": 13})
+    writer._settle(own[14], False, [liar])
+    assert names(tmp_path) == [file_name(JOB, s, "w-1") for s in (4, 9, 14)]
+
+
+def test_a_manifest_beyond_the_written_step_is_not_believed_even_for_a_real_file(tmp_path: Path):
+    writer = written(tmp_path, [4, 9])
+    own = {m.step: m for m in writer._publish.kept}  # type: ignore[attr-defined]
+    elsewhere = tmp_path / "elsewhere.rcs"  # a real file, outside the job's names
+    elsewhere.write_bytes(Path(own[9].uri).read_bytes())
+    ahead = CheckpointManifest(**{**own[9].to_dict(), "step": 500, "uri": str(elsewhere)})
+    writer._settle(own[9], False, [ahead])
+    assert file_name(JOB, 4, "w-1") in names(tmp_path)
+
+
+def test_another_jobs_files_in_the_same_directory_are_never_touched(tmp_path: Path):
+    other = written(tmp_path, [4, 9], job="other")
+    theirs = names(tmp_path)
+    ours = Published(keep=2)
+    # Even a record of ours that names the other job's file does not make it ours.
+    ours.kept = list(other._publish.kept)  # type: ignore[attr-defined]
+    written(tmp_path, [14, 19, 24], writer=CheckpointWriter(tmp_path, JOB, ours))
+    assert set(theirs) <= set(names(tmp_path))
+    assert [n for n in names(tmp_path) if n not in theirs] == [
+        file_name(JOB, 19, "w-1"), file_name(JOB, 24, "w-1")
+    ]  # fmt: skip
+
+
+def test_a_new_writer_prunes_the_files_its_jobs_record_named(tmp_path: Path):
+    """Rank 0 changed: the new writer deletes the old one's files once the
+    record it saw naming them no longer does. (A file that left the record
+    before the new writer first saw it stays: it was never named to it.)"""
+    published = Published(keep=2)
+    written(tmp_path, [4, 9], writer=CheckpointWriter(tmp_path, JOB, published), name="w-old")
+    successor = CheckpointWriter(tmp_path, JOB, published)
+    written(tmp_path, [14], writer=successor, name="w-new")  # record: 14 (new), 9 (old)
+    assert file_name(JOB, 9, "w-old") in names(tmp_path)
+    written(tmp_path, [19], writer=successor, name="w-new")  # record: 19, 14
+    assert names(tmp_path) == sorted(
+        [file_name(JOB, 4, "w-old"), file_name(JOB, 14, "w-new"), file_name(JOB, 19, "w-new")]
+    )
+
+
+def test_the_newest_complete_checkpoint_is_never_superseded_by_unverified_ones():
+    files = {"/d/a": 4, "/d/b": 9}
+    kept = [manifest(20, uri="/d/forged"), manifest(9, uri="/d/b")]
+    assert superseded(files, kept, verified=set(), written_step=9) == []
+    assert superseded(files, kept, verified={"/d/forged"}, written_step=9) == []  # beyond 9
+    assert superseded(files, kept, verified={"/d/b"}, written_step=9) == ["/d/a"]
+
+
+@contextlib.contextmanager
+def filesystem(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` at ``where``, unmounted afterwards (always)."""
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                   check=True, capture_output=True, timeout=30)  # fmt: skip
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def remount(where: Path, options: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{options}", str(where)], check=True,
+                   capture_output=True, timeout=30)  # fmt: skip
+
+
+class Outcomes:
+    """What a writer reports, and any exception that ends one of its threads."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.failures: list[tuple[int, str]] = []
+        self.durable: list[int] = []
+        self.crashes: list[BaseException | None] = []
+        monkeypatch.setattr(threading, "excepthook", lambda a: self.crashes.append(a.exc_value))
+
+    def writer(self, directory: Path) -> CheckpointWriter:
+        return CheckpointWriter(
+            directory, JOB, Published(), on_failure=lambda s, r: self.failures.append((s, r)),
+            on_durable=self.durable.append,
+        )  # fmt: skip
+
+
+@pytest.mark.integration  # mounts a tmpfs (mount(8))
+def test_a_read_only_directory_fails_each_checkpoint_without_ending_the_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    seen = Outcomes(monkeypatch)
+    with filesystem(tmp_path / "disk", "16m") as disk:
+        writer = written(disk / "ckpt", [4], writer=seen.writer(disk / "ckpt"))
+        remount(disk, "ro")
+        written(disk / "ckpt", [9, 14], writer=writer)
+        assert [s for s, _ in seen.failures] == [9, 14]
+        assert all("Read-only file system (EROFS)" in r for _, r in seen.failures)
+        assert writer.failing == 2 and writer.durable_step == 4 and writer.failing_since
+        remount(disk, "rw")
+        written(disk / "ckpt", [19], writer=writer)
+        assert seen.durable == [4, 19] and writer.failing == 0 and writer.last_error is None
+    assert seen.crashes == []
+
+
+@pytest.mark.integration  # mounts a tmpfs (mount(8))
+def test_a_full_disk_fails_cleanly_and_the_writer_recovers_when_it_has_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    seen = Outcomes(monkeypatch)
+    size = len(to_bytes(make_state(4)))
+    with filesystem(tmp_path / "disk", str(size * 3 // 2)) as disk:
+        writer = written(disk, [4], writer=seen.writer(disk))
+        written(disk, [9], writer=writer)
+        assert seen.failures and "No space left on device (ENOSPC)" in seen.failures[0][1]
+        assert names(disk) == [file_name(JOB, 4, "w-1")]  # no temporary file left behind
+        remount(disk, f"size={size * 4}")
+        written(disk, [14], writer=writer)
+        assert seen.durable == [4, 14] and writer.failing == 0
+    assert seen.crashes == []
+
+
+def test_a_failure_report_that_raises_does_not_end_the_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    seen = Outcomes(monkeypatch)
+
+    def broken(step: int, reason: str) -> None:
+        raise RuntimeError("the service is gone")
+
+    def refuse(m: CheckpointManifest) -> tuple[bool, Sequence[CheckpointManifest]]:
+        raise InvalidRequest("no")
+
+    writer = CheckpointWriter(tmp_path, JOB, refuse, on_failure=broken)
+    written(tmp_path, [4, 9], writer=writer)
+    assert writer.failing == 2 and "written but not published: no" in (writer.last_error or "")
+    assert seen.crashes == []
+
+
+# --- the record's pure rules ----------------------------------------------------------
+
+
+def test_the_jobs_progress_bounds_the_steps_a_manifest_may_hold():
+    assert progress_limit(None, None) is None  # never trained: no checkpoint can exist
+    assert progress_limit(None, 40, 38) == 41
+    trusted, beyond = beyond_progress([manifest(10**12), manifest(41), manifest(39)], 41)
+    assert [m.step for m in trusted] == [41, 39] and [m.step for m in beyond] == [10**12]
+    assert beyond_progress([manifest(3)], None) == ([], [manifest(3)])
+
+
+def test_a_failure_streak_keeps_its_start_until_a_later_checkpoint_is_recorded():
+    first = next_failure(None, 99, 199, "disk full", "w-1", now_unix=100.0)
+    assert (first.failures, first.since_unix, first.step) == (1, 100.0, 199)
+    second = next_failure(first, 99, 299, "still full", "w-1", now_unix=160.0)
+    assert (second.failures, second.since_unix, second.reason) == (2, 100.0, "still full")
+    assert durability([manifest(99)], second, limit=400).failure == second
+    assert not durability([manifest(399), manifest(99)], second, limit=400).stuck
+    again = next_failure(second, 399, 499, "read-only", "w-1", now_unix=300.0)
+    assert (again.failures, again.since_unix) == (1, 300.0)
+    # A forged manifest beyond the job's progress is not durability.
+    assert durability([manifest(10**12), manifest(99)], second, 400).durable_step == 99
+
+
+def test_a_failure_record_round_trips_and_a_malformed_one_is_refused():
+    failure = CheckpointFailure(299, "No space left on device (ENOSPC)", 12.5, 3, "w-1")
+    assert CheckpointFailure.from_dict(failure.to_dict()) == failure
+    for bad in ({}, {**failure.to_dict(), "failures": "3"}, {**failure.to_dict(), "since_unix":
+                float("nan")}, [1]):  # fmt: skip
+        with pytest.raises(InvalidRequest):
+            CheckpointFailure.from_dict(bad)
+
+
+# --- the etcd record, read and repaired --------------------------------------------------
+
+
+def put(endpoint: str, key: str, value: str) -> None:
+    subprocess.run(["etcdctl", f"--endpoints={endpoint}", "put", key, value],
+                   env={**os.environ, "ETCDCTL_API": "3"}, check=True, capture_output=True,
+                   timeout=30)  # fmt: skip
+
+
+def test_a_malformed_record_in_etcd_is_ignored_and_the_next_publication_replaces_it(etcd):
+    put(etcd.endpoint, f"/rollcall/jobs/{JOB}/checkpoints", "[{not json")
+    with EtcdStore([etcd.endpoint], JOB, Config()) as store:
+        assert store.read_checkpoints() == []
+        accepted, kept = store.publish_checkpoint(manifest(4), keep=3, limit=5)
+        assert accepted and store.read_checkpoints() == [manifest(4)]
+
+
+def test_publishing_drops_recorded_manifests_beyond_the_jobs_progress(etcd):
+    with EtcdStore([etcd.endpoint], JOB, Config()) as store:
+        for m in (manifest(4), manifest(10**12)):
+            store.publish_checkpoint(m, keep=3)  # no limit: as a forger writing etcd would
+        accepted, kept = store.publish_checkpoint(manifest(9), keep=3, limit=10)
+        assert accepted and [m.step for m in kept] == [9, 4] == [
+            m.step for m in store.read_checkpoints()
+        ]
+        # Not newer than what is left, but the forged one still goes.
+        store.publish_checkpoint(manifest(10**12), keep=3)
+        accepted, kept = store.publish_checkpoint(manifest(9), keep=3, limit=10)
+        assert accepted and [m.step for m in store.read_checkpoints()] == [9, 4]
+
+
+def test_forgetting_removes_the_named_steps_or_the_whole_record(etcd):
+    with EtcdStore([etcd.endpoint], JOB, Config()) as store:
+        for step in (4, 9, 14):
+            store.publish_checkpoint(manifest(step), keep=3)
+        with pytest.raises(NoSuchCheckpoint, match="no checkpoint of step 5 is recorded"):
+            store.forget_checkpoints([9, 5])
+        assert [m.step for m in store.read_checkpoints()] == [14, 9, 4]
+        forgotten, kept = store.forget_checkpoints([9])
+        assert [m.step for m in forgotten] == [9] and [m.step for m in kept] == [14, 4]
+        put(etcd.endpoint, f"/rollcall/jobs/{JOB}/checkpoints", '[{"step": "bad"}]')
+        forgotten, kept = store.forget_checkpoints(None)
+        assert (forgotten, kept) == ([], []) and store.read_checkpoints() == []
+        assert not store.read_fingerprint().checkpoints  # the key is gone, not an empty list
+
+
+def test_the_failure_record_is_kept_in_etcd_and_a_malformed_one_ignored(etcd):
+    failure = CheckpointFailure(299, "Read-only file system (EROFS)", 12.5, 3, "w-1")
+    with EtcdStore([etcd.endpoint], JOB, Config()) as store:
+        assert store.read_checkpoint_failure() is None
+        store.write_checkpoint_failure(failure)
+        assert store.read_checkpoint_failure() == failure
+        put(etcd.endpoint, f"/rollcall/jobs/{JOB}/checkpoint_failure", "nonsense")
+        assert store.read_checkpoint_failure() is None
+        store.write_checkpoint_failure(None)
+        assert store.read_checkpoint_failure() is None
+
+
+def test_the_live_view_and_status_warn_while_durability_is_stuck():
+    from types import SimpleNamespace
+
+    from membership.checkpoint import CheckpointFailure, Durability
+    from rollcall.checkpoints import durability_line
+    from rollcall.live import headline
+
+    failure = CheckpointFailure(349, "No space left on device (ENOSPC): /d/x", 1.0e9, 4, "w-1")
+    cluster = SimpleNamespace(workers=[], options=SimpleNamespace(steps=None))
+    summary = {"goodput": None, "view_changes": []}
+
+    def status(durability: Durability) -> SimpleNamespace:
+        view = SimpleNamespace(epoch=3, size=2)
+        return SimpleNamespace(step=400, view=view, checkpoints=[], durability=durability)
+
+    assert durability_line(Durability(299)) is None
+    assert "\n" not in headline(cluster, status(Durability(299)), summary)  # type: ignore[arg-type]
+    line = durability_line(Durability(299, failure))
+    assert line is not None and line.startswith("durability stuck at step 299 since ")
+    assert "No space left on device (ENOSPC)" in line and "4 failed attempts" in line
+    shown = headline(cluster, status(Durability(299, failure)), summary)  # type: ignore[arg-type]
+    assert shown.splitlines()[1] == f"warning: {line}"
+    assert durability_line(Durability(None, failure)).startswith(  # type: ignore[union-attr]
+        "durability stuck at no checkpoint since "
+    )
+
+
+def test_a_resuming_worker_passes_over_checkpoints_beyond_the_jobs_progress(tmp_path: Path):
+    published, forged = Published(), Published()
+    written(tmp_path / "real", [4, 9], writer=CheckpointWriter(tmp_path / "real", JOB, published))
+    # A file that passes every check of its own manifest, of a step the job never reached.
+    written(tmp_path / "lure", [10**11], writer=CheckpointWriter(tmp_path / "lure", JOB, forged))
+    real, lure = published.kept[0], forged.kept[0]
+    assert load_newest([lure, real]).manifest == lure  # what the progress check stops
+    loaded = load_newest([lure, real], limit=real.step + 1)
+    assert loaded.manifest == real and "beyond the job's recorded progress" in loaded.skipped[0]
+    assert load_newest([real], limit=None).manifest == real  # no progress known: none checked
+    with pytest.raises(CheckpointUnusable, match="beyond the job's recorded progress"):
+        load_newest([real], limit=real.step - 1)

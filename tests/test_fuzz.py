@@ -120,7 +120,7 @@ def might_publish(t: Target, request: pb.PublishCheckpointRequest) -> bool:
         and request.member_id in t.in_view
         and request.member_secret == t.secret_of(request.member_id)
         and request.epoch == t.epoch
-        and c.step <= INT64_MAX
+        and c.step <= CHECKPOINT_STEP + 1  # the job's progress, and one step ahead
         and c.epoch <= t.epoch
         and 0 < len(c.uri) <= MAX_URI
         and "\x00" not in c.uri
@@ -197,6 +197,12 @@ def message_fate(t: Target, message: pb.SessionRequest | bytes) -> Fate:
         # A member's busy period changes only how long its peers wait for
         # it: nothing the job reports.
         return Fate.HARMLESS if valid else Fate.REFUSED
+    if kind == "checkpoint_failure":
+        failure = message.checkpoint_failure
+        if failure.epoch > t.epoch or failure.step > INT64_MAX or len(failure.reason) > MAX_REASON:
+            return Fate.REFUSED
+        # The puppet is in the view: at its epoch the failure is recorded.
+        return Fate.CHANGES if failure.epoch == t.epoch else Fate.HARMLESS
     return Fate.REFUSED  # empty, or a second Open
 
 
@@ -345,7 +351,11 @@ def session_messages(t: Target) -> st.SearchStrategy[pb.SessionRequest | bytes]:
         pb.Open, job=short_texts, member_id=ids(t), epoch=epoch, member_secret=member_secrets(t)
     )
     busy = st.builds(pb.Busy, epoch=epoch, seconds=numbers, reason=reasons)
+    checkpoint_failures = st.builds(
+        pb.CheckpointFailure, epoch=epoch, step=counters, reason=reasons
+    )
     return st.one_of(
+        checkpoint_failures.map(lambda m: pb.SessionRequest(checkpoint_failure=m)),
         heartbeats.map(lambda m: pb.SessionRequest(heartbeat=m)),
         progress.map(lambda m: pb.SessionRequest(progress=m)),
         answers.map(lambda m: pb.SessionRequest(answer=m)),

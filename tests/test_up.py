@@ -283,3 +283,10 @@ def test_operator_commands_refuse_bad_input_in_one_line(tmp_path: Path, argv, co
     assert result.returncode == code, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rollcall: error:") and says in lines[0], lines
+
+
+def test_checkpoints_list_finds_the_local_up_without_flags(up: Up):
+    wait_for(lambda: up.status()["checkpoints"], "a first checkpoint (every 100 steps)")
+    result = up.run("checkpoints", "list")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("job dev: ") and "[present]" in result.stdout, result.stdout

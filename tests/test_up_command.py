@@ -67,7 +67,7 @@ def test_a_user_script_trains_to_the_end_while_workers_are_added_and_killed(tmp_
     finished = [name for name, text in logs.items() if f"trained to step {steps - 1}" in text]
     assert sorted(logs) == ["w0", "w1", "w2"]
     assert len(finished) == 2 and victim.split("-")[0] not in finished, logs
-    assert list((workdir / "checkpoints").glob("ckpt-*")), "ROLLCALL_CHECKPOINT_DIR unused"
+    assert list((workdir / "checkpoints").glob("ckpt+*.rcs")), "ROLLCALL_CHECKPOINT_DIR unused"
     assert mode(workdir) == 0o700 and mode(workdir / "token") == 0o600
     report = up.run("report", str(up.events), "-o", str(tmp_path / "report.png"))
     assert report.returncode == 0 and "goodput" in report.stdout, report.stderr

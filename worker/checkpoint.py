@@ -1,12 +1,23 @@
 """Durable checkpoints on disk: written in the background, published only
-when complete, loaded (newest usable first) when no live replica is left.
+when complete, checked before anything trusts them, loaded (newest usable
+first) when no live replica is left.
 
-A checkpoint file holds ``worker.state.to_bytes`` of a committed step. The
-writer writes it to a temporary name, syncs it, renames it into place and
-syncs the directory; only then does it publish the manifest (size, SHA-256 of
-the bytes, state digest) through the rendezvous service, which records it in
-etcd. A reader trusts nothing it has not checked: size, SHA-256, that the
-bytes load as a replica state, the state digest, and the step.
+A checkpoint file holds ``worker.state.to_bytes`` of a committed step, under
+a name that carries the job, the step and the writer
+(``membership.checkpoint.file_name``). The writer creates it (mode 0600, in
+a directory it creates 0700) under a temporary name, syncs it, renames it
+into place and syncs the directory; only then does it publish the manifest
+(size, SHA-256 of the bytes, state digest) through the rendezvous service,
+which records it in etcd.
+
+Nothing read back is trusted unchecked. A reader checks size, SHA-256, that
+the bytes load as a replica state, the state digest, and the step. A writer
+deletes only files it wrote, or that its job's manifests named and it
+verified, and only once a newer checkpoint it verified is recorded: a
+manifest it cannot verify (forged, torn, on storage it cannot read) never
+makes it delete anything, and the newest complete checkpoint is never
+deleted. A failure to write or publish never ends the writer: it is counted,
+reported (``on_failure``) and tried again at the next due step.
 
 The directory must be one the whole job can read (shared storage) for a new
 set of workers on other hosts to resume from it; a manifest whose file is
@@ -15,9 +26,13 @@ not readable is skipped like a corrupt one, with the reason logged.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import os
+import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +41,13 @@ from pathlib import Path
 
 import psutil
 
-from membership.checkpoint import FILE_PATTERN, CheckpointManifest, file_name
+from membership.checkpoint import (
+    MAX_REASON_LENGTH,
+    CheckpointManifest,
+    file_name,
+    parse_file_name,
+    superseded,
+)
 from membership.errors import CannotResume
 from worker.state import CorruptState, ReplicaState, digest, from_bytes, to_bytes
 
@@ -34,14 +55,31 @@ __all__ = [
     "CheckpointUnusable",
     "CheckpointWriter",
     "Loaded",
+    "describe_failure",
+    "file_problem",
     "load_newest",
     "process_age",
+    "state_problem",
 ]
 
 log = logging.getLogger("rollcall.checkpoint")
 
 #: Publishes a complete checkpoint; returns (accepted, manifests kept).
 Publish = Callable[[CheckpointManifest], tuple[bool, Sequence[CheckpointManifest]]]
+#: Told that the checkpoint of a step failed, and why (one line).
+OnFailure = Callable[[int, str], None]
+#: Told the step of a checkpoint that is now recorded.
+OnDurable = Callable[[int], None]
+
+#: What an operator does when no checkpoint loads (CheckpointUnusable).
+RECOVERY = (
+    "nothing was changed. `rollcall checkpoints verify` shows each one's problem; "
+    "restore a damaged file from a copy, or remove the unusable manifests from the job's "
+    "record with `rollcall checkpoints forget STEP` (`--all` for every one; the files "
+    "stay unless --delete-files), after which the workers resume from an older usable "
+    "checkpoint, or, with none left, start over only when asked to (--start-over, "
+    "start_over=True)"
+)
 
 
 class CheckpointUnusable(CannotResume):
@@ -59,44 +97,96 @@ class Loaded:
     skipped: tuple[str, ...]
 
 
-def load_newest(manifests: Sequence[CheckpointManifest]) -> Loaded:
-    """Load the newest checkpoint that passes every check; older ones are
-    tried when a newer one is missing or corrupt. Raises
-    :class:`CheckpointUnusable` naming each one's problem if none does."""
-    started = time.perf_counter()
-    skipped: list[str] = []
-    for manifest in manifests:
-        problem = None
+def file_problem(manifest: CheckpointManifest, blob: bytes | None = None) -> str | None:
+    """What is wrong with the file ``manifest`` names (unreadable, another
+    size, another SHA-256), or None if it is the file that was published.
+    ``blob``: its bytes, if already read."""
+    if blob is None:
         try:
             blob = Path(manifest.uri).read_bytes()
         except OSError as exc:
-            problem = f"unreadable ({exc.strerror or exc})"
-        else:
-            if len(blob) != manifest.size:
-                problem = f"{len(blob)} bytes, manifest says {manifest.size} (torn or replaced)"
-            elif hashlib.sha256(blob).hexdigest() != manifest.sha256:
-                problem = "SHA-256 differs from the manifest (corrupt)"
-            else:
-                try:
-                    state = from_bytes(blob, expect_digest=manifest.digest)
-                except CorruptState as exc:
-                    problem = str(exc)
-                else:
-                    if state.step != manifest.step:
-                        problem = f"holds step {state.step}, manifest says {manifest.step}"
-        if problem is None:
+            return f"unreadable ({exc.strerror or exc})"
+    if len(blob) != manifest.size:
+        return f"{len(blob)} bytes, manifest says {manifest.size} (torn or replaced)"
+    if hashlib.sha256(blob).hexdigest() != manifest.sha256:
+        return "SHA-256 differs from the manifest (corrupt)"
+    return None
+
+
+def state_problem(manifest: CheckpointManifest) -> tuple[ReplicaState | None, str | None]:
+    """Every check a resuming worker makes: the file's (``file_problem``),
+    then that it loads as a replica state with the recorded digest and step.
+    Returns (the state, None) or (None, the problem)."""
+    try:
+        blob = Path(manifest.uri).read_bytes()
+    except OSError as exc:
+        return None, f"unreadable ({exc.strerror or exc})"
+    problem = file_problem(manifest, blob)
+    if problem is not None:
+        return None, problem
+    try:
+        state = from_bytes(blob, expect_digest=manifest.digest)
+    except CorruptState as exc:
+        return None, str(exc)
+    if state.step != manifest.step:
+        return None, f"holds step {state.step}, manifest says {manifest.step}"
+    return state, None
+
+
+def load_newest(manifests: Sequence[CheckpointManifest], limit: int | None = None) -> Loaded:
+    """Load the newest checkpoint that passes every check; older ones are
+    tried when a newer one is missing or corrupt, or beyond ``limit`` (the
+    highest step the job's recorded progress allows,
+    ``membership.checkpoint.progress_limit``; None: no progress is known and
+    none is checked). Raises :class:`CheckpointUnusable` naming each one's
+    problem if none does."""
+    started = time.perf_counter()
+    skipped: list[str] = []
+    for manifest in manifests:
+        state: ReplicaState | None = None
+        problem: str | None = f"beyond the job's recorded progress (step {(limit or 0) - 1})"
+        if limit is None or manifest.step <= limit:
+            state, problem = state_problem(manifest)
+        if state is not None:
             return Loaded(state, manifest, time.perf_counter() - started, tuple(skipped))
         reason = f"checkpoint of step {manifest.step} at {manifest.uri}: {problem}"
         log.warning("skipping %s", reason)
         skipped.append(reason)
     raise CheckpointUnusable(
-        f"no usable checkpoint among the {len(manifests)} published: {'; '.join(skipped)}"
+        f"no usable checkpoint among the {len(manifests)} published: {'; '.join(skipped)}; "
+        + RECOVERY
     )
 
 
 def process_age() -> float:
     """Seconds since this process started."""
     return max(0.0, time.time() - psutil.Process().create_time())
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for a failed checkpoint: the system's words and errno name
+    for an OSError ("No space left on device (ENOSPC): /path"), else the
+    error's message."""
+    if isinstance(exc, OSError) and exc.strerror:
+        name = errno.errorcode.get(exc.errno or 0)
+        where = f": {exc.filename}" if exc.filename else ""
+        text = f"{exc.strerror}{f' ({name})' if name else ''}{where}"
+    else:
+        text = str(exc) or type(exc).__name__
+    return text[:MAX_REASON_LENGTH]
+
+
+@dataclass(frozen=True)
+class _Owned:
+    """A file this writer may prune: its step, and what it was when checked."""
+
+    step: int
+    size: int
+    inode: int
+
+
+class _Unpublished(Exception):
+    """The file is written, but publishing its manifest failed."""
 
 
 class CheckpointWriter:
@@ -107,14 +197,37 @@ class CheckpointWriter:
     never stalls training.
     """
 
-    def __init__(self, directory: Path, publish: Publish) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.directory = directory
+    def __init__(
+        self,
+        directory: Path,
+        job: str,
+        publish: Publish,
+        on_failure: OnFailure | None = None,
+        on_durable: OnDurable | None = None,
+    ) -> None:
+        # 0700 when created here; the parents rollcall creates get the umask.
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory = directory.resolve()
+        self.job = job
         self._publish = publish
+        self._on_failure = on_failure
+        self._on_durable = on_durable
         self._thread: threading.Thread | None = None
+        #: Files this writer may delete once superseded, by location.
+        self._owned: dict[str, _Owned] = {}
+        #: Verification results by (location, size, sha256, file identity).
+        self._checked: dict[tuple[str, int, str], tuple[tuple[int, int, int], str | None]] = {}
+        self._warned: set[tuple[str, str]] = set()
         self.written = 0
         self.skipped = 0
+        #: Failed attempts in all, and since the last recorded checkpoint.
+        self.failed = 0
+        self.failing = 0
+        #: Unix time of the first failure since the last recorded checkpoint.
+        self.failing_since: float | None = None
         self.last_error: str | None = None
+        #: Step of the newest checkpoint this writer saw recorded and verified.
+        self.durable_step: int | None = None
 
     @property
     def busy(self) -> bool:
@@ -150,53 +263,180 @@ class CheckpointWriter:
             thread.join(timeout)
         return not self.busy
 
+    # --- the writer thread ---------------------------------------------------------
+
     def _write(self, state: ReplicaState, epoch: int, writer: str, step_seconds: float) -> None:
+        """The thread's body: nothing it meets ends it unreported."""
         started = time.perf_counter()
-        path = self.directory / file_name(state.step)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            blob = to_bytes(state)
-            with open(temporary, "wb") as file:
+            manifest = self._write_file(state, epoch, writer, step_seconds)
+            try:
+                accepted, kept = self._publish(manifest)
+            except Exception as exc:
+                raise _Unpublished(f"written but not published: {exc}") from exc
+        except Exception as exc:  # reported, never lost: the next due step tries again
+            self._failed(state.step, describe_failure(exc))
+            return
+        self.written += 1
+        seconds = time.perf_counter() - started
+        if accepted:
+            log.info("checkpoint of step %d: %d bytes in %.3f s, published",
+                     state.step, manifest.size, seconds)  # fmt: skip
+        try:
+            self._settle(manifest, accepted, kept)
+        except Exception:  # a bug here must not end the writer either
+            log.exception("checkpoint of step %d: checking the record failed", state.step)
+
+    def _write_file(
+        self, state: ReplicaState, epoch: int, writer: str, step_seconds: float
+    ) -> CheckpointManifest:
+        """Write the file (0600, under a temporary name, synced, renamed,
+        directory synced); returns its manifest."""
+        path = self.directory / file_name(self.job, state.step, writer)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        blob = to_bytes(state)
+        try:
+            # O_EXCL: never through a link planted under the temporary name.
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            with os.fdopen(os.open(temporary, flags, 0o600), "wb") as file:
                 file.write(blob)
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(temporary, path)
-            _fsync_directory(self.directory)
-            manifest = CheckpointManifest(
-                step=state.step,
-                digest=digest(state),
-                uri=str(path.resolve()),
-                size=len(blob),
-                sha256=hashlib.sha256(blob).hexdigest(),
-                epoch=epoch,
-                writer=writer,
-                created_unix=time.time(),
-                step_seconds=step_seconds,
-            )
-            accepted, kept = self._publish(manifest)
-        except Exception as exc:  # reported, never lost: the next due step tries again
-            self.last_error = f"checkpoint of step {state.step} failed: {exc}"
-            log.warning("%s", self.last_error)
-            temporary.unlink(missing_ok=True)
-            return
-        self.written += 1
-        self.last_error = None
-        outcome = "published" if accepted else "not published: a newer one exists"
-        seconds = time.perf_counter() - started
-        log.info("checkpoint of step %d: %d bytes in %.3f s, %s",
-                 state.step, len(blob), seconds, outcome)  # fmt: skip
-        self._prune(kept)
+        except BaseException:
+            # The clean-up of a failed write may fail too (a read-only
+            # directory refuses even that): the write's own error is the news.
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
+            raise
+        _fsync_directory(self.directory)
+        uri = str(path)
+        self._owned[uri] = _Owned(state.step, len(blob), os.lstat(path).st_ino)
+        sha256 = hashlib.sha256(blob).hexdigest()
+        self._checked[(uri, len(blob), sha256)] = (_identity(os.lstat(path)), None)
+        return CheckpointManifest(
+            step=state.step, digest=digest(state), uri=uri, size=len(blob), sha256=sha256,
+            epoch=epoch, writer=writer, created_unix=time.time(), step_seconds=step_seconds,
+        )  # fmt: skip
 
-    def _prune(self, kept: Sequence[CheckpointManifest]) -> None:
-        """Delete this directory's checkpoint files older than the oldest
-        kept one (no kept manifest can name them)."""
-        if not kept:
-            return
-        oldest = min(m.step for m in kept)  # every file is named by its step
-        for candidate in self.directory.iterdir():
-            match = FILE_PATTERN.fullmatch(candidate.name)
-            if match and int(match.group(1)) < oldest:
-                candidate.unlink(missing_ok=True)
+    def _failed(self, step: int, reason: str) -> None:
+        self.failed += 1
+        self.failing += 1
+        if self.failing_since is None:
+            self.failing_since = time.time()
+        self.last_error = f"checkpoint of step {step} failed: {reason}"
+        durable = "none yet" if self.durable_step is None else f"step {self.durable_step}"
+        log.warning("%s (durable: %s; trying again at the next due step)", self.last_error,
+                    durable)  # fmt: skip
+        if self._on_failure is not None:
+            try:
+                self._on_failure(step, reason)
+            except Exception as exc:  # the report is best effort; the log has it
+                log.warning("could not report the checkpoint failure: %s", exc)
+
+    def _settle(
+        self, manifest: CheckpointManifest, accepted: bool, kept: Sequence[CheckpointManifest]
+    ) -> None:
+        """After a publication: check the record, note what is durable,
+        delete what it supersedes."""
+        verified = {m.uri for m in kept if self._verify(m) is None}
+        if accepted:
+            self._durable(manifest.step)
+        else:
+            newer = [m for m in kept if m.step >= manifest.step]
+            if any(m.uri in verified for m in newer):
+                log.info("checkpoint of step %d not recorded: the record holds a newer one",
+                         manifest.step)  # fmt: skip
+            else:
+                # Durability does not advance while the record is held by a
+                # manifest nobody can load: that is a failure to surface.
+                held = newer[0].step if newer else -1
+                self._failed(
+                    manifest.step,
+                    f"not recorded: the job's record holds step {held}, which this writer "
+                    "cannot verify (`rollcall checkpoints verify`)",
+                )
+        for m in kept:
+            if m.uri in verified and self._may_own(m) and m.uri not in self._owned:
+                key = (m.uri, m.size, m.sha256)
+                self._owned[m.uri] = _Owned(m.step, m.size, self._checked[key][0][0])
+        files = {uri: owned.step for uri, owned in self._owned.items()}
+        for uri in superseded(files, kept, verified, manifest.step):
+            self._delete(uri)
+
+    def _durable(self, step: int) -> None:
+        if self.failing:
+            log.warning("checkpoints recorded again at step %d after %d failed attempts",
+                        step, self.failing)  # fmt: skip
+        self.failing, self.failing_since, self.last_error = 0, None, None
+        self.durable_step = step
+        if self._on_durable is not None:
+            try:
+                self._on_durable(step)
+            except Exception as exc:
+                log.warning("could not report the recorded checkpoint: %s", exc)
+
+    def _may_own(self, manifest: CheckpointManifest) -> bool:
+        """A manifest of this job names a file in this directory, under this
+        job's name pattern for its step: this writer may prune it later."""
+        path = Path(manifest.uri)
+        return path.parent == self.directory and parse_file_name(path.name, self.job) == (
+            manifest.step
+        )
+
+    def _verify(self, manifest: CheckpointManifest) -> str | None:
+        """The problem of the file ``manifest`` names (None: it is the file
+        published), read once per file version; a problem is logged once."""
+        problem = self._step_problem(manifest)
+        if problem is None:
+            key = (manifest.uri, manifest.size, manifest.sha256)
+            try:
+                info = os.lstat(manifest.uri)
+            except OSError as exc:
+                problem = f"unreadable ({exc.strerror or exc})"
+            else:
+                cached = self._checked.get(key)
+                if cached is not None and cached[0] == _identity(info):
+                    problem = cached[1]
+                else:
+                    regular = stat.S_ISREG(info.st_mode)
+                    problem = file_problem(manifest) if regular else "not a regular file"
+                    self._checked[key] = (_identity(info), problem)
+        if problem is not None and (manifest.uri, problem) not in self._warned:
+            self._warned.add((manifest.uri, problem))
+            log.warning(
+                "the job's record names a checkpoint of step %d at %s that does not verify: "
+                "%s; it is not trusted (nothing is deleted on its account)",
+                manifest.step, manifest.uri, problem,
+            )  # fmt: skip
+        return problem
+
+    def _step_problem(self, manifest: CheckpointManifest) -> str | None:
+        """A manifest naming one of this job's files here must claim the
+        step the file is named for."""
+        path = Path(manifest.uri)
+        named = parse_file_name(path.name, self.job) if path.parent == self.directory else None
+        if named is not None and named != manifest.step:
+            return f"the file is this job's checkpoint of step {named}"
+        return None
+
+    def _delete(self, uri: str) -> None:
+        """Delete a superseded file, if it is still the one this writer knew."""
+        owned = self._owned.pop(uri)
+        try:
+            info = os.lstat(uri)
+            if stat.S_ISREG(info.st_mode) and (info.st_size, info.st_ino) == (
+                owned.size, owned.inode,
+            ):  # fmt: skip
+                os.unlink(uri)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not delete the superseded checkpoint %s: %s", uri, exc)
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int]:
+    return (info.st_ino, info.st_size, info.st_mtime_ns)
 
 
 def _fsync_directory(directory: Path) -> None:

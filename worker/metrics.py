@@ -31,3 +31,17 @@ class WorkerMetrics:
             "rollcall_worker_lost_work_seconds", "Compute thrown away by aborted steps",
             registry=registry,
         )  # fmt: skip
+        self.checkpoints = Counter(
+            "rollcall_worker_checkpoints", "Checkpoints this worker wrote and had recorded",
+            registry=registry,
+        )  # fmt: skip
+        self.checkpoint_failures = Counter(
+            "rollcall_worker_checkpoint_failures",
+            "Checkpoints this worker failed to write or publish", registry=registry,
+        )  # fmt: skip
+        self.durable_step = Gauge(
+            "rollcall_worker_durable_step",
+            "Step of the newest checkpoint this worker had recorded (-1: none)",
+            registry=registry,
+        )  # fmt: skip
+        self.durable_step.set(-1)

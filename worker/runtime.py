@@ -42,7 +42,12 @@ import grpc
 import torch
 from torch.distributed import ReduceOp
 
-from membership.checkpoint import FILE_PATTERN, CheckpointManifest, ReplayCost
+from membership.checkpoint import (
+    CheckpointManifest,
+    ReplayCost,
+    parse_file_name,
+    progress_limit,
+)
 from membership.config import Config
 from membership.errors import (
     ControlPlaneUnavailable,
@@ -339,7 +344,10 @@ class Elastic:
         if checkpoint_dir is None and os.environ.get(ENV_CHECKPOINT_DIR):
             checkpoint_dir = Path(os.environ[ENV_CHECKPOINT_DIR])
         self.checkpoints = (
-            CheckpointWriter(Path(checkpoint_dir), self._publish_checkpoint)
+            CheckpointWriter(
+                Path(checkpoint_dir), self.job_name, self._publish_checkpoint,
+                on_failure=self._checkpoint_failed, on_durable=self._checkpoint_durable,
+            )  # fmt: skip
             if checkpoint_dir is not None
             else None
         )
@@ -1012,7 +1020,11 @@ class Elastic:
     def _publish_checkpoint(
         self, manifest: CheckpointManifest
     ) -> tuple[bool, tuple[CheckpointManifest, ...]]:
-        """(Writer thread.) Publish through the rendezvous service."""
+        """(Writer thread.) Publish through the rendezvous service, after
+        reporting the progress that allows it (the service refuses a
+        checkpoint beyond the job's progress; progress reports are sparse)."""
+        step = max(self.committed_step, manifest.step)
+        self._loop.call_soon_threadsafe(self._client.report_progress, step)
         return self._call(
             self._client.publish_checkpoint(manifest), timeout=self._config.client_call_deadline
         )
@@ -1030,7 +1042,8 @@ class Elastic:
             names = [p.name for p in directory.iterdir()]
         except OSError:
             return
-        steps = sorted(int(m.group(1)) for n in names if (m := FILE_PATTERN.fullmatch(n)))
+        found = (parse_file_name(n, self.job_name) for n in names)
+        steps = sorted(step for step in found if step is not None)
         if steps:
             raise ProgressLost(
                 f"job {self.job_name} has no record in etcd (no progress, no checkpoint "
@@ -1039,6 +1052,23 @@ class Elastic:
                 "silently discard them. Restore etcd from a backup, or start over on purpose "
                 "with start_over=True (rollcall worker --start-over) or a new job name"
             )
+
+    def _checkpoint_failed(self, step: int, reason: str) -> None:
+        """(Writer thread.) Durability is stuck: count it, tell the leader."""
+        if self.metrics is not None:
+            self.metrics.checkpoint_failures.inc()
+
+        def report() -> None:
+            if self._client.ended is None and self._joined:
+                self._client.report_checkpoint_failure(step, reason)
+
+        self._loop.call_soon_threadsafe(report)
+
+    def _checkpoint_durable(self, step: int) -> None:
+        """(Writer thread.) A checkpoint of ``step`` is recorded."""
+        if self.metrics is not None:
+            self.metrics.checkpoints.inc()
+            self.metrics.durable_step.set(step)
 
     def _resume_from_checkpoint(self, view: View) -> None:
         """No member of ``view`` holds any state: load the newest usable
@@ -1066,7 +1096,11 @@ class Elastic:
                 "as asked (start_over)", self.job_name, status.last_step,
             )  # fmt: skip
             return
-        loaded = load_newest(status.checkpoints)
+        # A manifest beyond the job's recorded progress is not trusted (the
+        # leader records progress at least up to each checkpoint it accepts).
+        known = status.last_step is not None
+        limit = progress_limit(status.last_step, status.step) if known else None
+        loaded = load_newest(status.checkpoints, limit)
         with self._lock:
             self._restore(loaded.state)
             self._snapshot = None  # served without RNG states, captured at the roll call

@@ -73,7 +73,7 @@ class JoinResponse(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., earliest_suspicion_s: _Optional[float] = ..., member_secret: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("open", "heartbeat", "progress", "answer", "failure", "view_report", "busy")
+    __slots__ = ("open", "heartbeat", "progress", "answer", "failure", "view_report", "busy", "checkpoint_failure")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class SessionRequest(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     VIEW_REPORT_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FAILURE_FIELD_NUMBER: _ClassVar[int]
     open: Open
     heartbeat: Heartbeat
     progress: Progress
@@ -88,7 +89,8 @@ class SessionRequest(_message.Message):
     failure: FailureReport
     view_report: ViewReport
     busy: Busy
-    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., answer: _Optional[_Union[RollCallAnswer, _Mapping]] = ..., failure: _Optional[_Union[FailureReport, _Mapping]] = ..., view_report: _Optional[_Union[ViewReport, _Mapping]] = ..., busy: _Optional[_Union[Busy, _Mapping]] = ...) -> None: ...
+    checkpoint_failure: CheckpointFailure
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., answer: _Optional[_Union[RollCallAnswer, _Mapping]] = ..., failure: _Optional[_Union[FailureReport, _Mapping]] = ..., view_report: _Optional[_Union[ViewReport, _Mapping]] = ..., busy: _Optional[_Union[Busy, _Mapping]] = ..., checkpoint_failure: _Optional[_Union[CheckpointFailure, _Mapping]] = ...) -> None: ...
 
 class Open(_message.Message):
     __slots__ = ("job", "member_id", "epoch", "member_secret")
@@ -147,6 +149,16 @@ class Busy(_message.Message):
     seconds: float
     reason: str
     def __init__(self, epoch: _Optional[int] = ..., seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CheckpointFailure(_message.Message):
+    __slots__ = ("epoch", "step", "reason")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    reason: str
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ViewReport(_message.Message):
     __slots__ = ("epoch", "fetch_s", "rebuild_s", "first_step_s", "lost_work_s", "step_s", "launch_s", "global_batch")
@@ -237,7 +249,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("view", "leader", "step", "replica", "rollcall_epoch", "checkpoints", "last_step")
+    __slots__ = ("view", "leader", "step", "replica", "rollcall_epoch", "checkpoints", "last_step", "durability")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +257,7 @@ class StatusResponse(_message.Message):
     ROLLCALL_EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    DURABILITY_FIELD_NUMBER: _ClassVar[int]
     view: View
     leader: str
     step: int
@@ -252,7 +265,24 @@ class StatusResponse(_message.Message):
     rollcall_epoch: int
     checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
     last_step: int
-    def __init__(self, view: _Optional[_Union[View, _Mapping]] = ..., leader: _Optional[str] = ..., step: _Optional[int] = ..., replica: _Optional[str] = ..., rollcall_epoch: _Optional[int] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., last_step: _Optional[int] = ...) -> None: ...
+    durability: Durability
+    def __init__(self, view: _Optional[_Union[View, _Mapping]] = ..., leader: _Optional[str] = ..., step: _Optional[int] = ..., replica: _Optional[str] = ..., rollcall_epoch: _Optional[int] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., last_step: _Optional[int] = ..., durability: _Optional[_Union[Durability, _Mapping]] = ...) -> None: ...
+
+class Durability(_message.Message):
+    __slots__ = ("durable_step", "failures", "failed_step", "reason", "failing_since_unix", "writer")
+    DURABLE_STEP_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FAILING_SINCE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    WRITER_FIELD_NUMBER: _ClassVar[int]
+    durable_step: int
+    failures: int
+    failed_step: int
+    reason: str
+    failing_since_unix: float
+    writer: str
+    def __init__(self, durable_step: _Optional[int] = ..., failures: _Optional[int] = ..., failed_step: _Optional[int] = ..., reason: _Optional[str] = ..., failing_since_unix: _Optional[float] = ..., writer: _Optional[str] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("step", "digest", "uri", "size", "sha256", "epoch", "writer", "created_unix", "step_seconds")
@@ -297,6 +327,24 @@ class PublishCheckpointResponse(_message.Message):
     accepted: bool
     checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
     def __init__(self, accepted: _Optional[bool] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
+
+class ForgetCheckpointsRequest(_message.Message):
+    __slots__ = ("job", "steps", "all")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    all: bool
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., all: _Optional[bool] = ...) -> None: ...
+
+class ForgetCheckpointsResponse(_message.Message):
+    __slots__ = ("forgotten", "kept")
+    FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    forgotten: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    kept: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    def __init__(self, forgotten: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., kept: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("job", "after_epoch")

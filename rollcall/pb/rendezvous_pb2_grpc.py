@@ -65,6 +65,11 @@ class RendezvousStub:
                 request_serializer=rollcall_dot_v1_dot_rendezvous__pb2.PublishCheckpointRequest.SerializeToString,
                 response_deserializer=rollcall_dot_v1_dot_rendezvous__pb2.PublishCheckpointResponse.FromString,
                 _registered_method=True)
+        self.ForgetCheckpoints = channel.unary_unary(
+                '/rollcall.v1.Rendezvous/ForgetCheckpoints',
+                request_serializer=rollcall_dot_v1_dot_rendezvous__pb2.ForgetCheckpointsRequest.SerializeToString,
+                response_deserializer=rollcall_dot_v1_dot_rendezvous__pb2.ForgetCheckpointsResponse.FromString,
+                _registered_method=True)
 
 
 class RendezvousServicer:
@@ -110,7 +115,17 @@ class RendezvousServicer:
     def PublishCheckpoint(self, request, context):
         """A member of the current view wrote a complete durable checkpoint: record
         its manifest (newest first, the oldest beyond the configured number are
-        dropped). A manifest not newer than the newest recorded is ignored.
+        dropped). A manifest not newer than the newest recorded is ignored; one
+        whose step is more than one past the job's progress is refused
+        (INVALID_ARGUMENT), and recorded ones beyond it are dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForgetCheckpoints(self, request, context):
+        """An operator removes manifests from the job's checkpoint record (`rollcall
+        checkpoints forget`): the files are not touched. Only the leader answers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,6 +163,11 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.PublishCheckpoint,
                     request_deserializer=rollcall_dot_v1_dot_rendezvous__pb2.PublishCheckpointRequest.FromString,
                     response_serializer=rollcall_dot_v1_dot_rendezvous__pb2.PublishCheckpointResponse.SerializeToString,
+            ),
+            'ForgetCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetCheckpoints,
+                    request_deserializer=rollcall_dot_v1_dot_rendezvous__pb2.ForgetCheckpointsRequest.FromString,
+                    response_serializer=rollcall_dot_v1_dot_rendezvous__pb2.ForgetCheckpointsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +332,33 @@ class Rendezvous:
             '/rollcall.v1.Rendezvous/PublishCheckpoint',
             rollcall_dot_v1_dot_rendezvous__pb2.PublishCheckpointRequest.SerializeToString,
             rollcall_dot_v1_dot_rendezvous__pb2.PublishCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollcall.v1.Rendezvous/ForgetCheckpoints',
+            rollcall_dot_v1_dot_rendezvous__pb2.ForgetCheckpointsRequest.SerializeToString,
+            rollcall_dot_v1_dot_rendezvous__pb2.ForgetCheckpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,
