@@ -50,9 +50,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peers import git_commit  # noqa: E402
-from membership.config import Config  # noqa: E402
-from rendezvous.client import RendezvousClient  # noqa: E402
-from rendezvous.etcd_local import LocalEtcd, free_port  # noqa: E402
+from rollcall.etcd_local import LocalEtcd, free_port  # noqa: E402
+from rollcall.membership.config import Config  # noqa: E402
+from rollcall.protocol.client import RendezvousClient  # noqa: E402
 
 JOB = "churn"
 EVENT_TIMEOUT = 60.0

@@ -120,8 +120,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.peers import Child, Tracker, kill_tree, spread, versions  # noqa: E402
 from bench.recovery import log_lines  # noqa: E402
-from membership.config import Config  # noqa: E402
-from rendezvous.etcd_local import LocalEtcd, free_port  # noqa: E402
+from rollcall.etcd_local import LocalEtcd, free_port  # noqa: E402
+from rollcall.membership.config import Config  # noqa: E402
 
 WORKERS = 4
 GLOBAL_BATCH = 32

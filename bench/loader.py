@@ -5,7 +5,7 @@
 One rank alone (no etcd, no process group): the example LM (one torch
 thread) trains global batch 32, micro batch 8, from its corpus behind a
 ``__getitem__`` that sleeps ``--delay-ms`` per sample (a disk or network
-read), through :class:`worker.loader.MicrobatchLoader` exactly as
+read), through :class:`rollcall.worker.loader.MicrobatchLoader` exactly as
 ``Elastic`` drives it (``enter_view``, ``get`` per microbatch,
 ``step_committed``). For each worker count it reports the median step time
 and, of it, the time the training thread waited in ``get`` (step time minus
@@ -29,9 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from worker.examples.lm import CharCorpus, LMConfig, build, loss_sum  # noqa: E402
-from worker.loader import LoaderOptions, MicrobatchLoader  # noqa: E402
-from worker.plan import DataPlan  # noqa: E402
+from rollcall.worker.examples.lm import CharCorpus, LMConfig, build, loss_sum  # noqa: E402
+from rollcall.worker.loader import LoaderOptions, MicrobatchLoader  # noqa: E402
+from rollcall.worker.plan import DataPlan  # noqa: E402
 
 GLOBAL_BATCH, MICRO_BATCH = 32, 8
 

@@ -6,7 +6,7 @@ failure-free throughput, crash stall, goodput under churn, hot-add stall.
 
 The job is the built-in example (worker/examples/lm.py, default LMConfig,
 AdamW), global batch 32 in microbatches of 8 split over the live workers by
-worker.plan.DataPlan, one torch thread per worker, WORKERS (3) workers on
+rollcall.worker.plan.DataPlan, one torch thread per worker, WORKERS (3) workers on
 loopback. Systems:
 
 - rollcall: LocalEtcd, one `rollcall rendezvous` process, `rollcall worker
@@ -76,7 +76,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rendezvous.etcd_local import LocalEtcd, child_processes, free_port  # noqa: E402
+from rollcall.etcd_local import LocalEtcd, child_processes, free_port  # noqa: E402
 from rollcall.tether import tethered  # noqa: E402
 
 WORKERS = 3

@@ -70,7 +70,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rendezvous.etcd_local import LocalEtcd, free_port  # noqa: E402
+from rollcall.etcd_local import LocalEtcd, free_port  # noqa: E402
 from rollcall.tether import tethered  # noqa: E402
 
 JOB = "recovery"
@@ -351,7 +351,7 @@ def plain_rank(rank: int, world: int, port: int, duration: float, out: Any) -> N
     import torch
     from torch.distributed import ProcessGroupGloo, TCPStore
 
-    from worker.examples.lm import LMConfig, build, loss_sum
+    from rollcall.worker.examples.lm import LMConfig, build, loss_sum
 
     torch.set_num_threads(1)
     model, optimizer, corpus = build(LMConfig(), 0)
@@ -580,13 +580,13 @@ def serve_state(d_model: int, layers: int, out: Any, stop: Any) -> None:
     import grpc
     import torch
 
-    from membership.config import Config
-    from membership.view import Member, View
-    from rendezvous.wire import TokenInterceptor
+    from rollcall.membership.config import Config
+    from rollcall.membership.view import Member, View
     from rollcall.pb import state_pb2_grpc
-    from worker.examples.lm import LMConfig, build, loss_sum
-    from worker.state import capture, digest, to_bytes
-    from worker.transfer import Snapshot, StateServer
+    from rollcall.protocol.wire import TokenInterceptor
+    from rollcall.worker.examples.lm import LMConfig, build, loss_sum
+    from rollcall.worker.state import capture, digest, to_bytes
+    from rollcall.worker.transfer import Snapshot, StateServer
 
     torch.set_num_threads(1)
     model, optimizer, corpus = build(LMConfig(d_model=d_model, layers=layers), 0)
@@ -626,8 +626,8 @@ def transfer_alone(d_model: int, layers: int, repeats: int) -> dict[str, Any]:
     raw loopback TCP of the same bytes."""
     import asyncio
 
-    from worker.state import from_bytes
-    from worker.transfer import StateFetcher
+    from rollcall.worker.state import from_bytes
+    from rollcall.worker.transfer import StateFetcher
 
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()

@@ -51,6 +51,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.peers import git_commit  # noqa: E402
+from rollcall.worker.faults import ENV as FAULTS_ENV  # noqa: E402
 from tests.netns import (  # noqa: E402
     SLOW_ABOVE,
     SLOW_BELOW,
@@ -63,7 +64,6 @@ from tests.netns import (  # noqa: E402
     kill,
     thaw,
 )
-from worker.faults import ENV as FAULTS_ENV  # noqa: E402
 
 #: Longest wait for any expected outcome (survivors move on, an evicted
 #: worker exits, a replacement joins): generous for 2 loaded cores.

@@ -3,7 +3,7 @@
     .venv/bin/python bench/state_cost.py [--repeats 3] [--json FILE]
 
 One process, no etcd: a 10 MB model (three linear layers) with AdamW moments
-after one step, the operations of :mod:`worker.state` each timed best of
+after one step, the operations of :mod:`rollcall.worker.state` each timed best of
 ``--repeats``. These are the costs a state transfer and a durable checkpoint
 pay on top of the wire and the disk.
 """
@@ -24,7 +24,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from worker.state import capture, digest, from_bytes, restore, to_bytes  # noqa: E402
+from rollcall.worker.state import capture, digest, from_bytes, restore, to_bytes  # noqa: E402
 
 
 def best_of(repeats: int, action: Callable[[], Any]) -> tuple[float, Any]:

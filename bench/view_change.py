@@ -40,10 +40,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from membership.config import Config  # noqa: E402
-from membership.view import View  # noqa: E402
-from rendezvous.client import RendezvousClient  # noqa: E402
-from rendezvous.etcd_local import LocalEtcd, free_port  # noqa: E402
+from rollcall.etcd_local import LocalEtcd, free_port  # noqa: E402
+from rollcall.membership.config import Config  # noqa: E402
+from rollcall.membership.view import View  # noqa: E402
+from rollcall.protocol.client import RendezvousClient  # noqa: E402
 
 JOB = "bench"
 EVENT_TIMEOUT = 60.0

@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from membership.errors import InvalidRequest
+from rollcall.membership.errors import InvalidRequest
 
 #: A checkpoint file's name: ``ckpt+<job>+<step, 12 digits>+<writer>.rcs``.
 #: ``+`` is outside the charset of job names and member ids, so the three

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from membership.phi import earliest_suspicion
+from rollcall.membership.phi import earliest_suspicion
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class Config:
     refusal_retry: float = 2.0
     #: A new leader asks a member of the view that did not reconnect within
     #: ``takeover_grace`` whether its process is alive; no answer within
-    #: this time counts as dead (``rendezvous.probe``).
+    #: this time counts as dead (``rollcall.rendezvous.probe``).
     member_probe_timeout: float = 1.0
 
     #: Durable checkpoint manifests kept in etcd (newest first); a writer
@@ -121,7 +121,7 @@ class Config:
     #: Largest gRPC message accepted by the service.
     max_message_bytes: int = 64 * 1024
     #: Member ids and job names: length bound (charset is fixed, see
-    #: ``rendezvous.validation``).
+    #: ``rollcall.protocol.validation``).
     max_id_length: int = 64
     #: Longest ``host:port`` address accepted.
     max_address_length: int = 255
@@ -177,7 +177,7 @@ class Config:
 
     def earliest_suspicion(self) -> float:
         """Shortest silence after which the detector may suspect a member,
-        whatever its heartbeat history (``membership.detector``): about
+        whatever its heartbeat history (``rollcall.membership.detector``): about
         5.6 x ``phi_min_std``, at most ``max_silence``."""
         return earliest_suspicion(self.phi_threshold, self.phi_min_std, self.max_silence)
 

@@ -28,10 +28,10 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from membership.config import Config
-from membership.errors import InvalidRequest, NotAMember, StaleEpoch
-from membership.ratelimit import Admission, ReportLimiter
-from membership.view import Member, View
+from rollcall.membership.config import Config
+from rollcall.membership.errors import InvalidRequest, NotAMember, StaleEpoch
+from rollcall.membership.ratelimit import Admission, ReportLimiter
+from rollcall.membership.view import Member, View
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The job token only admits a client. A member id is a name anyone who read a
 view knows, so the ``Join`` answer hands each member a *member secret*
-(random, made at the edge: ``rendezvous.service``) that its later calls
+(random, made at the edge: ``rollcall.rendezvous.service``) that its later calls
 carry; the replicas keep only its SHA-256 (in the member's etcd record), so
 reading etcd or a replica's memory does not give it away.
 
@@ -11,7 +11,7 @@ Each committed view has an *epoch secret*, derived from the job's epoch key
 the same one without storing it and a member of an older view cannot guess
 the next. The leader sends it on the sessions of the view's members only
 (never in ``Status`` or ``Watch``); members present it to each other's state
-servers and use it to seal the view's bootstrap store (``worker.bootstrap``).
+servers and use it to seal the view's bootstrap store (``rollcall.worker.bootstrap``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import hashlib
 import hmac
 import re
 
-from membership.view import View
+from rollcall.membership.view import View
 
 #: Bytes of randomness in a member secret, an epoch key and an epoch secret.
 SECRET_BYTES = 32

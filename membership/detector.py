@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from membership.config import Config
-from membership.phi import phi
+from rollcall.membership.config import Config
+from rollcall.membership.phi import phi
 
 #: A time at most this far before the last heartbeat is taken as that
 #: heartbeat's time: callers that read the clock on different threads can see

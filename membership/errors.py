@@ -133,7 +133,7 @@ class Interrupted(SystemExit):
 
 class ConfigurationMismatch(RollcallError):
     """This worker's configuration differs from its job's (global batch,
-    seed, model, optimizer...; ``membership.fingerprint``): it may not train
+    seed, model, optimizer...; ``rollcall.membership.fingerprint``): it may not train
     with the others. Fix its settings, or start a new job under another name."""
 
 

@@ -5,7 +5,7 @@ Averaging the gradients of two different experiments is never an option
 everything that must be the same on every worker as a :class:`JobFingerprint`:
 a map of field names to short texts. The first fingerprinted ``Join`` of a
 job records it; a later joiner whose fingerprint differs is refused with a
-:class:`~membership.errors.ConfigurationMismatch` naming each differing field
+:class:`~rollcall.membership.errors.ConfigurationMismatch` naming each differing field
 and both values.
 
 Pure code: the worker computes the values (``worker/fingerprint.py``), the
@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from membership.errors import InvalidRequest
+from rollcall.membership.errors import InvalidRequest
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from membership.config import Config
-from membership.view import EMPTY_VIEW, View
+from rollcall.membership.config import Config
+from rollcall.membership.view import EMPTY_VIEW, View
 
 __all__ = ["Answer", "Drop", "Fence", "Member", "ReportFailure"]
 

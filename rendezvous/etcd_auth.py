@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 import grpc
 from pyetcd import etcdrpc
 
-from membership.errors import EtcdCredentialsRefused
+from rollcall.membership.errors import EtcdCredentialsRefused
 from rollcall.private import private_directory
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, cast
 
-from membership.checkpoint import CheckpointFailure, CheckpointManifest, ReplayCost
-from membership.view import View
+from rollcall.membership.checkpoint import CheckpointFailure, CheckpointManifest, ReplayCost
+from rollcall.membership.view import View
 from rollcall.private import open_private_append
 
 SCHEMA = "rollcall.events/1"

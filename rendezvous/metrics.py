@@ -9,24 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-#: Stall buckets, seconds: a view change takes milliseconds to seconds.
-STALL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 2, 5, 10, 30)
-PHASES = ("detect_s", "rollcall_s", "fetch_s", "rebuild_s", "first_step_s")
-
-
-def serve(registry: CollectorRegistry, port: int, host: str) -> Any:
-    """Serve ``registry`` at ``http://host:port/metrics``; returns the server."""
-    server, _ = start_http_server(port, addr=host, registry=registry)
-    return server
-
-
-def stop(server: Any) -> None:
-    """Stop a server from :func:`serve` (None: nothing to stop)."""
-    if server is not None:
-        server.shutdown()
-        server.server_close()
+from rollcall.protocol.serving import STALL_BUCKETS
 
 
 class ServiceMetrics:

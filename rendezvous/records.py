@@ -5,7 +5,7 @@ rollcall: a holder of etcd's credentials (or anyone, where etcd runs without
 authentication) can plant any bytes under ``/rollcall/``. Every record the
 store reads goes through one of these functions, which return the value
 only if it has the shape rollcall writes (types, ranges, the id and address
-rules of ``rendezvous.validation``) and raise :class:`MalformedRecord`
+rules of ``rollcall.protocol.validation``) and raise :class:`MalformedRecord`
 naming what is wrong otherwise. They are pure: the store decides what a
 malformed value means (ignored and logged, or a refusal to lead).
 
@@ -18,11 +18,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from membership.checkpoint import CheckpointManifest
-from membership.config import Config
-from membership.errors import InvalidRequest, MalformedRecord
-from membership.view import Member, View
-from rendezvous.validation import MAX_COUNTER, check_digest, check_id
+from rollcall.membership.checkpoint import CheckpointManifest
+from rollcall.membership.config import Config
+from rollcall.membership.errors import InvalidRequest, MalformedRecord
+from rollcall.membership.view import Member, View
+from rollcall.protocol.validation import MAX_COUNTER, check_digest, check_id
 
 #: Longest replica id accepted in a leader record (``<advertise>-<6 hex>``).
 _MAX_REPLICA_ID = 300
@@ -72,7 +72,7 @@ def _address(data: dict[str, Any], name: str, config: Config) -> str:
 
 
 def _checked(check: Any, *args: Any) -> Any:
-    """A ``rendezvous.validation`` check, its refusal as MalformedRecord."""
+    """A ``rollcall.protocol.validation`` check, its refusal as MalformedRecord."""
     try:
         return check(*args)
     except InvalidRequest as exc:

@@ -13,16 +13,17 @@ from typing import Any
 
 import grpc
 
-from membership.config import Config
-from rendezvous.etcd_auth import EtcdCredentials
-from rendezvous.events import EventFile
-from rendezvous.metrics import ServiceMetrics, serve
-from rendezvous.metrics import stop as stop_metrics
-from rendezvous.service import Replica
-from rendezvous.store import EtcdClientTLS, EtcdStore
-from rendezvous.validation import check_address, check_id
-from rendezvous.wire import TRANSPORT_LIMIT, TokenInterceptor
+from rollcall.membership.config import Config
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
+from rollcall.protocol.serving import serve
+from rollcall.protocol.serving import stop as stop_metrics
+from rollcall.protocol.validation import check_address, check_id
+from rollcall.protocol.wire import TRANSPORT_LIMIT, TokenInterceptor
+from rollcall.rendezvous.etcd_auth import EtcdCredentials
+from rollcall.rendezvous.events import EventFile
+from rollcall.rendezvous.metrics import ServiceMetrics
+from rollcall.rendezvous.service import Replica
+from rollcall.rendezvous.store import EtcdClientTLS, EtcdStore
 
 log = logging.getLogger("rollcall.rendezvous")
 

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from membership.checkpoint import (
+from rollcall.membership.checkpoint import (
     CheckpointFailure,
     CheckpointManifest,
     durability,
@@ -30,9 +30,9 @@ from membership.checkpoint import (
     progress_limit,
     stuck_since,
 )
-from membership.config import Config
-from membership.continuity import Continuity, EtcdPosition
-from membership.coordinator import (
+from rollcall.membership.config import Config
+from rollcall.membership.continuity import Continuity, EtcdPosition
+from rollcall.membership.coordinator import (
     CommitView,
     Coordinator,
     Refusal,
@@ -40,9 +40,9 @@ from membership.coordinator import (
     ReportOutcome,
     RequestAnswers,
 )
-from membership.credentials import SECRET_BYTES, epoch_secret, secret_hash, secret_matches
-from membership.detector import FailureDetector
-from membership.errors import (
+from rollcall.membership.credentials import SECRET_BYTES, epoch_secret, secret_hash, secret_matches
+from rollcall.membership.detector import FailureDetector
+from rollcall.membership.errors import (
     ConfigurationMismatch,
     ControlPlaneUnavailable,
     Evicted,
@@ -56,20 +56,18 @@ from membership.errors import (
     RollcallError,
     StaleEpoch,
 )
-from membership.fingerprint import (
+from rollcall.membership.fingerprint import (
     JobActivity,
     JobFingerprint,
     Verdict,
     admit,
     describe_mismatch,
 )
-from membership.view import EMPTY_VIEW, Member, View
-from rendezvous import validation as check
-from rendezvous.events import EventFile, EventLog, MemberReport
-from rendezvous.metrics import ServiceMetrics
-from rendezvous.probe import process_answers
-from rendezvous.store import EtcdStore, JobRecord, LeaderInfo, MemberRecord
-from rendezvous.wire import (
+from rollcall.membership.view import EMPTY_VIEW, Member, View
+from rollcall.pb import rendezvous_pb2 as pb
+from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
+from rollcall.protocol import validation as check
+from rollcall.protocol.wire import (
     LEADER_METADATA,
     durability_to_pb,
     error_metadata,
@@ -78,8 +76,10 @@ from rendezvous.wire import (
     status_of,
     view_to_pb,
 )
-from rollcall.pb import rendezvous_pb2 as pb
-from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
+from rollcall.rendezvous.events import EventFile, EventLog, MemberReport
+from rollcall.rendezvous.metrics import ServiceMetrics
+from rollcall.rendezvous.probe import process_answers
+from rollcall.rendezvous.store import EtcdStore, JobRecord, LeaderInfo, MemberRecord
 
 log = logging.getLogger("rollcall.rendezvous")
 T = TypeVar("T")
@@ -1296,7 +1296,7 @@ class Replica(pb_grpc.RendezvousServicer):
 
     async def _checkpoint_limit(self, lead: _Leadership, step: int) -> int | None:
         """The highest step the job's progress allows a checkpoint of
-        (``membership.checkpoint.progress_limit``), waiting at most
+        (``rollcall.membership.checkpoint.progress_limit``), waiting at most
         ``checkpoint_progress_wait`` for it to reach ``step``: the writer
         reports its progress just before publishing, on another stream."""
         progress = await self._etcd(self._store.read_progress)

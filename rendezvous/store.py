@@ -6,22 +6,22 @@ with ``etcdctl get --prefix /rollcall/jobs/``::
     view            the committed view (``View.to_json``)
     leader          {"address", "lease_id", "replica_id"}, tied to the leader's lease
     members/<id>    {"address", "id", "secret_sha256"}, each tied to its own
-                    lease (the hash of the member's secret, ``membership.credentials``)
+                    lease (the hash of the member's secret, ``rollcall.membership.credentials``)
     secrets/<id>    {"secret_sha256"}: the member's secret hash again, tied to no lease: a member
                     whose lease etcd let expire (an outage, a partition) is
                     still recognised by the leader it reconnects to; deleted
                     with the member
     progress        {"epoch", "step"}: last committed step reported for the view
     checkpoints     [manifest, ...]: durable checkpoints, newest first
-                    (``membership.checkpoint.CheckpointManifest``); absent
+                    (``rollcall.membership.checkpoint.CheckpointManifest``); absent
                     when there are none
     checkpoint_failure  {"step", "reason", "since_unix", "failures", "writer"}:
-                    checkpoints fail (``membership.checkpoint.CheckpointFailure``)
+                    checkpoints fail (``rollcall.membership.checkpoint.CheckpointFailure``)
     fingerprint     {field: value}: what every worker of the job must match
-                    (``membership.fingerprint.JobFingerprint``), recorded by
+                    (``rollcall.membership.fingerprint.JobFingerprint``), recorded by
                     the first fingerprinted join
     epoch_key       {"key"}: the random key every view's epoch secret is
-                    derived from (``membership.credentials.epoch_secret``)
+                    derived from (``rollcall.membership.credentials.epoch_secret``)
 
 The store is synchronous: the asyncio service calls it from worker threads.
 
@@ -41,13 +41,13 @@ losing it) refuses at once instead of letting the request time out, and the
 client moves on to another member.
 
 Authentication. Given credentials, every request carries an etcd token for
-them (``rendezvous.etcd_auth``): fetched on first use, fetched again when
+them (``rollcall.rendezvous.etcd_auth``): fetched on first use, fetched again when
 etcd no longer takes it (restarted, token expired, users changed). When
 etcd refuses who we are (wrong password, no credentials where it requires
 them, no permission on ``/rollcall/``) the call raises
 :class:`EtcdCredentialsRefused`, at once and without retrying.
 
-Validation. Every value read is checked (``rendezvous.records``) before it is
+Validation. Every value read is checked (``rollcall.rendezvous.records``) before it is
 used: a malformed view raises :class:`MalformedRecord`; a malformed leader,
 member, progress or checkpoint record is logged (once per value) and ignored.
 """
@@ -70,25 +70,25 @@ from pyetcd import etcdrpc
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 from pyetcd.exceptions import NoServerAvailableError
 
-from membership.checkpoint import (
+from rollcall.membership.checkpoint import (
     CheckpointFailure,
     CheckpointManifest,
     beyond_progress,
     record,
 )
-from membership.config import Config
-from membership.continuity import EtcdPosition
-from membership.credentials import SECRET_BYTES, is_secret_text
-from membership.errors import (
+from rollcall.membership.config import Config
+from rollcall.membership.continuity import EtcdPosition
+from rollcall.membership.credentials import SECRET_BYTES, is_secret_text
+from rollcall.membership.errors import (
     ControlPlaneUnavailable,
     EtcdCredentialsRefused,
     InvalidRequest,
     MalformedRecord,
     NoSuchCheckpoint,
 )
-from membership.fingerprint import JobFingerprint, check_fingerprint
-from membership.view import EMPTY_VIEW, Member, View
-from rendezvous import etcd_auth, records
+from rollcall.membership.fingerprint import JobFingerprint, check_fingerprint
+from rollcall.membership.view import EMPTY_VIEW, Member, View
+from rollcall.rendezvous import etcd_auth, records
 
 _log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class MemberRecord:
     lease_id: int
     #: etcd revision at which the record was created: orders joiners by arrival.
     create_revision: int
-    #: Hash of the member's secret (``membership.credentials.secret_hash``);
+    #: Hash of the member's secret (``rollcall.membership.credentials.secret_hash``);
     #: "" when the record holds none or a malformed one: nothing then proves
     #: a request to be the member's.
     secret_hash: str = ""
@@ -705,7 +705,7 @@ class EtcdStore:
                 self._ignore(kv, exc)
                 continue
             # The hash of the member's secret: a record without a valid one
-            # opens no session (``membership.credentials``).
+            # opens no session (``rollcall.membership.credentials``).
             secret = json.loads(kv.value).get("secret_sha256")
             secret = secret if isinstance(secret, str) and is_secret_text(secret) else ""
             found.append(MemberRecord(member, int(kv.lease), int(kv.create_revision), secret))
@@ -1138,7 +1138,7 @@ class EtcdStore:
 
     # --- epoch key -------------------------------------------------------------
     def epoch_key(self) -> str:
-        """The job's epoch key (``membership.credentials``: 64 hex digits),
+        """The job's epoch key (``rollcall.membership.credentials``: 64 hex digits),
         created at random if the job has none yet (create-if-absent), so that
         every replica that leads derives the same epoch secrets. A malformed
         value is logged and replaced (compare-and-swap on its revision):

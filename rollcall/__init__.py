@@ -15,21 +15,21 @@ from typing import Any
 
 #: Public name -> module that defines it.
 _EXPORTS = {
-    "Elastic": "worker.runtime",
-    "Step": "worker.runtime",
-    "Batch": "worker.runtime",
-    "default_collate": "worker.runtime",
-    "Config": "membership.config",
-    "RollcallError": "membership.errors",
-    "UsageError": "membership.errors",
-    "ViewChanged": "membership.errors",
-    "Interrupted": "membership.errors",
-    "Evicted": "membership.errors",
-    "CannotResume": "membership.errors",
-    "ProgressLost": "membership.errors",
-    "ConfigurationMismatch": "membership.errors",
-    "UnsafeFenceWindow": "membership.errors",
-    "CheckpointUnusable": "worker.checkpoint",
+    "Elastic": "rollcall.worker.runtime",
+    "Step": "rollcall.worker.runtime",
+    "Batch": "rollcall.worker.runtime",
+    "default_collate": "rollcall.worker.runtime",
+    "Config": "rollcall.membership.config",
+    "RollcallError": "rollcall.membership.errors",
+    "UsageError": "rollcall.membership.errors",
+    "ViewChanged": "rollcall.membership.errors",
+    "Interrupted": "rollcall.membership.errors",
+    "Evicted": "rollcall.membership.errors",
+    "CannotResume": "rollcall.membership.errors",
+    "ProgressLost": "rollcall.membership.errors",
+    "ConfigurationMismatch": "rollcall.membership.errors",
+    "UnsafeFenceWindow": "rollcall.membership.errors",
+    "CheckpointUnusable": "rollcall.worker.checkpoint",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -13,7 +13,7 @@ checkpoint record without etcdctl.
   checkpoints of the forgotten steps (never another file a manifest names).
 
 This is how a job stuck at "no usable checkpoint" (``rollcall worker`` exit
-4) gets going again: see ``worker.checkpoint.RECOVERY``.
+4) gets going again: see ``rollcall.worker.checkpoint.RECOVERY``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 
 import click
 
-from membership.checkpoint import CheckpointManifest, Durability, parse_file_name
-from membership.config import Config
+from rollcall.membership.checkpoint import CheckpointManifest, Durability, parse_file_name
+from rollcall.membership.config import Config
 
 T = TypeVar("T")
 #: Where a command goes: (replica addresses, job, token file), from the
@@ -85,8 +85,8 @@ def _run(
     timeout: float, call: Callable[[Any], Awaitable[T]],
 ) -> tuple[str, T]:  # fmt: skip
     """Run ``call(client)`` against the job (given, or the local `up`)."""
-    from rendezvous.client import RendezvousClient
-    from rendezvous.wire import read_token
+    from rollcall.protocol.client import RendezvousClient
+    from rollcall.protocol.wire import read_token
 
     replicas, name, token_file = resolve(addresses, job, token_file)
     token = read_token(token_file)
@@ -168,7 +168,7 @@ def build(resolve: Resolve, target_options: Decorator, token_option: Decorator) 
         """Read every recorded checkpoint and check it as a resuming worker
         would: size, SHA-256, that it loads, state digest, step. Exit 1 if
         any fails."""
-        from worker.checkpoint import state_problem
+        from rollcall.worker.checkpoint import state_problem
 
         name, status = _run(resolve, addresses, job, token_file, timeout, lambda c: c.status())
         if not status.checkpoints:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
-from membership.config import Config
-from membership.errors import RollcallError
+from rollcall.membership.config import Config
+from rollcall.membership.errors import RollcallError
 
 if TYPE_CHECKING:
     from rollcall.local import WorkerOptions
@@ -115,12 +115,12 @@ def token_option(fn: F) -> F:
 
 
 def check_job(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """``--job`` by the service's own rules (``rendezvous.validation``), so a
+    """``--job`` by the service's own rules (``rollcall.protocol.validation``), so a
     bad name is refused here at once rather than by the service later."""
     if value is None:
         return None
-    from membership.errors import InvalidRequest
-    from rendezvous.validation import check_id
+    from rollcall.membership.errors import InvalidRequest
+    from rollcall.protocol.validation import check_id
 
     try:
         return check_id(value, "job name", Config())
@@ -182,7 +182,7 @@ def etcd(data_dir: Path | None, client_port: int, peer_port: int, no_auth: bool)
     and writes /rollcall/ only, their passwords generated at the first
     start into the auth directory of the data directory (mode 0700, files
     0600) and kept there. It prints how to connect."""
-    from rendezvous.etcd_local import LocalEtcd
+    from rollcall.etcd_local import LocalEtcd
 
     if data_dir is not None:
         private_workdir(data_dir, "--data-dir")
@@ -208,14 +208,14 @@ def etcd_auth_dir(data_dir: Path) -> Path:
 
 def secure_etcd(endpoints: list[str], directory: Path) -> Any:
     """Authentication on in the etcd at ``endpoints``; the rollcall user's
-    credentials (``rendezvous.etcd_auth.enable_auth``)."""
-    from rendezvous.etcd_auth import enable_auth
+    credentials (``rollcall.rendezvous.etcd_auth.enable_auth``)."""
+    from rollcall.rendezvous.etcd_auth import enable_auth
 
     return enable_auth(endpoints, directory)
 
 
 def connect_lines(endpoint: str, directory: Path, credentials: Any) -> str:
-    from rendezvous.etcd_auth import ROOT_USER, password_file
+    from rollcall.rendezvous.etcd_auth import ROOT_USER, password_file
 
     password = password_file(directory)
     return (
@@ -348,9 +348,9 @@ def rendezvous(
     overrides: tuple[str, ...],
 ) -> None:
     """Run a rendezvous replica for one job (several may share one etcd)."""
-    from rendezvous.server import ReplicaOptions, ServerTLS, serve_until_signalled
-    from rendezvous.store import EtcdClientTLS
-    from rendezvous.wire import read_token
+    from rollcall.protocol.wire import read_token
+    from rollcall.rendezvous.server import ReplicaOptions, ServerTLS, serve_until_signalled
+    from rollcall.rendezvous.store import EtcdClientTLS
 
     config = parse_overrides(overrides)
     if bool(tls_cert) != bool(tls_key):
@@ -361,7 +361,7 @@ def rendezvous(
         raise click.UsageError("--etcd-cert/--etcd-key need --etcd-ca")
     if bool(etcd_user) != bool(etcd_password_file):
         raise click.UsageError("--etcd-user and --etcd-password-file go together")
-    from rendezvous.etcd_auth import EtcdCredentials
+    from rollcall.rendezvous.etcd_auth import EtcdCredentials
 
     credentials = (
         EtcdCredentials.from_file(etcd_user, etcd_password_file)
@@ -451,10 +451,10 @@ def status(
     timeout: float,
 ) -> None:
     """Show a job's current view, leader and last committed step."""
-    from rendezvous.client import ClientTLS, RendezvousClient
-    from rendezvous.wire import read_token
     from rollcall.checkpoints import durability_json, durability_line
     from rollcall.local import find_local
+    from rollcall.protocol.client import ClientTLS, RendezvousClient
+    from rollcall.protocol.wire import read_token
 
     local = None if addresses or job else find_local()
     if local is None:
@@ -579,9 +579,9 @@ def up(
     SIGKILL after 15 s). --set applies to the rendezvous service and to the
     example workers; a COMMAND's runtime uses its own settings.
     """
-    from rendezvous.etcd_local import LocalEtcd, free_port
-    from rendezvous.wire import write_token_file
+    from rollcall.etcd_local import LocalEtcd, free_port
     from rollcall.local import WorkerOptions
+    from rollcall.protocol.wire import write_token_file
 
     config = parse_overrides(overrides)
     if command:
@@ -698,10 +698,10 @@ async def _run_up(
     config: Config, workers: int, options: WorkerOptions, metrics_port: int | None, live: bool,
     etcd_auth: Any,
 ) -> None:  # fmt: skip
-    from rendezvous.client import RendezvousClient
-    from rendezvous.etcd_auth import password_file
-    from rendezvous.server import ReplicaOptions, start_replica
     from rollcall.local import LocalCluster, summarize
+    from rollcall.protocol.client import RendezvousClient
+    from rollcall.rendezvous.etcd_auth import password_file
+    from rollcall.rendezvous.server import ReplicaOptions, start_replica
 
     token = token_file.read_text().strip()
     running = await start_replica(
@@ -992,23 +992,23 @@ def worker(
     fence_window (--set) is not below the rendezvous service's earliest
     suspicion of a silent member, which the service sends at join.
     """
-    from rendezvous.wire import read_token
+    from rollcall.protocol.wire import read_token
 
     config = parse_overrides(overrides)
     token = read_token(token_file)
     setup_logging(log_level)
     import torch
 
-    from membership.errors import (
+    from rollcall.membership.errors import (
         CannotResume,
         ConfigurationMismatch,
         Evicted,
         JobRecordLost,
         UnsafeFenceWindow,
     )
-    from worker.examples.lm import LMConfig, build, loss_sum
-    from worker.runtime import Elastic
-    from worker.state import capture, digest
+    from rollcall.worker.examples.lm import LMConfig, build, loss_sum
+    from rollcall.worker.runtime import Elastic
+    from rollcall.worker.state import capture, digest
 
     torch.set_num_threads(threads)
     lm_config = LMConfig(context=context, d_model=d_model, layers=layers)

@@ -45,18 +45,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from membership.config import Config
-from membership.errors import InvalidRequest, RollcallError
-from rendezvous.etcd_local import pid_alive
-from rendezvous.validation import check_address, check_id
-from rendezvous.wire import TOKEN_FILE_ENV
+from rollcall.etcd_local import pid_alive
+from rollcall.membership.config import Config
+from rollcall.membership.errors import InvalidRequest, RollcallError
 from rollcall.private import (
     check_private,
     create_private,
     open_private_append,
     private_directory,
 )
-from worker.environment import (
+from rollcall.protocol.validation import check_address, check_id
+from rollcall.protocol.wire import TOKEN_FILE_ENV
+from rollcall.worker.environment import (
     ENV_CHECKPOINT_DIR,
     ENV_JOB,
     ENV_NAME,
@@ -637,9 +637,9 @@ class DeploymentOperator:
         self.log_dir = log_dir or Path(tempfile.gettempdir()) / f"rollcall-workers-{os.getuid()}"
 
     async def training(self) -> list[dict[str, Any]]:
-        from membership.config import Config
-        from rendezvous.client import RendezvousClient
-        from rendezvous.wire import read_token
+        from rollcall.membership.config import Config
+        from rollcall.protocol.client import RendezvousClient
+        from rollcall.protocol.wire import read_token
 
         client = RendezvousClient(self.addresses, self.job, read_token(self.token_file), Config())
         try:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from membership.config import Config
-from rendezvous.etcd_local import LocalEtcd, LocalEtcdCluster, running_etcd_children
+from rollcall.etcd_local import LocalEtcd, LocalEtcdCluster, running_etcd_children
+from rollcall.membership.config import Config
 from tests.harness import ControlPlane
 
 #: Fixtures that start processes: a test using one is an integration test.

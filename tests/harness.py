@@ -211,7 +211,7 @@ class ControlPlane:
         settings: Sequence[str] = TEST_SETTINGS,
         events: bool = False,
     ) -> None:
-        from rendezvous.etcd_local import free_port
+        from rollcall.etcd_local import free_port
 
         self.etcd = list(etcd)
         self.workdir = workdir
@@ -263,7 +263,7 @@ class ControlPlane:
 
     def client(self) -> Any:
         """An async RendezvousClient for this job (create it inside the event loop)."""
-        from rendezvous.client import RendezvousClient
+        from rollcall.protocol.client import RendezvousClient
 
         return RendezvousClient(self.addresses, self.job, self.token)
 

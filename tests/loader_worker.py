@@ -15,7 +15,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from worker.runtime import Elastic
+from rollcall.worker.runtime import Elastic
 
 #: Samples in the dataset; global and micro batch of the job.
 SAMPLES, GLOBAL_BATCH, MICRO_BATCH = 512, 16, 4

@@ -19,10 +19,10 @@ import os
 import signal
 import sys
 
-from membership.config import Config
-from membership.errors import RollcallError
-from membership.view import View
-from rendezvous.client import RendezvousClient
+from rollcall.membership.config import Config
+from rollcall.membership.errors import RollcallError
+from rollcall.membership.view import View
+from rollcall.protocol.client import RendezvousClient
 
 
 def emit(**record: object) -> None:

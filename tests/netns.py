@@ -42,7 +42,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from rendezvous.etcd_local import await_stopped, etcd_flags, pid_alive
+from rollcall.etcd_local import await_stopped, etcd_flags, pid_alive
 from tests.harness import TEST_SETTINGS, Process
 
 #: Every namespace this harness makes starts with this.
@@ -822,8 +822,8 @@ def example_plan() -> Any:
     """The data plan of the example job as ``rollcall worker`` runs it by
     default (global batch 32, micro batch 8, seed 0): what the ledgers are
     checked against."""
-    from worker.examples.lm import CharCorpus, LMConfig
-    from worker.plan import DataPlan
+    from rollcall.worker.examples.lm import CharCorpus, LMConfig
+    from rollcall.worker.plan import DataPlan
 
     return DataPlan(num_samples=len(CharCorpus(LMConfig())), global_batch=32, micro_batch=8,
                     seed=0)  # fmt: skip
@@ -882,9 +882,9 @@ def check_invariants(cluster: Cluster, plan: Any) -> list[str]:
       bound counts from its end;
     - the merged ledgers agree where they overlap, cover a contiguous range
       of steps from 0, and hold exactly the samples of an uninterrupted run
-      (``plan``: a ``worker.plan.DataPlan``).
+      (``plan``: a ``rollcall.worker.plan.DataPlan``).
     """
-    from worker.ledger import Ledger, merge_ledgers
+    from rollcall.worker.ledger import Ledger, merge_ledgers
 
     violations: list[str] = []
     worlds: dict[int, set[int]] = {}

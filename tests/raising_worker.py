@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
-from worker.examples.lm import LMConfig, build, loss_sum
-from worker.runtime import Elastic
+from rollcall.worker.examples.lm import LMConfig, build, loss_sum
+from rollcall.worker.runtime import Elastic
 
 
 def main() -> None:

@@ -23,19 +23,19 @@ import grpc
 import pytest
 from google.protobuf.message import DecodeError, Message
 
-from membership.config import Config
-from membership.errors import ConfigurationMismatch
-from membership.view import Member, View
-from rendezvous.client import error_from_rpc
-from rendezvous.etcd_local import LocalEtcd
-from rendezvous.store import EtcdStore
-from rendezvous.wire import TokenInterceptor, token_metadata
+from rollcall.etcd_local import LocalEtcd
+from rollcall.membership.config import Config
+from rollcall.membership.errors import ConfigurationMismatch
+from rollcall.membership.view import Member, View
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 from rollcall.pb import state_pb2 as state_pb
 from rollcall.pb import state_pb2_grpc as state_pb_grpc
+from rollcall.protocol.client import error_from_rpc
+from rollcall.protocol.wire import TokenInterceptor, token_metadata
+from rollcall.rendezvous.store import EtcdStore
+from rollcall.worker.transfer import Snapshot, StateServer
 from tests.harness import TEST_SETTINGS, ControlPlane, MemberProcess
-from worker.transfer import Snapshot, StateServer
 
 pytestmark = pytest.mark.integration  # starts processes
 

@@ -1,4 +1,4 @@
-"""The sealed bootstrap store (worker.bootstrap) on a real TCPStore and a
+"""The sealed bootstrap store (rollcall.worker.bootstrap) on a real TCPStore and a
 real gloo group, in this process: whoever reaches the store's port without
 the view's epoch secret can neither read the ranks' keys nor plant a value
 the ranks accept (finding 10: the TCPStore accepted an unauthenticated
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.distributed import AllreduceOptions, ProcessGroupGloo, TCPStore
 
-from membership.errors import StoreTampered
-from worker.bootstrap import epoch_store
+from rollcall.membership.errors import StoreTampered
+from rollcall.worker.bootstrap import epoch_store
 
 SECRET = "ab" * 32
 OTHER = "cd" * 32

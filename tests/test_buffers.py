@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from worker.buffers import BufferSync
+from rollcall.worker.buffers import BufferSync
 
 
 def _net() -> nn.Module:

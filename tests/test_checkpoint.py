@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from membership.checkpoint import (
+from rollcall.membership.checkpoint import (
     CheckpointFailure,
     CheckpointManifest,
     ReplayCost,
@@ -30,11 +30,16 @@ from membership.checkpoint import (
     record,
     superseded,
 )
-from membership.config import Config
-from membership.errors import InvalidRequest, NoSuchCheckpoint
-from rendezvous.store import EtcdStore
-from worker.checkpoint import CheckpointUnusable, CheckpointWriter, load_newest, process_age
-from worker.state import capture, digest, to_bytes
+from rollcall.membership.config import Config
+from rollcall.membership.errors import InvalidRequest, NoSuchCheckpoint
+from rollcall.rendezvous.store import EtcdStore
+from rollcall.worker.checkpoint import (
+    CheckpointUnusable,
+    CheckpointWriter,
+    load_newest,
+    process_age,
+)
+from rollcall.worker.state import capture, digest, to_bytes
 
 JOB = "ckjob"
 
@@ -550,9 +555,9 @@ def test_the_failure_record_is_kept_in_etcd_and_a_malformed_one_ignored(etcd):
 def test_the_live_view_and_status_warn_while_durability_is_stuck():
     from types import SimpleNamespace
 
-    from membership.checkpoint import CheckpointFailure, Durability
     from rollcall.checkpoints import durability_line
     from rollcall.live import headline
+    from rollcall.membership.checkpoint import CheckpointFailure, Durability
 
     failure = CheckpointFailure(349, "No space left on device (ENOSPC): /d/x", 1.0e9, 4, "w-1")
     cluster = SimpleNamespace(workers=[], options=SimpleNamespace(steps=None))

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from rollcall.worker.ledger import Ledger, merge_ledgers
+from rollcall.worker.plan import DataPlan
 from tests.harness import ControlPlane, WorkerProcess, wait_for
 from tests.test_worker_e2e import PATIENCE, _corpus_samples, assert_digests_agree, wait_step
-from worker.ledger import Ledger, merge_ledgers
-from worker.plan import DataPlan
 
 EVERY = 5
 

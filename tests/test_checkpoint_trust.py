@@ -67,7 +67,7 @@ def self_consistent_forgery(real: dict[str, Any], path: Path) -> dict[str, Any]:
     relabelled."""
     from dataclasses import replace
 
-    from worker.state import digest, from_bytes, to_bytes
+    from rollcall.worker.state import digest, from_bytes, to_bytes
 
     state = replace(from_bytes(Path(real["uri"]).read_bytes()), step=FORGED_STEP)
     blob = to_bytes(state)
@@ -176,7 +176,7 @@ class MeteredReplica(ReplicaProcess):
     """``rollcall rendezvous`` with an events file and a metrics port."""
 
     def __init__(self, plane: ControlPlane, events: Path, metrics_port: int) -> None:
-        from rendezvous.etcd_local import free_port
+        from rollcall.etcd_local import free_port
 
         port = free_port()
         argv = [
@@ -251,7 +251,7 @@ def small_filesystem(where: Path, size: str) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def observed_worker(etcd: Any, tmp_path: Path, size: str) -> Iterator[Observed]:
-    from rendezvous.etcd_local import free_port
+    from rollcall.etcd_local import free_port
 
     plane = ControlPlane([etcd.endpoint], tmp_path, replicas=0)
     worker = None

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from membership.config import Config
-from membership.errors import EtcdCredentialsRefused
-from rendezvous.etcd_auth import EtcdCredentials
-from rendezvous.etcd_local import LocalEtcd, child_processes, free_port
-from rendezvous.etcd_local import pid_alive as alive
-from rendezvous.store import EtcdStore
+from rollcall.etcd_local import LocalEtcd, child_processes, free_port
+from rollcall.etcd_local import pid_alive as alive
+from rollcall.membership.config import Config
+from rollcall.membership.errors import EtcdCredentialsRefused
+from rollcall.rendezvous.etcd_auth import EtcdCredentials
+from rollcall.rendezvous.store import EtcdStore
 from tests.harness import ROOT, ControlPlane, Process
 
 pytestmark = pytest.mark.integration  # starts processes

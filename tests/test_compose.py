@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from membership.config import Config
+from rollcall.membership.config import Config
 from tests.compose_harness import LOG_DIR, NETWORK, ComposeCluster, Container, Status
 from tests.harness import wait_for
 

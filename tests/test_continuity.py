@@ -1,9 +1,9 @@
-"""membership.continuity: telling an etcd that lost the job's data from one
+"""rollcall.membership.continuity: telling an etcd that lost the job's data from one
 that merely moved on."""
 
 from __future__ import annotations
 
-from membership.continuity import Continuity, EtcdPosition
+from rollcall.membership.continuity import Continuity, EtcdPosition
 
 
 def seen(cluster: int = 0xA, revision: int = 100, epoch: int = 5) -> Continuity:

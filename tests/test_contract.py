@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from membership.errors import UsageError
-from worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
+from rollcall.membership.errors import UsageError
+from rollcall.worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -24,8 +24,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from membership.config import Config
-from membership.coordinator import (
+from rollcall.membership.config import Config
+from rollcall.membership.coordinator import (
     Action,
     Answer,
     CommitView,
@@ -36,8 +36,8 @@ from membership.coordinator import (
     RequestAnswers,
     plan_resume,
 )
-from membership.errors import InvalidRequest, NotAMember, StaleEpoch
-from membership.view import EMPTY_VIEW, Member, View
+from rollcall.membership.errors import InvalidRequest, NotAMember, StaleEpoch
+from rollcall.membership.view import EMPTY_VIEW, Member, View
 
 CONFIG = Config()
 SETTLE = CONFIG.join_settle

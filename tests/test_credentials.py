@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import secrets
 
-from membership.credentials import (
+from rollcall.membership.credentials import (
     epoch_secret,
     is_secret_text,
     secret_hash,
     secret_matches,
     secrets_equal,
 )
-from membership.view import Member, View
+from rollcall.membership.view import Member, View
 
 KEY = "ab" * 32
 VIEW = View(4, (Member("a", "127.0.0.1:1"), Member("b", "127.0.0.1:2")), 9, "sha256:x")

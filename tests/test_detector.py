@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from membership.config import Config
-from membership.detector import CLOCK_NOISE, FailureDetector, PhiAccrualDetector
+from rollcall.membership.config import Config
+from rollcall.membership.detector import CLOCK_NOISE, FailureDetector, PhiAccrualDetector
 
 DEFAULT = Config()
 #: The default detector with a fence short enough for every threshold these

@@ -16,18 +16,18 @@ import grpc
 import pytest
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
-from membership.config import Config
-from membership.errors import EtcdCredentialsRefused
-from membership.view import Member, View
-from rendezvous.etcd_auth import (
+from rollcall.etcd_local import LocalEtcd, free_port
+from rollcall.membership.config import Config
+from rollcall.membership.errors import EtcdCredentialsRefused
+from rollcall.membership.view import Member, View
+from rollcall.rendezvous.etcd_auth import (
     ROLLCALL_USER,
     ROOT_USER,
     EtcdCredentials,
     enable_auth,
     password_file,
 )
-from rendezvous.etcd_local import LocalEtcd, free_port
-from rendezvous.store import EtcdStore
+from rollcall.rendezvous.store import EtcdStore
 from tests.harness import ROOT, MemberProcess, Process, wait_for
 
 pytestmark = pytest.mark.integration

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from membership.config import Config
-from rendezvous.etcd_local import LocalEtcd
-from rendezvous.store import EtcdStore
+from rollcall.etcd_local import LocalEtcd
+from rollcall.membership.config import Config
+from rollcall.rendezvous.store import EtcdStore
 from tests.harness import ControlPlane, ReplicaProcess, WorkerProcess, wait_for
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ from pyetcd import etcdrpc
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 from pyetcd.exceptions import Etcd3Exception
 
-from rendezvous.etcd_local import (
+from rollcall.etcd_local import (
     AUTO_COMPACTION_RETENTION,
     EtcdServerTLS,
     LocalEtcd,
@@ -29,7 +29,7 @@ from rendezvous.etcd_local import (
     free_port,
     running_etcd_children,
 )
-from rendezvous.etcd_local import pid_alive as alive
+from rollcall.etcd_local import pid_alive as alive
 from tests.conftest import TLSFiles
 
 pytestmark = pytest.mark.integration  # starts processes
@@ -222,7 +222,7 @@ def test_server_dies_when_its_parent_is_killed() -> None:
     parent = run_python(
         """
         import time
-        from rendezvous.etcd_local import LocalEtcd
+        from rollcall.etcd_local import LocalEtcd
         server = LocalEtcd().start()
         print(server.pid, server.data_dir, flush=True)
         time.sleep(60)
@@ -245,7 +245,7 @@ def test_server_dies_when_its_parent_is_killed() -> None:
 def test_servers_left_running_are_killed_at_exit() -> None:
     parent = run_python(
         """
-        from rendezvous.etcd_local import LocalEtcd, LocalEtcdCluster
+        from rollcall.etcd_local import LocalEtcd, LocalEtcdCluster
         single = LocalEtcd().start()
         cluster = LocalEtcdCluster(3).start()
         pids = [single.pid] + [m.pid for m in cluster.members]

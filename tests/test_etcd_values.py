@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
-from rendezvous.etcd_local import LocalEtcd
+from rollcall.etcd_local import LocalEtcd
 from tests.harness import ControlPlane, MemberProcess, wait_for
 
 pytestmark = pytest.mark.integration

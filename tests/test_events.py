@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from membership.view import Member, View
-from rendezvous.events import EVENT_TIMEOUT, SCHEMA, EventLog, MemberReport
+from rollcall.membership.view import Member, View
+from rollcall.rendezvous.events import EVENT_TIMEOUT, SCHEMA, EventLog, MemberReport
 
 WALL = 1_700_000_000.0
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from worker.examples.lm import (
+from rollcall.worker.examples.lm import (
     VOCAB_SIZE,
     CharCorpus,
     CharTransformer,

@@ -24,13 +24,13 @@ from typing import Any
 import grpc
 import pytest
 
-from membership.config import Config
-from membership.errors import ControlPlaneUnavailable
-from rendezvous.client import RendezvousClient
-from rendezvous.etcd_local import LocalEtcd, LocalEtcdCluster
-from rendezvous.wire import token_metadata
+from rollcall.etcd_local import LocalEtcd, LocalEtcdCluster
+from rollcall.membership.config import Config
+from rollcall.membership.errors import ControlPlaneUnavailable
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
+from rollcall.protocol.client import RendezvousClient
+from rollcall.protocol.wire import token_metadata
 from tests.harness import ROOT, ControlPlane, MemberProcess, ReplicaProcess
 
 pytestmark = pytest.mark.integration

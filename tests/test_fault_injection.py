@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.faults import ENV, Faults
+from rollcall.worker.faults import ENV, Faults
 
 pytestmark = pytest.mark.integration  # starts processes
 

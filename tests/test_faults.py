@@ -26,7 +26,8 @@ from typing import Any
 import psutil
 import pytest
 
-from membership.config import Config
+from rollcall.membership.config import Config
+from rollcall.worker.faults import ENV as FAULTS_ENV
 from tests.netns import (
     SLOW_ABOVE,
     SLOW_BELOW,
@@ -40,7 +41,6 @@ from tests.netns import (
     namespaces,
     thaw,
 )
-from worker.faults import ENV as FAULTS_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from membership.errors import InvalidRequest
-from membership.fingerprint import (
+from rollcall.membership.errors import InvalidRequest
+from rollcall.membership.fingerprint import (
     FIELDS,
     MAX_FIELDS,
     MAX_VALUE_LENGTH,

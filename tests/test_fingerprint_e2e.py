@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
-from membership.config import Config
-from membership.errors import ConfigurationMismatch
-from membership.fingerprint import JobFingerprint
-from rendezvous.client import RendezvousClient
-from rendezvous.etcd_local import LocalEtcd
+from rollcall.etcd_local import LocalEtcd
+from rollcall.membership.config import Config
+from rollcall.membership.errors import ConfigurationMismatch
+from rollcall.membership.fingerprint import JobFingerprint
+from rollcall.protocol.client import RendezvousClient
+from rollcall.worker.examples.lm import LMConfig, build
+from rollcall.worker.fingerprint import job_fingerprint
+from rollcall.worker.plan import DataPlan
 from tests.harness import ControlPlane, WorkerProcess, wait_for
-from worker.examples.lm import LMConfig, build
-from worker.fingerprint import job_fingerprint
-from worker.plan import DataPlan
 
 pytestmark = pytest.mark.integration  # starts processes
 

@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, assume, event, given, settings
 from hypothesis import strategies as st
 
-from membership.config import Config
+from rollcall.membership.config import Config
 from rollcall.pb import rendezvous_pb2 as pb
 from tests.test_bad_input import (
     ADDRESS,

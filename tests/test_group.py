@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from worker.group import (
+from rollcall.worker.group import (
     LOOPBACK,
     EpochGroup,
     PeerFailed,
@@ -495,7 +495,7 @@ def test_patience_running_out_fails_the_collective_long_before_gloos_timeout(
 
 
 def test_a_descriptor_reused_by_another_socket_is_never_shut_down() -> None:
-    from worker.group import _Connection, _endpoint
+    from rollcall.worker.group import _Connection, _endpoint
 
     def connected_pair() -> tuple[socket.socket, socket.socket, socket.socket]:
         server = socket.create_server((LOOPBACK, 0))
@@ -519,7 +519,7 @@ def test_a_descriptor_reused_by_another_socket_is_never_shut_down() -> None:
 
 
 def test_the_groups_own_connection_is_shut_down_and_its_reader_wakes() -> None:
-    from worker.group import _Connection, _endpoint
+    from rollcall.worker.group import _Connection, _endpoint
 
     server = socket.create_server((LOOPBACK, 0))
     client = socket.create_connection(server.getsockname())

@@ -36,8 +36,8 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from rendezvous.etcd_local import pid_alive as alive
-from worker.loader import (
+from rollcall.etcd_local import pid_alive as alive
+from rollcall.worker.loader import (
     Batch,
     Key,
     LoaderClosed,
@@ -55,7 +55,7 @@ from worker.loader import (
     next_key,
     upcoming,
 )
-from worker.plan import DataPlan, load_seed
+from rollcall.worker.plan import DataPlan, load_seed
 
 #: Generous bound for "the workers got there" waits on a loaded 2-core box.
 PATIENCE = 20.0

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from rendezvous.etcd_local import pid_alive as alive
+from rollcall.etcd_local import pid_alive as alive
+from rollcall.worker.ledger import Ledger, merge_ledgers
+from rollcall.worker.plan import DataPlan
 from tests.harness import ControlPlane, Process, wait_for
 from tests.loader_worker import GLOBAL_BATCH, MICRO_BATCH, SAMPLES
-from worker.ledger import Ledger, merge_ledgers
-from worker.plan import DataPlan
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -13,10 +13,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from membership.config import Config
-from membership.member import Answer, Drop, Fence, Member, ReportFailure
-from membership.view import Member as ViewMember
-from membership.view import View
+from rollcall.membership.config import Config
+from rollcall.membership.member import Answer, Drop, Fence, Member, ReportFailure
+from rollcall.membership.view import Member as ViewMember
+from rollcall.membership.view import View
 
 CONFIG = Config()
 ME = "w-me"

@@ -20,11 +20,11 @@ from typing import Any
 import grpc
 import pytest
 
-from membership.config import Config
-from membership.view import View
-from rendezvous.wire import token_metadata
+from rollcall.membership.config import Config
+from rollcall.membership.view import View
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
+from rollcall.protocol.wire import token_metadata
 from tests.harness import ControlPlane, MemberProcess
 
 pytestmark = pytest.mark.integration

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from membership.view import Member, View
+from rollcall.membership.view import Member, View
+from rollcall.worker.messages import describe_transport, view_change
 from tests.harness import ROOT
-from worker.messages import describe_transport, view_change
 
 
 def _view(epoch: int, ids: list[str], resume: int | None = 216) -> View:
@@ -53,7 +53,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 def test_the_default_handler_prints_without_any_logging_configuration() -> None:
     result = _run(
         "import logging\n"
-        "from worker.messages import install_default_handler\n"
+        "from rollcall.worker.messages import install_default_handler\n"
         "install_default_handler()\n"
         "logging.getLogger('rollcall.worker').info('view 3: 2 members')\n"
         "logging.getLogger('rollcall.worker').debug('noise')\n"
@@ -65,7 +65,7 @@ def test_the_default_handler_prints_without_any_logging_configuration() -> None:
 def test_the_default_handler_steps_aside_once_the_program_configures_logging() -> None:
     result = _run(
         "import logging, sys\n"
-        "from worker.messages import install_default_handler\n"
+        "from rollcall.worker.messages import install_default_handler\n"
         "install_default_handler()\n"
         "logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format='%(message)s')\n"
         "logging.getLogger('rollcall.worker').info('hidden at WARNING')\n"
@@ -80,7 +80,7 @@ def test_no_default_handler_when_logging_is_already_configured() -> None:
         "import logging, sys\n"
         "logging.basicConfig(level=logging.INFO, stream=sys.stderr,\n"
         "                    format='%(name)s %(message)s')\n"
-        "from worker.messages import install_default_handler\n"
+        "from rollcall.worker.messages import install_default_handler\n"
         "install_default_handler()\n"
         "logging.getLogger('rollcall.worker').info('through the root handler')\n"
     )

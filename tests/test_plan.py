@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.ledger import Ledger, merge_ledgers
-from worker.plan import (
+from rollcall.worker.ledger import Ledger, merge_ledgers
+from rollcall.worker.plan import (
     DataPlan,
     Microbatch,
     load_seed,
@@ -67,7 +67,7 @@ def test_order_is_pinned_so_every_machine_and_version_derives_it() -> None:
 @pytest.mark.integration
 def test_order_and_seeds_are_the_same_in_another_process() -> None:
     script = (
-        "from worker.plan import DataPlan, microbatch_seed\n"
+        "from rollcall.worker.plan import DataPlan, microbatch_seed\n"
         "plan = DataPlan(500, 20, 4, seed=11)\n"
         "print(list(plan.order(3)), microbatch_seed(11, 9, 2))\n"
     )

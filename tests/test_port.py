@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from membership.config import Config
+from rollcall.membership.config import Config
+from rollcall.worker.ledger import Ledger, merge_ledgers
+from rollcall.worker.plan import DataPlan
 from tests.harness import ROOT, ControlPlane, ProgramProcess, WorkerProcess, wait_for
-from worker.ledger import Ledger, merge_ledgers
-from worker.plan import DataPlan
 
 pytestmark = pytest.mark.integration
 
@@ -260,7 +260,7 @@ def test_a_grad_scaler_changes_nothing_but_the_scale(programs: Programs) -> None
 
 
 def test_an_unreachable_rendezvous_is_said_within_seconds(plane: ControlPlane) -> None:
-    from rendezvous.etcd_local import free_port
+    from rollcall.etcd_local import free_port
 
     program = ProgramProcess(
         plane, PROGRAM, ["--steps", "5"], plane.workdir / "lost.log",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from membership.ratelimit import Admission, ReportLimiter
+from rollcall.membership.ratelimit import Admission, ReportLimiter
 
 
 def test_a_member_may_start_burst_roll_calls_in_a_row() -> None:

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from membership.checkpoint import CheckpointManifest
-from membership.config import Config
-from membership.errors import ControlPlaneUnavailable, MalformedRecord
-from membership.view import Member, View
-from rendezvous import records
+from rollcall.membership.checkpoint import CheckpointManifest
+from rollcall.membership.config import Config
+from rollcall.membership.errors import ControlPlaneUnavailable, MalformedRecord
+from rollcall.membership.view import Member, View
+from rollcall.rendezvous import records
 
 CONFIG = Config()
 VIEW = View(

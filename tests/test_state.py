@@ -21,8 +21,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from membership.errors import RollcallError
-from worker.state import (
+from rollcall.membership.errors import RollcallError
+from rollcall.worker.state import (
     Assembler,
     CorruptState,
     ReplicaState,

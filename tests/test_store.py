@@ -11,14 +11,14 @@ from typing import TypeVar
 
 import pytest
 
-from membership.checkpoint import CheckpointManifest
-from membership.config import Config
-from membership.credentials import secret_hash
-from membership.errors import ControlPlaneUnavailable, InvalidRequest
-from membership.fingerprint import JobFingerprint
-from membership.view import EMPTY_VIEW, Member, View
-from rendezvous.etcd_local import EtcdServerTLS, LocalEtcd, LocalEtcdCluster
-from rendezvous.store import EtcdClientTLS, EtcdStore, LeaderInfo
+from rollcall.etcd_local import EtcdServerTLS, LocalEtcd, LocalEtcdCluster
+from rollcall.membership.checkpoint import CheckpointManifest
+from rollcall.membership.config import Config
+from rollcall.membership.credentials import secret_hash
+from rollcall.membership.errors import ControlPlaneUnavailable, InvalidRequest
+from rollcall.membership.fingerprint import JobFingerprint
+from rollcall.membership.view import EMPTY_VIEW, Member, View
+from rollcall.rendezvous.store import EtcdClientTLS, EtcdStore, LeaderInfo
 from tests.conftest import TLSFiles
 from tests.test_etcd_local import client_for
 

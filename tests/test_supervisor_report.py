@@ -18,17 +18,17 @@ from typing import Any
 
 import pytest
 
-from membership.checkpoint import ReplayCost
-from membership.errors import Evicted, Interrupted, NotAMember, ProgressLost
 from rollcall.local import ManagedWorker
-from worker.checkpoint import CheckpointUnusable
-from worker.environment import ENV_REPORT_FD
-from worker.report import EndReason, SupervisorReport, end_reason
+from rollcall.membership.checkpoint import ReplayCost
+from rollcall.membership.errors import Evicted, Interrupted, NotAMember, ProgressLost
+from rollcall.worker.checkpoint import CheckpointUnusable
+from rollcall.worker.environment import ENV_REPORT_FD
+from rollcall.worker.report import EndReason, SupervisorReport, end_reason
 
 
 @dataclass
 class FakeStep:
-    """What the report reads of a committed ``worker.runtime.Step``."""
+    """What the report reads of a committed ``rollcall.worker.runtime.Step``."""
 
     number: int
     epoch: int = 1

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from membership.config import Config
-from membership.errors import ControlPlaneUnavailable
-from rendezvous.client import ClientTLS, RendezvousClient, Status
-from rendezvous.etcd_local import EtcdServerTLS, LocalEtcd, free_port
+from rollcall.etcd_local import EtcdServerTLS, LocalEtcd, free_port
+from rollcall.membership.config import Config
+from rollcall.membership.errors import ControlPlaneUnavailable
+from rollcall.protocol.client import ClientTLS, RendezvousClient, Status
 from tests.conftest import TLSFiles
 from tests.harness import ROOT, Process
 

@@ -1,4 +1,4 @@
-"""Where the job token comes from (rendezvous.wire.read_token), and the
+"""Where the job token comes from (rollcall.protocol.wire.read_token), and the
 token file `up` writes: open to its owner only from the moment it exists."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvous.wire import TOKEN_ENV, TOKEN_FILE_ENV, read_token, write_token_file
+from rollcall.protocol.wire import TOKEN_ENV, TOKEN_FILE_ENV, read_token, write_token_file
 from tests.harness import ROOT
 
 
@@ -64,7 +64,7 @@ def test_no_token_anywhere_names_every_way_to_give_one(monkeypatch):
 _OBSERVE = """
 import json, os, sys
 from pathlib import Path
-from rendezvous.wire import write_token_file
+from rollcall.protocol.wire import write_token_file
 
 path, seen, inside = Path(sys.argv[1]), set(), []
 

@@ -9,13 +9,13 @@ import grpc
 import pytest
 import torch
 
-from membership.config import Config
-from membership.view import Member, View
-from rendezvous.etcd_local import free_port
-from rendezvous.wire import TokenInterceptor
+from rollcall.etcd_local import free_port
+from rollcall.membership.config import Config
+from rollcall.membership.view import Member, View
 from rollcall.pb import state_pb2_grpc
-from worker.state import capture, digest, to_bytes
-from worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
+from rollcall.protocol.wire import TokenInterceptor
+from rollcall.worker.state import capture, digest, to_bytes
+from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
 TOKEN = "transfer-test-token"
 JOB = "job1"

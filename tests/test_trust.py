@@ -18,12 +18,12 @@ from typing import Any
 import grpc
 import pytest
 
-from membership.config import Config
-from membership.view import View
-from rendezvous.client import RendezvousClient
-from rendezvous.wire import token_metadata, view_from_pb
+from rollcall.membership.config import Config
+from rollcall.membership.view import View
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
+from rollcall.protocol.client import RendezvousClient
+from rollcall.protocol.wire import token_metadata, view_from_pb
 from tests.harness import ControlPlane, MemberProcess, WorkerProcess, wait_for
 
 Code = grpc.StatusCode

@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
-from rendezvous.etcd_local import child_processes, free_port, pid_alive
+from rollcall.etcd_local import child_processes, free_port, pid_alive
 from rollcall.local import kill_times
 from tests.harness import ROOT, Process, wait_for
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rendezvous.etcd_local import child_processes, pid_alive
+from rollcall.etcd_local import child_processes, pid_alive
 from tests.harness import ROOT, wait_for
 from tests.test_up import PATIENCE, Up, isolated_env, members, rollcall, start_up, stop_up
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from membership.config import Config
-from membership.errors import InvalidRequest
-from rendezvous import validation as check
+from rollcall.membership.config import Config
+from rollcall.membership.errors import InvalidRequest
+from rollcall.protocol import validation as check
 
 CONFIG = Config()
 

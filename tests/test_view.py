@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from membership.view import EMPTY_VIEW, Member, View
+from rollcall.membership.view import EMPTY_VIEW, Member, View
 
 A = Member("a", "10.0.0.1:29500")
 B = Member("b", "10.0.0.2:29500")

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from membership.config import Config
+from rollcall.membership.config import Config
+from rollcall.worker.ledger import Ledger, merge_ledgers
+from rollcall.worker.plan import DataPlan
 from tests.harness import ControlPlane, Process, WorkerProcess
-from worker.ledger import Ledger, merge_ledgers
-from worker.plan import DataPlan
 
 #: Generous safety bound for "training continues" waits on a loaded 2-core box.
 PATIENCE = 60.0
@@ -147,7 +147,7 @@ def test_kills_and_joins_consume_exactly_the_samples_of_an_uninterrupted_run(
 
 
 def _corpus_samples() -> int:
-    from worker.examples.lm import CharCorpus, LMConfig
+    from rollcall.worker.examples.lm import CharCorpus, LMConfig
 
     return len(CharCorpus(LMConfig()))
 

@@ -14,20 +14,25 @@ import pytest
 import torch
 from torch import nn
 
-from membership.fingerprint import MAX_VALUE_LENGTH, JobFingerprint, compare, describe_mismatch
+from rollcall.membership.fingerprint import (
+    MAX_VALUE_LENGTH,
+    JobFingerprint,
+    compare,
+    describe_mismatch,
+)
+from rollcall.worker.examples.lm import LMConfig, build
+from rollcall.worker.fingerprint import bounded, job_fingerprint
+from rollcall.worker.plan import DataPlan
 from tests.harness import ROOT
-from worker.examples.lm import LMConfig, build
-from worker.fingerprint import bounded, job_fingerprint
-from worker.plan import DataPlan
 
 SMALL = LMConfig(d_model=16, layers=1, corpus_bytes=20_000)
 
 #: Computes the example's fingerprint in a fresh interpreter and prints it.
 FINGERPRINT_SCRIPT = """
 import json, sys
-from worker.examples.lm import LMConfig, build
-from worker.fingerprint import job_fingerprint
-from worker.plan import DataPlan
+from rollcall.worker.examples.lm import LMConfig, build
+from rollcall.worker.fingerprint import job_fingerprint
+from rollcall.worker.plan import DataPlan
 model, optimizer, corpus = build(LMConfig(d_model=16, layers=1, corpus_bytes=20_000), 3)
 plan = DataPlan(len(corpus), 32, 8, 3)
 print(json.dumps(job_fingerprint(model, optimizer, plan).as_dict()))

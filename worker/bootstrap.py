@@ -27,8 +27,8 @@ import hmac
 
 from torch.distributed import Store
 
-from membership.credentials import is_secret_text
-from membership.errors import StoreTampered
+from rollcall.membership.credentials import is_secret_text
+from rollcall.membership.errors import StoreTampered
 
 #: Bytes of HMAC-SHA256 in front of every sealed value.
 _MAC_BYTES = 32

@@ -2,9 +2,9 @@
 when complete, checked before anything trusts them, loaded (newest usable
 first) when no live replica is left.
 
-A checkpoint file holds ``worker.state.to_bytes`` of a committed step, under
+A checkpoint file holds ``rollcall.worker.state.to_bytes`` of a committed step, under
 a name that carries the job, the step and the writer
-(``membership.checkpoint.file_name``). The writer creates it (mode 0600, in
+(``rollcall.membership.checkpoint.file_name``). The writer creates it (mode 0600, in
 a directory it creates 0700) under a temporary name, syncs it, renames it
 into place and syncs the directory; only then does it publish the manifest
 (size, SHA-256 of the bytes, state digest) through the rendezvous service,
@@ -41,15 +41,15 @@ from pathlib import Path
 
 import psutil
 
-from membership.checkpoint import (
+from rollcall.membership.checkpoint import (
     MAX_REASON_LENGTH,
     CheckpointManifest,
     file_name,
     parse_file_name,
     superseded,
 )
-from membership.errors import CannotResume
-from worker.state import CorruptState, ReplicaState, digest, from_bytes, to_bytes
+from rollcall.membership.errors import CannotResume
+from rollcall.worker.state import CorruptState, ReplicaState, digest, from_bytes, to_bytes
 
 __all__ = [
     "CheckpointUnusable",
@@ -137,7 +137,7 @@ def load_newest(manifests: Sequence[CheckpointManifest], limit: int | None = Non
     """Load the newest checkpoint that passes every check; older ones are
     tried when a newer one is missing or corrupt, or beyond ``limit`` (the
     highest step the job's recorded progress allows,
-    ``membership.checkpoint.progress_limit``; None: no progress is known and
+    ``rollcall.membership.checkpoint.progress_limit``; None: no progress is known and
     none is checked). Raises :class:`CheckpointUnusable` naming each one's
     problem if none does."""
     started = time.perf_counter()

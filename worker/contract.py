@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from membership.errors import UsageError
+from rollcall.membership.errors import UsageError
 
 __all__ = ["GradientWatch", "Ownership", "Stateful", "check_extras", "check_scheduler"]
 

@@ -4,7 +4,7 @@ up``) tells a training process where its job is.
 The runtime reads them when its constructor is not told; ``rollcall up``
 sets them for every copy of the command it starts. Kept apart from
 ``worker/runtime.py`` so that the supervisor can name them without importing
-torch. The token's variables are in ``rendezvous/wire.py`` (``read_token``).
+torch. The token's variables are in ``rollcall/protocol/wire.py`` (``read_token``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The worker's side of the configuration fingerprint: this process's
-training setup as a :class:`membership.fingerprint.JobFingerprint`.
+training setup as a :class:`rollcall.membership.fingerprint.JobFingerprint`.
 
 The runtime computes it once, at construction, before it joins (and before
 any step changes the model), from the objects it is given. Every value is
-canonical text or a SHA-256 over a canonical walk (``worker.state``), never
+canonical text or a SHA-256 over a canonical walk (``rollcall.worker.state``), never
 ``hash()``, which Python salts per process: the same script with the same
 seed gives the same fingerprint in every process, on every machine.
 
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from membership.fingerprint import MAX_VALUE_LENGTH, NAMES, VALUE_PATTERN, JobFingerprint
-from worker.plan import DataPlan
-from worker.state import tree_digest
+from rollcall.membership.fingerprint import MAX_VALUE_LENGTH, NAMES, VALUE_PATTERN, JobFingerprint
+from rollcall.worker.plan import DataPlan
+from rollcall.worker.state import tree_digest
 
 #: Value of a class field when the job has no such object.
 NONE = "none"
@@ -46,7 +46,7 @@ def job_fingerprint(
     ``extras`` is the registered user state (only its names count).
     ``flags`` are settings of the runtime itself, by field name (e.g.
     ``{"min_workers": "2"}``); each must be a field that
-    ``membership.fingerprint.FIELDS`` declares and this function does not
+    ``rollcall.membership.fingerprint.FIELDS`` declares and this function does not
     compute (else ``ValueError``)."""
     values = {
         "global_batch": str(plan.global_batch),

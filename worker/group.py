@@ -63,8 +63,8 @@ from torch.distributed import (
     Work,
 )
 
-from membership.errors import RollcallError
-from worker.bootstrap import epoch_store
+from rollcall.membership.errors import RollcallError
+from rollcall.worker.bootstrap import epoch_store
 
 __all__ = [
     "ABORT_POLL_INTERVAL",
@@ -572,7 +572,7 @@ class EpochGroup:
         """Connect to the epoch's bootstrap store, wait for all ``size`` ranks
         and build the group; ``listen_host`` is the address gloo binds to.
         Every key and value the ranks exchange is sealed with the view's
-        epoch ``secret`` (``worker.bootstrap``): a value written by anyone
+        epoch ``secret`` (``rollcall.worker.bootstrap``): a value written by anyone
         without it fails the build as an absent peer would.
 
         ``patience`` (default: ``timeout`` from the start of each wait) says

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.plan import require_int
+from rollcall.worker.plan import require_int
 
 #: How many sample ids a :meth:`Ledger.compare` message lists before eliding.
 _SHOWN_IDS = 10

@@ -1,6 +1,6 @@
 """Loading this rank's upcoming microbatches ahead of the training thread.
 
-The data plan (:mod:`worker.plan`) fixes what microbatch ``(step, index)``
+The data plan (:mod:`rollcall.worker.plan`) fixes what microbatch ``(step, index)``
 contains; this module decides only *when* and *where* it is read, never
 *what*: whatever process reads it, the training thread gets exactly
 ``collate([dataset[i] for i in plan sample ids])``.
@@ -12,7 +12,7 @@ contains; this module decides only *when* and *where* it is read, never
   processes, no torch, no clock.
 * :func:`load_microbatch` reads and collates one microbatch with torch's
   CPU generator, ``random`` and numpy seeded from
-  :func:`worker.plan.load_seed`, so that
+  :func:`rollcall.worker.plan.load_seed`, so that
   augmentation drawn in ``__getitem__`` does not depend on the process.
 * :class:`MicrobatchLoader` is the shell: a ``torch.utils.data.DataLoader``
   (its worker processes, queues, pinning and ``worker_init_fn``) over a
@@ -54,8 +54,8 @@ from torch.utils.data import (
 )
 from torch.utils.data import default_collate as torch_default_collate
 
-from membership.errors import RollcallError
-from worker.plan import DataPlan, Microbatch, load_seed
+from rollcall.membership.errors import RollcallError
+from rollcall.worker.plan import DataPlan, Microbatch, load_seed
 
 try:
     import numpy
@@ -362,7 +362,7 @@ def load_microbatch(
 ) -> Any:
     """``collate([dataset[i] for i in sample_ids])`` with torch's CPU
     generator, ``random`` and numpy seeded from ``seed`` (a
-    :func:`worker.plan.load_seed`); the caller's generator states are
+    :func:`rollcall.worker.plan.load_seed`); the caller's generator states are
     restored afterwards, so loading on the training thread leaves its
     streams as they were."""
     with _streams_kept():
@@ -562,7 +562,7 @@ class _Task(NamedTuple):
     key: Key
     sample_ids: tuple[int, ...]
     seed: int
-    """:func:`worker.plan.load_seed` of the microbatch."""
+    """:func:`rollcall.worker.plan.load_seed` of the microbatch."""
 
 
 class _Loaded(NamedTuple):
@@ -647,7 +647,7 @@ class MicrobatchLoader:
     ``get(step, index)`` returns exactly
     ``collate([dataset[i] for i in plan.microbatches(step)[index].sample_ids])``,
     loaded with torch's CPU generator, ``random`` and numpy seeded from
-    :func:`worker.plan.load_seed`; the caller's RNG states are left alone.
+    :func:`rollcall.worker.plan.load_seed`; the caller's RNG states are left alone.
     The caller says where the rank stands: :meth:`enter_view` on entering a
     view, :meth:`step_committed` after each commit. Microbatches loaded ahead
     that the new position does not run are dropped, never handed out; those

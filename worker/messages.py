@@ -21,7 +21,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from membership.view import View
+from rollcall.membership.view import View
 
 __all__ = ["describe_transport", "install_default_handler", "view_change"]
 

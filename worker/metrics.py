@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rendezvous.metrics import STALL_BUCKETS
+from rollcall.protocol.serving import STALL_BUCKETS
 
 
 class WorkerMetrics:

@@ -16,7 +16,7 @@ of constant size would (DESIGN.md, "Data: no sample lost, none counted twice"):
   a seed of its own (:func:`load_seed`), derived the same way.
 
 What every committed step did consume is recorded by
-:class:`worker.ledger.Ledger`.
+:class:`rollcall.worker.ledger.Ledger`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ the runtime then sends one JSON object, ending in a newline, per event:
   first), for the first committed step of each view and then at most every
   ``STEP_INTERVAL``;
 - ``resumed``: the replay cost of a resume from a durable checkpoint
-  (``membership.checkpoint.ReplayCost.to_dict``);
+  (``rollcall.membership.checkpoint.ReplayCost.to_dict``);
 - ``done``: ``step``, the last committed step, when ``steps()`` ran out;
 - ``ended``: ``why`` (an ``EndReason``) and ``message``, when the runtime is
   closed.
@@ -46,9 +46,9 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, Protocol
 
-from membership.checkpoint import ReplayCost
-from membership.errors import CannotResume, Evicted, Interrupted
-from worker.environment import ENV_REPORT_FD
+from rollcall.membership.checkpoint import ReplayCost
+from rollcall.membership.errors import CannotResume, Evicted, Interrupted
+from rollcall.worker.environment import ENV_REPORT_FD
 
 log = logging.getLogger("rollcall.report")
 
@@ -87,7 +87,7 @@ class EndReason(StrEnum):
 
 
 class CommittedStep(Protocol):
-    """What a step event reads of ``worker.runtime.Step``."""
+    """What a step event reads of ``rollcall.worker.runtime.Step``."""
 
     number: int
     epoch: int

@@ -42,14 +42,14 @@ import grpc
 import torch
 from torch.distributed import ReduceOp
 
-from membership.checkpoint import (
+from rollcall.membership.checkpoint import (
     CheckpointManifest,
     ReplayCost,
     parse_file_name,
     progress_limit,
 )
-from membership.config import Config
-from membership.errors import (
+from rollcall.membership.config import Config
+from rollcall.membership.errors import (
     ControlPlaneUnavailable,
     Evicted,
     Interrupted,
@@ -58,27 +58,38 @@ from membership.errors import (
     UsageError,
     ViewChanged,
 )
-from membership.member import Fence, Member
-from membership.view import EMPTY_VIEW, View
-from rendezvous.client import ClientTLS, RendezvousClient
-from rendezvous.metrics import serve
-from rendezvous.metrics import stop as stop_metrics
-from rendezvous.wire import TokenInterceptor, read_token
+from rollcall.membership.member import Fence, Member
+from rollcall.membership.view import EMPTY_VIEW, View
 from rollcall.pb import rendezvous_pb2, state_pb2_grpc
-from worker.buffers import BufferSync
-from worker.checkpoint import CheckpointUnusable, CheckpointWriter, load_newest, process_age
-from worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
-from worker.environment import DEFAULT_NAME, ENV_CHECKPOINT_DIR, ENV_JOB, ENV_NAME, ENV_RENDEZVOUS
-from worker.faults import Faults
-from worker.fingerprint import job_fingerprint
-from worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
-from worker.ledger import Ledger
-from worker.loader import Batch, LoaderOptions, MicrobatchLoader, default_collate
-from worker.messages import describe_transport, install_default_handler, view_change
-from worker.metrics import WorkerMetrics
-from worker.report import SupervisorReport
-from worker.state import CorruptState, ReplicaState, capture, digest, restore, to_bytes
-from worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
+from rollcall.protocol.client import ClientTLS, RendezvousClient
+from rollcall.protocol.serving import serve
+from rollcall.protocol.serving import stop as stop_metrics
+from rollcall.protocol.wire import TokenInterceptor, read_token
+from rollcall.worker.buffers import BufferSync
+from rollcall.worker.checkpoint import (
+    CheckpointUnusable,
+    CheckpointWriter,
+    load_newest,
+    process_age,
+)
+from rollcall.worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
+from rollcall.worker.environment import (
+    DEFAULT_NAME,
+    ENV_CHECKPOINT_DIR,
+    ENV_JOB,
+    ENV_NAME,
+    ENV_RENDEZVOUS,
+)
+from rollcall.worker.faults import Faults
+from rollcall.worker.fingerprint import job_fingerprint
+from rollcall.worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
+from rollcall.worker.ledger import Ledger
+from rollcall.worker.loader import Batch, LoaderOptions, MicrobatchLoader, default_collate
+from rollcall.worker.messages import describe_transport, install_default_handler, view_change
+from rollcall.worker.metrics import WorkerMetrics
+from rollcall.worker.report import SupervisorReport
+from rollcall.worker.state import CorruptState, ReplicaState, capture, digest, restore, to_bytes
+from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
 log = logging.getLogger("rollcall.worker")
 T = TypeVar("T")
@@ -163,7 +174,7 @@ def _check_count(count: Any) -> int:
 class Elastic:
     """Data-parallel training that survives workers dying and arriving.
 
-    Elastic is the I/O shell around ``membership.member.Member``, the
+    Elastic is the I/O shell around ``rollcall.membership.member.Member``, the
     protocol's pure state machine: every event (a view, a roll call, an
     acknowledgement, a reduction done or failed, time) is fed to it under
     ``_state``, and the runtime does what it decides. Threads and what each

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from membership.errors import RollcallError
+from rollcall.membership.errors import RollcallError
 
 try:
     import numpy as np

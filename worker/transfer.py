@@ -9,7 +9,7 @@ source, and the result is checked against the digest agreed at the roll
 call; a corrupt result is fetched again, one source at a time.
 
 Every call proves that its caller is a member of the server's current view
-by carrying that view's epoch secret (``membership.credentials``), which
+by carrying that view's epoch secret (``rollcall.membership.credentials``), which
 the leader sends on the sessions of the view's members only: the job token
 and a member id read from ``Status`` are not enough (PERMISSION_DENIED).
 """
@@ -25,17 +25,17 @@ from typing import Any, TypeVar
 
 import grpc
 
-from membership.config import Config
-from membership.credentials import secrets_equal
-from membership.errors import InvalidRequest, PermissionDenied, RollcallError, StaleEpoch
-from membership.view import View
-from rendezvous import validation as check
-from rendezvous.client import ClientTLS, open_channel
-from rendezvous.wire import status_of, token_metadata
+from rollcall.membership.config import Config
+from rollcall.membership.credentials import secrets_equal
+from rollcall.membership.errors import InvalidRequest, PermissionDenied, RollcallError, StaleEpoch
+from rollcall.membership.view import View
 from rollcall.pb import state_pb2 as pb
 from rollcall.pb import state_pb2_grpc as pb_grpc
-from worker.faults import Faults
-from worker.state import Assembler, CorruptState, ReplicaState, from_bytes, ranges
+from rollcall.protocol import validation as check
+from rollcall.protocol.client import ClientTLS, open_channel
+from rollcall.protocol.wire import status_of, token_metadata
+from rollcall.worker.faults import Faults
+from rollcall.worker.state import Assembler, CorruptState, ReplicaState, from_bytes, ranges
 
 log = logging.getLogger("rollcall.transfer")
 T = TypeVar("T")
@@ -239,7 +239,7 @@ class StateFetcher:
         """The state with digest ``expected`` (blob and decoded), striped
         across ``sources`` (addresses). Raises ``TransferFailed`` if none can
         deliver it. The decoded state's tensors are views into the blob
-        (``worker.state.from_bytes``): neither may be changed in place."""
+        (``rollcall.worker.state.from_bytes``): neither may be changed in place."""
         started = time.perf_counter()
         deadline = time.monotonic() + timeout
         sizes = await asyncio.gather(

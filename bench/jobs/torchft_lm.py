@@ -5,7 +5,7 @@ group of one process, for bench/peers.py.
         --replica-id 3 --gloo-timeout 5 --manager-timeout 10
 
 Same model, optimizer, data and plan as `rollcall worker`: `build(LMConfig(),
-seed)`, `worker.plan.DataPlan` (global batch 32 split into microbatches of 8,
+seed)`, `rollcall.worker.plan.DataPlan` (global batch 32 split into microbatches of 8,
 divided over the replicas that participate in this step's quorum), the torch
 RNG seeded per microbatch, losses summed and the all-reduced gradient divided
 by the step's global token count (the count travels in the same buffer).
@@ -40,8 +40,8 @@ from torchft import Manager, Optimizer, ProcessGroupGloo  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from worker.examples.lm import LMConfig, build, loss_sum  # noqa: E402
-from worker.plan import DataPlan  # noqa: E402
+from rollcall.worker.examples.lm import LMConfig, build, loss_sum  # noqa: E402
+from rollcall.worker.plan import DataPlan  # noqa: E402
 
 
 def say(**record: object) -> None:

@@ -6,7 +6,7 @@ elastic script, for bench/peers.py.
         --checkpoint-dir DIR --checkpoint-every 20
 
 Same model, optimizer, data and plan as `rollcall worker`: `build(LMConfig(),
-seed)`, `worker.plan.DataPlan` (global batch 32 split into microbatches of 8,
+seed)`, `rollcall.worker.plan.DataPlan` (global batch 32 split into microbatches of 8,
 divided over whatever world size this restart has), the torch RNG seeded per
 microbatch, losses summed and the all-reduced gradient divided by the step's
 global token count. One flat all-reduce of the gradients per step over the
@@ -42,8 +42,8 @@ import torch.distributed as dist  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from worker.examples.lm import LMConfig, build, loss_sum  # noqa: E402
-from worker.plan import DataPlan  # noqa: E402
+from rollcall.worker.examples.lm import LMConfig, build, loss_sum  # noqa: E402
+from rollcall.worker.plan import DataPlan  # noqa: E402
 
 CHECKPOINT = "ckpt.pt"
 

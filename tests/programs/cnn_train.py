@@ -199,8 +199,8 @@ def reference(args: argparse.Namespace) -> None:
     seed)."""
     from torch.utils.data import default_collate
 
-    from worker.loader import load_microbatch
-    from worker.plan import DataPlan, load_seed
+    from rollcall.worker.loader import load_microbatch
+    from rollcall.worker.plan import DataPlan, load_seed
 
     model, optimizer, scheduler, data, _ = build(args)
     ema = EMA(model)

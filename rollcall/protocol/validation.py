@@ -7,9 +7,9 @@ import math
 import re
 from collections.abc import Mapping
 
-from membership import fingerprint
-from membership.config import Config
-from membership.errors import InvalidRequest
+from rollcall.membership import fingerprint
+from rollcall.membership.config import Config
+from rollcall.membership.errors import InvalidRequest
 
 #: Member ids, name prefixes and job names: letters, digits, ``.``, ``_``, ``-``;
 #: first character alphanumeric.
@@ -89,6 +89,6 @@ def check_text(value: str, what: str, limit: int) -> str:
 
 
 def check_fingerprint(values: Mapping[str, str]) -> fingerprint.JobFingerprint | None:
-    """A joiner's fingerprint (``membership.fingerprint.check_fingerprint``);
+    """A joiner's fingerprint (``rollcall.membership.fingerprint.check_fingerprint``);
     None when it sent none, which is not checked."""
     return fingerprint.check_fingerprint(values) if values else None

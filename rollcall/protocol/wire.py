@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from membership.checkpoint import CheckpointFailure, CheckpointManifest, Durability
-from membership.errors import (
+from rollcall.membership.checkpoint import CheckpointFailure, CheckpointManifest, Durability
+from rollcall.membership.errors import (
     ConfigurationMismatch,
     ControlPlaneUnavailable,
     Evicted,
@@ -31,7 +31,7 @@ from membership.errors import (
     StaleEpoch,
     Unauthenticated,
 )
-from membership.view import Member, View
+from rollcall.membership.view import Member, View
 from rollcall.pb import rendezvous_pb2 as pb
 
 #: Metadata key carrying the job token ("Bearer <token>").

@@ -46,7 +46,7 @@ import grpc
 import psutil
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
-from rendezvous.etcd_auth import answered_without_credentials
+from rollcall.rendezvous.etcd_auth import answered_without_credentials
 from rollcall.tether import tethered
 
 #: Raft timing of cluster members: quick failover on loopback.
@@ -62,7 +62,7 @@ _SNAPSHOT_COUNT = 10_000
 #: then refuses every write). Periodic auto-compaction keeps this much
 #: history (etcd 3.4 compacts every retention period when it is under an
 #: hour): a watch more than this far behind resynchronises by reading the
-#: key again (``rendezvous.store._KeyWatch``). Freed pages are reused, so
+#: key again (``rollcall.rendezvous.store._KeyWatch``). Freed pages are reused, so
 #: the database file stays bounded without defragmentation.
 AUTO_COMPACTION_RETENTION = "5m"
 #: etcd's backend quota (its default, stated): beyond it etcd raises a

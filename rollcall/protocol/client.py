@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from membership.checkpoint import CheckpointManifest, Durability
-from membership.config import Config
-from membership.errors import (
+from rollcall.membership.checkpoint import CheckpointManifest, Durability
+from rollcall.membership.config import Config
+from rollcall.membership.errors import (
     ControlPlaneUnavailable,
     Evicted,
     InvalidRequest,
@@ -33,9 +33,11 @@ from membership.errors import (
     Unauthenticated,
     UnsafeFenceWindow,
 )
-from membership.fingerprint import JobFingerprint
-from membership.view import EMPTY_VIEW, View
-from rendezvous.wire import (
+from rollcall.membership.fingerprint import JobFingerprint
+from rollcall.membership.view import EMPTY_VIEW, View
+from rollcall.pb import rendezvous_pb2 as pb
+from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
+from rollcall.protocol.wire import (
     ERROR_METADATA,
     LEADER_METADATA,
     NAMED_BY_METADATA,
@@ -45,8 +47,6 @@ from rendezvous.wire import (
     token_metadata,
     view_from_pb,
 )
-from rollcall.pb import rendezvous_pb2 as pb
-from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 
 log = logging.getLogger("rollcall.client")
 T = TypeVar("T")
