@@ -145,6 +145,38 @@ class Config:
     #: this long and again at this interval.
     unreachable_notice: float = 5.0
 
+    # --- internal pacing ---------------------------------------------------
+    # How often things are looked at: none of these decides an outcome, each
+    # bounds how late a change is noticed (and what the looking costs).
+    #: The training thread looks at the abort (a roll call, a failed peer)
+    #: this often while it waits for the control thread.
+    abort_poll: float = 0.005
+    #: The etcd store waits at most this long for a connection it found
+    #: failed to come back before trying it again: a little more than gRPC's
+    #: longest reconnect back-off here (200 ms, +20 % jitter).
+    etcd_reconnect_wait: float = 0.25
+    #: An etcd watch checks this often whether the store's requests to its
+    #: endpoint failed meanwhile (then it moves to another endpoint).
+    etcd_watch_health_interval: float = 0.25
+    #: An etcd watch that broke is opened again after this long, doubling
+    #: up to ``etcd_watch_backoff_max``.
+    etcd_watch_backoff_initial: float = 0.1
+    etcd_watch_backoff_max: float = 1.0
+    #: Closing the store waits this long for each watch's thread to end.
+    etcd_close_wait: float = 1.0
+    #: Every replica reads the view (and the job's record) this often, as a
+    #: backstop for the watch, which is lost while etcd is down.
+    view_poll_interval: float = 1.0
+    #: The events file gets a view change's record once every member
+    #: reported its first step in the view, or after this long without.
+    event_timeout: float = 30.0
+    #: The events file gets a progress record (the job's step) at most this
+    #: often.
+    progress_event_interval: float = 1.0
+    #: A worker's ledger file is fsynced at most this often (``--ledger``):
+    #: a crash of the machine loses at most this long of records.
+    ledger_sync_interval: float = 1.0
+
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)

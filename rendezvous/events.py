@@ -16,14 +16,11 @@ from pathlib import Path
 from typing import Any, TextIO, cast
 
 from rollcall.membership.checkpoint import CheckpointFailure, CheckpointManifest, ReplayCost
+from rollcall.membership.config import Config
 from rollcall.membership.view import View
 from rollcall.private import open_private_append
 
 SCHEMA = "rollcall.events/1"
-#: A view change's record is written at the latest this long after its commit.
-EVENT_TIMEOUT = 30.0
-#: Progress records are written at most this often.
-PROGRESS_INTERVAL = 1.0
 
 log = logging.getLogger("rollcall.events")
 
@@ -73,7 +70,10 @@ class _Pending:
 class EventLog:
     """Collects what the leader sees of view changes into event records."""
 
-    def __init__(self, job: str, wall_offset: float) -> None:
+    def __init__(self, job: str, wall_offset: float, config: Config | None = None) -> None:
+        #: ``event_timeout`` (a view change's record is written at the latest
+        #: this long after its commit) and ``progress_event_interval``.
+        self._config = config or Config()
         #: Unix time = monotonic time + wall_offset.
         self._job = job
         self._wall_offset = wall_offset
@@ -154,7 +154,8 @@ class EventLog:
         if step is None:
             return []
         last = self._last_progress
-        if last is not None and (last[1] == step or now - last[0] < PROGRESS_INTERVAL):
+        interval = self._config.progress_event_interval
+        if last is not None and (last[1] == step or now - last[0] < interval):
             return []
         self._last_progress = (now, step)
         return [
@@ -204,7 +205,7 @@ class EventLog:
 
     def tick(self, now: float) -> list[dict[str, Any]]:
         pending = self._pending
-        if pending is not None and now - pending.committed >= EVENT_TIMEOUT:
+        if pending is not None and now - pending.committed >= self._config.event_timeout:
             return self._close()
         return []
 

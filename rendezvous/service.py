@@ -177,7 +177,7 @@ class Replica(pb_grpc.RendezvousServicer):
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._cancel_watches: list[Callable[[], None]] = []
-        self._events = EventLog(job, time.time() - clock())
+        self._events = EventLog(job, time.time() - clock(), config)
         self._event_file = events
         self._metrics = metrics
         #: Held from a fingerprinted joiner's check to its record: a job
@@ -1033,7 +1033,7 @@ class Replica(pb_grpc.RendezvousServicer):
                     await self._guard_view(lead)
             except ControlPlaneUnavailable:
                 pass
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(self._config.view_poll_interval)
 
     # --- request checks -----------------------------------------------------------
 

@@ -132,19 +132,8 @@ _GRPC_OPTIONS = [
     ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-#: Longest wait for a failed endpoint's channel to reconnect before retrying
-#: it: a little more than the longest reconnect back-off (200 ms, +20 % jitter).
-_RECONNECT_WAIT = 0.25
 #: An attempt gets at least this share of etcd_timeout, or is not made.
 _MIN_ATTEMPT_SHARE = 0.1
-#: How often a watch checks whether the store saw its endpoint fail.
-_WATCH_HEALTH_INTERVAL = 0.25
-#: Watch re-establishment back-off.
-_WATCH_BACKOFF_INITIAL = 0.1
-_WATCH_BACKOFF_MAX = 1.0
-
-#: close() waits this long for each watch thread to end.
-_CLOSE_WAIT = 1.0
 
 _PREFIX = "/rollcall/jobs/"
 
@@ -450,7 +439,7 @@ class EtcdStore:
                 # Nowhere else to go. A channel whose connection was refused
                 # fails every request at once until gRPC's reconnect back-off
                 # lets it try again: give it that chance.
-                _await_connection(channel, min(_RECONNECT_WAIT, remaining / 2))
+                _await_connection(channel, min(self._config.etcd_reconnect_wait, remaining / 2))
                 remaining = deadline - time.monotonic()
             started = time.monotonic()
             try:
@@ -525,7 +514,7 @@ class EtcdStore:
         for watch in watches:
             watch.cancel()
         for watch in watches:
-            watch.cancel(wait=_CLOSE_WAIT)
+            watch.cancel(wait=self._config.etcd_close_wait)
         if not self._closed:
             self._closed = True
             self._client.close()
@@ -1333,14 +1322,15 @@ class _KeyWatch:
     When the stream breaks (etcd restarted, member killed, member lost its
     leader) the watch is re-established, on whichever endpoint the store
     selects, from the revision after the last change seen, with a back-off of
-    0.1 s doubling to 1 s: no change is missed, as long as etcd still holds
-    that history. If it was compacted away, the key's current value is handed
-    over once (if it changed since) and the watch resumes from there.
+    ``config.etcd_watch_backoff_initial`` doubling to ``etcd_watch_backoff_max``:
+    no change is missed, as long as etcd still holds that history. If it was
+    compacted away, the key's current value is handed over once (if it
+    changed since) and the watch resumes from there.
 
     A member that froze or was cut off without closing the connection sends
     nothing, so the stream cannot break by itself: the watch moves away as
     soon as one of the store's requests to that endpoint fails (within
-    ``config.etcd_timeout``, checked every 0.25 s), and otherwise gRPC
+    ``config.etcd_timeout``, checked every ``etcd_watch_health_interval``), and otherwise gRPC
     keep-alive closes the stream after about 15 s. Nothing is reported while
     etcd is unreachable; the store's other calls raise
     :class:`ControlPlaneUnavailable` meanwhile.
@@ -1381,24 +1371,25 @@ class _KeyWatch:
             self._thread.join(timeout=wait)
 
     def _run(self) -> None:
-        backoff = _WATCH_BACKOFF_INITIAL
+        config = self._store._config
+        backoff = config.etcd_watch_backoff_initial
         while not self._stop.is_set():
             try:
                 if self._follow():
-                    backoff = _WATCH_BACKOFF_INITIAL
+                    backoff = config.etcd_watch_backoff_initial
             except EtcdCredentialsRefused as exc:
                 self._refused(str(exc))
             except Exception:  # noqa: BLE001 - the thread must survive anything
                 if not self._stop.is_set():
                     _log.exception("watch on %s failed", self._key.decode())
             self._stop.wait(backoff)
-            backoff = min(2 * backoff, _WATCH_BACKOFF_MAX)
+            backoff = min(2 * backoff, config.etcd_watch_backoff_max)
 
     def _follow(self) -> bool:
         """One watch stream, until it breaks. True if it was established."""
         endpoint, channel, failed_before = self._store._select()
         if failed_before:
-            _await_connection(channel, _RECONNECT_WAIT)
+            _await_connection(channel, self._store._config.etcd_reconnect_wait)
         started = time.time()  # pyetcd stamps endpoint failures with time.time()
         ended = threading.Event()
 
@@ -1408,7 +1399,7 @@ class _KeyWatch:
             # Keep the request side open while we follow. If the store's
             # requests to this endpoint fail meanwhile (a frozen or cut-off
             # member), leave it rather than wait for gRPC keep-alive.
-            while not ended.wait(_WATCH_HEALTH_INTERVAL):
+            while not ended.wait(self._store._config.etcd_watch_health_interval):
                 if endpoint.last_failed > started:
                     self._abandon()
                     return

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from rollcall.membership.config import Config
 from rollcall.membership.view import Member, View
-from rollcall.rendezvous.events import EVENT_TIMEOUT, SCHEMA, EventLog, MemberReport
+from rollcall.rendezvous.events import SCHEMA, EventLog, MemberReport
+
+EVENT_TIMEOUT = Config().event_timeout
 
 WALL = 1_700_000_000.0
 
@@ -76,6 +79,15 @@ def test_an_open_record_is_written_after_the_timeout():
     assert log.tick(1.05 + EVENT_TIMEOUT - 1) == []
     (record,) = log.tick(1.05 + EVENT_TIMEOUT)
     assert record["epoch"] == 1 and record["stall_s"] is None
+
+
+def test_the_timeout_of_an_open_record_is_the_configs_event_timeout():
+    log = EventLog("job1", WALL, Config(event_timeout=4.0))
+    log.cause(1.0, "join")
+    log.committed(view(1, "a"), view(0), ["join:a"], now=1.05)
+    assert log.tick(1.05 + 3.9) == []
+    (record,) = log.tick(1.05 + 4.0)
+    assert record["epoch"] == 1
 
 
 def test_reports_for_another_epoch_or_from_non_members_are_ignored():

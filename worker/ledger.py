@@ -16,15 +16,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollcall.membership.config import Config
 from rollcall.worker.plan import require_int
 
 #: How many sample ids a :meth:`Ledger.compare` message lists before eliding.
 _SHOWN_IDS = 10
 
-#: Seconds between two fsyncs of the ledger file: a machine that crashes
-#: (power loss, kernel panic) loses at most the records of this long; a
-#: killed process loses nothing (every record is flushed when written).
-SYNC_INTERVAL = 1.0
+#: Seconds between two fsyncs of the ledger file by default
+#: (``Config.ledger_sync_interval``): a machine that crashes (power loss,
+#: kernel panic) loses at most the records of this long; a killed process
+#: loses nothing (every record is flushed when written).
+SYNC_INTERVAL = Config().ledger_sync_interval
 
 
 @dataclass(frozen=True)

@@ -94,9 +94,6 @@ from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, Transf
 log = logging.getLogger("rollcall.worker")
 T = TypeVar("T")
 
-#: How often a waiting training thread looks at the abort flag.
-ABORT_POLL = 0.005
-
 #: ``Elastic.all_reduce`` operations.
 _REDUCE_OPS = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX,
                "min": ReduceOp.MIN, "product": ReduceOp.PRODUCT}  # fmt: skip
@@ -274,7 +271,10 @@ class Elastic:
         self._min_workers = min_workers
         self._start_over = start_over
         self._checkpoint_every = checkpoint_every
-        self.ledger = Ledger(Path(ledger) if ledger is not None else None)
+        self.ledger = Ledger(
+            Path(ledger) if ledger is not None else None,
+            sync_interval=self._config.ledger_sync_interval,
+        )
         # A DataLoader as `dataset` brings its collate_fn and worker settings.
         self._loader = MicrobatchLoader.open(
             dataset, global_batch=global_batch, micro_batch=micro_batch, seed=seed,
@@ -729,7 +729,7 @@ class Elastic:
                         "waiting for %d workers before step 0 (view %d has %d)",
                         self._min_workers, latest.epoch, latest.size,
                     )  # fmt: skip
-                self._view_changed.wait(timeout=ABORT_POLL * 10)
+                self._view_changed.wait(timeout=self._config.abort_poll * 10)
 
     def _enter(self, view: View) -> int:
         """Pull state if behind, build the group for ``view``; returns our rank.
@@ -845,7 +845,7 @@ class Elastic:
         future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
         while True:
             try:
-                return future.result(timeout=ABORT_POLL)
+                return future.result(timeout=self._config.abort_poll)
             except FutureTimeout:
                 if self._aborting():
                     future.cancel()
@@ -1149,7 +1149,7 @@ class Elastic:
             if verdict is Fence.EXPIRED:
                 log.warning("no recent heartbeat acknowledgement: not applying the step")
                 return False
-            time.sleep(ABORT_POLL)
+            time.sleep(self._config.abort_poll)
 
     def _note_failure(self, what: str, detail: str = "") -> None:
         """A peer call or collective failed (``detail``: the transport's own
