@@ -399,6 +399,13 @@ class Replica(pb_grpc.RendezvousServicer):
         could not reach it for longer than its TTL): if nobody took over,
         it takes the election again and keeps every session."""
         record, position = await self._etcd(self._store.read_job)
+        if record.view_revision != lead.view_revision:
+            # Not the view this leader committed (only the leader commits):
+            # one written behind its back (``_guard_view`` puts its own back)
+            # says nothing about how far the job got, so a higher epoch in
+            # it must not count as history that a restore would then "lose".
+            mine = lead.coordinator.view.epoch
+            position = dataclasses.replace(position, epoch=min(position.epoch, mine))
         lost = self._continuity.lost(position)
         if lost is not None:
             return await self._restore_in_place(lead, record, position, lost)
