@@ -54,7 +54,6 @@ member, progress or checkpoint record is logged (once per value) and ignored.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import secrets
@@ -784,11 +783,23 @@ class EtcdStore:
     def campaign(self, replica_id: str, address: str) -> LeaderInfo | None:
         """Try to become the job's leader: returns our LeaderInfo if the
         leader key was free and is now ours, else ``None``."""
+        leader = self._take_leader_key(replica_id, address, [])
+        if leader is not None:
+            return leader
+        self._remove_planted_leader()
+        return None
+
+    def _take_leader_key(
+        self, replica_id: str, address: str, compare: list[Any]
+    ) -> LeaderInfo | None:
+        """Write our leader record under a new election lease if the leader
+        key is free (and ``compare`` holds); None, with the unused lease
+        revoked, if not."""
         lease_id = self._grant(self._config.election_ttl)
         leader = LeaderInfo(replica_id, address, lease_id)
         value = _leader_value(leader)
         request = etcdrpc.TxnRequest(
-            compare=[_compare(self._leader_key, "CREATE", 0)],
+            compare=[_compare(self._leader_key, "CREATE", 0), *compare],
             success=[_put_op(self._leader_key, value, lease_id)],
             failure=[_range_op(_range(self._leader_key))],
         )
@@ -802,7 +813,6 @@ class EtcdStore:
 
         if self._call(attempt):
             return leader
-        self._remove_planted_leader()
         try:
             self._revoke(lease_id)
         except ControlPlaneUnavailable:
@@ -1174,31 +1184,11 @@ class EtcdStore:
         while etcd could not be reached (or kept it alive): only if nobody
         holds the leader key and the view key is still at ``view_revision``
         (absent when 0), i.e. nobody led meanwhile. ``None`` otherwise."""
-        lease_id = self._grant(self._config.election_ttl)
-        leader = LeaderInfo(replica_id, address, lease_id)
-        value = _leader_value(leader)
         if view_revision:
             view_compare = _compare(self._view_key, "MOD", view_revision)
         else:
             view_compare = _compare(self._view_key, "CREATE", 0)
-        request = etcdrpc.TxnRequest(
-            compare=[_compare(self._leader_key, "CREATE", 0), view_compare],
-            success=[_put_op(self._leader_key, value, lease_id)],
-            failure=[_range_op(_range(self._leader_key))],
-        )
-
-        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> bool:
-            response = self._txn_call(request, channel, timeout)
-            if response.succeeded:
-                return True
-            current = _first_kv(response, 0)
-            return retried and current is not None and current.value == value
-
-        if self._call(attempt):
-            return leader
-        with contextlib.suppress(ControlPlaneUnavailable):  # expires on its own
-            self._revoke(lease_id)
-        return None
+        return self._take_leader_key(replica_id, address, [view_compare])
 
     def register_again(self, member: Member, secret_hash: str) -> MemberRecord:
         """Record ``member`` (and the hash of its secret) again under a new
