@@ -163,7 +163,7 @@ def test_a_session_opened_under_a_members_id_is_refused_and_its_reports_start_no
                 await asyncio.gather(reader, return_exceptions=True)
                 await call.code()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                pass
+                pass  # writing after the refusal fails: how it ended is read next
             code = await call.code()
             print(f"\nthe session ended {code}: {await call.details()}")
             if code == Code.PERMISSION_DENIED:
