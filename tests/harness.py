@@ -5,6 +5,7 @@ killed when its owner is cleaned up, and with the test runner if it dies
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -353,3 +354,32 @@ def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0, every: 
             return value
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def training_team(
+    etcd_endpoints: Sequence[str], tmp_path: Path, settings: Sequence[str], count: int = 3,
+    patience: float = 60.0,
+) -> Iterator[tuple[ControlPlane, list[WorkerProcess]]]:
+    """A replica and ``count`` workers of the built-in example, each past
+    its first step at full size; every one of them stopped at the end."""
+    plane = ControlPlane(list(etcd_endpoints), tmp_path, settings=tuple(settings))
+    workers: list[WorkerProcess] = []
+    try:
+        for index in range(count):
+            workers.append(WorkerProcess(plane, tmp_path / f"worker{index}.log", steps=1_000_000))
+        for worker in workers:
+            worker.wait_event(
+                lambda e: e["event"] == "step" and e["world"] == count, timeout=patience
+            )
+        yield plane, workers
+    finally:
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                worker.stop(timeout=20)
+        plane.close()
+
+
+def last_step(worker: WorkerProcess) -> int:
+    """The highest step ``worker`` reported committing."""
+    return max(e["step"] for e in worker.steps())

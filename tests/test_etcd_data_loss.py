@@ -23,7 +23,14 @@ import pytest
 from rollcall.etcd_local import LocalEtcd
 from rollcall.membership.config import Config
 from rollcall.rendezvous.store import EtcdStore
-from tests.harness import ControlPlane, ReplicaProcess, WorkerProcess, wait_for
+from tests.harness import (
+    ControlPlane,
+    ReplicaProcess,
+    WorkerProcess,
+    last_step,
+    training_team,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -34,23 +41,8 @@ LOSS_LINE = "etcd lost job"
 
 @pytest.fixture
 def team(etcd: LocalEtcd, tmp_path: Path) -> Iterator[tuple[ControlPlane, list[WorkerProcess]]]:
-    plane = ControlPlane([etcd.endpoint], tmp_path, settings=SETTINGS)
-    workers: list[WorkerProcess] = []
-    try:
-        for index in range(3):
-            workers.append(WorkerProcess(plane, tmp_path / f"worker{index}.log", steps=1_000_000))
-        for worker in workers:
-            worker.wait_event(lambda e: e["event"] == "step" and e["world"] == 3, timeout=PATIENCE)
+    with training_team([etcd.endpoint], tmp_path, SETTINGS, patience=PATIENCE) as (plane, workers):
         yield plane, workers
-    finally:
-        for worker in workers:
-            with contextlib.suppress(Exception):
-                worker.stop(timeout=20)
-        plane.close()
-
-
-def _last_step(worker: WorkerProcess) -> int:
-    return max(e["step"] for e in worker.steps())
 
 
 def _wipe(etcd: LocalEtcd) -> None:
@@ -68,7 +60,7 @@ def test_etcd_wiped_the_leader_writes_the_job_back_and_training_goes_on(
     epoch = plane.status_json()["epoch"]
     # Let the progress record be written at least once.
     time.sleep(2.0)
-    before = [_last_step(w) for w in workers]
+    before = [last_step(w) for w in workers]
     _wipe(etcd)
     wiped = time.monotonic()
     replica = plane.replicas[0]
@@ -95,7 +87,7 @@ def test_etcd_wiped_the_leader_writes_the_job_back_and_training_goes_on(
     for worker, first in zip(workers, before, strict=True):
         assert worker.proc.poll() is None, f"{worker.member_id} exited: {worker.log_tail()}"
         after = [e["step"] for e in worker.steps()]
-        assert _last_step(worker) > first + 5
+        assert last_step(worker) > first + 5
         assert after == sorted(after), "a worker's steps went back"
     status = plane.status_json()
     assert {m["id"] for m in status["members"]} == ids

@@ -11,7 +11,6 @@ answers.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 from rollcall.etcd_local import LocalEtcd
 from rollcall.membership.config import Config
 from rollcall.rendezvous.store import EtcdStore
-from tests.harness import ControlPlane, WorkerProcess, wait_for
+from tests.harness import ControlPlane, WorkerProcess, last_step, training_team, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -38,25 +37,9 @@ PROGRESS_SLACK = 40
 
 @pytest.fixture
 def team(etcd: LocalEtcd, tmp_path: Path) -> Iterator[tuple[ControlPlane, list[WorkerProcess]]]:
-    plane = ControlPlane([etcd.endpoint], tmp_path, settings=SETTINGS)
-    workers: list[WorkerProcess] = []
-    try:
-        for index in range(3):
-            workers.append(WorkerProcess(plane, tmp_path / f"worker{index}.log", steps=1_000_000))
-        ids = {w.member_id for w in workers}
-        for worker in workers:
-            worker.wait_event(lambda e: e["event"] == "step" and e["world"] == 3, timeout=PATIENCE)
-        assert {m["id"] for m in plane.status_json()["members"]} == ids
+    with training_team([etcd.endpoint], tmp_path, SETTINGS, patience=PATIENCE) as (plane, workers):
+        assert {m["id"] for m in plane.status_json()["members"]} == {w.member_id for w in workers}
         yield plane, workers
-    finally:
-        for worker in workers:
-            with contextlib.suppress(Exception):
-                worker.stop(timeout=20)
-        plane.close()
-
-
-def _last_step(worker: WorkerProcess) -> int:
-    return max(e["step"] for e in worker.steps())
 
 
 def _epochs(worker: WorkerProcess, after: int) -> set[int]:
@@ -74,7 +57,7 @@ def _check_outage(
     ids = {w.member_id for w in workers}
     before = plane.status_json()
     epoch = before["epoch"]
-    start_steps = [_last_step(w) for w in workers]
+    start_steps = [last_step(w) for w in workers]
     started = time.monotonic()
     if restart:
         etcd.kill()
@@ -84,12 +67,12 @@ def _check_outage(
         # Training goes on meanwhile: every worker commits steps.
         midway = started + outage / 2
         time.sleep(max(0.0, midway - time.monotonic()))
-        during = [_last_step(w) for w in workers]
+        during = [last_step(w) for w in workers]
         assert all(d > s + 5 for d, s in zip(during, start_steps, strict=True)), (
             f"training stalled during the etcd outage: {start_steps} -> {during}"
         )
         time.sleep(max(0.0, started + outage - time.monotonic()))
-        late = [_last_step(w) for w in workers]
+        late = [last_step(w) for w in workers]
         assert all(x > d for x, d in zip(late, during, strict=True)), (
             f"training stalled late in the etcd outage: {during} -> {late}"
         )
@@ -111,7 +94,7 @@ def _check_outage(
             recorded = store.read_progress()
             if recorded is None:
                 return None
-            return min(_last_step(w) for w in workers) - recorded[1]
+            return min(last_step(w) for w in workers) - recorded[1]
 
         def progress_current() -> bool:
             lag = recorded_lag()
@@ -124,9 +107,9 @@ def _check_outage(
         assert {m["id"] for m in after["members"]} == ids, after
         for worker in workers:
             assert worker.proc.poll() is None, f"{worker.member_id} exited: {worker.log_tail()}"
-        again = [_last_step(w) for w in workers]
+        again = [last_step(w) for w in workers]
         time.sleep(2.0)
-        assert all(_last_step(w) > a for w, a in zip(workers, again, strict=True)), "stopped"
+        assert all(last_step(w) > a for w, a in zip(workers, again, strict=True)), "stopped"
         lag = recorded_lag()
         print(f"  epoch {epoch} -> {after['epoch']}; etcd's progress record {lag} steps behind")
         assert lag is not None and lag <= PROGRESS_SLACK
