@@ -28,6 +28,8 @@ from rollcall.membership.errors import InvalidRequest
 #: never write the same name.
 FILE_PATTERN = re.compile(r"ckpt\+(?P<job>[^+/]+)\+(?P<step>\d{12})\+(?P<writer>[^+/]+)\.rcs")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+#: Suffix of the manifest copy kept beside each checkpoint file.
+MANIFEST_SUFFIX = ".manifest.json"
 #: Longest checkpoint location accepted.
 MAX_URI_LENGTH = 4096
 #: Longest failure reason kept (the service refuses longer ones).
@@ -37,6 +39,14 @@ MAX_REASON_LENGTH = 200
 def file_name(job: str, step: int, writer: str) -> str:
     """The name of ``writer``'s checkpoint of ``step`` for ``job``."""
     return f"ckpt+{job}+{step:012d}+{writer}.rcs"
+
+
+def manifest_file_name(name: str) -> str:
+    """The name of the copy of a checkpoint's manifest kept beside its file
+    ``name``: what a worker checks the file against when etcd no longer
+    holds the manifest (etcd lost the job's data). It never matches
+    ``FILE_PATTERN``."""
+    return f"{name}{MANIFEST_SUFFIX}"
 
 
 def parse_file_name(name: str, job: str) -> int | None:

@@ -232,6 +232,7 @@ def _delete(manifest: CheckpointManifest, job: str) -> str:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return "file kept: not a regular file"
         path.unlink()
+        path.with_name(manifest_file_name(path.name)).unlink(missing_ok=True)
     except OSError as exc:
         return f"file not deleted ({exc.strerror or exc})"
     return "file deleted"

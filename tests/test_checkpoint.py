@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import stat
 import subprocess
@@ -18,12 +19,14 @@ import pytest
 import torch
 
 from rollcall.membership.checkpoint import (
+    MANIFEST_SUFFIX,
     CheckpointFailure,
     CheckpointManifest,
     ReplayCost,
     beyond_progress,
     durability,
     file_name,
+    manifest_file_name,
     next_failure,
     parse_file_name,
     progress_limit,
@@ -36,6 +39,7 @@ from rollcall.rendezvous.store import EtcdStore
 from rollcall.worker.checkpoint import (
     CheckpointUnusable,
     CheckpointWriter,
+    find_orphans,
     load_newest,
     process_age,
 )
@@ -135,7 +139,11 @@ def test_the_writer_publishes_only_a_complete_synced_file(tmp_path: Path):
     assert m.step == 4 and m.epoch == 2 and m.size == len(blob)
     assert m.sha256 == hashlib.sha256(blob).hexdigest()
     assert m.digest == digest(state)
-    assert [p.name for p in tmp_path.iterdir()] == [file_name(JOB, 4, "w-1")]  # no temporary
+    # No temporary is left; the manifest's copy lies beside the file.
+    name = file_name(JOB, 4, "w-1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name, manifest_file_name(name)]
+    copy = json.loads((tmp_path / manifest_file_name(name)).read_text())
+    assert CheckpointManifest.from_dict(copy) == m
 
 
 def test_the_writer_deletes_its_files_the_record_no_longer_names(tmp_path: Path):
@@ -145,7 +153,8 @@ def test_the_writer_deletes_its_files_the_record_no_longer_names(tmp_path: Path)
         assert writer.submit(make_state(step), 1, "w-1", 0.05)
         assert writer.wait(30)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [file_name(JOB, 9, "w-1"), file_name(JOB, 14, "w-1")]
+    kept = [file_name(JOB, 9, "w-1"), file_name(JOB, 14, "w-1")]
+    assert names == sorted([*kept, *map(manifest_file_name, kept)])  # the copies go too
 
 
 def test_a_failed_publish_is_reported_and_the_next_checkpoint_still_written(tmp_path: Path):
@@ -226,6 +235,79 @@ def test_process_age_is_the_time_since_this_process_started():
     assert 0 < age < 24 * 3600
 
 
+# --- files etcd no longer names (etcd lost the job's data) ------------------------
+
+
+def test_orphaned_files_are_read_with_their_manifest_copies_newest_written_first(
+    tmp_path: Path,
+):
+    old = tmp_path / "old"
+    written(old, [4, 9, 14], keep=10)
+    moved = tmp_path / "moved"
+    old.rename(moved)  # the directory is mounted elsewhere now
+    orphans = find_orphans(moved, JOB)
+    assert [m.step for m in orphans.manifests] == [14, 9, 4] and not orphans.unchecked
+    assert all(Path(m.uri).parent == moved for m in orphans.manifests)
+    loaded = load_newest(orphans.manifests)
+    assert loaded.manifest.step == 14 and loaded.state.step == 14
+    assert digest(loaded.state) == orphans.manifests[0].digest
+    assert find_orphans(moved, "another-job").manifests == ()
+
+
+def test_an_earlier_run_under_the_same_job_name_does_not_win_by_its_higher_step(
+    tmp_path: Path,
+):
+    written(tmp_path, [900], keep=10, name="w-old")  # a run later started over on purpose
+    copy = tmp_path / manifest_file_name(file_name(JOB, 900, "w-old"))
+    record_ = json.loads(copy.read_text())
+    copy.write_text(json.dumps({**record_, "created_unix": record_["created_unix"] - 3600}))
+    written(tmp_path, [300], keep=10, name="w-new")
+    assert [m.step for m in find_orphans(tmp_path, JOB).manifests] == [300, 900]
+
+
+def test_orphaned_files_that_cannot_be_checked_are_named_with_the_reason(tmp_path: Path):
+    written(tmp_path, [4, 9, 14, 19], keep=10)
+    (tmp_path / manifest_file_name(file_name(JOB, 4, "w-1"))).unlink()
+    (tmp_path / manifest_file_name(file_name(JOB, 9, "w-1"))).write_text("{not json")
+    lying = tmp_path / manifest_file_name(file_name(JOB, 14, "w-1"))
+    lying.write_text(json.dumps({**json.loads(lying.read_text()), "step": 19}))
+    os.chown(tmp_path / file_name(JOB, 19, "w-1"), 4321, 4321)
+    orphans = find_orphans(tmp_path, JOB)
+    assert orphans.manifests == ()
+    reasons = "\n".join(orphans.unchecked)
+    assert len(orphans.unchecked) == 4, reasons
+    for words in ("no manifest copy", "malformed", "claims step 19", "owned by uid 4321"):
+        assert words in reasons, reasons
+
+
+def test_a_corrupt_orphaned_file_is_passed_over_for_an_older_one_that_verifies(
+    tmp_path: Path,
+):
+    written(tmp_path, [4, 9], keep=10)
+    newest = tmp_path / file_name(JOB, 9, "w-1")
+    blob = bytearray(newest.read_bytes())
+    blob[-1] ^= 0xFF  # same size, one byte flipped
+    newest.write_bytes(bytes(blob))
+    loaded = load_newest(find_orphans(tmp_path, JOB).manifests)
+    assert loaded.manifest.step == 4
+    assert len(loaded.skipped) == 1 and "SHA-256" in loaded.skipped[0]
+
+
+def test_an_adopted_checkpoint_is_published_and_older_orphans_pruned_once_superseded(
+    tmp_path: Path,
+):
+    written(tmp_path, [4, 9, 14], keep=10)
+    orphans = find_orphans(tmp_path, JOB).manifests
+    published = Published(keep=1)
+    writer = CheckpointWriter(tmp_path, JOB, published)
+    writer.adopt(orphans[0], orphans)
+    assert writer.wait(30)
+    assert [m.step for m in published.kept] == [14] and writer.durable_step == 14
+    assert names(tmp_path) == [file_name(JOB, 14, "w-1")]  # 4 and 9 pruned with their copies
+    written(tmp_path, [19], writer=writer)
+    assert names(tmp_path) == [file_name(JOB, 19, "w-1")]
+
+
 # --- the etcd record ------------------------------------------------------------------
 
 
@@ -274,7 +356,14 @@ def written(
 
 
 def names(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir())
+    """The files in ``directory`` but the manifest copies, after checking
+    that every copy lies beside its file (none outlives it)."""
+    every = sorted(p.name for p in directory.iterdir())
+    files = [name for name in every if not name.endswith(MANIFEST_SUFFIX)]
+    stale = [name for name in every if name.endswith(MANIFEST_SUFFIX)
+             and name.removesuffix(MANIFEST_SUFFIX) not in files]  # fmt: skip
+    assert not stale, f"manifest copies without their file: {stale}"
+    return files
 
 
 def test_file_names_carry_the_job_the_step_and_the_writer():
@@ -295,8 +384,9 @@ def test_checkpoint_files_and_their_directory_are_private(tmp_path: Path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
-    (path,) = directory.iterdir()
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    paths = list(directory.iterdir())
+    assert len(paths) == 2  # the file and its manifest's copy
+    assert [stat.S_IMODE(path.stat().st_mode) for path in paths] == [0o600, 0o600]
 
 
 def forged_record(steps: Sequence[int], directory: Path) -> list[CheckpointManifest]:

@@ -8,7 +8,9 @@ the cluster id changed), says so in one clear line, and writes back what it
 remembers (view, progress, fingerprint, checkpoint manifests), so that the
 workers train on in the same view and nobody restarts from step 0. When no
 replica remembers (it lost its memory too), a worker exits with the
-documented code 6 and one line saying that etcd lost the job's data.
+documented code 6 and one line saying that etcd lost the job's data; new
+workers then resume from the newest checkpoint file that verifies against
+the manifest copy beside it, never from step 0.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from rollcall.etcd_local import LocalEtcd
+from rollcall.membership.checkpoint import MANIFEST_SUFFIX
 from rollcall.membership.config import Config
 from rollcall.rendezvous.store import EtcdStore
 from tests.harness import (
@@ -43,6 +46,10 @@ LOSS_LINE = "etcd lost job"
 def team(etcd: LocalEtcd, tmp_path: Path) -> Iterator[tuple[ControlPlane, list[WorkerProcess]]]:
     with training_team([etcd.endpoint], tmp_path, SETTINGS, patience=PATIENCE) as (plane, workers):
         yield plane, workers
+
+
+def _files(directory: Path) -> list[str]:
+    return [p.name for p in directory.iterdir() if p.name.endswith(".rcs")]
 
 
 def _wipe(etcd: LocalEtcd) -> None:
@@ -96,7 +103,7 @@ def test_etcd_wiped_the_leader_writes_the_job_back_and_training_goes_on(
 
 
 @pytest.mark.timeout(240)
-def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_nobody_restarts_at_0(
+def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_new_ones_resume_from_the_files(
     etcd: LocalEtcd, tmp_path: Path
 ) -> None:
     plane = ControlPlane([etcd.endpoint], tmp_path, settings=SETTINGS)
@@ -125,14 +132,37 @@ def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_nobody_restarts_
             assert len(errors) == 1 and "etcd lost the job's data" in errors[0], errors
             assert "is ahead of the committed epoch" not in worker.log_path.read_text()
         print(f"\n  {errors[0][:300]}")
-        # A new worker with the same checkpoint directory refuses to start
-        # the job at step 0 (exit 4), naming the files and what happened.
-        late = WorkerProcess(plane, tmp_path / "late.log", extra=extra, wait_joined=False)
-        workers.append(late)
-        assert late.proc.wait(timeout=PATIENCE) == 4, late.log_tail()
-        assert "etcd probably lost the job's data" in late.log_tail(), late.log_tail()
-        assert not late.steps(), "the new worker trained from step 0"
-        print(f"  {late.log_tail(1)[:300]}")
+        newest = max(int(name.split("+")[2]) for name in _files(checkpoints))
+        # Without the manifest copies beside the files nothing can be
+        # checked: a new worker refuses to start the job at step 0 (exit 4).
+        aside = tmp_path / "copies-aside"
+        aside.mkdir()
+        for copy in checkpoints.glob(f"*{MANIFEST_SUFFIX}"):
+            copy.rename(aside / copy.name)
+        refused = WorkerProcess(plane, tmp_path / "refused.log", extra=extra, wait_joined=False)
+        workers.append(refused)
+        assert refused.proc.wait(timeout=PATIENCE) == 4, refused.log_tail()
+        assert "none can be checked" in refused.log_tail(), refused.log_tail()
+        assert not refused.steps(), "the new worker trained from step 0"
+        print(f"  {refused.log_tail(1)[:300]}")
+        # With them, new workers resume from the newest file, publish it
+        # again, and train on from there.
+        for copy in aside.iterdir():
+            copy.rename(checkpoints / copy.name)
+        late = [
+            WorkerProcess(plane, tmp_path / f"late{index}.log", steps=1_000_000, extra=extra)
+            for index in range(2)
+        ]
+        workers.extend(late)
+        wait_for(
+            lambda: all(len(w.steps()) >= 3 for w in late), "the new workers training", PATIENCE
+        )
+        trained = [e["step"] for w in late for e in w.steps()]
+        assert min(trained) == newest + 1, [w.log_tail() for w in late]
+        said = [w.log_path.read_text() for w in late]
+        assert any("etcd probably lost the job's data. Resumed" in text for text in said)
+        record = plane.status_json()["checkpoints"]
+        assert record and record[0]["step"] >= newest, record
     finally:
         for worker in workers:
             with contextlib.suppress(Exception):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import os
 import secrets
@@ -36,7 +37,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -45,18 +46,21 @@ from rollcall.membership.checkpoint import (
     MAX_REASON_LENGTH,
     CheckpointManifest,
     file_name,
+    manifest_file_name,
     parse_file_name,
     superseded,
 )
-from rollcall.membership.errors import CannotResume
+from rollcall.membership.errors import CannotResume, InvalidRequest
 from rollcall.worker.state import CorruptState, ReplicaState, digest, from_bytes, to_bytes
 
 __all__ = [
     "CheckpointUnusable",
     "CheckpointWriter",
     "Loaded",
+    "Orphans",
     "describe_failure",
     "file_problem",
+    "find_orphans",
     "load_newest",
     "process_age",
     "state_problem",
@@ -156,6 +160,57 @@ def load_newest(manifests: Sequence[CheckpointManifest], limit: int | None = Non
         f"no usable checkpoint among the {len(manifests)} published: {'; '.join(skipped)}; "
         + RECOVERY
     )
+
+
+@dataclass(frozen=True)
+class Orphans:
+    """A job's checkpoint files in a directory, read when etcd's record of
+    the job names none (etcd lost the job's data): each file's manifest is
+    the copy written beside it."""
+
+    #: Manifests of the files that can be checked, newest written first
+    #: (not highest step first: files of an earlier run under the same job
+    #: name, started over on purpose, may hold higher steps).
+    manifests: tuple[CheckpointManifest, ...]
+    #: Files that cannot be checked, each with the reason.
+    unchecked: tuple[str, ...]
+
+
+def find_orphans(directory: Path, job: str) -> Orphans:
+    """``job``'s checkpoint files in ``directory`` and the manifest copies
+    beside them. A file counts only if it is a regular file owned by this
+    user and its copy loads and claims the step the file is named for.
+    Raises OSError if the directory cannot be listed."""
+    manifests: list[CheckpointManifest] = []
+    unchecked: list[str] = []
+    for path in sorted(directory.iterdir()):
+        step = parse_file_name(path.name, job)
+        if step is None:
+            continue
+        problem: str | None = None
+        try:
+            info = os.lstat(path)
+            if not stat.S_ISREG(info.st_mode):
+                problem = "not a regular file"
+            elif info.st_uid != os.getuid():
+                problem = f"owned by uid {info.st_uid}, not by this user"
+            else:
+                copy = path.with_name(manifest_file_name(path.name)).read_bytes()
+                manifest = CheckpointManifest.from_dict(json.loads(copy))
+                if manifest.step != step:
+                    problem = f"its manifest copy claims step {manifest.step}"
+        except FileNotFoundError:
+            problem = "no manifest copy beside it, nothing to check it against"
+        except OSError as exc:
+            problem = f"unreadable ({exc.strerror or exc})"
+        except (ValueError, InvalidRequest) as exc:
+            problem = f"its manifest copy is malformed ({exc})"
+        if problem is None:
+            manifests.append(replace(manifest, uri=str(path)))
+        else:
+            unchecked.append(f"{path.name}: {problem}")
+    manifests.sort(key=lambda m: (m.created_unix, m.step), reverse=True)
+    return Orphans(tuple(manifests), tuple(unchecked))
 
 
 def process_age() -> float:
@@ -290,34 +345,57 @@ class CheckpointWriter:
     def _write_file(
         self, state: ReplicaState, epoch: int, writer: str, step_seconds: float
     ) -> CheckpointManifest:
-        """Write the file (0600, under a temporary name, synced, renamed,
-        directory synced); returns its manifest."""
+        """Write the file and the copy of its manifest beside it (each 0600,
+        under a temporary name, synced, renamed; then the directory synced);
+        returns the manifest."""
         path = self.directory / file_name(self.job, state.step, writer)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         blob = to_bytes(state)
-        try:
-            # O_EXCL: never through a link planted under the temporary name.
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            with os.fdopen(os.open(temporary, flags, 0o600), "wb") as file:
-                file.write(blob)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            # The clean-up of a failed write may fail too (a read-only
-            # directory refuses even that): the write's own error is the news.
-            with contextlib.suppress(OSError):
-                temporary.unlink(missing_ok=True)
-            raise
-        _fsync_directory(self.directory)
+        _write_atomically(path, blob)
         uri = str(path)
         self._owned[uri] = _Owned(state.step, len(blob), os.lstat(path).st_ino)
         sha256 = hashlib.sha256(blob).hexdigest()
         self._checked[(uri, len(blob), sha256)] = (_identity(os.lstat(path)), None)
-        return CheckpointManifest(
+        manifest = CheckpointManifest(
             step=state.step, digest=digest(state), uri=uri, size=len(blob), sha256=sha256,
             epoch=epoch, writer=writer, created_unix=time.time(), step_seconds=step_seconds,
         )  # fmt: skip
+        copy = json.dumps(manifest.to_dict(), sort_keys=True).encode()
+        _write_atomically(path.with_name(manifest_file_name(path.name)), copy)
+        _fsync_directory(self.directory)
+        return manifest
+
+    def adopt(self, manifest: CheckpointManifest, orphans: Sequence[CheckpointManifest]) -> None:
+        """(Once, after a resume from files etcd no longer knew of.) Publish
+        the adopted checkpoint's ``manifest`` in the background, so that the
+        job's new record holds it, and let this writer prune the ``orphans``
+        (the other such files of this job it checked) once superseded."""
+        for orphan in orphans:
+            with contextlib.suppress(OSError):
+                info = os.lstat(orphan.uri)
+                if stat.S_ISREG(info.st_mode) and info.st_size == orphan.size:
+                    owned = _Owned(orphan.step, orphan.size, info.st_ino)
+                    self._owned.setdefault(orphan.uri, owned)
+        if self.busy:
+            return  # a write in flight publishes a newer checkpoint anyway
+        self._thread = threading.Thread(
+            target=self._publish_adopted, args=(manifest,), name="rollcall-checkpoint-adopt",
+            daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+
+    def _publish_adopted(self, manifest: CheckpointManifest) -> None:
+        try:
+            accepted, kept = self._publish(manifest)
+        except Exception as exc:  # reported, never lost: the next due step publishes anew
+            self._failed(manifest.step, f"adopted but not published: {describe_failure(exc)}")
+            return
+        if accepted:
+            log.info("checkpoint of step %d (adopted from %s) published", manifest.step,
+                     manifest.uri)  # fmt: skip
+        try:
+            self._settle(manifest, accepted, kept)
+        except Exception:
+            log.exception("checkpoint of step %d: checking the record failed", manifest.step)
 
     def _failed(self, step: int, reason: str) -> None:
         self.failed += 1
@@ -421,7 +499,8 @@ class CheckpointWriter:
         return None
 
     def _delete(self, uri: str) -> None:
-        """Delete a superseded file, if it is still the one this writer knew."""
+        """Delete a superseded file, if it is still the one this writer
+        knew, and the manifest copy beside it."""
         owned = self._owned.pop(uri)
         try:
             info = os.lstat(uri)
@@ -429,10 +508,32 @@ class CheckpointWriter:
                 owned.size, owned.inode,
             ):  # fmt: skip
                 os.unlink(uri)
+                path = Path(uri)
+                path.with_name(manifest_file_name(path.name)).unlink(missing_ok=True)
         except FileNotFoundError:
             pass
         except OSError as exc:
             log.warning("could not delete the superseded checkpoint %s: %s", uri, exc)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` (0600) through a temporary name: synced,
+    then renamed into place (the caller syncs the directory)."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        # O_EXCL: never through a link planted under the temporary name.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        with os.fdopen(os.open(temporary, flags, 0o600), "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        # The clean-up of a failed write may fail too (a read-only
+        # directory refuses even that): the write's own error is the news.
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise
 
 
 def _identity(info: os.stat_result) -> tuple[int, int, int]:

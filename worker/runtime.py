@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,7 +46,6 @@ from torch.distributed import ReduceOp
 from rollcall.membership.checkpoint import (
     CheckpointManifest,
     ReplayCost,
-    parse_file_name,
     progress_limit,
 )
 from rollcall.membership.config import Config
@@ -69,6 +69,9 @@ from rollcall.worker.buffers import BufferSync
 from rollcall.worker.checkpoint import (
     CheckpointUnusable,
     CheckpointWriter,
+    Loaded,
+    Orphans,
+    find_orphans,
     load_newest,
     process_age,
 )
@@ -270,6 +273,9 @@ class Elastic:
         self._host = host
         self._min_workers = min_workers
         self._start_over = start_over
+        #: A checkpoint resumed from files etcd's record no longer names, and
+        #: the other such files: published when a view resumes from it.
+        self._adopted: tuple[CheckpointManifest, Sequence[CheckpointManifest]] | None = None
         self._checkpoint_every = checkpoint_every
         self.ledger = Ledger(
             Path(ledger) if ledger is not None else None,
@@ -356,8 +362,11 @@ class Elastic:
             checkpoint_dir = Path(os.environ[ENV_CHECKPOINT_DIR])
         self.checkpoints = (
             CheckpointWriter(
-                Path(checkpoint_dir), self.job_name, self._publish_checkpoint,
-                on_failure=self._checkpoint_failed, on_durable=self._checkpoint_durable,
+                Path(checkpoint_dir),
+                self.job_name,
+                self._publish_checkpoint,
+                on_failure=self._checkpoint_failed,
+                on_durable=self._checkpoint_durable,
             )  # fmt: skip
             if checkpoint_dir is not None
             else None
@@ -825,6 +834,11 @@ class Elastic:
         self._previous_view = view
         for old_epoch in [e for e in self._causes if e < view.epoch]:
             del self._causes[old_epoch]
+        if self._adopted is not None and view.resume_step is not None:
+            manifest, orphans = self._adopted
+            self._adopted = None
+            if view.resume_step == manifest.step and self.checkpoints is not None:
+                self.checkpoints.adopt(replace(manifest, epoch=view.epoch), orphans)
         return rank
 
     def _patience(self, started: float) -> float:
@@ -1040,29 +1054,51 @@ class Elastic:
             self._client.publish_checkpoint(manifest), timeout=self._config.client_call_deadline
         )
 
-    def _refuse_orphaned_checkpoints(self) -> None:
-        """etcd holds no record of the job (no progress, no manifest) but
-        this worker's checkpoint directory holds checkpoint files: etcd most
-        likely lost the job's data, and starting at step 0 would silently
-        discard (and later overwrite) them. ``ProgressLost`` unless
-        ``start_over``."""
+    def _orphaned_checkpoint(self) -> tuple[Loaded, Orphans] | None:
+        """etcd holds no record of the job (no progress, no manifest): if
+        this worker's checkpoint directory holds the job's checkpoint files,
+        etcd most likely lost the job's data, and starting at step 0 would
+        silently discard (and later overwrite) them. Loads the newest
+        written file that verifies against the manifest copy beside it.
+
+        None: no such file (a new job), or ``start_over``. ``ProgressLost``
+        if files exist but none can be checked; ``CheckpointUnusable`` if
+        none that can be checked loads."""
         if self.checkpoints is None or self._start_over:
-            return
+            return None
         directory = self.checkpoints.directory
+        lost = (
+            f"job {self.job_name} has no record in etcd (no progress, no checkpoint "
+            f"manifest), but {directory} holds checkpoint files of it: etcd probably lost "
+            "the job's data"
+        )
         try:
-            names = [p.name for p in directory.iterdir()]
-        except OSError:
-            return
-        found = (parse_file_name(n, self.job_name) for n in names)
-        steps = sorted(step for step in found if step is not None)
-        if steps:
+            orphans = find_orphans(directory, self.job_name)
+        except OSError as exc:
             raise ProgressLost(
-                f"job {self.job_name} has no record in etcd (no progress, no checkpoint "
-                f"manifest), but {directory} holds {len(steps)} checkpoint files (newest: step "
-                f"{steps[-1]}): etcd probably lost the job's data. Starting at step 0 would "
-                "silently discard them. Restore etcd from a backup, or start over on purpose "
-                "with start_over=True (rollcall worker --start-over) or a new job name"
+                f"job {self.job_name} has no record in etcd and its checkpoint directory "
+                f"{directory} cannot be listed ({exc.strerror or exc}): whether it holds the "
+                "job's checkpoints is unknown, so it is not started at step 0. Fix the "
+                "directory's permissions, or start over on purpose with start_over=True "
+                "(rollcall worker --start-over) or a new job name"
+            ) from exc
+        if not orphans.manifests:
+            if not orphans.unchecked:
+                return None
+            raise ProgressLost(
+                f"{lost}, and none can be checked ({'; '.join(orphans.unchecked)}). Starting "
+                "at step 0 would silently discard them. Restore etcd from a backup, or start "
+                "over on purpose with start_over=True (rollcall worker --start-over) or a new "
+                "job name"
             )
+        try:
+            return load_newest(orphans.manifests), orphans
+        except CheckpointUnusable as exc:
+            raise CheckpointUnusable(
+                f"{lost}, and none of them loads: {exc}. Restore a good copy into {directory} "
+                "or etcd from a backup, or start over on purpose with start_over=True "
+                "(rollcall worker --start-over) or a new job name"
+            ) from exc
 
     def _checkpoint_failed(self, step: int, reason: str) -> None:
         """(Writer thread.) Durability is stuck: count it, tell the leader."""
@@ -1089,32 +1125,49 @@ class Elastic:
         (the worker must not start the job from scratch on its own)."""
         launch = process_age()
         status = self._remote(self._client.status(), f"epoch {view.epoch}: reading checkpoints")
-        if not status.checkpoints:
-            if status.last_step is None:
-                self._refuse_orphaned_checkpoints()
+        orphans: Orphans | None = None
+        if status.checkpoints:
+            # A manifest beyond the job's recorded progress is not trusted
+            # (the leader records progress at least up to each checkpoint
+            # it accepts).
+            known = status.last_step is not None
+            limit = progress_limit(status.last_step, status.step) if known else None
+            loaded = load_newest(status.checkpoints, limit)
+        elif status.last_step is None:
+            found = self._orphaned_checkpoint()
+            if found is None:
                 return  # a new job: step 0 is where it starts
-            if not self._start_over:
-                raise ProgressLost(
-                    f"job {self.job_name} reached step {status.last_step}, but no live worker "
-                    "holds its state and it has no durable checkpoint: starting again would "
-                    "silently retrain it from step 0. To start over on purpose pass "
-                    "start_over=True (rollcall worker --start-over) or use a new job name; "
-                    "to keep a job's progress through such losses, give its workers "
-                    "checkpoint_dir= (rollcall worker --checkpoint-dir)"
-                )
+            loaded, orphans = found
+        elif not self._start_over:
+            raise ProgressLost(
+                f"job {self.job_name} reached step {status.last_step}, but no live worker "
+                "holds its state and it has no durable checkpoint: starting again would "
+                "silently retrain it from step 0. To start over on purpose pass "
+                "start_over=True (rollcall worker --start-over) or use a new job name; "
+                "to keep a job's progress through such losses, give its workers "
+                "checkpoint_dir= (rollcall worker --checkpoint-dir)"
+            )
+        else:
             log.warning(
                 "job %s had reached step %d and no state is left: starting over from step 0 "
                 "as asked (start_over)", self.job_name, status.last_step,
             )  # fmt: skip
             return
-        # A manifest beyond the job's recorded progress is not trusted (the
-        # leader records progress at least up to each checkpoint it accepts).
-        known = status.last_step is not None
-        limit = progress_limit(status.last_step, status.step) if known else None
-        loaded = load_newest(status.checkpoints, limit)
         with self._lock:
             self._restore(loaded.state)
             self._snapshot = None  # served without RNG states, captured at the roll call
+        if orphans is not None:
+            self._adopted = (loaded.manifest, orphans.manifests)
+            log.warning(
+                "job %s has no record in etcd (no progress, no checkpoint manifest), but %s "
+                "holds %d checkpoint files of it: etcd probably lost the job's data. Resumed "
+                "from the newest written one that verifies, step %d (%s, written %s); it is "
+                "published again once the job resumes from it",
+                self.job_name, self.checkpoints.directory if self.checkpoints else "?",
+                len(orphans.manifests) + len(orphans.unchecked), loaded.manifest.step,
+                Path(loaded.manifest.uri).name,
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(loaded.manifest.created_unix)),
+            )  # fmt: skip
         s_ckpt = loaded.manifest.step
         self.resumed = ReplayCost(
             s_done=max(s_ckpt, status.last_step if status.last_step is not None else s_ckpt),
