@@ -21,7 +21,7 @@ import pytest
 
 from rollcall.local import discovery_dir, find_local
 from rollcall.private import UnsafePath, create_private, private_directory
-from tests.harness import ROOT, ControlPlane, WorkerProcess, wait_for
+from tests.harness import ROOT, ControlPlane, ReplicaProcess, WorkerProcess, wait_for
 from tests.test_up import PATIENCE, isolated_env, members, start_up, stop_up
 
 #: A uid that is not ours (the tests run as root, which may chown to it).
@@ -270,3 +270,28 @@ def test_worker_started_with_sigint_ignored_stops_on_ctrl_c(control_plane, tmp_p
         if worker.proc.poll() is None:
             worker.kill()
     assert code in (0, 130), (code, worker.log_tail())
+
+
+def test_rendezvous_started_with_sigint_ignored_stops_on_ctrl_c(etcd, tmp_path: Path):
+    """The same for a command with no handler of its own (`rollcall
+    rendezvous`): it puts back the default SIGINT handler it inherited
+    ignored, so Ctrl-C ends it."""
+    from rollcall.etcd_local import free_port
+
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the child
+    try:
+        replica = ReplicaProcess([etcd.endpoint], "job1", token, free_port(), tmp_path / "r.log")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        replica.signal(signal.SIGINT)
+        code = replica.proc.wait(timeout=PATIENCE)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        if replica.proc.poll() is None:
+            replica.kill()
+    assert code is not None, "SIGINT did nothing: the replica ran on"
