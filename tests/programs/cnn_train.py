@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from rollcall import Elastic, ViewChanged
+from rollcall import Config, Elastic, ViewChanged
 
 
 class Shapes(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -151,11 +151,14 @@ def train(args: argparse.Namespace) -> None:
     ema = EMA(model)
     clip = Clip(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if args.grad_scaler else None
+    config = None
+    if args.collective_timeout is not None:
+        config = Config(collective_timeout=args.collective_timeout)
     with Elastic(
         model, optimizer, loader if args.loader_workers else data,
         global_batch=args.global_batch, micro_batch=args.micro_batch, seed=args.seed,
         scheduler=scheduler, grad_scaler=scaler, state={"ema": ema}, before_update=clip,
-        min_workers=args.min_workers, ledger=args.ledger,
+        min_workers=args.min_workers, ledger=args.ledger, config=config,
     ) as job:  # fmt: skip
         say(event="joined", member_id=job.member_id)
         for step in job.steps(args.steps):
@@ -250,6 +253,9 @@ def main() -> None:
         type=float,
         default=0.0,
         help="seconds an evaluation takes on top of its compute",
+    )
+    parser.add_argument(
+        "--collective-timeout", type=float, help="Config.collective_timeout (default: its default)"
     )
     parser.add_argument("--ledger")
     parser.add_argument("--save", help="rank 0 saves the final model here")
