@@ -652,7 +652,7 @@ class Replica(pb_grpc.RendezvousServicer):
             f"{committed} and this replica never saw a later one: etcd lost the job's data "
             "(wiped, replaced or restored from an old backup) and no replica remembered it. "
             "This worker's state is intact but cannot rejoin under its old id: restart the "
-            "job's workers (with a checkpoint directory they resume from the newest file in it)"
+            "job's workers"
         )
 
     # --- the roll-call driver -------------------------------------------------

@@ -29,7 +29,12 @@ from typing import Any, TypeVar
 
 import click
 
-from rollcall.membership.checkpoint import CheckpointManifest, Durability, parse_file_name
+from rollcall.membership.checkpoint import (
+    CheckpointManifest,
+    Durability,
+    manifest_file_name,
+    parse_file_name,
+)
 from rollcall.membership.config import Config
 
 T = TypeVar("T")

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rollcall.membership.checkpoint import MANIFEST_SUFFIX, manifest_file_name
 from tests.harness import ROOT, ControlPlane, WorkerProcess, wait_for
 from tests.test_checkpoint_trust import EVERY, etcdctl_put, start
 from tests.test_worker_e2e import PATIENCE, wait_step
@@ -96,6 +97,8 @@ def test_an_operator_inspects_repairs_and_gets_a_job_out_of_exit_4(
         assert listed(plane)["checkpoints"] == []
         left = [str(directory / p) for p in os.listdir(directory) if p.endswith(".rcs")]
         assert left == [record["checkpoints"][0]["uri"]]  # forgotten earlier, its file kept
+        copies = [p for p in os.listdir(directory) if p.endswith(MANIFEST_SUFFIX)]
+        assert copies == [manifest_file_name(Path(left[0]).name)]  # deleted with their files
 
         # No checkpoint, progress recorded: no silent restart, until asked.
         workers.append(start(plane, tmp_path, "w2", directory, 1000))

@@ -53,6 +53,7 @@ from rollcall.membership.errors import (
     ControlPlaneUnavailable,
     Evicted,
     Interrupted,
+    JobRecordLost,
     ProgressLost,
     RollcallError,
     UsageError,
@@ -713,6 +714,8 @@ class Elastic:
         with self._view_changed:
             while True:
                 ended = self._client.ended
+                if isinstance(ended, JobRecordLost):
+                    raise JobRecordLost(f"{ended}. {self._what_restarting_does()}") from ended
                 if ended is not None:
                     raise ended
                 self._raise_if_interrupted()
@@ -1052,6 +1055,21 @@ class Elastic:
         self._loop.call_soon_threadsafe(self._client.report_progress, step)
         return self._call(
             self._client.publish_checkpoint(manifest), timeout=self._config.client_call_deadline
+        )
+
+    def _what_restarting_does(self) -> str:
+        """What workers started again after etcd lost the job's record find
+        (``JobRecordLost``): said, so that nobody restarts from step 0 unawares."""
+        held = f"This worker held step {self.committed_step}"
+        if self.checkpoints is None:
+            return (
+                f"{held} and has no checkpoint directory: workers started again find no record "
+                "of the job and, without checkpoint files, start it at step 0. Restore etcd "
+                "from a backup to keep the progress"
+            )
+        return (
+            f"{held}; workers started again resume from the newest checkpoint file in "
+            f"{self.checkpoints.directory} that verifies"
         )
 
     def _orphaned_checkpoint(self) -> tuple[Loaded, Orphans] | None:
