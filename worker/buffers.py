@@ -19,9 +19,8 @@ change of each buffer during the step travels in the step's all-reduce
   changes, which is exactly what one process running every microbatch would
   count.
 
-This is not bit-identical to one process running the microbatches in order
-(its running statistics compound the momentum microbatch after microbatch);
-the exact mode does that. A step that is not committed restores the buffers
+This is not bit-identical between world sizes; the exact mode
+(``rollcall.worker.exact``) is. A step that is not committed restores the buffers
 of the last committed step, so an aborted step leaves no trace in them.
 """
 
@@ -87,6 +86,23 @@ class BufferSync:
         with torch.no_grad():
             for (_, buffer), before in zip(self._buffers, self._committed, strict=True):
                 buffer.copy_(before)
+
+    def current(self) -> list[torch.Tensor]:
+        """Copies of the buffers as they are now (exact mode keeps each
+        microbatch's)."""
+        return [buffer.detach().clone() for _, buffer in self._buffers]
+
+    def committed(self) -> list[torch.Tensor]:
+        """The buffers as of the last commit, in order (not copies: read only)."""
+        return list(self._committed)
+
+    def set_committed(self, values: list[torch.Tensor]) -> None:
+        """Set every buffer to ``values`` (in order); they become the new
+        committed values."""
+        with torch.no_grad():
+            for (_, buffer), value in zip(self._buffers, values, strict=True):
+                buffer.copy_(value)
+        self._committed = [buffer.detach().clone() for _, buffer in self._buffers]
 
     def committed_state(self) -> dict[str, torch.Tensor]:
         """The buffers as of the last commit, by state-dict name (what a

@@ -84,6 +84,7 @@ from rollcall.worker.environment import (
     ENV_NAME,
     ENV_RENDEZVOUS,
 )
+from rollcall.worker.exact import ExactStep
 from rollcall.worker.faults import Faults
 from rollcall.worker.fingerprint import job_fingerprint
 from rollcall.worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
@@ -97,6 +98,8 @@ from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, Transf
 
 log = logging.getLogger("rollcall.worker")
 T = TypeVar("T")
+#: Exact mode's collectives by name.
+_REDUCE_OPS = {"max": ReduceOp.MAX, "sum": ReduceOp.SUM}
 
 #: ``Elastic.all_reduce`` operations.
 _REDUCE_OPS = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX,
@@ -123,10 +126,14 @@ class Step:
         self._count = 0
         self._loss = 0.0
         self._microbatches = 0
+        #: Index (within the step) of the microbatch handed out last.
+        self._index = -1
         self.aborted = False
         self.committed = False
         #: Mean loss over the global batch, known after a successful commit.
         self.loss: float | None = None
+        if job._exact is not None:
+            job._exact.begin()
 
     def microbatches(self) -> Iterator[Batch]:
         """This rank's microbatches of the step (loaded ahead when there are
@@ -138,8 +145,11 @@ class Step:
                 self.aborted = True
                 return
             data = job._loader.get(mb.step, mb.index)
+            if job._exact is not None:
+                job._exact.start(mb.index)
             torch.manual_seed(mb.seed)
             self._microbatches += 1
+            self._index = mb.index
             yield Batch(mb, data)
 
     def backward(self, loss_sum: torch.Tensor, count: int) -> None:
@@ -151,6 +161,8 @@ class Step:
             job._scaler.scale(loss_sum).backward()
         else:
             loss_sum.backward()
+        if job._exact is not None:
+            job._exact.took(self._index, float(loss_sum.detach()), count)
         job._gradients.mark()
         self._count += count
         self._loss += float(loss_sum.detach())
@@ -222,6 +234,7 @@ class Elastic:
         state: Mapping[str, Any] | None = None,
         before_update: Callable[[Step], Any] | None = None,
         sync_buffers: bool = True,
+        exact: bool = False,
         min_workers: int = 1,
         start_over: bool = False,
         rendezvous: Sequence[str] | str | None = None,
@@ -260,6 +273,11 @@ class Elastic:
             raise ValueError(f"min_workers must be an int >= 1, got {min_workers!r}")
         if before_update is not None and not callable(before_update):
             raise TypeError("before_update must be callable (it is given the Step)")
+        if exact and not sync_buffers:
+            raise ValueError(
+                "exact=True keeps the buffers identical on every replica: it cannot be combined "
+                "with sync_buffers=False"
+            )
         check_scheduler(scheduler, optimizer)
         self._extras = check_extras(state or {})
         self._token = token or read_token(None)
@@ -296,7 +314,8 @@ class Elastic:
         self.fingerprint = job_fingerprint(
             model, optimizer, self._loader.plan, scheduler=scheduler, grad_scaler=grad_scaler,
             extras=self._extras,
-            flags={"min_workers": str(min_workers), "sync_buffers": str(sync_buffers).lower()},
+            flags={"min_workers": str(min_workers), "sync_buffers": str(sync_buffers).lower(),
+                   "exact": str(exact).lower()},
         )  # fmt: skip
         # Forked loader workers must start before any socket or thread exists,
         # and must not keep the supervisor's channel open after we are gone.
@@ -306,7 +325,13 @@ class Elastic:
         self.member_id: str | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._buffers = BufferSync(model) if sync_buffers else None
+        self._exact = (
+            ExactStep(self._params, self._buffers, self._loader.plan.num_microbatches)
+            if exact
+            else None
+        )
         self._gradients = GradientWatch(self._params)
+        self._dtypes = [p.dtype for p in self._params]
         # Checked once before anything starts: the state must be one that
         # can travel (and this raises TypeError naming what cannot).
         self._capture(-1, with_rng=False)
@@ -882,15 +907,26 @@ class Elastic:
             return False
         self._gradients.check()
         self._check_scheduler_registered()
-        tensors, buffer_slots = self._reduction(step)
         try:
-            group.allreduce_sum(tensors)
+            if self._exact is not None:
+                reduced = self._exact.reduce(
+                    lambda tensors, op: group.allreduce(tensors, _REDUCE_OPS[op]), self._dtypes
+                )
+                count, loss = float(reduced.count), reduced.loss
+                finish = reduced.apply
+            else:
+                tensors, buffer_slots = self._reduction(step)
+                group.allreduce_sum(tensors)
+                count, loss = float(tensors[-1][0]), float(tensors[-1][1])
+
+                def finish() -> None:
+                    self._normalise(tensors, buffer_slots, count)
+
         except PeerFailed as exc:
             self._note_failure(f"epoch {step.epoch}: all-reduce failed", exc.reason)
             return False
         except StepAborted:
             return False
-        count, loss = float(tensors[-1][0]), float(tensors[-1][1])
         if count <= 0:
             raise UsageError(
                 f"step {step.number}: the global sample count is {count:g}: step.backward "
@@ -916,7 +952,7 @@ class Elastic:
                     )
                 return False
             with self._lock:
-                self._apply(step, tensors, buffer_slots, count)
+                self._apply(step, finish)
                 landed = True
                 if self._checkpoint_due(step):
                     snapshot = self._capture(step.number)
@@ -969,15 +1005,18 @@ class Elastic:
         slots = slice(len(grads), len(grads) + len(buffers))
         return [*grads, *buffers, totals], slots
 
-    def _apply(
-        self, step: Step, tensors: list[torch.Tensor], buffer_slots: slice, count: float
-    ) -> None:
-        """The update, under ``_lock``: normalise, buffers, hook, optimizer,
-        scaler, scheduler."""
+    def _normalise(self, tensors: list[torch.Tensor], buffer_slots: slice, count: float) -> None:
+        """(Default mode.) The summed gradients divided by the global count,
+        the buffers set from their summed changes."""
         for grad in tensors[: buffer_slots.start]:
             grad.div_(count)
         if self._buffers is not None:
             self._buffers.apply(tensors[buffer_slots], self.plan.num_microbatches)
+
+    def _apply(self, step: Step, finish: Callable[[], None]) -> None:
+        """The update, under ``_lock``: the reduction's gradients and buffers
+        (``finish``), hook, optimizer, scaler, scheduler."""
+        finish()
         if self._scaler is not None:
             self._scaler.unscale_(self._optimizer)
         if self._before_update is not None:

@@ -158,7 +158,7 @@ def train(args: argparse.Namespace) -> None:
         model, optimizer, loader if args.loader_workers else data,
         global_batch=args.global_batch, micro_batch=args.micro_batch, seed=args.seed,
         scheduler=scheduler, grad_scaler=scaler, state={"ema": ema}, before_update=clip,
-        min_workers=args.min_workers, ledger=args.ledger, config=config,
+        min_workers=args.min_workers, ledger=args.ledger, config=config, exact=args.exact,
     ) as job:  # fmt: skip
         say(event="joined", member_id=job.member_id)
         for step in job.steps(args.steps):
@@ -193,6 +193,10 @@ def train(args: argparse.Namespace) -> None:
             torch.save(model.state_dict(), args.save)
         if args.save_all:
             torch.save(model.state_dict(), f"{args.save_all}/model-{job.member_id}.pt")
+        if args.save_state:
+            whole = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict()}  # fmt: skip
+            torch.save(whole, f"{args.save_state}/state-{job.member_id}.pt")
 
 
 def reference(args: argparse.Namespace) -> None:
@@ -256,6 +260,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--collective-timeout", type=float, help="Config.collective_timeout (default: its default)"
+    )
+    parser.add_argument("--exact", action="store_true", help="Elastic(exact=True)")
+    parser.add_argument(
+        "--save-state", help="every rank saves model, optimizer and scheduler state here"
     )
     parser.add_argument("--ledger")
     parser.add_argument("--save", help="rank 0 saves the final model here")

@@ -1,0 +1,215 @@
+"""Exact mode's reduction (worker/exact.py): the step's gradient and buffers
+come out bit for bit the same however the microbatches are split between
+ranks, and within the documented bound of the exact real sum.
+
+Ranks are simulated in threads of one process, each with its own copy of the
+model; their collective is a barrier that sums (or takes the maximum of) what
+every rank handed in. The runtime's real gloo collectives are exercised by
+tests/test_exact_e2e.py."""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from rollcall.membership.errors import UsageError
+from rollcall.worker.buffers import BufferSync
+from rollcall.worker.exact import NO_EXPONENT, ExactStep, exponent, fixed_point_bits
+
+MICROBATCHES = 6
+
+
+class Collective:
+    """All-reduce across ``ranks`` threads (element-wise max or sum)."""
+
+    def __init__(self, ranks: int) -> None:
+        self._barrier = threading.Barrier(ranks)
+        self._lock = threading.Lock()
+        self._handed: list[list[torch.Tensor]] = []
+        self._result: list[torch.Tensor] = []
+
+    def __call__(self, tensors: Sequence[torch.Tensor], op: str) -> None:
+        with self._lock:
+            self._handed.append([t.clone() for t in tensors])
+        if self._barrier.wait() == 0:  # everyone handed in; the others wait
+            columns = zip(*self._handed, strict=True)
+            if op == "max":
+                self._result = [torch.stack(c).amax(0) for c in columns]
+            else:
+                self._result = [torch.stack(c).sum(0) for c in columns]
+            self._handed = []
+        self._barrier.wait()
+        for tensor, value in zip(tensors, self._result, strict=True):
+            tensor.copy_(value)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    )
+
+
+def batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + index)
+    return torch.randn(5, 8, generator=generator), torch.randint(0, 3, (5,), generator=generator)
+
+
+def run_rank(model: torch.nn.Module, indices: Sequence[int], reduce: Collective) -> dict:
+    params = [p for p in model.parameters()]
+    sync = BufferSync(model)
+    exact = ExactStep(params, sync, MICROBATCHES)
+    exact.begin()
+    for index in indices:
+        exact.start(index)
+        inputs, targets = batch(index)
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum")
+        loss.backward()
+        exact.took(index, float(loss.detach()), len(targets))
+    reduced = exact.reduce(reduce, [p.dtype for p in params])
+    reduced.apply()
+    return {
+        "count": reduced.count,
+        "loss": reduced.loss,
+        "grads": [p.grad.clone() for p in params],
+        "buffers": [b.clone() for b in model.buffers()],
+    }
+
+
+def split_run(partition: Sequence[Sequence[int]]) -> list[dict]:
+    """One step over ``partition`` (the microbatch indices of each rank)."""
+    base = make_model()
+    reduce = Collective(len(partition))
+    results: list[dict] = [{} for _ in partition]
+    errors: list[BaseException] = []
+
+    def rank(i: int) -> None:
+        try:
+            results[i] = run_rank(copy.deepcopy(base), partition[i], reduce)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+            reduce._barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(partition))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    return results
+
+
+PARTITIONS = [
+    [[0, 1, 2, 3, 4, 5]],
+    [[0, 1, 2], [3, 4, 5]],
+    [[0, 1], [2, 3], [4, 5]],
+    [[0], [1, 2, 3, 4], [5]],
+    [[5, 4], [3], [2, 1, 0]],  # another order within a rank, too
+    [[0], [1], [2], [3], [4], [5]],
+]
+
+
+def test_every_split_gives_the_same_bits_on_every_rank():
+    reference = split_run(PARTITIONS[0])[0]
+    for partition in PARTITIONS[1:]:
+        for result in split_run(partition):
+            assert result["count"] == reference["count"] == 30
+            assert result["loss"] == reference["loss"]
+            for got, want in zip(result["grads"], reference["grads"], strict=True):
+                assert torch.equal(got, want), partition
+            for got, want in zip(result["buffers"], reference["buffers"], strict=True):
+                assert torch.equal(got, want), partition
+
+
+def test_a_float_sum_of_the_same_gradients_depends_on_the_split():
+    """What exact mode removes: summing the same microbatch gradients in
+    another grouping changes bits (the test data is sensitive to it)."""
+    model = make_model()
+    grads = []
+    for index in range(MICROBATCHES):
+        model.zero_grad()
+        inputs, targets = batch(index)
+        torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum").backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+
+    def grouped(groups: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        partial = [[sum(grads[i][j] for i in g) for j in range(len(grads[0]))] for g in groups]
+        return [sum(p[j] for p in partial) for j in range(len(grads[0]))]
+
+    one, three = grouped(PARTITIONS[0]), grouped(PARTITIONS[3])
+    assert any(not torch.equal(a, b) for a, b in zip(one, three, strict=True))
+
+
+def test_the_result_is_within_the_documented_bound_of_the_exact_sum():
+    result = split_run(PARTITIONS[2])[0]
+    model = make_model()
+    exact_sum = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+    largest = [0.0 for _ in exact_sum]
+    for index in range(MICROBATCHES):
+        model.zero_grad()
+        inputs, targets = batch(index)
+        torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum").backward()
+        for j, p in enumerate(model.parameters()):
+            exact_sum[j] += p.grad.to(torch.float64)
+            largest[j] = max(largest[j], float(p.grad.abs().max()))
+    bits = fixed_point_bits(MICROBATCHES)
+    for got, want, top in zip(result["grads"], exact_sum, largest, strict=True):
+        e = math.frexp(top)[1]
+        bound = MICROBATCHES * 2.0 ** (e - bits - 1) / 30
+        # float32 rounding of the final value comes on top of the fixed point's
+        float_ulp = torch.finfo(torch.float32).eps * (want / 30).abs()
+        assert ((got.double() - want / 30).abs() <= bound + float_ulp).all()
+
+
+def test_the_fixed_point_sum_cannot_overflow():
+    for microbatches in (1, 2, 3, 6, 64, 1000):
+        assert microbatches * 2 ** fixed_point_bits(microbatches) <= 2**62
+
+
+def test_exponents_bound_the_values_and_zeros_have_none():
+    assert exponent(torch.zeros(4)) == (NO_EXPONENT, False)
+    assert exponent(torch.tensor([0.75, -3.0])) == (2, False)  # |x| < 4
+    assert exponent(torch.tensor([1.0, float("inf")]))[1]
+    assert exponent(torch.tensor([float("nan")]))[1]
+
+
+def test_a_non_finite_gradient_anywhere_is_seen_by_every_rank():
+    base = make_model()
+    reduce = Collective(2)
+    results: list[list[torch.Tensor]] = [[], []]
+
+    def rank(i: int) -> None:
+        model = copy.deepcopy(base)
+        params = list(model.parameters())
+        exact = ExactStep(params, BufferSync(model), MICROBATCHES)
+        exact.begin()
+        for index in ((0, 1, 2), (3, 4, 5))[i]:
+            exact.start(index)
+            inputs, targets = batch(index)
+            loss = torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum")
+            (loss * (math.inf if index == 4 else 1.0)).backward()
+            exact.took(index, float(loss.detach()), len(targets))
+        reduced = exact.reduce(reduce, [p.dtype for p in params])
+        reduced.apply()
+        results[i] = [p.grad for p in params]
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for grads in results:
+        assert grads and all(not torch.isfinite(g).any() for g in grads)
+
+
+def test_backward_outside_the_microbatches_is_refused():
+    model = make_model()
+    exact = ExactStep(list(model.parameters()), BufferSync(model), MICROBATCHES)
+    exact.begin()
+    with pytest.raises(UsageError, match=r"step\.microbatches\(\)"):
+        exact.took(-1, 0.0, 1)

@@ -1,0 +1,140 @@
+"""Exact mode end to end (docs/exactness.md): the CNN-with-BatchNorm test
+program trained by one worker, and by three workers of which two are
+SIGKILLed and replaced by joiners at different steps, holds bit-identical
+state (parameters, buffers, optimizer, scheduler) at every committed step.
+Real etcd, a real rendezvous service, real worker processes and gloo."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import ControlPlane, ProgramProcess, wait_for
+
+pytestmark = pytest.mark.integration
+
+PATIENCE = 120.0
+#: Long enough that the survivors still train when the second joiner arrives.
+STEPS = 300
+PROGRAM = "cnn_train.py"
+
+
+class Run:
+    """Copies of the test program in exact mode on one job."""
+
+    def __init__(self, plane: ControlPlane, directory: Path) -> None:
+        self.plane, self.directory = plane, directory
+        self.states = directory / "states"
+        self.states.mkdir()
+        self.all: list[ProgramProcess] = []
+
+    def start(self, min_workers: int) -> ProgramProcess:
+        args = ["--steps", str(STEPS), "--digests", "--exact", "--save-state", str(self.states),
+                "--min-workers", str(min_workers), "--loader-workers", "0"]  # fmt: skip
+        index = len(self.all)
+        program = ProgramProcess(
+            self.plane, PROGRAM, args, self.directory / f"program{index}.log"
+        )
+        self.all.append(program)
+        return program
+
+    def digests(self) -> dict[int, set[str]]:
+        by_step: dict[int, set[str]] = {}
+        for program in self.all:
+            for event in program.events("step"):
+                by_step.setdefault(event["step"], set()).add(event["digest"])
+        return by_step
+
+    def saved(self) -> list[dict]:
+        return [torch.load(p, weights_only=True) for p in sorted(self.states.glob("*.pt"))]
+
+
+@contextlib.contextmanager
+def run(etcd, tmp_path: Path, job: str) -> Iterator[Run]:
+    directory = tmp_path / job
+    directory.mkdir()
+    plane = ControlPlane([etcd.endpoint], directory, job=job)
+    group = Run(plane, directory)
+    try:
+        yield group
+    finally:
+        for program in group.all:
+            with contextlib.suppress(Exception):
+                program.stop(timeout=20)
+        plane.close()
+
+
+def step_of(program: ProgramProcess) -> int:
+    return max((e["step"] for e in program.events("step")), default=-1)
+
+
+def world_of(program: ProgramProcess) -> int:
+    steps = program.events("step")
+    return steps[-1]["world"] if steps else 0
+
+
+def tensors(tree: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for key in sorted(tree, key=str):
+            yield from tensors(tree[key], f"{prefix}/{key}")
+    elif isinstance(tree, (list, tuple)):
+        for index, item in enumerate(tree):
+            yield from tensors(item, f"{prefix}/{index}")
+
+
+@pytest.mark.timeout(600)
+def test_one_worker_and_three_with_two_kills_and_two_joins_hold_the_same_bits_at_every_step(
+    etcd, tmp_path: Path
+) -> None:
+    with run(etcd, tmp_path, "alone") as alone:
+        program = alone.start(1)
+        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+        reference = alone.digests()
+        [reference_state] = alone.saved()
+    assert sorted(reference) == list(range(STEPS))
+    assert all(len(d) == 1 for d in reference.values())
+
+    with run(etcd, tmp_path, "churn") as churn:
+        team = [churn.start(3) for _ in range(3)]
+        kill_at = 8
+        for _ in range(2):
+
+            def reached(at: int = kill_at) -> bool:
+                return min(step_of(p) for p in team) >= at
+
+            wait_for(reached, f"step {kill_at}", PATIENCE)
+            victim = team.pop(0)  # rank 0 first, then a survivor
+            victim.signal(signal.SIGKILL)
+            wait_for(lambda: all(world_of(p) == 2 for p in team), "the view to shrink", PATIENCE)
+            team.append(churn.start(3))  # the same settings: min_workers is checked at join
+            wait_for(lambda: all(world_of(p) == 3 for p in team), "the joiner", PATIENCE)
+            kill_at = max(step_of(p) for p in team) + 15
+        for program in team:
+            assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+        digests = churn.digests()
+        saved = churn.saved()
+        seen_worlds = {e["world"] for p in churn.all for e in p.events("step")}
+
+    assert seen_worlds == {2, 3}, seen_worlds
+    assert sorted(digests) == list(range(STEPS))
+    differing = {
+        step: (sorted(found), sorted(reference[step]))
+        for step, found in digests.items()
+        if found != reference[step]
+    }
+    assert differing == {}, f"steps whose state differs from the single worker's: {differing}"
+    assert len(saved) == 3  # the two that were killed saved nothing
+    want = dict(tensors(reference_state))
+    assert want, "nothing was saved"
+    for state in saved:
+        got = dict(tensors(state))
+        assert got.keys() == want.keys()
+        unequal = [name for name in want if not torch.equal(got[name], want[name])]
+        assert unequal == [], unequal

@@ -1,0 +1,289 @@
+"""Exact mode: a step's update depends on its samples alone, not on how many
+ranks ran it or which rank ran which microbatch (``docs/exactness.md``).
+
+Floating-point addition is not associative, so the default reduction (each
+rank sums its microbatches' gradients in turn, gloo sums the ranks' partial
+sums in an order of its own) gives last-bit differences between world sizes,
+and Adam turns the rounding noise of gradients that are truly zero into full
+steps. Here the sum is formed where order cannot matter:
+
+* each microbatch's gradients are kept apart (``took``; the backward pass of
+  one microbatch on identical weights and inputs is the same computation on
+  every rank);
+* one all-reduce (MAX) agrees, per parameter tensor, on the largest binary
+  exponent any microbatch of the step reached;
+* every microbatch gradient becomes a fixed-point integer at that tensor's
+  scale (``int64``, rounded half to even), chosen so that the sum of all the
+  step's microbatches cannot overflow: integer addition is exact, so the
+  local sums and the all-reduce (SUM) of them are the same whatever the split;
+* the integer sum goes back to floating point once, divided by the global
+  count, with IEEE rounding: the same bits on every rank and in every run.
+
+The error against the exact real sum is at most half a unit of the scale per
+microbatch: ``|error| <= M * 2**(e - B - 1)`` for ``M`` microbatches, ``B =
+62 - ceil(log2 M)`` and ``2**e`` above the tensor's largest microbatch
+gradient, i.e. about ``2**-63`` relative to that largest value (far below a
+float32 ulp of it); values of the tensor more than ~2**38 times smaller than
+its largest lose relative precision (a float sum would lose them too).
+
+Buffers updated in the forward pass (BatchNorm's running statistics) are
+handled the same way: every microbatch runs from the step's starting buffers,
+its result is kept, the results travel bit for bit (each microbatch's row has
+one contributor, and integer addition of a value and zeros is exact) and
+every rank combines them in microbatch order: floating-point buffers become
+the mean of the microbatches' results (as if the global batch were one
+batch), integer ones add up the microbatches' changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rollcall.membership.errors import UsageError
+from rollcall.worker.buffers import BufferSync
+
+__all__ = ["MIN_EXPONENT", "NO_EXPONENT", "ExactStep", "Reduced", "fixed_point_bits"]
+
+#: Exponent of a tensor no microbatch gave a nonzero gradient.
+NO_EXPONENT = -(2**62)
+#: Exponents are clamped here: the scale ``2**(B - e)`` must stay a finite
+#: float64 (``B - e <= 1023``); gradients below ``2**-961`` round to zero.
+MIN_EXPONENT = -961
+
+#: Reduces tensors in place across the view with "max" or "sum".
+Reduce = Callable[[Sequence[torch.Tensor], str], None]
+
+
+def fixed_point_bits(microbatches: int) -> int:
+    """``B``: every quantised value is at most ``2**B`` in magnitude, so the
+    sum of ``microbatches`` of them stays below ``2**62`` (no int64 overflow)."""
+    return 62 - max(0, (microbatches - 1).bit_length())
+
+
+def exponent(tensor: torch.Tensor) -> tuple[int, bool]:
+    """The binary exponent ``e`` with ``|x| < 2**e`` for every element (or
+    ``NO_EXPONENT`` for all zeros), and whether any element is not finite."""
+    if tensor.numel() == 0:
+        return NO_EXPONENT, False
+    largest = float(tensor.detach().abs().max())
+    if not math.isfinite(largest):
+        return NO_EXPONENT, True
+    if largest == 0.0:
+        return NO_EXPONENT, False
+    return max(math.frexp(largest)[1], MIN_EXPONENT), False
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """float64 values as their int64 bit patterns (sent bit for bit)."""
+    return values.to(torch.float64).contiguous().view(torch.int64)
+
+
+def _floats(bits: torch.Tensor) -> torch.Tensor:
+    return bits.contiguous().view(torch.float64)
+
+
+@dataclass
+class _Microbatch:
+    """What one microbatch of the step left: its gradients (None: the
+    parameter got none), buffers after its forward pass, loss and count."""
+
+    grads: list[torch.Tensor | None]
+    buffers: list[torch.Tensor]
+    loss: float
+    count: int
+
+
+@dataclass
+class Reduced:
+    """A step reduced in exact mode, to be applied (under the runtime's
+    update lock) or dropped."""
+
+    count: int
+    loss: float
+    params: list[torch.nn.Parameter]
+    grads: list[torch.Tensor]
+    sync: BufferSync | None
+    buffers: list[torch.Tensor] | None
+
+    def apply(self) -> None:
+        for p, grad in zip(self.params, self.grads, strict=True):
+            p.grad = grad
+        if self.sync is not None and self.buffers is not None:
+            self.sync.set_committed(self.buffers)
+
+
+class ExactStep:
+    """This rank's microbatches of the current step, kept apart and reduced
+    so that the result does not depend on the split.
+
+    Used by the runtime's ``Step``: ``begin`` when a step is handed out,
+    ``start`` before each microbatch, ``took`` after each ``step.backward``
+    and ``reduce`` at commit.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        buffers: BufferSync | None,
+        microbatches: int,
+    ) -> None:
+        self._params = list(params)
+        self._buffers = buffers
+        self._microbatches = microbatches
+        self._bits = fixed_point_bits(microbatches)
+        self._taken: dict[int, _Microbatch] = {}
+
+    def begin(self) -> None:
+        """A new step (or the same step again after an abort)."""
+        self._taken.clear()
+        if self._buffers is not None:
+            self._buffers.rollback()
+
+    def start(self, index: int) -> None:
+        """Before microbatch ``index``: it runs from the step's buffers."""
+        if self._buffers is not None:
+            self._buffers.rollback()
+
+    def took(self, index: int, loss: float, count: int) -> None:
+        """After a backward pass of microbatch ``index``: keep its gradients
+        apart (the parameters' ``.grad`` is cleared for the next one) and the
+        buffers its forward pass left, then put the step's buffers back."""
+        if not 0 <= index < self._microbatches:
+            raise UsageError(
+                "in exact mode step.backward() must be called inside "
+                "`for batch in step.microbatches()`, once or more per microbatch"
+            )
+        grads: list[torch.Tensor | None] = []
+        for p in self._params:
+            grads.append(None if p.grad is None else p.grad.detach())
+            p.grad = None
+        buffers = self._buffers.current() if self._buffers is not None else []
+        earlier = self._taken.get(index)
+        if earlier is not None:  # a second backward pass of the same microbatch
+            for i, grad in enumerate(grads):
+                before = earlier.grads[i]
+                if before is not None:
+                    grads[i] = before if grad is None else before + grad
+            loss, count = earlier.loss + loss, earlier.count + count
+        self._taken[index] = _Microbatch(grads, buffers, loss, count)
+        if self._buffers is not None:
+            self._buffers.rollback()
+
+    def reduce(self, reduce: Reduce, dtypes: Sequence[torch.dtype]) -> Reduced:
+        """Reduce the step across the view with ``reduce`` (two collectives:
+        a MAX of exponents, a SUM of integers). The result's ``apply`` sets
+        every parameter's ``.grad`` (as ``dtypes``) to the step's gradient
+        divided by the global count, and the buffers to their combination.
+        Raises whatever ``reduce`` raises (the step is then not applied), and
+        ``UsageError`` if the global count is not positive."""
+        exponents = self._exponents()
+        reduce([exponents], "max")
+        scales = [int(e) for e in exponents[:-1]]
+        payload = self._payload(scales)
+        reduce(payload, "sum")
+        n = len(self._params)
+        counts, losses, present = payload[-3], _floats(payload[-2]), payload[-1]
+        count = int(counts.sum())
+        if count <= 0:
+            raise UsageError(
+                f"the step's global sample count is {count}: step.backward must be given "
+                "the number of samples (or tokens) its loss sums over"
+            )
+        loss = 0.0
+        for index in range(self._microbatches):  # in microbatch order
+            if int(present[index]):
+                loss += float(losses[index])
+        nonfinite = bool(int(exponents[-1]))
+        grads = [
+            self._gradient(summed, e, count, nonfinite).to(dtype).reshape(p.shape)
+            for p, e, summed, dtype in zip(self._params, scales, payload[:n], dtypes, strict=True)
+        ]
+        buffers = self._combined(payload[n:-3], present) if self._buffers is not None else None
+        self._taken.clear()
+        return Reduced(count, loss, self._params, grads, self._buffers, buffers)
+
+    # --- the parts --------------------------------------------------------------
+
+    def _exponents(self) -> torch.Tensor:
+        """Per parameter tensor, the largest exponent this rank's microbatches
+        reached; last, 1 if any gradient is not finite."""
+        out = torch.full((len(self._params) + 1,), NO_EXPONENT, dtype=torch.int64)
+        out[-1] = 0
+        for taken in self._taken.values():
+            for i, grad in enumerate(taken.grads):
+                if grad is None:
+                    continue
+                e, nonfinite = exponent(grad)
+                if nonfinite:
+                    out[-1] = 1
+                out[i] = max(int(out[i]), e)
+        return out
+
+    def _payload(self, scales: Sequence[int]) -> list[torch.Tensor]:
+        """The int64 tensors of the SUM: per parameter the fixed-point sum of
+        this rank's microbatches; per buffer one row per microbatch of the
+        step (its result, bit for bit; zeros in the rows other ranks fill);
+        then per microbatch its count, loss (bits) and whether it ran here."""
+        grads = []
+        for i, (p, e) in enumerate(zip(self._params, scales, strict=True)):
+            total = torch.zeros(p.numel(), dtype=torch.int64)
+            if e != NO_EXPONENT:
+                factor = math.ldexp(1.0, self._bits - e)
+                for index in sorted(self._taken):
+                    grad = self._taken[index].grads[i]
+                    if grad is not None:
+                        scaled = torch.round(grad.to(torch.float64).reshape(-1) * factor)
+                        total += scaled.nan_to_num(0.0, 0.0, 0.0).to(torch.int64)
+            grads.append(total)
+        rows = []
+        if self._buffers is not None:
+            for j, start in enumerate(self._buffers.committed()):
+                row = torch.zeros((self._microbatches, start.numel()), dtype=torch.int64)
+                for index, taken in self._taken.items():
+                    value = taken.buffers[j].reshape(-1)
+                    row[index] = _bits(value) if start.is_floating_point() else value.long()
+                rows.append(row)
+        counts = torch.zeros(self._microbatches, dtype=torch.int64)
+        losses = torch.zeros(self._microbatches, dtype=torch.float64)
+        present = torch.zeros(self._microbatches, dtype=torch.int64)
+        for index, taken in self._taken.items():
+            counts[index], losses[index], present[index] = taken.count, taken.loss, 1
+        return [*grads, *rows, counts, _bits(losses).clone(), present]
+
+    def _gradient(self, summed: torch.Tensor, e: int, count: int, nonfinite: bool) -> torch.Tensor:
+        """The step's gradient of one tensor, in float64: the exact integer
+        sum back at its scale, divided by the global count."""
+        if nonfinite:
+            # Some microbatch overflowed: every rank sees the same inf (a
+            # grad scaler then skips the step and lowers its scale).
+            return torch.full(summed.shape, math.inf, dtype=torch.float64)
+        if e == NO_EXPONENT:
+            return torch.zeros(summed.shape, dtype=torch.float64)
+        return summed.to(torch.float64) * math.ldexp(1.0, e - self._bits) / count
+
+    def _combined(self, rows: Sequence[torch.Tensor], present: torch.Tensor) -> list[torch.Tensor]:
+        """Every buffer from the microbatches' results, in microbatch order."""
+        assert self._buffers is not None
+        out = []
+        ran = [index for index in range(self._microbatches) if int(present[index])]
+        for start, row in zip(self._buffers.committed(), rows, strict=True):
+            if not ran:
+                out.append(start.clone())
+                continue
+            if start.is_floating_point():
+                before = start.to(torch.float64).reshape(-1)
+                change = torch.zeros_like(before)
+                for index in ran:
+                    change += _floats(row[index]) - before
+                value = before + change / len(ran)
+            else:
+                before = start.long().reshape(-1)
+                value = before.clone()
+                for index in ran:
+                    value += row[index] - before
+            out.append(value.to(start.dtype).reshape(start.shape))
+        return out
