@@ -1006,9 +1006,10 @@ def worker(
         JobRecordLost,
         UnsafeFenceWindow,
     )
+    from rollcall.worker.digest import digest
     from rollcall.worker.examples.lm import LMConfig, build, loss_sum
     from rollcall.worker.runtime import Elastic
-    from rollcall.worker.state import capture, digest
+    from rollcall.worker.state import capture
 
     torch.set_num_threads(threads)
     lm_config = LMConfig(context=context, d_model=d_model, layers=layers)
