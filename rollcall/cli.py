@@ -1076,7 +1076,7 @@ def worker(
 
 
 def _register_report() -> None:
-    from rollcall.report import report
+    from rollcall.report.command import report
 
     main.add_command(report)
 

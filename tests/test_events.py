@@ -7,7 +7,8 @@ import pytest
 
 from rollcall.membership.config import Config
 from rollcall.membership.view import Member, View
-from rollcall.rendezvous.events import SCHEMA, EventLog, MemberReport
+from rollcall.protocol.events import SCHEMA
+from rollcall.rendezvous.events import EventLog, MemberReport
 
 EVENT_TIMEOUT = Config().event_timeout
 
