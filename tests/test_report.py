@@ -18,7 +18,7 @@ import click
 import pytest
 from click.testing import CliRunner, Result
 
-from rollcall.cli import RollcallGroup
+from rollcall.cli.group import RollcallGroup
 from rollcall.protocol.events import SCHEMA
 from rollcall.report.command import report as report_command
 from rollcall.report.run import (
