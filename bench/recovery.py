@@ -584,8 +584,10 @@ def serve_state(d_model: int, layers: int, out: Any, stop: Any) -> None:
     from rollcall.membership.view import Member, View
     from rollcall.pb import state_pb2_grpc
     from rollcall.protocol.wire import TokenInterceptor
+    from rollcall.worker.digest import digest
     from rollcall.worker.examples.lm import LMConfig, build, loss_sum
-    from rollcall.worker.state import capture, digest, to_bytes
+    from rollcall.worker.state import capture
+    from rollcall.worker.state_bytes import to_bytes
     from rollcall.worker.transfer import Snapshot, StateServer
 
     torch.set_num_threads(1)
@@ -626,7 +628,7 @@ def transfer_alone(d_model: int, layers: int, repeats: int) -> dict[str, Any]:
     raw loopback TCP of the same bytes."""
     import asyncio
 
-    from rollcall.worker.state import from_bytes
+    from rollcall.worker.state_bytes import from_bytes
     from rollcall.worker.transfer import StateFetcher
 
     ctx = mp.get_context("spawn")

@@ -24,7 +24,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rollcall.worker.state import capture, digest, from_bytes, restore, to_bytes  # noqa: E402
+from rollcall.worker.digest import digest  # noqa: E402
+from rollcall.worker.state import capture, restore  # noqa: E402
+from rollcall.worker.state_bytes import from_bytes, to_bytes  # noqa: E402
 
 
 def best_of(repeats: int, action: Callable[[], Any]) -> tuple[float, Any]:

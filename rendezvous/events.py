@@ -1,5 +1,6 @@
 """View-change events (docs/events.md): the leader's account of each view
-change, completed by the members' own reports, one JSON line each.
+change, completed by the members' own reports, one JSON line each, by the
+schema of ``rollcall.protocol.events``.
 
 :class:`EventLog` is pure: the service tells it what happened and when (its
 monotonic clock), and takes back the records to write. :class:`EventFile`
@@ -19,8 +20,18 @@ from rollcall.membership.checkpoint import CheckpointFailure, CheckpointManifest
 from rollcall.membership.config import Config
 from rollcall.membership.view import View
 from rollcall.private import open_private_append
-
-SCHEMA = "rollcall.events/1"
+from rollcall.protocol.events import (
+    TRIGGERS,
+    Cause,
+    Checkpoint,
+    CheckpointFailed,
+    CheckpointsForgotten,
+    Event,
+    Phases,
+    Progress,
+    ViewChange,
+    to_record,
+)
 
 log = logging.getLogger("rollcall.events")
 
@@ -38,19 +49,15 @@ class MemberReport:
     global_batch: int
 
 
-#: Kinds of trigger (the ``cause`` field of a view change).
-CAUSES = ("join", "leave", "crash", "suspected", "report", "takeover")
-
-
 def cause_kind(kinds: set[str], causes: Sequence[str]) -> str:
     """The one-word cause of a view change: the kinds of trigger the leader
     noted, else (after a takeover, say) read off the coordinator's causes."""
     if not kinds:
         kinds = {c.split(":", 1)[0].replace("suspect", "suspected") for c in causes}
-        kinds = {k if k in CAUSES else "takeover" for k in kinds}
+        kinds = {k if k in TRIGGERS else Cause.TAKEOVER for k in kinds}
     if not kinds:
-        return "start"
-    return next(iter(kinds)) if len(kinds) == 1 else "mixed"
+        return Cause.START
+    return next(iter(kinds)) if len(kinds) == 1 else Cause.MIXED
 
 
 @dataclass
@@ -86,14 +93,12 @@ class EventLog:
         self._global_batch: int | None = None
         self.checkpoint_step: int | None = None
 
-    def _record(self, kind: str, at: float, **fields: Any) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA,
-            "kind": kind,
-            "time": round(at + self._wall_offset, 6),
-            "job": self._job,
-            **fields,
-        }
+    def _record(self, event: Event) -> dict[str, Any]:
+        return to_record(event, self._job)
+
+    def _time(self, at: float) -> float:
+        """Unix time of monotonic time ``at``, as records carry it."""
+        return round(at + self._wall_offset, 6)
 
     @property
     def global_batch(self) -> int | None:
@@ -103,7 +108,7 @@ class EventLog:
     # --- what the leader tells it -------------------------------------------
 
     def cause(self, now: float, kind: str, detect_s: float = 0.0) -> None:
-        """A trigger of ``kind`` (one of ``CAUSES``) reached the leader;
+        """A trigger of ``kind`` (one of ``TRIGGERS``) reached the leader;
         ``detect_s`` is how long the member had been silent before (0 for
         joins, leaves and reports)."""
         self._kinds.add(kind)
@@ -160,13 +165,14 @@ class EventLog:
         self._last_progress = (now, step)
         return [
             self._record(
-                "progress",
-                now,
-                epoch=view.epoch,
-                step=step,
-                members=view.size,
-                samples=self._samples(step),
-            )  # fmt: skip
+                Progress(
+                    time=self._time(now),
+                    epoch=view.epoch,
+                    step=step,
+                    members=view.size,
+                    samples=self._samples(step),
+                )
+            )
         ]
 
     def checkpoint(self, now: float, manifest: CheckpointManifest) -> list[dict[str, Any]]:
@@ -174,9 +180,15 @@ class EventLog:
         self.checkpoint_step = manifest.step
         return [
             self._record(
-                "checkpoint", now, step=manifest.step, epoch=manifest.epoch,
-                writer=manifest.writer, uri=manifest.uri, size=manifest.size,
-            )  # fmt: skip
+                Checkpoint(
+                    time=self._time(now),
+                    step=manifest.step,
+                    epoch=manifest.epoch,
+                    writer=manifest.writer,
+                    uri=manifest.uri,
+                    size=manifest.size,
+                )
+            )
         ]
 
     def checkpoint_failed(self, now: float, failure: CheckpointFailure) -> list[dict[str, Any]]:
@@ -184,10 +196,16 @@ class EventLog:
         stuck at the newest recorded one."""
         return [
             self._record(
-                "checkpoint_failed", now, step=failure.step, reason=failure.reason,
-                writer=failure.writer, failures=failure.failures, since=failure.since_unix,
-                durable_step=self.checkpoint_step,
-            )  # fmt: skip
+                CheckpointFailed(
+                    time=self._time(now),
+                    step=failure.step,
+                    reason=failure.reason,
+                    writer=failure.writer,
+                    failures=failure.failures,
+                    since=failure.since_unix,
+                    durable_step=self.checkpoint_step,
+                )
+            )
         ]
 
     def checkpoints_forgotten(
@@ -198,9 +216,13 @@ class EventLog:
         self.checkpoint_step = newest
         return [
             self._record(
-                "checkpoints_forgotten", now, steps=[m.step for m in forgotten],
-                uris=[m.uri for m in forgotten], durable_step=newest,
-            )  # fmt: skip
+                CheckpointsForgotten(
+                    time=self._time(now),
+                    steps=tuple(m.step for m in forgotten),
+                    uris=tuple(m.uri for m in forgotten),
+                    durable_step=newest,
+                )
+            )
         ]
 
     def tick(self, now: float) -> list[dict[str, Any]]:
@@ -242,33 +264,34 @@ class EventLog:
         before_ids, after_ids = pending.before.ids, pending.view.ids
         return [
             self._record(
-                "view_change",
-                pending.trigger,
-                epoch=pending.view.epoch,
-                cause=pending.cause,
-                causes=list(pending.causes),
-                members_before=list(before_ids),
-                members_after=list(after_ids),
-                joined=[m for m in after_ids if m not in pending.before],
-                removed=[m for m in before_ids if m not in pending.view],
-                resume_step=resume,
-                global_batch=self._global_batch,
-                samples=self._samples(resume),
-                stall_s=(
-                    round(last_first_commit - pending.trigger, 6)
-                    if complete and last_first_commit is not None
-                    else None
-                ),
-                phases={
-                    "detect_s": round(pending.detect_s, 6),
-                    "rollcall_s": round(pending.rollcall_s, 6),
-                    "fetch_s": longest("fetch_s"),
-                    "rebuild_s": longest("rebuild_s"),
-                    "first_step_s": longest("first_step_s"),
-                },
-                lost_work_s=round(sum(r.lost_work_s for r in reports), 6),
-                restart_cost_s=restart_cost,
-            )  # fmt: skip
+                ViewChange(
+                    time=self._time(pending.trigger),
+                    epoch=pending.view.epoch,
+                    cause=pending.cause,
+                    causes=pending.causes,
+                    members_before=tuple(before_ids),
+                    members_after=tuple(after_ids),
+                    joined=tuple(m for m in after_ids if m not in pending.before),
+                    removed=tuple(m for m in before_ids if m not in pending.view),
+                    resume_step=resume,
+                    global_batch=self._global_batch,
+                    samples=self._samples(resume),
+                    stall_s=(
+                        round(last_first_commit - pending.trigger, 6)
+                        if complete and last_first_commit is not None
+                        else None
+                    ),
+                    phases=Phases(
+                        detect_s=round(pending.detect_s, 6),
+                        rollcall_s=round(pending.rollcall_s, 6),
+                        fetch_s=longest("fetch_s"),
+                        rebuild_s=longest("rebuild_s"),
+                        first_step_s=longest("first_step_s"),
+                    ),
+                    lost_work_s=round(sum(r.lost_work_s for r in reports), 6),
+                    restart_cost_s=restart_cost,
+                )
+            )
         ]
 
 

@@ -39,7 +39,7 @@ from rollcall.membership.config import Config
 
 T = TypeVar("T")
 #: Where a command goes: (replica addresses, job, token file), from the
-#: flags or the local `up` (``rollcall.cli.resolve_target``).
+#: flags or the local `up` (``rollcall.cli.options.resolve_target``).
 Resolve = Callable[[str | None, str | None, Path | None], tuple[list[str], str, Path | None]]
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 #: Exit code when a checkpoint does not verify (a runtime failure).
@@ -113,7 +113,7 @@ def _when(unix: float) -> str:
 
 def build(resolve: Resolve, target_options: Decorator, token_option: Decorator) -> click.Group:
     """The ``checkpoints`` command group, with the target options and their
-    resolution of ``rollcall.cli`` (passed in: this module does not import
+    resolution of ``rollcall.cli.options`` (passed in: this module does not import
     the command line it is part of)."""
 
     def common_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from rollcall.checkpoints import durability_line
 from rollcall.local import LocalCluster
-from rollcall.report import ViewChange
+from rollcall.report.run import ViewChange
 
 #: View changes listed in the live view.
 SHOWN_EVENTS = 6

@@ -546,10 +546,10 @@ _summaries: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}
 
 def summarize(events: Path) -> dict[str, Any]:
     """The run so far, from its events file (docs/events.md): its view
-    changes (``rollcall.report.ViewChange``) and the goodput as ``rollcall
+    changes (``rollcall.report.run.ViewChange``) and the goodput as ``rollcall
     report`` computes it (None before there is any). Parsed again only when
     the file has changed."""
-    from rollcall.report import ReportError, goodput, read_events
+    from rollcall.report.run import ReportError, goodput, read_events
 
     empty: dict[str, Any] = {"view_changes": (), "goodput": None}
     try:

@@ -842,7 +842,7 @@ def stall_bound(settings: Sequence[str]) -> float:
     leader failover (the old leader's election lease runs out, the new one
     waits out its grace) followed by the eviction of a member lost meanwhile
     (detection, join settle, roll call), plus :data:`BOUND_SLACK`."""
-    from rollcall.cli import parse_overrides
+    from rollcall.cli.options import parse_overrides
 
     config = parse_overrides(tuple(settings))
     failover = config.election_ttl + config.takeover_grace

@@ -43,7 +43,9 @@ from rollcall.worker.checkpoint import (
     load_newest,
     process_age,
 )
-from rollcall.worker.state import capture, digest, to_bytes
+from rollcall.worker.digest import digest
+from rollcall.worker.state import capture
+from rollcall.worker.state_bytes import to_bytes
 
 JOB = "ckjob"
 

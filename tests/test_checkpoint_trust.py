@@ -67,7 +67,8 @@ def self_consistent_forgery(real: dict[str, Any], path: Path) -> dict[str, Any]:
     relabelled."""
     from dataclasses import replace
 
-    from rollcall.worker.state import digest, from_bytes, to_bytes
+    from rollcall.worker.digest import digest
+    from rollcall.worker.state_bytes import from_bytes, to_bytes
 
     state = replace(from_bytes(Path(real["uri"]).read_bytes()), step=FORGED_STEP)
     blob = to_bytes(state)

@@ -3,11 +3,22 @@ invented times: the leader's EventLog is pure."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rollcall.membership.config import Config
 from rollcall.membership.view import Member, View
-from rollcall.rendezvous.events import SCHEMA, EventLog, MemberReport
+from rollcall.protocol.events import (
+    SCHEMA,
+    Cause,
+    MalformedEvent,
+    Progress,
+    ViewChange,
+    from_record,
+    to_record,
+)
+from rollcall.rendezvous.events import EventLog, MemberReport
 
 EVENT_TIMEOUT = Config().event_timeout
 
@@ -125,3 +136,26 @@ def test_progress_records_are_throttled_and_count_samples():
     assert log.progress(1.5, current, 14) == []  # within a second of the last
     assert log.progress(2.5, current, 9) == []  # no new step
     assert len(log.progress(2.5, current, 20)) == 1
+
+
+def test_what_the_leader_writes_reads_back_by_the_one_schema():
+    log = EventLog("job1", WALL)
+    before, after = view(3, "a", "b", "c"), view(4, "a", "b", resume=99)
+    log.cause(10.0, "crash", detect_s=0.04)
+    log.committed(after, before, ["suspect:c"], now=10.03)
+    log.report("a", 4, report(), now=10.11)
+    (written,) = log.report("b", 4, report(), now=10.12)
+    (progress,) = log.progress(11.0, after, 120)
+    line = json.loads(json.dumps(written))
+    change = from_record(ViewChange, line)
+    assert to_record(change, "job1") == line
+    assert change.cause == Cause.CRASH and change.removed == ("c",)
+    assert change.phases.detect_s == pytest.approx(0.04)
+    assert from_record(Progress, progress).step == 120
+
+
+def test_a_record_field_of_the_wrong_type_is_malformed():
+    with pytest.raises(MalformedEvent, match="'members' must be an integer"):
+        from_record(Progress, {"time": WALL, "epoch": 1, "step": 2, "members": "two"})
+    with pytest.raises(MalformedEvent, match="'step' is missing"):
+        from_record(Progress, {"time": WALL, "epoch": 1, "members": 2})

@@ -18,10 +18,10 @@ import click
 import pytest
 from click.testing import CliRunner, Result
 
-from rollcall.cli import RollcallGroup
-from rollcall.report import (
-    SCHEMA,
-    TABLE_HEADER,
+from rollcall.cli.group import RollcallGroup
+from rollcall.protocol.events import SCHEMA
+from rollcall.report.command import report as report_command
+from rollcall.report.run import (
     TABLE_ROWS,
     ReportError,
     goodput,
@@ -30,9 +30,8 @@ from rollcall.report import (
     parse_events,
     samples_series,
     stall_stats,
-    table_cells,
 )
-from rollcall.report import report as report_command
+from rollcall.report.text import TABLE_HEADER, table_cells
 
 T0 = 1_700_000_000.0
 GLOBAL_BATCH = 32

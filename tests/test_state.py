@@ -1,5 +1,6 @@
 """Replica state: capture and restore, canonical digest, byte form, chunks,
-stripes and reassembly (worker/state.py)."""
+stripes and reassembly (worker/state.py, digest.py, state_bytes.py,
+stripes.py)."""
 
 from __future__ import annotations
 
@@ -22,18 +23,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from rollcall.membership.errors import RollcallError
-from rollcall.worker.state import (
-    Assembler,
-    CorruptState,
-    ReplicaState,
-    capture,
-    chunks,
-    digest,
-    from_bytes,
-    ranges,
-    restore,
-    to_bytes,
-)
+from rollcall.worker.digest import digest
+from rollcall.worker.state import CorruptState, ReplicaState, capture, restore
+from rollcall.worker.state_bytes import from_bytes, to_bytes
+from rollcall.worker.stripes import Assembler, chunks, ranges
 
 ROOT = Path(__file__).resolve().parent.parent
 

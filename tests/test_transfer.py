@@ -14,7 +14,9 @@ from rollcall.membership.config import Config
 from rollcall.membership.view import Member, View
 from rollcall.pb import state_pb2_grpc
 from rollcall.protocol.wire import TokenInterceptor
-from rollcall.worker.state import capture, digest, to_bytes
+from rollcall.worker.digest import digest
+from rollcall.worker.state import capture
+from rollcall.worker.state_bytes import to_bytes
 from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
 TOKEN = "transfer-test-token"

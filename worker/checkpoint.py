@@ -2,8 +2,8 @@
 when complete, checked before anything trusts them, loaded (newest usable
 first) when no live replica is left.
 
-A checkpoint file holds ``rollcall.worker.state.to_bytes`` of a committed step, under
-a name that carries the job, the step and the writer
+A checkpoint file holds ``rollcall.worker.state_bytes.to_bytes`` of a
+committed step, under a name that carries the job, the step and the writer
 (``rollcall.membership.checkpoint.file_name``). The writer creates it (mode 0600, in
 a directory it creates 0700) under a temporary name, syncs it, renames it
 into place and syncs the directory; only then does it publish the manifest
@@ -51,7 +51,9 @@ from rollcall.membership.checkpoint import (
     superseded,
 )
 from rollcall.membership.errors import CannotResume, InvalidRequest
-from rollcall.worker.state import CorruptState, ReplicaState, digest, from_bytes, to_bytes
+from rollcall.worker.digest import digest
+from rollcall.worker.state import CorruptState, ReplicaState
+from rollcall.worker.state_bytes import from_bytes, to_bytes
 
 __all__ = [
     "CheckpointUnusable",

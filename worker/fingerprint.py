@@ -3,7 +3,7 @@ training setup as a :class:`rollcall.membership.fingerprint.JobFingerprint`.
 
 The runtime computes it once, at construction, before it joins (and before
 any step changes the model), from the objects it is given. Every value is
-canonical text or a SHA-256 over a canonical walk (``rollcall.worker.state``), never
+canonical text or a SHA-256 over a canonical walk (``rollcall.worker.digest``), never
 ``hash()``, which Python salts per process: the same script with the same
 seed gives the same fingerprint in every process, on every machine.
 
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from rollcall.membership.fingerprint import MAX_VALUE_LENGTH, NAMES, VALUE_PATTERN, JobFingerprint
+from rollcall.worker.digest import tree_digest
 from rollcall.worker.plan import DataPlan
-from rollcall.worker.state import tree_digest
 
 #: Value of a class field when the job has no such object.
 NONE = "none"

@@ -77,6 +77,7 @@ from rollcall.worker.checkpoint import (
     process_age,
 )
 from rollcall.worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
+from rollcall.worker.digest import digest
 from rollcall.worker.environment import (
     DEFAULT_NAME,
     ENV_CHECKPOINT_DIR,
@@ -93,7 +94,8 @@ from rollcall.worker.loader import Batch, LoaderOptions, MicrobatchLoader, defau
 from rollcall.worker.messages import describe_transport, install_default_handler, view_change
 from rollcall.worker.metrics import WorkerMetrics
 from rollcall.worker.report import SupervisorReport
-from rollcall.worker.state import CorruptState, ReplicaState, capture, digest, restore, to_bytes
+from rollcall.worker.state import CorruptState, ReplicaState, capture, restore
+from rollcall.worker.state_bytes import to_bytes
 from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
 log = logging.getLogger("rollcall.worker")

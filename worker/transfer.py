@@ -35,7 +35,9 @@ from rollcall.protocol import validation as check
 from rollcall.protocol.client import ClientTLS, open_channel
 from rollcall.protocol.wire import status_of, token_metadata
 from rollcall.worker.faults import Faults
-from rollcall.worker.state import Assembler, CorruptState, ReplicaState, from_bytes, ranges
+from rollcall.worker.state import CorruptState, ReplicaState
+from rollcall.worker.state_bytes import from_bytes
+from rollcall.worker.stripes import Assembler, ranges
 
 log = logging.getLogger("rollcall.transfer")
 T = TypeVar("T")
@@ -239,7 +241,8 @@ class StateFetcher:
         """The state with digest ``expected`` (blob and decoded), striped
         across ``sources`` (addresses). Raises ``TransferFailed`` if none can
         deliver it. The decoded state's tensors are views into the blob
-        (``rollcall.worker.state.from_bytes``): neither may be changed in place."""
+        (``rollcall.worker.state_bytes.from_bytes``): neither may be changed
+        in place."""
         started = time.perf_counter()
         deadline = time.monotonic() + timeout
         sizes = await asyncio.gather(
