@@ -109,6 +109,12 @@ from rollcall.cli.options import (
     help="If the job has progress but no live worker and no checkpoint holds it, "
     "start it again from step 0 (without this flag the worker exits with code 4).",
 )
+@click.option(
+    "--exact",
+    is_flag=True,
+    help="Bit-exact mode: every step's update depends on its samples alone, whatever the "
+    "world size or membership history (docs/exactness.md). Every worker of a job must agree.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line instead of text.")
 @click.option(
     "--threads",
@@ -129,8 +135,8 @@ def worker(
     global_batch: int, micro_batch: int, seed: int, context: int, d_model: int, layers: int,
     host: str, name: str | None, ledger: Path | None, digest_every: int,
     checkpoint_dir: Path | None, checkpoint_every: int, metrics_port: int | None,
-    min_workers: int, start_over: bool, as_json: bool, threads: int, log_level: str,
-    overrides: tuple[str, ...],
+    min_workers: int, start_over: bool, exact: bool, as_json: bool, threads: int,
+    log_level: str, overrides: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Run a training worker of the built-in example job.
 
@@ -194,7 +200,7 @@ def worker(
             run, say, rendezvous=split_list(addresses), job=job, token=token, host=host,
             name=name, ledger=ledger, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, metrics_port=metrics_port, config=config,
-            min_workers=min_workers, start_over=start_over,
+            min_workers=min_workers, start_over=start_over, exact=exact,
         )  # fmt: skip
     except Evicted as exc:
         fail(f"evicted from job {job}: {exc}; this worker's state is stale, start it again", 3)
