@@ -19,6 +19,7 @@ import torch
 
 from rollcall.membership.errors import UsageError
 from rollcall.worker.buffers import BufferSync
+from rollcall.worker.contract import GradientWatch
 from rollcall.worker.exact import NO_EXPONENT, ExactStep, exponent, fixed_point_bits
 
 MICROBATCHES = 6
@@ -213,3 +214,23 @@ def test_backward_outside_the_microbatches_is_refused():
     exact.begin()
     with pytest.raises(UsageError, match=r"step\.microbatches\(\)"):
         exact.took(-1, 0.0, 1)
+
+
+def test_a_gradient_clipped_between_backward_and_commit_is_refused():
+    """Exact mode leaves zero gradients between microbatches, not none, so
+    that clipping there (which would clip nothing) is seen, as in default
+    mode."""
+    model = make_model()
+    params = list(model.parameters())
+    exact = ExactStep(params, BufferSync(model), MICROBATCHES)
+    watch = GradientWatch(params)
+    exact.begin()
+    exact.start(0)
+    inputs, targets = batch(0)
+    torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum").backward()
+    exact.took(0, 1.0, len(targets))
+    watch.mark()
+    watch.check()  # untouched: fine
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    with pytest.raises(UsageError, match="before_update"):
+        watch.check()

@@ -150,8 +150,9 @@ class ExactStep:
 
     def took(self, index: int, loss: float, count: int) -> None:
         """After a backward pass of microbatch ``index``: keep its gradients
-        apart (the parameters' ``.grad`` is cleared for the next one) and the
-        buffers its forward pass left, then put the step's buffers back."""
+        apart (the parameters' ``.grad`` starts from zero for the next one)
+        and the buffers its forward pass left, then put the step's buffers
+        back."""
         if not 0 <= index < self._microbatches:
             raise UsageError(
                 "in exact mode step.backward() must be called inside "
@@ -160,7 +161,10 @@ class ExactStep:
         grads: list[torch.Tensor | None] = []
         for p in self._params:
             grads.append(None if p.grad is None else p.grad.detach())
-            p.grad = None
+            # A fresh zero gradient, not None: a change made to it before the
+            # commit (clip_grad_norm_, zero_grad) is then seen and refused by
+            # the runtime's GradientWatch, as in default mode.
+            p.grad = torch.zeros_like(p)
         buffers = self._buffers.current() if self._buffers is not None else []
         earlier = self._taken.get(index)
         if earlier is not None:  # a second backward pass of the same microbatch
