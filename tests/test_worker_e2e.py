@@ -117,7 +117,7 @@ def test_joiner_pulls_state_from_peers_and_all_digests_agree(workers: Workers):
 def test_kills_and_joins_consume_exactly_the_samples_of_an_uninterrupted_run(
     plane: ControlPlane, tmp_path: Path
 ):
-    steps = 600  # enough for the kills and joins below to land mid-run
+    steps = 300  # enough for the kills and joins below to land mid-run (~20 s of room)
     group = Workers(plane, tmp_path, steps=steps)
     try:
         team = [group.start() for _ in range(3)]
@@ -131,10 +131,11 @@ def test_kills_and_joins_consume_exactly_the_samples_of_an_uninterrupted_run(
         team[2].kill()
         before = epoch_now(team)
         wait_step(team[1], lambda e: e["epoch"] > before and e["world"] == 2)
-        group.start()
+        last = group.start()
         for worker in group.all:
             if worker not in (team[0], team[2]):
                 assert worker.proc.wait(timeout=PATIENCE) == 0, worker.log_tail()
+        assert last.steps(), "the second joiner arrived after the end: make the run longer"
     finally:
         group.close()
     ledgers = [Ledger.load(w.ledger).steps() for w in group.all if w.ledger and w.ledger.exists()]
