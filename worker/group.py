@@ -618,7 +618,15 @@ class EpochGroup:
         store = _Call(
             f"epoch {epoch} rendezvous",
             lambda: _meet(
-                epoch, rank, size, store_host, store_port, hosted, timeout, patience, abort,
+                epoch,
+                rank,
+                size,
+                store_host,
+                store_port,
+                hosted,
+                timeout,
+                patience,
+                abort,
                 secret,
             ),
         ).join(abort, timeout)

@@ -396,9 +396,7 @@ class RendezvousClient:
         """This member will be away from collectives for at most ``seconds``
         (0: no longer): its peers wait for it, the detector spares it."""
         self._send(
-            pb.SessionRequest(
-                busy=pb.Busy(epoch=self._view.epoch, seconds=seconds, reason=reason)
-            )
+            pb.SessionRequest(busy=pb.Busy(epoch=self._view.epoch, seconds=seconds, reason=reason))
         )
 
     def request_rollcall(self, reason: str) -> None:
@@ -458,7 +456,9 @@ class RendezvousClient:
             await self._call(
                 "Leave",
                 pb.LeaveRequest(
-                    job=self._job, member_id=self.member_id, epoch=self._view.epoch,
+                    job=self._job,
+                    member_id=self.member_id,
+                    epoch=self._view.epoch,
                     member_secret=self._member_secret,
                 ),  # fmt: skip
                 leader_only=True,
@@ -561,7 +561,9 @@ class RendezvousClient:
                 await call.write(
                     pb.SessionRequest(
                         open=pb.Open(
-                            job=self._job, member_id=self.member_id, epoch=self._view.epoch,
+                            job=self._job,
+                            member_id=self.member_id,
+                            epoch=self._view.epoch,
                             member_secret=self._member_secret,
                         )  # fmt: skip
                     )
