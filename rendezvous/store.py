@@ -114,23 +114,27 @@ def _unreachable(exc: grpc.RpcError) -> bool:
 
 #: etcd refuses requests (and cancels streams) on a member without a leader.
 _REQUIRE_LEADER = (("hasleader", "true"),)
-#: gRPC retries a refused connection at most 200 ms apart, so a restarted etcd
-#: is found again at once (gRPC's own default backs off up to two minutes);
-#: on loopback or a LAN that is one SYN per endpoint every 200 ms while down.
-_GRPC_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.min_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 200),
-    # Detect a frozen or unreachable server under a long-lived watch stream
-    # (about 15 s). etcd refuses pings more often than every 5 s
-    # (--grpc-keepalive-min-time). With grpcio 1.85 the keep-alive timeout has
-    # no effect without ping_timeout_ms: a ping to a frozen server was
-    # measured to wait for an answer indefinitely.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.ping_timeout_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-]
+
+
+def _grpc_options(config: Config) -> list[tuple[str, int]]:
+    """Options of each etcd channel: reconnect back-off and keep-alive
+    (``config.etcd_reconnect_backoff_*``, ``etcd_keepalive_*``)."""
+    backoff_initial = round(config.etcd_reconnect_backoff_initial * 1000)
+    keepalive_timeout = round(config.etcd_keepalive_timeout * 1000)
+    return [
+        ("grpc.initial_reconnect_backoff_ms", backoff_initial),
+        ("grpc.min_reconnect_backoff_ms", backoff_initial),
+        ("grpc.max_reconnect_backoff_ms", round(config.etcd_reconnect_backoff_max * 1000)),
+        # With grpcio 1.85 the keep-alive timeout has no effect without
+        # ping_timeout_ms: a ping to a frozen server was measured to wait
+        # for an answer indefinitely.
+        ("grpc.keepalive_time_ms", round(config.etcd_keepalive_interval * 1000)),
+        ("grpc.keepalive_timeout_ms", keepalive_timeout),
+        ("grpc.http2.ping_timeout_ms", keepalive_timeout),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
 #: An attempt gets at least this share of etcd_timeout, or is not made.
 _MIN_ATTEMPT_SHARE = 0.1
 
@@ -366,7 +370,7 @@ class EtcdStore:
             # How long a failed endpoint is skipped while others remain
             # (pyetcd's default, 300 s, would shun a restarted etcd for minutes).
             time_retry=self._config.etcd_timeout,
-            opts=_GRPC_OPTIONS,
+            opts=_grpc_options(self._config),
         )
 
     @property

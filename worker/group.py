@@ -63,13 +63,12 @@ from torch.distributed import (
     Work,
 )
 
+from rollcall.membership.config import Config
 from rollcall.membership.errors import RollcallError
 from rollcall.worker.bootstrap import epoch_store
 
 __all__ = [
-    "ABORT_POLL_INTERVAL",
     "LOOPBACK",
-    "PARK_GRACE",
     "AbortFlag",
     "EpochGroup",
     "Patience",
@@ -83,21 +82,8 @@ __all__ = [
 
 log = logging.getLogger("rollcall.group")
 
-#: How often a blocked wait looks at the ``abort`` event: the bound on how
-#: late an abort is noticed. Completions wake the waiter at once, so this
-#: costs no latency on the success path.
-ABORT_POLL_INTERVAL = 0.01
-#: How long past its own timeout an abandoned operation is still expected to
-#: end. One that has not is stuck for good (a store request to a frozen host
-#: never times out) and is no longer waited for.
-PARK_GRACE = 2.0
 #: Default address the gloo transport and a hosted store bind to.
 LOOPBACK = "127.0.0.1"
-
-#: How long an aborted collective is given to end once its connections are
-#: shut down (it ends within milliseconds; longer means the sockets were
-#: not all found, and the group is parked instead).
-_ABORT_SETTLE = 1.0
 
 T = TypeVar("T")
 
@@ -140,6 +126,7 @@ class _Parked:
     what: str
     finished: Callable[[], bool]
     deadline: float  # monotonic time by which its own timeout has ended it
+    poll: float  # how often to look whether it finished (its group's abort poll)
     keep: tuple[object, ...] = field(repr=False)
 
 
@@ -148,12 +135,14 @@ _parked_lock = threading.Lock()
 _open_groups: weakref.WeakSet[EpochGroup] = weakref.WeakSet()
 
 
-def _park(what: str, finished: Callable[[], bool], timeout: float, *keep: object) -> None:
+def _park(
+    what: str, finished: Callable[[], bool], timeout: float, config: Config, *keep: object
+) -> None:
     """Keep ``keep`` referenced until ``finished()``; the operation is known
-    to end within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout + PARK_GRACE
+    to end within ``timeout`` seconds (and ``config.group_park_grace``)."""
+    deadline = time.monotonic() + timeout + config.group_park_grace
     with _parked_lock:
-        _parked.append(_Parked(what, finished, deadline, keep))
+        _parked.append(_Parked(what, finished, deadline, config.group_abort_poll, keep))
 
 
 def _release_finished() -> list[_Parked]:
@@ -206,13 +195,14 @@ def wait_parked(timeout: float) -> bool:
     group still alive when the interpreter shuts down can abort the process
     (SIGABRT), and so can a helper thread that returns from torch during
     shutdown. Returns False early when only operations stuck for good remain.
+    Looks every ``group_abort_poll`` of the configs they were parked with.
     """
     give_up = time.monotonic() + timeout
     while remaining := _release_finished():
         now = time.monotonic()
         if now >= give_up or all(entry.deadline <= now for entry in remaining):
             return False
-        time.sleep(ABORT_POLL_INTERVAL)
+        time.sleep(min(entry.poll for entry in remaining))
     return True
 
 
@@ -278,17 +268,18 @@ class _Call(Generic[T]):
             del result
         self._done.set()
 
-    def join(self, abort: AbortFlag, timeout: float) -> T | StepAborted:
-        """The call's result, or StepAborted as soon as ``abort`` is set (the
-        call is then parked until it ends, which its own ``timeout`` bounds),
-        or PeerFailed if it raised one of torch's runtime errors (StepAborted
-        raised by ``fn`` is returned as it is)."""
-        while not self._done.wait(ABORT_POLL_INTERVAL):
+    def join(self, abort: AbortFlag, timeout: float, config: Config) -> T | StepAborted:
+        """The call's result, or StepAborted as soon as ``abort`` is set
+        (looked at every ``config.group_abort_poll``; the call is then parked
+        until it ends, which its own ``timeout`` bounds), or PeerFailed if it
+        raised one of torch's runtime errors (StepAborted raised by ``fn`` is
+        returned as it is)."""
+        while not self._done.wait(config.group_abort_poll):
             if abort.is_set():
                 with self._lock:
                     self._abandoned = True
                     self._result = None
-                _park(self.what, self._done.is_set, timeout)
+                _park(self.what, self._done.is_set, timeout, config)
                 return StepAborted(f"{self.what}: aborted")
         error, self._error = self._error, None
         result, self._result = self._result, None
@@ -343,12 +334,14 @@ def _patient(timeout: float) -> Patience:
     return lambda started: started + timeout
 
 
-#: Longest single TCP connect attempt while probing for the store's listener.
-_PROBE_ATTEMPT = 0.5
-
-
 def _await_listener(
-    epoch: int, host: str, port: int, started: float, patience: Patience, abort: AbortFlag
+    epoch: int,
+    host: str,
+    port: int,
+    started: float,
+    patience: Patience,
+    abort: AbortFlag,
+    config: Config,
 ) -> None:
     """Return once ``host``:``port`` accepts a TCP connection.
 
@@ -357,9 +350,10 @@ def _await_listener(
     (seconds at small timeouts, up to a minute at large ones) and tries once
     more. Abandoned, such a connect outlives the parking bound, and a process
     exiting meanwhile dies with SIGABRT. So the listener is probed here first,
-    with short attempts and ``abort`` looked at between them; TCPStore only
-    connects to a listener that has just answered (it can still die in that
-    window: the connect then takes TCPStore's own time).
+    with short attempts (``config.group_store_probe_attempt``, one every
+    ``group_store_probe_interval``) and ``abort`` looked at between them;
+    TCPStore only connects to a listener that has just answered (it can
+    still die in that window: the connect then takes TCPStore's own time).
     """
     while True:
         if abort.is_set():
@@ -369,10 +363,11 @@ def _await_listener(
             reason = f"store {host}:{port} does not accept connections"
             raise PeerFailed(f"epoch {epoch}: {reason}", reason)
         try:
-            socket.create_connection((host, port), timeout=min(_PROBE_ATTEMPT, left)).close()
+            attempt = min(config.group_store_probe_attempt, left)
+            socket.create_connection((host, port), timeout=attempt).close()
             return
         except OSError:  # refused, unreachable or timed out: try again until the deadline
-            time.sleep(min(ABORT_POLL_INTERVAL * 10, max(0.0, left)))
+            time.sleep(min(config.group_store_probe_interval, max(0.0, left)))
 
 
 def _meet(
@@ -386,6 +381,7 @@ def _meet(
     patience: Patience,
     abort: AbortFlag,
     secret: str,
+    config: Config,
 ) -> TCPStore:
     """Connect to the epoch's store (unless this rank hosts it) and wait there
     until every rank has arrived: gloo itself would wait for an absent peer
@@ -393,7 +389,7 @@ def _meet(
     request to a host that died blocks while the client reconnects."""
     started = time.monotonic()
     if hosted is None:
-        _await_listener(epoch, store_host, store_port, started, patience, abort)
+        _await_listener(epoch, store_host, store_port, started, patience, abort, config)
     store = hosted or TCPStore(
         store_host, store_port, None, False, _delta(timeout), wait_for_workers=False
     )
@@ -407,7 +403,7 @@ def _meet(
             missing = [peer for peer in range(size) if not scoped.check([keys[peer]])]
             reason = f"ranks {missing} did not join"
             raise PeerFailed(f"epoch {epoch}: {reason}", reason)
-        time.sleep(ABORT_POLL_INTERVAL)
+        time.sleep(config.group_abort_poll)
     return store
 
 
@@ -530,6 +526,8 @@ class EpochGroup:
         connections: Sequence[_Connection] = (),
         patience: Patience | None = None,
         hard_timeout: float | None = None,
+        *,
+        config: Config,
     ) -> None:
         self.epoch = epoch
         self.rank = rank
@@ -544,6 +542,7 @@ class EpochGroup:
         self._connections = tuple(connections)
         self._patience = patience or _patient(timeout)
         self.hard_timeout = max(timeout, hard_timeout or timeout)
+        self._config = config
         _open_groups.add(self)
 
     @property
@@ -568,6 +567,7 @@ class EpochGroup:
         hard_timeout: float | None = None,
         *,
         secret: str,
+        config: Config | None = None,
     ) -> EpochGroup:
         """Connect to the epoch's bootstrap store, wait for all ``size`` ranks
         and build the group; ``listen_host`` is the address gloo binds to.
@@ -578,15 +578,17 @@ class EpochGroup:
         ``patience`` (default: ``timeout`` from the start of each wait) says
         how long a wait for peers may go on, here and in every collective;
         ``hard_timeout`` is gloo's own per-collective timeout, a backstop
-        that must cover the longest patience. Raises StepAborted within
-        ABORT_POLL_INTERVAL once ``abort`` is set, and PeerFailed if a peer
-        is absent or fails.
+        that must cover the longest patience. ``config`` (default:
+        ``Config()``) says how often waits look at ``abort`` and how long an
+        abandoned wait is parked (``group_*``). Raises StepAborted within
+        ``config.group_abort_poll`` once ``abort`` is set, and PeerFailed if
+        a peer is absent or fails.
         """
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} outside a group of {size}")
         outcome = cls._build(
             epoch, rank, size, store_host, store_port, is_store_host, timeout, abort, listen_host,
-            patience or _patient(timeout), hard_timeout, secret,
+            patience or _patient(timeout), hard_timeout, secret, config or Config(),
         )  # fmt: skip
         if isinstance(outcome, StepAborted):
             raise outcome
@@ -607,6 +609,7 @@ class EpochGroup:
         patience: Patience,
         hard_timeout: float | None,
         secret: str,
+        config: Config,
     ) -> EpochGroup | StepAborted:
         hosted = None
         if is_store_host:
@@ -628,8 +631,9 @@ class EpochGroup:
                 patience,
                 abort,
                 secret,
+                config,
             ),
-        ).join(abort, timeout)
+        ).join(abort, timeout, config)
         if isinstance(store, StepAborted):
             return store
         scoped = epoch_store(epoch, store, secret)
@@ -637,7 +641,7 @@ class EpochGroup:
         pg = _Call(
             f"epoch {epoch} group",
             lambda: _gloo_group(scoped, rank, size, timeout, listen_host),
-        ).join(abort, timeout)
+        ).join(abort, timeout, config)
         if isinstance(pg, StepAborted):
             return pg
         after = _tcp_sockets()
@@ -645,9 +649,9 @@ class EpochGroup:
         peers = _Call(
             f"epoch {epoch} listeners",
             lambda: _publish_listeners(epoch, rank, size, store, listener, timeout, secret),
-        ).join(abort, timeout)
+        ).join(abort, timeout, config)
         if isinstance(peers, StepAborted):
-            cls(epoch, rank, size, timeout, abort, pg, store).close()
+            cls(epoch, rank, size, timeout, abort, pg, store, config=config).close()
             return peers
         _, connections = _connections_of(before, after, peers)
         if len(connections) != size - 1:
@@ -661,8 +665,9 @@ class EpochGroup:
             )  # fmt: skip
             connections, hard_timeout = [], timeout
         return cls(
-            epoch, rank, size, timeout, abort, pg, store, connections, patience, hard_timeout
-        )
+            epoch, rank, size, timeout, abort, pg, store, connections, patience, hard_timeout,
+            config=config,
+        )  # fmt: skip
 
     @property
     def usable(self) -> bool:
@@ -742,7 +747,7 @@ class EpochGroup:
             _release_finished()
         started = time.monotonic()
         works = start(self._pg)
-        poll = _delta(ABORT_POLL_INTERVAL)
+        poll = _delta(self._config.group_abort_poll)
         for work in works:
             while True:
                 # The wait sleeps in C++ without the GIL and is woken by gloo
@@ -788,9 +793,9 @@ class EpochGroup:
         if not self._connections:
             self._release(works, buffers)
             return
-        settle = time.monotonic() + _ABORT_SETTLE
+        settle = time.monotonic() + self._config.group_abort_settle
         while any(not w.is_completed() for w in works) and time.monotonic() < settle:
-            time.sleep(ABORT_POLL_INTERVAL / 10)
+            time.sleep(self._config.group_abort_settle_poll)
         pending = [work for work in works if not work.is_completed()]
         if not pending:
             self._release(works, buffers)
@@ -813,6 +818,7 @@ class EpochGroup:
                 f"epoch {self.epoch} group",
                 lambda: all(work.is_completed() for work in pending),
                 self.hard_timeout,
+                self._config,
                 pg,
                 store,
                 pending,

@@ -282,7 +282,7 @@ class Elastic:
                 num_workers=num_workers, prefetch_factor=prefetch_factor,
                 worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
                 pin_memory=pin_memory,
-            ),
+            ), config=self._config,
         )  # fmt: skip
         # What every worker of the job must match, checked at join: taken
         # before anything trains the model (and before loader processes exist).
@@ -356,8 +356,11 @@ class Elastic:
             checkpoint_dir = Path(os.environ[ENV_CHECKPOINT_DIR])
         self.checkpoints = (
             CheckpointWriter(
-                Path(checkpoint_dir), self.job_name, self._publish_checkpoint,
-                on_failure=self._checkpoint_failed, on_durable=self._checkpoint_durable,
+                Path(checkpoint_dir),
+                self.job_name,
+                self._publish_checkpoint,
+                on_failure=self._checkpoint_failed,
+                on_durable=self._checkpoint_durable,
             )  # fmt: skip
             if checkpoint_dir is not None
             else None
@@ -502,8 +505,9 @@ class Elastic:
             self._member.joined(member_id)
         self._launch_s = process_age()
         self._fetcher = StateFetcher(
-            self.job_name, self.member_id, self._token, epoch_secret=self._client.epoch_secret
-        )
+            self.job_name, self.member_id, self._token,
+            epoch_secret=self._client.epoch_secret, config=self._config,
+        )  # fmt: skip
         log.info("joined job %s as %s", self.job_name, self.member_id)
         log.debug("state server of %s at %s", self.member_id, self.address)
         self._report.joined(self.member_id, self.address)
@@ -801,7 +805,7 @@ class Elastic:
         self._group = EpochGroup.build(
             view.epoch, rank, view.size, host, port, rank == 0, timeout, abort,
             listen_host=self._host, patience=self._patience,
-            hard_timeout=self._config.collective_backstop(), secret=secret,
+            hard_timeout=self._config.collective_backstop(), secret=secret, config=self._config,
         )  # fmt: skip
         ready = time.perf_counter()
         self._loader.enter_view(rank, view.size, self.committed_step + 1)

@@ -161,7 +161,8 @@ class FetchReport:
 
 class StateFetcher:
     """Client side of the transfer for one member; ``epoch_secret(epoch)``
-    is the secret of the view it acts in (None: not received)."""
+    is the secret of the view it acts in (None: not received). ``config``
+    (default: ``Config()``) paces its retries (``transfer_*``)."""
 
     def __init__(
         self,
@@ -172,8 +173,10 @@ class StateFetcher:
         progress: Callable[[int, int], None] | None = None,
         *,
         epoch_secret: Callable[[int], str | None],
+        config: Config | None = None,
     ) -> None:
         self._epoch_secret = epoch_secret
+        self._config = config or Config()
         self._job = job
         self._member_id = member_id
         self._metadata = token_metadata(token)
@@ -202,11 +205,15 @@ class StateFetcher:
             lambda: self._stub(address).GroupStore(
                 self._request(epoch),
                 metadata=self._metadata,
-                timeout=max(0.1, deadline - time.monotonic()),
+                timeout=self._call_timeout(deadline),
             ),
             deadline,
         )
         return int(info.port)
+
+    def _call_timeout(self, deadline: float) -> float:
+        """Timeout of one call made for a transfer that ends at ``deadline``."""
+        return max(self._config.transfer_min_call_timeout, deadline - time.monotonic())
 
     def _secret(self, epoch: int) -> str:
         return self._epoch_secret(epoch) or ""
@@ -219,7 +226,7 @@ class StateFetcher:
     async def _retrying(self, attempt: Callable[[], Awaitable[T]], deadline: float) -> T:
         """Retry while the peer has not caught up with the view yet
         (FAILED_PRECONDITION) or is briefly unreachable."""
-        pause = 0.005
+        pause = self._config.transfer_retry_initial
         while True:
             try:
                 return await attempt()
@@ -231,7 +238,7 @@ class StateFetcher:
                 if not retryable or time.monotonic() + pause >= deadline:
                     raise
             await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.1)
+            pause = min(pause * 2, self._config.transfer_retry_max)
 
     async def fetch(
         self, sources: Sequence[str], epoch: int, expected: str, timeout: float
@@ -284,7 +291,7 @@ class StateFetcher:
             lambda: self._stub(address).Describe(
                 self._request(epoch),
                 metadata=self._metadata,
-                timeout=max(0.1, deadline - time.monotonic()),
+                timeout=self._call_timeout(deadline),
             ),
             deadline,
         )
@@ -304,7 +311,7 @@ class StateFetcher:
                     offset=offset, length=length, epoch_secret=self._secret(epoch),
                 ),
                 metadata=self._metadata,
-                timeout=max(0.1, deadline - time.monotonic()),
+                timeout=self._call_timeout(deadline),
             )  # fmt: skip
             async for chunk in call:
                 assembler.add(chunk.offset, chunk.data)

@@ -73,6 +73,11 @@ _RETRY_CODES = {
 }
 
 
+def _ms(seconds: float) -> int:
+    """``seconds`` in whole milliseconds, as gRPC's channel options take them."""
+    return round(seconds * 1000)
+
+
 @dataclass(frozen=True)
 class ClientTLS:
     """TLS towards the service: the CA that signed its certificate and,
@@ -190,11 +195,12 @@ class RendezvousClient:
     def _stub(self, address: str) -> pb_grpc.RendezvousStub:
         channel = self._channels.get(address)
         if channel is None:
+            config = self._config
             options = [
                 ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-                ("grpc.keepalive_time_ms", 10_000),
-                ("grpc.initial_reconnect_backoff_ms", 50),
-                ("grpc.max_reconnect_backoff_ms", 1000),
+                ("grpc.keepalive_time_ms", _ms(config.client_keepalive_interval)),
+                ("grpc.initial_reconnect_backoff_ms", _ms(config.client_retry_initial)),
+                ("grpc.max_reconnect_backoff_ms", _ms(config.client_retry_max)),
             ]
             channel = open_channel(address, self._tls, options)
             self._channels[address] = channel
@@ -227,7 +233,8 @@ class RendezvousClient:
                     raise last or ControlPlaneUnavailable("no rendezvous replica reachable")
                 try:
                     rpc = getattr(self._stub(address), method)
-                    return await rpc(request, metadata=self._metadata, timeout=min(remaining, 10.0))
+                    attempt = min(remaining, self._config.client_attempt_timeout)
+                    return await rpc(request, metadata=self._metadata, timeout=attempt)
                 except grpc.aio.AioRpcError as rpc_error:
                     error = error_from_rpc(rpc_error)
                     if rpc_error.code() not in _RETRY_CODES:
