@@ -69,6 +69,7 @@ from pyetcd import etcdrpc
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 from pyetcd.exceptions import NoServerAvailableError
 
+from rollcall.membership.backoff import Backoff
 from rollcall.membership.checkpoint import (
     CheckpointFailure,
     CheckpointManifest,
@@ -1366,18 +1367,17 @@ class _KeyWatch:
 
     def _run(self) -> None:
         config = self._store._config
-        backoff = config.etcd_watch_backoff_initial
+        backoff = Backoff(config.etcd_watch_backoff_initial, config.etcd_watch_backoff_max)
         while not self._stop.is_set():
             try:
                 if self._follow():
-                    backoff = config.etcd_watch_backoff_initial
+                    backoff.reset()
             except EtcdCredentialsRefused as exc:
                 self._refused(str(exc))
             except Exception:  # noqa: BLE001 - the thread must survive anything
                 if not self._stop.is_set():
                     _log.exception("watch on %s failed", self._key.decode())
-            self._stop.wait(backoff)
-            backoff = min(2 * backoff, config.etcd_watch_backoff_max)
+            self._stop.wait(backoff.next())
 
     def _follow(self) -> bool:
         """One watch stream, until it breaks. True if it was established."""

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from rollcall.membership.backoff import Backoff
 from rollcall.membership.config import Config
 from rollcall.membership.credentials import secrets_equal
 from rollcall.membership.errors import InvalidRequest, PermissionDenied, RollcallError, StaleEpoch
@@ -226,7 +227,7 @@ class StateFetcher:
     async def _retrying(self, attempt: Callable[[], Awaitable[T]], deadline: float) -> T:
         """Retry while the peer has not caught up with the view yet
         (FAILED_PRECONDITION) or is briefly unreachable."""
-        pause = self._config.transfer_retry_initial
+        backoff = Backoff(self._config.transfer_retry_initial, self._config.transfer_retry_max)
         while True:
             try:
                 return await attempt()
@@ -235,10 +236,10 @@ class StateFetcher:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     grpc.StatusCode.UNAVAILABLE,
                 )
+                pause = backoff.next()
                 if not retryable or time.monotonic() + pause >= deadline:
                     raise
             await asyncio.sleep(pause)
-            pause = min(pause * 2, self._config.transfer_retry_max)
 
     async def fetch(
         self, sources: Sequence[str], epoch: int, expected: str, timeout: float

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from rollcall.membership.backoff import Backoff
 from rollcall.membership.checkpoint import CheckpointManifest, Durability
 from rollcall.membership.config import Config
 from rollcall.membership.errors import (
@@ -223,7 +224,7 @@ class RendezvousClient:
         interval."""
         started = time.monotonic()
         deadline = started + (patience or self._config.client_call_deadline)
-        backoff = self._config.client_retry_initial
+        backoff = self._retry_backoff()
         last: RollcallError | None = None
         notice = started + self._config.unreachable_notice
         while True:
@@ -261,8 +262,11 @@ class RendezvousClient:
                     ", ".join(self._addresses), time.monotonic() - started, last,
                     max(0.0, deadline - time.monotonic()),
                 )  # fmt: skip
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self._config.client_retry_max)
+            await asyncio.sleep(backoff.next())
+
+    def _retry_backoff(self) -> Backoff:
+        """The wait between two rounds over the replica list."""
+        return Backoff(self._config.client_retry_initial, self._config.client_retry_max)
 
     # --- read-only calls -----------------------------------------------------------
 
@@ -283,8 +287,10 @@ class RendezvousClient:
 
     async def watch(self, after_epoch: int = 0) -> AsyncIterator[View]:
         """Every committed view with an epoch above ``after_epoch``, across
-        replica failovers."""
+        replica failovers. A round over the replicas that ended without a
+        view is followed by a back-off (``client_retry_*``), reset by a view."""
         sent = after_epoch
+        backoff = self._retry_backoff()
         while not self._closing:
             for address in self._order():
                 call = self._stub(address).Watch(
@@ -294,11 +300,12 @@ class RendezvousClient:
                     async for message in call:
                         view = view_from_pb(message)
                         sent = view.epoch
+                        backoff.reset()
                         yield view
                 except grpc.aio.AioRpcError as rpc_error:
                     if rpc_error.code() not in _RETRY_CODES:
                         raise error_from_rpc(rpc_error) from None
-            await asyncio.sleep(self._config.client_retry_max)
+            await asyncio.sleep(backoff.next())
 
     # --- membership -----------------------------------------------------------------
 
@@ -518,12 +525,12 @@ class RendezvousClient:
             await asyncio.gather(task, return_exceptions=True)
 
     async def _session_forever(self) -> None:
-        backoff = self._config.client_retry_initial
+        backoff = self._retry_backoff()
         while not self._closing:
             for address in self._order():
                 try:
                     if await self._session_on(address):
-                        backoff = self._config.client_retry_initial
+                        backoff.reset()
                 except TimeoutError:
                     # A replica that does not answer at all (its host is gone:
                     # no connection reset) must not hold the session longer
@@ -545,8 +552,7 @@ class RendezvousClient:
                     return
                 if self._closing:
                     return
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self._config.client_retry_max)
+            await asyncio.sleep(backoff.next())
 
     def _end(self, error: RollcallError) -> None:
         log.info("session of %s ended: %s", self.member_id, error)
