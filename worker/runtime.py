@@ -65,6 +65,8 @@ from rollcall.protocol.client import ClientTLS, RendezvousClient
 from rollcall.protocol.serving import serve
 from rollcall.protocol.serving import stop as stop_metrics
 from rollcall.protocol.wire import TokenInterceptor, read_token
+from rollcall.worker.abort import PeerFailed, StepAborted
+from rollcall.worker.bootstrap_store import host_store
 from rollcall.worker.buffers import BufferSync
 from rollcall.worker.checkpoint import (
     CheckpointUnusable,
@@ -82,11 +84,12 @@ from rollcall.worker.environment import (
 )
 from rollcall.worker.faults import Faults
 from rollcall.worker.fingerprint import job_fingerprint
-from rollcall.worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
+from rollcall.worker.group import EpochGroup
 from rollcall.worker.ledger import Ledger
 from rollcall.worker.loader import Batch, LoaderOptions, MicrobatchLoader, default_collate
 from rollcall.worker.messages import describe_transport, install_default_handler, view_change
 from rollcall.worker.metrics import WorkerMetrics
+from rollcall.worker.parking import wait_parked
 from rollcall.worker.report import SupervisorReport
 from rollcall.worker.state import CorruptState, ReplicaState, capture, digest, restore, to_bytes
 from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
