@@ -1,11 +1,11 @@
 """Exponential back-off as a pure sequence of delays.
 
-Every retry loop of rollcall (the client's replica failover and session, the
-service's election and commit, the etcd store's watches, the state fetcher)
-waits the same way: ``initial`` first, doubling after each wait, never more
-than ``maximum``, and from ``initial`` again once an attempt got somewhere.
-This holds the arithmetic; the caller sleeps (``asyncio.sleep``,
-``Event.wait``), so the sequence needs no clock and tests need no sleep.
+A retry loop (the client's replica failover, session and watch, the etcd
+client's watches, the state fetcher's calls) waits the same way: ``initial``
+first, doubling after each wait, never more than ``maximum``, and from
+``initial`` again once an attempt got somewhere. This holds the arithmetic;
+the caller sleeps (``asyncio.sleep``, ``Event.wait``), so the sequence needs
+no clock and tests need no sleep.
 """
 
 from __future__ import annotations
