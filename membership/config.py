@@ -129,9 +129,18 @@ class Config:
     max_digest_length: int = 128
 
     # --- client ------------------------------------------------------------
-    #: Client back-off between attempts on the replica list.
+    #: Client back-off between attempts on the replica list, doubling from
+    #: ``client_retry_initial`` up to ``client_retry_max``; also gRPC's own
+    #: back-off between connection attempts to one replica.
     client_retry_initial: float = 0.05
     client_retry_max: float = 1.0
+    #: One attempt of an RPC on one replica gives up after this long (less
+    #: when ``client_call_deadline`` is nearer), so that a replica that
+    #: holds a call without answering does not use up the whole deadline.
+    client_attempt_timeout: float = 10.0
+    #: The client's channels ping an idle connection this often, so that a
+    #: replica whose host vanished is noticed on a connection left open.
+    client_keepalive_interval: float = 10.0
     #: A replica must answer a session's Open within this time, or the
     #: client moves on to the next one (a replica whose host vanished does
     #: not reset the connection). Must stay below ``takeover_grace``.
@@ -153,7 +162,8 @@ class Config:
     abort_poll: float = 0.005
     #: The etcd store waits at most this long for a connection it found
     #: failed to come back before trying it again: a little more than gRPC's
-    #: longest reconnect back-off here (200 ms, +20 % jitter).
+    #: longest reconnect back-off (``etcd_reconnect_backoff_max``, +20 %
+    #: jitter).
     etcd_reconnect_wait: float = 0.25
     #: An etcd watch checks this often whether the store's requests to its
     #: endpoint failed meanwhile (then it moves to another endpoint).
@@ -164,6 +174,20 @@ class Config:
     etcd_watch_backoff_max: float = 1.0
     #: Closing the store waits this long for each watch's thread to end.
     etcd_close_wait: float = 1.0
+    #: gRPC tries a refused connection to an etcd endpoint again after
+    #: this long, doubling up to ``etcd_reconnect_backoff_max``, so that a
+    #: restarted etcd is found again at once (gRPC's own default backs off
+    #: up to two minutes); on loopback or a LAN that is one SYN per endpoint
+    #: every 200 ms while it is down.
+    etcd_reconnect_backoff_initial: float = 0.05
+    etcd_reconnect_backoff_max: float = 0.2
+    #: The etcd channels ping the server this often, and close a connection
+    #: whose ping is not answered within ``etcd_keepalive_timeout``: a frozen
+    #: or unreachable server under a long-lived watch stream is detected
+    #: after about their sum (15 s). etcd refuses pings more often than
+    #: every 5 s (its --grpc-keepalive-min-time).
+    etcd_keepalive_interval: float = 10.0
+    etcd_keepalive_timeout: float = 5.0
     #: Every replica reads the view (and the job's record) this often, as a
     #: backstop for the watch, which is lost while etcd is down.
     view_poll_interval: float = 1.0
@@ -176,6 +200,40 @@ class Config:
     #: A worker's ledger file is fsynced at most this often (``--ledger``):
     #: a crash of the machine loses at most this long of records.
     ledger_sync_interval: float = 1.0
+    #: A state transfer call that a peer refused because it has not caught
+    #: up with the view yet (or could not be reached) is tried again after
+    #: this long, doubling up to ``transfer_retry_max``, until the
+    #: transfer's own deadline.
+    transfer_retry_initial: float = 0.005
+    transfer_retry_max: float = 0.1
+    #: Shortest timeout a state transfer call is given, even when its
+    #: transfer's deadline is nearer (a call with no time at all would fail
+    #: without asking the peer).
+    transfer_min_call_timeout: float = 0.1
+    #: Closing a microbatch loader waits this long for each loader process
+    #: it had to kill (one stuck in user code) to end.
+    loader_kill_wait: float = 1.0
+
+    # --- the gloo group (``rollcall.worker.group``) --------------------------
+    #: A blocked wait of the group (its bootstrap store, its build, a
+    #: collective) looks at the abort this often: the bound on how late an
+    #: abort is noticed. Completions wake the waiter at once, so this costs
+    #: no latency on the success path.
+    group_abort_poll: float = 0.01
+    #: How long an aborted collective is given to end once its connections
+    #: are shut down (it ends within milliseconds; longer means the sockets
+    #: were not all found, and the group is left to end with the process),
+    #: looked at every ``group_abort_settle_poll``.
+    group_abort_settle: float = 1.0
+    group_abort_settle_poll: float = 0.001
+    #: How long past its own timeout an abandoned group or build is still
+    #: expected to end. One that has not is stuck for good (a store request
+    #: to a frozen host never times out) and is no longer waited for.
+    group_park_grace: float = 2.0
+    #: Longest single TCP connect attempt while a rank probes for the
+    #: bootstrap store's listener, and the pause between two attempts.
+    group_store_probe_attempt: float = 0.5
+    group_store_probe_interval: float = 0.1
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -201,6 +259,26 @@ class Config:
                 "phi_threshold, phi_min_std and max_silence), or a worker could "
                 "apply a step after its eviction"
             )
+        for initial, maximum in (
+            ("client_retry_initial", "client_retry_max"),
+            ("etcd_watch_backoff_initial", "etcd_watch_backoff_max"),
+            ("etcd_reconnect_backoff_initial", "etcd_reconnect_backoff_max"),
+            ("transfer_retry_initial", "transfer_retry_max"),
+        ):
+            if getattr(self, initial) > getattr(self, maximum):
+                raise ValueError(f"config {initial} must not exceed {maximum}")
+        if self.etcd_reconnect_wait <= self.etcd_reconnect_backoff_max:
+            raise ValueError(
+                "config etcd_reconnect_wait must exceed etcd_reconnect_backoff_max, or a "
+                "failed etcd connection may not be tried again before the store gives up on it"
+            )
+        for poll, bound in (
+            ("group_abort_poll", "collective_timeout"),
+            ("group_store_probe_interval", "collective_timeout"),
+            ("group_abort_settle_poll", "group_abort_settle"),
+        ):
+            if getattr(self, poll) >= getattr(self, bound):
+                raise ValueError(f"config {poll} must be below {bound}, which it polls within")
         if self.member_lease_ttl <= self.election_ttl + self.takeover_grace:
             raise ValueError(
                 "config member_lease_ttl must exceed election_ttl + takeover_grace, "

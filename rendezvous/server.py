@@ -20,10 +20,11 @@ from rollcall.protocol.serving import stop as stop_metrics
 from rollcall.protocol.validation import check_address, check_id
 from rollcall.protocol.wire import TRANSPORT_LIMIT, TokenInterceptor
 from rollcall.rendezvous.etcd_auth import EtcdCredentials
+from rollcall.rendezvous.etcd_client import EtcdClientTLS
 from rollcall.rendezvous.events import EventFile
 from rollcall.rendezvous.metrics import ServiceMetrics
 from rollcall.rendezvous.service import Replica
-from rollcall.rendezvous.store import EtcdClientTLS, EtcdStore
+from rollcall.rendezvous.store import EtcdStore
 
 log = logging.getLogger("rollcall.rendezvous")
 

@@ -62,7 +62,7 @@ _SNAPSHOT_COUNT = 10_000
 #: then refuses every write). Periodic auto-compaction keeps this much
 #: history (etcd 3.4 compacts every retention period when it is under an
 #: hour): a watch more than this far behind resynchronises by reading the
-#: key again (``rollcall.rendezvous.store._KeyWatch``). Freed pages are reused, so
+#: key again (``rollcall.rendezvous.etcd_client._KeyWatch``). Freed pages are reused, so
 #: the database file stays bounded without defragmentation.
 AUTO_COMPACTION_RETENTION = "5m"
 #: etcd's backend quota (its default, stated): beyond it etcd raises a

@@ -29,15 +29,10 @@ from typing import Any
 import pytest
 import torch
 
-from rollcall.worker.group import (
-    LOOPBACK,
-    EpochGroup,
-    PeerFailed,
-    StepAborted,
-    host_store,
-    parked_count,
-    wait_parked,
-)
+from rollcall.worker.abort import PeerFailed, StepAborted
+from rollcall.worker.bootstrap_store import LOOPBACK, host_store
+from rollcall.worker.group import EpochGroup
+from rollcall.worker.parking import parked_count, wait_parked
 
 pytestmark = pytest.mark.integration  # starts processes
 
@@ -495,7 +490,7 @@ def test_patience_running_out_fails_the_collective_long_before_gloos_timeout(
 
 
 def test_a_descriptor_reused_by_another_socket_is_never_shut_down() -> None:
-    from rollcall.worker.group import _Connection, _endpoint
+    from rollcall.worker.connections import Connection, endpoint
 
     def connected_pair() -> tuple[socket.socket, socket.socket, socket.socket]:
         server = socket.create_server((LOOPBACK, 0))
@@ -506,7 +501,7 @@ def test_a_descriptor_reused_by_another_socket_is_never_shut_down() -> None:
     server, client, accepted = connected_pair()
     other_server, other, other_accepted = connected_pair()
     fd = client.fileno()
-    gloo_like = _Connection(fd, _endpoint(client.getsockname()), _endpoint(client.getpeername()))
+    gloo_like = Connection(fd, endpoint(client.getsockname()), endpoint(client.getpeername()))
     # gloo closed its socket and the process reused the number for another.
     os.dup2(other.fileno(), fd)
     try:
@@ -519,14 +514,14 @@ def test_a_descriptor_reused_by_another_socket_is_never_shut_down() -> None:
 
 
 def test_the_groups_own_connection_is_shut_down_and_its_reader_wakes() -> None:
-    from rollcall.worker.group import _Connection, _endpoint
+    from rollcall.worker.connections import Connection, endpoint
 
     server = socket.create_server((LOOPBACK, 0))
     client = socket.create_connection(server.getsockname())
     accepted, _ = server.accept()
     try:
-        connection = _Connection(
-            client.fileno(), _endpoint(client.getsockname()), _endpoint(client.getpeername())
+        connection = Connection(
+            client.fileno(), endpoint(client.getsockname()), endpoint(client.getpeername())
         )
         assert connection.shut_down()
         assert client.recv(1) == b""  # a reader sees the end at once

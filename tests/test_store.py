@@ -18,7 +18,8 @@ from rollcall.membership.credentials import secret_hash
 from rollcall.membership.errors import ControlPlaneUnavailable, InvalidRequest
 from rollcall.membership.fingerprint import JobFingerprint
 from rollcall.membership.view import EMPTY_VIEW, Member, View
-from rollcall.rendezvous.store import EtcdClientTLS, EtcdStore, LeaderInfo
+from rollcall.rendezvous.etcd_client import EtcdClientTLS
+from rollcall.rendezvous.store import EtcdStore, LeaderInfo
 from tests.conftest import TLSFiles
 from tests.test_etcd_local import client_for
 
@@ -212,7 +213,7 @@ def test_a_members_secret_hash_outlives_its_lease_until_it_is_removed(store: Etc
     hashed = "ab" * 32
     record = store.add_member(Member("a", "127.0.0.1:1"), hashed)
     store.add_member(Member("b", "127.0.0.1:2"), "cd" * 32)
-    store._revoke(record.lease_id)  # etcd let the lease expire: the record is gone
+    store.etcd.revoke(record.lease_id)  # etcd let the lease expire: the record is gone
     assert [r.member.id for r in store.list_members()] == ["b"]
     assert store.list_secret_hashes() == {"a": hashed, "b": "cd" * 32}
     again = store.register_again(Member("a", "127.0.0.1:1"), hashed)
@@ -692,7 +693,7 @@ def test_cluster_reads_and_commits_survive_killing_the_member_in_use(
     seen = Recorder()
     cancel = cluster_store.watch_view(seen, after_revision=first)
 
-    etcd_cluster.kill(etcd_cluster.endpoints.index(cluster_store.endpoint_in_use))
+    etcd_cluster.kill(etcd_cluster.endpoints.index(cluster_store.etcd.endpoint_in_use))
 
     assert cluster_store.read_view() == (view(1, "a"), first)
     second = cluster_store.commit_view(view(2, "a"), first, leader)
@@ -711,7 +712,7 @@ def test_cluster_watch_leaves_a_frozen_member(etcd_cluster: LocalEtcdCluster) ->
         assert leader is not None
         seen = Recorder()
         cancel = store.watch_view(seen)
-        frozen = etcd_cluster.members[etcd_cluster.endpoints.index(store.endpoint_in_use)]
+        frozen = etcd_cluster.members[etcd_cluster.endpoints.index(store.etcd.endpoint_in_use)]
         frozen.pause()
         try:
             start = time.monotonic()

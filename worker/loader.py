@@ -54,6 +54,7 @@ from torch.utils.data import (
 )
 from torch.utils.data import default_collate as torch_default_collate
 
+from rollcall.membership.config import Config
 from rollcall.membership.errors import RollcallError
 from rollcall.worker.plan import DataPlan, Microbatch, load_seed
 
@@ -660,7 +661,8 @@ class MicrobatchLoader:
     exception in the dataset, a process that died, the timeout) is raised by
     :meth:`get` as the DataLoader raises it, and the loader stops: the next
     call raises :class:`LoaderClosed`. Single-threaded: call it from one
-    thread (the training thread).
+    thread (the training thread). ``config`` (default: ``Config()``) says
+    how long closing waits for a worker it killed (``loader_kill_wait``).
     """
 
     def __init__(
@@ -669,10 +671,12 @@ class MicrobatchLoader:
         plan: DataPlan,
         collate: Callable[[Sequence[Any]], Any] = default_collate,
         options: LoaderOptions | None = None,
+        config: Config | None = None,
     ) -> None:
         require_indexable(dataset)
         self.plan = plan
         self.options = options or LoaderOptions()
+        self._config = config or Config()
         self._source = _Microbatches(dataset, collate)
         self._schedule = PrefetchSchedule(plan, capacity=self.options.window)
         self._loaded: dict[Key, Any] = {}
@@ -690,12 +694,13 @@ class MicrobatchLoader:
         seed: int,
         collate: Callable[[Sequence[Any]], Any] | None = None,
         options: LoaderOptions | None = None,
+        config: Config | None = None,
     ) -> MicrobatchLoader:
         """A loader for what the user passed as the dataset (see
         :func:`data_source`), with the plan over its length in samples."""
         source = data_source(given, micro_batch=micro_batch, collate=collate, options=options)
         plan = DataPlan(len(source.dataset), global_batch, micro_batch, seed)
-        return cls(source.dataset, plan, source.collate, source.options)
+        return cls(source.dataset, plan, source.collate, source.options, config)
 
     @property
     def target(self) -> Target | None:
@@ -862,7 +867,7 @@ class MicrobatchLoader:
             for worker in getattr(pipeline, "_workers", ()):
                 if worker.is_alive():
                     worker.kill()
-                    worker.join(timeout=1.0)
+                    worker.join(timeout=self._config.loader_kill_wait)
 
 
 __all__ = [

@@ -66,6 +66,8 @@ from rollcall.protocol.client import ClientTLS, RendezvousClient
 from rollcall.protocol.serving import serve
 from rollcall.protocol.serving import stop as stop_metrics
 from rollcall.protocol.wire import TokenInterceptor, read_token
+from rollcall.worker.abort import PeerFailed, StepAborted
+from rollcall.worker.bootstrap_store import host_store
 from rollcall.worker.buffers import BufferSync
 from rollcall.worker.checkpoint import (
     CheckpointUnusable,
@@ -88,11 +90,12 @@ from rollcall.worker.environment import (
 from rollcall.worker.exact import ExactStep
 from rollcall.worker.faults import Faults
 from rollcall.worker.fingerprint import job_fingerprint
-from rollcall.worker.group import EpochGroup, PeerFailed, StepAborted, host_store, wait_parked
+from rollcall.worker.group import EpochGroup
 from rollcall.worker.ledger import Ledger
 from rollcall.worker.loader import Batch, LoaderOptions, MicrobatchLoader, default_collate
 from rollcall.worker.messages import describe_transport, install_default_handler, view_change
 from rollcall.worker.metrics import WorkerMetrics
+from rollcall.worker.parking import wait_parked
 from rollcall.worker.report import SupervisorReport
 from rollcall.worker.state import CorruptState, ReplicaState, capture, restore
 from rollcall.worker.state_bytes import to_bytes
@@ -309,7 +312,7 @@ class Elastic:
                 num_workers=num_workers, prefetch_factor=prefetch_factor,
                 worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
                 pin_memory=pin_memory,
-            ),
+            ), config=self._config,
         )  # fmt: skip
         # What every worker of the job must match, checked at join: taken
         # before anything trains the model (and before loader processes exist).
@@ -539,8 +542,9 @@ class Elastic:
             self._member.joined(member_id)
         self._launch_s = process_age()
         self._fetcher = StateFetcher(
-            self.job_name, self.member_id, self._token, epoch_secret=self._client.epoch_secret
-        )
+            self.job_name, self.member_id, self._token,
+            epoch_secret=self._client.epoch_secret, config=self._config,
+        )  # fmt: skip
         log.info("joined job %s as %s", self.job_name, self.member_id)
         log.debug("state server of %s at %s", self.member_id, self.address)
         self._report.joined(self.member_id, self.address)
@@ -840,7 +844,7 @@ class Elastic:
         self._group = EpochGroup.build(
             view.epoch, rank, view.size, host, port, rank == 0, timeout, abort,
             listen_host=self._host, patience=self._patience,
-            hard_timeout=self._config.collective_backstop(), secret=secret,
+            hard_timeout=self._config.collective_backstop(), secret=secret, config=self._config,
         )  # fmt: skip
         ready = time.perf_counter()
         self._loader.enter_view(rank, view.size, self.committed_step + 1)

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from rollcall.membership.backoff import Backoff
 from rollcall.membership.config import Config
 from rollcall.membership.credentials import secrets_equal
 from rollcall.membership.errors import InvalidRequest, PermissionDenied, RollcallError, StaleEpoch
@@ -163,7 +164,8 @@ class FetchReport:
 
 class StateFetcher:
     """Client side of the transfer for one member; ``epoch_secret(epoch)``
-    is the secret of the view it acts in (None: not received)."""
+    is the secret of the view it acts in (None: not received). ``config``
+    (default: ``Config()``) paces its retries (``transfer_*``)."""
 
     def __init__(
         self,
@@ -174,8 +176,10 @@ class StateFetcher:
         progress: Callable[[int, int], None] | None = None,
         *,
         epoch_secret: Callable[[int], str | None],
+        config: Config | None = None,
     ) -> None:
         self._epoch_secret = epoch_secret
+        self._config = config or Config()
         self._job = job
         self._member_id = member_id
         self._metadata = token_metadata(token)
@@ -204,11 +208,15 @@ class StateFetcher:
             lambda: self._stub(address).GroupStore(
                 self._request(epoch),
                 metadata=self._metadata,
-                timeout=max(0.1, deadline - time.monotonic()),
+                timeout=self._call_timeout(deadline),
             ),
             deadline,
         )
         return int(info.port)
+
+    def _call_timeout(self, deadline: float) -> float:
+        """Timeout of one call made for a transfer that ends at ``deadline``."""
+        return max(self._config.transfer_min_call_timeout, deadline - time.monotonic())
 
     def _secret(self, epoch: int) -> str:
         return self._epoch_secret(epoch) or ""
@@ -221,7 +229,7 @@ class StateFetcher:
     async def _retrying(self, attempt: Callable[[], Awaitable[T]], deadline: float) -> T:
         """Retry while the peer has not caught up with the view yet
         (FAILED_PRECONDITION) or is briefly unreachable."""
-        pause = 0.005
+        backoff = Backoff(self._config.transfer_retry_initial, self._config.transfer_retry_max)
         while True:
             try:
                 return await attempt()
@@ -230,10 +238,10 @@ class StateFetcher:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     grpc.StatusCode.UNAVAILABLE,
                 )
+                pause = backoff.next()
                 if not retryable or time.monotonic() + pause >= deadline:
                     raise
             await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.1)
 
     async def fetch(
         self, sources: Sequence[str], epoch: int, expected: str, timeout: float
@@ -287,7 +295,7 @@ class StateFetcher:
             lambda: self._stub(address).Describe(
                 self._request(epoch),
                 metadata=self._metadata,
-                timeout=max(0.1, deadline - time.monotonic()),
+                timeout=self._call_timeout(deadline),
             ),
             deadline,
         )
@@ -307,7 +315,7 @@ class StateFetcher:
                     offset=offset, length=length, epoch_secret=self._secret(epoch),
                 ),
                 metadata=self._metadata,
-                timeout=max(0.1, deadline - time.monotonic()),
+                timeout=self._call_timeout(deadline),
             )  # fmt: skip
             async for chunk in call:
                 assembler.add(chunk.offset, chunk.data)

@@ -229,8 +229,8 @@ def rendezvous(
 ) -> None:
     """Run a rendezvous replica for one job (several may share one etcd)."""
     from rollcall.protocol.wire import read_token
+    from rollcall.rendezvous.etcd_client import EtcdClientTLS
     from rollcall.rendezvous.server import ReplicaOptions, ServerTLS, serve_until_signalled
-    from rollcall.rendezvous.store import EtcdClientTLS
 
     config = parse_overrides(overrides)
     if bool(tls_cert) != bool(tls_key):

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from rollcall.membership.backoff import Backoff
 from rollcall.membership.checkpoint import CheckpointManifest, Durability
 from rollcall.membership.config import Config
 from rollcall.membership.errors import (
@@ -71,6 +72,11 @@ _RETRY_CODES = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.INTERNAL,
 }
+
+
+def _ms(seconds: float) -> int:
+    """``seconds`` in whole milliseconds, as gRPC's channel options take them."""
+    return round(seconds * 1000)
 
 
 @dataclass(frozen=True)
@@ -190,11 +196,12 @@ class RendezvousClient:
     def _stub(self, address: str) -> pb_grpc.RendezvousStub:
         channel = self._channels.get(address)
         if channel is None:
+            config = self._config
             options = [
                 ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-                ("grpc.keepalive_time_ms", 10_000),
-                ("grpc.initial_reconnect_backoff_ms", 50),
-                ("grpc.max_reconnect_backoff_ms", 1000),
+                ("grpc.keepalive_time_ms", _ms(config.client_keepalive_interval)),
+                ("grpc.initial_reconnect_backoff_ms", _ms(config.client_retry_initial)),
+                ("grpc.max_reconnect_backoff_ms", _ms(config.client_retry_max)),
             ]
             channel = open_channel(address, self._tls, options)
             self._channels[address] = channel
@@ -217,7 +224,7 @@ class RendezvousClient:
         interval."""
         started = time.monotonic()
         deadline = started + (patience or self._config.client_call_deadline)
-        backoff = self._config.client_retry_initial
+        backoff = self._retry_backoff()
         last: RollcallError | None = None
         notice = started + self._config.unreachable_notice
         while True:
@@ -227,7 +234,8 @@ class RendezvousClient:
                     raise last or ControlPlaneUnavailable("no rendezvous replica reachable")
                 try:
                     rpc = getattr(self._stub(address), method)
-                    return await rpc(request, metadata=self._metadata, timeout=min(remaining, 10.0))
+                    attempt = min(remaining, self._config.client_attempt_timeout)
+                    return await rpc(request, metadata=self._metadata, timeout=attempt)
                 except grpc.aio.AioRpcError as rpc_error:
                     error = error_from_rpc(rpc_error)
                     if rpc_error.code() not in _RETRY_CODES:
@@ -254,8 +262,11 @@ class RendezvousClient:
                     ", ".join(self._addresses), time.monotonic() - started, last,
                     max(0.0, deadline - time.monotonic()),
                 )  # fmt: skip
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self._config.client_retry_max)
+            await asyncio.sleep(backoff.next())
+
+    def _retry_backoff(self) -> Backoff:
+        """The wait between two rounds over the replica list."""
+        return Backoff(self._config.client_retry_initial, self._config.client_retry_max)
 
     # --- read-only calls -----------------------------------------------------------
 
@@ -276,8 +287,10 @@ class RendezvousClient:
 
     async def watch(self, after_epoch: int = 0) -> AsyncIterator[View]:
         """Every committed view with an epoch above ``after_epoch``, across
-        replica failovers."""
+        replica failovers. A round over the replicas that ended without a
+        view is followed by a back-off (``client_retry_*``), reset by a view."""
         sent = after_epoch
+        backoff = self._retry_backoff()
         while not self._closing:
             for address in self._order():
                 call = self._stub(address).Watch(
@@ -287,11 +300,12 @@ class RendezvousClient:
                     async for message in call:
                         view = view_from_pb(message)
                         sent = view.epoch
+                        backoff.reset()
                         yield view
                 except grpc.aio.AioRpcError as rpc_error:
                     if rpc_error.code() not in _RETRY_CODES:
                         raise error_from_rpc(rpc_error) from None
-            await asyncio.sleep(self._config.client_retry_max)
+            await asyncio.sleep(backoff.next())
 
     # --- membership -----------------------------------------------------------------
 
@@ -396,9 +410,7 @@ class RendezvousClient:
         """This member will be away from collectives for at most ``seconds``
         (0: no longer): its peers wait for it, the detector spares it."""
         self._send(
-            pb.SessionRequest(
-                busy=pb.Busy(epoch=self._view.epoch, seconds=seconds, reason=reason)
-            )
+            pb.SessionRequest(busy=pb.Busy(epoch=self._view.epoch, seconds=seconds, reason=reason))
         )
 
     def request_rollcall(self, reason: str) -> None:
@@ -458,7 +470,9 @@ class RendezvousClient:
             await self._call(
                 "Leave",
                 pb.LeaveRequest(
-                    job=self._job, member_id=self.member_id, epoch=self._view.epoch,
+                    job=self._job,
+                    member_id=self.member_id,
+                    epoch=self._view.epoch,
                     member_secret=self._member_secret,
                 ),  # fmt: skip
                 leader_only=True,
@@ -511,12 +525,12 @@ class RendezvousClient:
             await asyncio.gather(task, return_exceptions=True)
 
     async def _session_forever(self) -> None:
-        backoff = self._config.client_retry_initial
+        backoff = self._retry_backoff()
         while not self._closing:
             for address in self._order():
                 try:
                     if await self._session_on(address):
-                        backoff = self._config.client_retry_initial
+                        backoff.reset()
                 except TimeoutError:
                     # A replica that does not answer at all (its host is gone:
                     # no connection reset) must not hold the session longer
@@ -538,8 +552,7 @@ class RendezvousClient:
                     return
                 if self._closing:
                     return
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self._config.client_retry_max)
+            await asyncio.sleep(backoff.next())
 
     def _end(self, error: RollcallError) -> None:
         log.info("session of %s ended: %s", self.member_id, error)
@@ -561,7 +574,9 @@ class RendezvousClient:
                 await call.write(
                     pb.SessionRequest(
                         open=pb.Open(
-                            job=self._job, member_id=self.member_id, epoch=self._view.epoch,
+                            job=self._job,
+                            member_id=self.member_id,
+                            epoch=self._view.epoch,
                             member_secret=self._member_secret,
                         )  # fmt: skip
                     )

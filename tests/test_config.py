@@ -1,0 +1,60 @@
+"""Config refuses settings whose relations cannot hold: a back-off that
+starts above its cap, a poll interval not below the timeout it polls within,
+and an etcd reconnect wait that gRPC's reconnect back-off outlasts."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollcall.membership.config import Config
+
+
+def test_the_defaults_are_accepted() -> None:
+    config = Config()
+
+    assert config.group_abort_poll < config.collective_timeout
+    assert config.etcd_reconnect_wait > config.etcd_reconnect_backoff_max
+
+
+@pytest.mark.parametrize(
+    ("initial", "maximum"),
+    [
+        ("client_retry_initial", "client_retry_max"),
+        ("etcd_watch_backoff_initial", "etcd_watch_backoff_max"),
+        ("etcd_reconnect_backoff_initial", "etcd_reconnect_backoff_max"),
+        ("transfer_retry_initial", "transfer_retry_max"),
+    ],
+)
+def test_a_back_off_may_not_start_above_its_cap(initial: str, maximum: str) -> None:
+    cap = getattr(Config(), maximum)
+
+    with pytest.raises(ValueError, match=f"{initial} must not exceed {maximum}"):
+        Config(**{initial: cap * 2})
+    assert getattr(Config(**{initial: cap}), initial) == cap
+
+
+@pytest.mark.parametrize(
+    ("poll", "bound"),
+    [
+        ("group_abort_poll", "collective_timeout"),
+        ("group_store_probe_interval", "collective_timeout"),
+        ("group_abort_settle_poll", "group_abort_settle"),
+    ],
+)
+def test_a_poll_interval_must_be_below_what_it_polls_within(poll: str, bound: str) -> None:
+    limit = getattr(Config(), bound)
+
+    with pytest.raises(ValueError, match=f"{poll} must be below {bound}"):
+        Config(**{poll: limit})
+
+
+def test_the_etcd_reconnect_wait_must_outlast_grpcs_reconnect_back_off() -> None:
+    with pytest.raises(ValueError, match="etcd_reconnect_wait must exceed"):
+        Config(etcd_reconnect_backoff_max=0.25)
+    assert Config(etcd_reconnect_backoff_max=0.2, etcd_reconnect_wait=0.3).etcd_reconnect_wait
+
+
+def test_every_new_timing_field_is_positive() -> None:
+    for name in ("group_park_grace", "group_store_probe_attempt", "loader_kill_wait"):
+        with pytest.raises(ValueError, match=f"{name} must be positive"):
+            Config(**{name: 0.0})
