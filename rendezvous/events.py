@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, cast
 
+from rollcall.membership.cause import Cause, CauseKind
 from rollcall.membership.checkpoint import CheckpointFailure, CheckpointManifest, ReplayCost
 from rollcall.membership.config import Config
 from rollcall.membership.view import View
@@ -41,13 +42,20 @@ class MemberReport:
 #: Kinds of trigger (the ``cause`` field of a view change).
 CAUSES = ("join", "leave", "crash", "suspected", "report", "takeover")
 
+#: The kind of trigger a coordinator's cause stands for.
+_KIND_OF = {
+    CauseKind.JOIN: "join",
+    CauseKind.LEAVE: "leave",
+    CauseKind.SUSPECT: "suspected",
+    CauseKind.REPORT: "report",
+}
 
-def cause_kind(kinds: set[str], causes: Sequence[str]) -> str:
+
+def cause_kind(kinds: set[str], causes: Sequence[Cause]) -> str:
     """The one-word cause of a view change: the kinds of trigger the leader
-    noted, else (after a takeover, say) read off the coordinator's causes."""
+    noted, else (after a takeover, say) those of the coordinator's causes."""
     if not kinds:
-        kinds = {c.split(":", 1)[0].replace("suspect", "suspected") for c in causes}
-        kinds = {k if k in CAUSES else "takeover" for k in kinds}
+        kinds = {_KIND_OF[c.kind] for c in causes}
     if not kinds:
         return "start"
     return next(iter(kinds)) if len(kinds) == 1 else "mixed"
@@ -57,7 +65,7 @@ def cause_kind(kinds: set[str], causes: Sequence[str]) -> str:
 class _Pending:
     view: View
     before: View
-    causes: tuple[str, ...]
+    causes: tuple[Cause, ...]
     cause: str
     trigger: float
     detect_s: float
@@ -120,7 +128,7 @@ class EventLog:
             self._trigger = now
 
     def committed(
-        self, view: View, before: View, causes: Sequence[str], now: float
+        self, view: View, before: View, causes: Sequence[Cause], now: float
     ) -> list[dict[str, Any]]:
         """A view was committed. Returns the records now complete (the
         previous view change, if still open)."""
@@ -246,7 +254,7 @@ class EventLog:
                 pending.trigger,
                 epoch=pending.view.epoch,
                 cause=pending.cause,
-                causes=list(pending.causes),
+                causes=[str(c) for c in pending.causes],
                 members_before=list(before_ids),
                 members_after=list(after_ids),
                 joined=[m for m in after_ids if m not in pending.before],

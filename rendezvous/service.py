@@ -756,7 +756,8 @@ class Replica(pb_grpc.RendezvousServicer):
         session.asked_epoch = epoch
         lead = self._lead
         causes = lead.coordinator.rollcall.causes if lead and lead.coordinator.rollcall else ()
-        session.send(pb.SessionEvent(roll_call=pb.RollCallRequest(epoch=epoch, causes=causes)))
+        request = pb.RollCallRequest(epoch=epoch, causes=[str(c) for c in causes])
+        session.send(pb.SessionEvent(roll_call=request))
 
     async def _counted_commit(self, lead: _Leadership, action: CommitView) -> None:
         lead.committing += 1
@@ -813,7 +814,7 @@ class Replica(pb_grpc.RendezvousServicer):
         lead.trained = lead.trained or lead.step is not None
         now = self._clock()
         lead.coordinator.committed(action.view, now)
-        causes = ", ".join(action.causes[:8]) + (
+        causes = ", ".join(str(c) for c in action.causes[:8]) + (
             f" and {len(action.causes) - 8} more" if len(action.causes) > 8 else ""
         )
         log.info("committed epoch %d: %d members (%s)", action.view.epoch, action.view.size, causes)
@@ -888,22 +889,29 @@ class Replica(pb_grpc.RendezvousServicer):
         session.send(announcement)
 
     def _announce(self, lead: _Leadership, action: CommitView) -> None:
-        removed = set(action.removed)
         events = self._view_events(lead, action.view)
-        for member_id, session in list(lead.sessions.items()):
+        for session in list(lead.sessions.values()):
             self._send_view(session, action.view, events)
-            if member_id in removed:
-                session.close(
-                    Evicted(f"member {member_id} is not in view {action.view.epoch}; rejoin")
-                )
-                del lead.sessions[member_id]
-        for member_id in removed:
-            lead.detector.forget(member_id)
-            lead.join_deadlines.pop(member_id, None)
-            lead.busy.pop(member_id, None)
-            record = lead.records.pop(member_id, None)
-            if record is not None:
-                asyncio.create_task(self._remove_record(record))
+        for member_id in action.removed:
+            self._remove(
+                lead, member_id,
+                Evicted(f"member {member_id} is not in view {action.view.epoch}; rejoin"),
+            )  # fmt: skip
+
+    def _remove(self, lead: _Leadership, member_id: str, ending: RollcallError | None) -> None:
+        """The one way a member leaves the leader's books (it left, was
+        suspected, or lost its place in a view): no detector, join deadline
+        or busy period any more, its session ended (cleanly with None, else
+        with ``ending``), its etcd record removed."""
+        lead.detector.forget(member_id)
+        lead.join_deadlines.pop(member_id, None)
+        lead.busy.pop(member_id, None)
+        session = lead.sessions.pop(member_id, None)
+        if session is not None:
+            session.close(ending)
+        record = lead.records.pop(member_id, None)
+        if record is not None:
+            asyncio.create_task(self._remove_record(record))
 
     async def _remove_record(self, record: MemberRecord) -> None:
         try:
@@ -916,8 +924,7 @@ class Replica(pb_grpc.RendezvousServicer):
     ) -> None:
         """A member's failure report of the view in force: a roll call,
         within the member's limit (``Config.report_burst``)."""
-        cause = f"report:{report.peer_id} by {member_id}"
-        outcome = lead.coordinator.report(member_id, report.peer_id, cause, now)
+        outcome = lead.coordinator.report(member_id, report.peer_id, now)
         if outcome is ReportOutcome.ROLL_CALL:
             self._events.cause(now, "report")
             log.info("%s reports %s failing: %s", member_id, report.peer_id, report.reason)
@@ -969,15 +976,7 @@ class Replica(pb_grpc.RendezvousServicer):
         if lead.coordinator.suspect(member_id, now):
             log.info("suspect %s: %s", member_id, reason)
             self._events.cause(now, kind, lead.detector.silence(member_id, now))
-        lead.detector.forget(member_id)
-        lead.join_deadlines.pop(member_id, None)
-        lead.busy.pop(member_id, None)
-        session = lead.sessions.pop(member_id, None)
-        if session is not None:
-            session.close(Evicted(f"member {member_id} suspected ({reason}); rejoin"))
-        record = lead.records.pop(member_id, None)
-        if record is not None:
-            asyncio.create_task(self._remove_record(record))
+        self._remove(lead, member_id, Evicted(f"member {member_id} suspected ({reason}); rejoin"))
         self._drain(lead)
 
     async def _put_progress(self, lead: _Leadership, epoch: int, step: int) -> None:
@@ -1199,15 +1198,7 @@ class Replica(pb_grpc.RendezvousServicer):
             lead.coordinator.leave(request.member_id, now)
             self._events.cause(now, "leave")
             log.info("leave %s", request.member_id)
-            lead.detector.forget(request.member_id)
-            lead.join_deadlines.pop(request.member_id, None)
-            lead.busy.pop(request.member_id, None)
-            session = lead.sessions.pop(request.member_id, None)
-            if session is not None:
-                session.close()
-            record = lead.records.pop(request.member_id, None)
-            if record is not None:
-                asyncio.create_task(self._remove_record(record))
+            self._remove(lead, request.member_id, None)
             self._drain(lead)
             return pb.LeaveResponse()
         except RollcallError as error:
