@@ -28,8 +28,9 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from rollcall.membership.cause import Cause
 from rollcall.membership.config import Config
-from rollcall.membership.errors import InvalidRequest, NotAMember, StaleEpoch
+from rollcall.membership.errors import InvalidRequest, NotAMember, NotProposed, StaleEpoch
 from rollcall.membership.ratelimit import Admission, ReportLimiter
 from rollcall.membership.view import Member, View
 
@@ -60,7 +61,7 @@ class CommitView:
     view: View
     previous: View
     removed: tuple[str, ...]
-    causes: tuple[str, ...]
+    causes: tuple[Cause, ...]
     #: Roll-call answers whose step the view does not resume from.
     refused: tuple[RefusedClaim, ...] = ()
 
@@ -85,7 +86,7 @@ class RollCall:
     candidates: tuple[Member, ...]
     deadline: float
     started_at: float
-    causes: tuple[str, ...]
+    causes: tuple[Cause, ...]
     answers: dict[str, Answer] = field(default_factory=dict)
     _ids: set[str] = field(init=False, repr=False, compare=False)
 
@@ -252,8 +253,8 @@ class Coordinator:
         self._view = view
         self._awaiting = {m for m in awaiting if m in view}
         self._joiners: dict[str, Member] = {}  # in arrival order
-        self._departed: dict[str, str] = {}  # view member id -> cause
-        self._causes: list[str] = []
+        self._departed: dict[str, Cause] = {}  # view member id -> cause
+        self._causes: list[Cause] = []
         self._trigger_at: float | None = None
         self._rollcall: RollCall | None = None
         self._proposal: CommitView | None = None
@@ -319,7 +320,7 @@ class Coordinator:
         if self.knows(member.id):
             raise InvalidRequest(f"member id {member.id!r} is already known")
         self._joiners[member.id] = member
-        self._causes.append(f"join:{member.id}")
+        self._causes.append(Cause.join(member.id))
         self._schedule(now + self._config.join_settle)
         self.tick(now)
 
@@ -330,14 +331,14 @@ class Coordinator:
 
     def leave(self, member_id: str, now: float) -> bool:
         """A member leaves cleanly. Returns False if it was not known."""
-        return self._depart(member_id, f"leave:{member_id}", now)
+        return self._depart(member_id, Cause.leave(member_id), now)
 
     def suspect(self, member_id: str, now: float) -> bool:
         """A member is suspected dead (stream broken, detector, lease, peer
         report). Returns False if it was not known."""
-        return self._depart(member_id, f"suspect:{member_id}", now)
+        return self._depart(member_id, Cause.suspect(member_id), now)
 
-    def recheck(self, member_id: str, cause: str, now: float) -> bool:
+    def recheck(self, member_id: str, cause: Cause, now: float) -> bool:
         """Someone reported ``member_id`` failing (a peer saw its connection
         reset, say). Hold a roll call at once that still calls it: if it is
         alive it answers and keeps its place, if not it misses the deadline.
@@ -351,9 +352,10 @@ class Coordinator:
         self.tick(now)
         return True
 
-    def report(self, reporter: str, member_id: str, cause: str, now: float) -> ReportOutcome:
+    def report(self, reporter: str, member_id: str, now: float) -> ReportOutcome:
         """Member ``reporter`` reports ``member_id`` failing (or, naming
-        itself, asks for a roll call): ``recheck``, within the reporter's
+        itself, asks for a roll call): ``recheck`` (cause
+        ``Cause.report``), within the reporter's
         limit of ``report_burst`` roll calls in a row and one more per
         ``report_interval``. Only reports that would start a roll call
         count against it."""
@@ -364,7 +366,7 @@ class Coordinator:
             return ReportOutcome.LIMITED
         if admission is Admission.STILL_REFUSED:
             return ReportOutcome.STILL_LIMITED
-        self.recheck(member_id, cause, now)
+        self.recheck(member_id, Cause.report(member_id, reporter), now)
         return ReportOutcome.ROLL_CALL
 
     def _would_recheck(self, member_id: str) -> bool:
@@ -419,7 +421,7 @@ class Coordinator:
     def committed(self, view: View, now: float) -> None:
         """The proposal was committed in etcd (the caller checked the CAS)."""
         if self._proposal is None or self._proposal.view.epoch != view.epoch:
-            raise ValueError(f"view {view.epoch} was not proposed")
+            raise NotProposed(f"view {view.epoch} was not proposed")
         self._view = view
         self._proposal = None
         self._reports = {}
@@ -431,7 +433,7 @@ class Coordinator:
     def _schedule(self, at: float) -> None:
         self._trigger_at = at if self._trigger_at is None else min(self._trigger_at, at)
 
-    def _depart(self, member_id: str, cause: str, now: float) -> bool:
+    def _depart(self, member_id: str, cause: Cause, now: float) -> bool:
         self._awaiting.discard(member_id)
         rollcall = self._rollcall
         if rollcall is not None and rollcall.is_candidate(member_id):
@@ -442,7 +444,7 @@ class Coordinator:
             del self._joiners[member_id]
             # A withdrawn join is no reason for a roll call any more: without
             # another cause it would abort every member's step for nothing.
-            self._causes.remove(f"join:{member_id}")
+            self._causes.remove(Cause.join(member_id))
             if not self._causes:
                 self._trigger_at = None
         else:

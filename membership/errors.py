@@ -88,8 +88,10 @@ class JobRecordLost(RollcallError):
     checkpoint directory they resume from the newest checkpoint file in it."""
 
 
-class RollCallTimeout(RollcallError):
-    """A roll call did not produce a committed view within its bound."""
+class NotProposed(RollcallError):
+    """A view reported committed that the coordinator did not hand out for
+    commit (or no longer waits for): the caller's bookkeeping is wrong, and
+    the coordinator's state is left as it was."""
 
 
 class UsageError(RollcallError):

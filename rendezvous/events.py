@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, cast
 
+from rollcall.membership.cause import Cause as RollCallCause
+from rollcall.membership.cause import CauseKind
 from rollcall.membership.checkpoint import CheckpointFailure, CheckpointManifest, ReplayCost
 from rollcall.membership.config import Config
 from rollcall.membership.view import View
 from rollcall.private import open_private_append
 from rollcall.protocol.events import (
-    TRIGGERS,
     Cause,
     Checkpoint,
     CheckpointFailed,
@@ -49,12 +50,20 @@ class MemberReport:
     global_batch: int
 
 
-def cause_kind(kinds: set[str], causes: Sequence[str]) -> str:
+#: The event cause each kind of roll-call cause stands for.
+_KIND_OF = {
+    CauseKind.JOIN: Cause.JOIN,
+    CauseKind.LEAVE: Cause.LEAVE,
+    CauseKind.SUSPECT: Cause.SUSPECTED,
+    CauseKind.REPORT: Cause.REPORT,
+}
+
+
+def cause_kind(kinds: set[str], causes: Sequence[RollCallCause]) -> str:
     """The one-word cause of a view change: the kinds of trigger the leader
-    noted, else (after a takeover, say) read off the coordinator's causes."""
+    noted, else (after a takeover, say) those of the coordinator's causes."""
     if not kinds:
-        kinds = {c.split(":", 1)[0].replace("suspect", "suspected") for c in causes}
-        kinds = {k if k in TRIGGERS else Cause.TAKEOVER for k in kinds}
+        kinds = {_KIND_OF[c.kind] for c in causes}
     if not kinds:
         return Cause.START
     return next(iter(kinds)) if len(kinds) == 1 else Cause.MIXED
@@ -64,7 +73,7 @@ def cause_kind(kinds: set[str], causes: Sequence[str]) -> str:
 class _Pending:
     view: View
     before: View
-    causes: tuple[str, ...]
+    causes: tuple[RollCallCause, ...]
     cause: str
     trigger: float
     detect_s: float
@@ -125,7 +134,7 @@ class EventLog:
             self._trigger = now
 
     def committed(
-        self, view: View, before: View, causes: Sequence[str], now: float
+        self, view: View, before: View, causes: Sequence[RollCallCause], now: float
     ) -> list[dict[str, Any]]:
         """A view was committed. Returns the records now complete (the
         previous view change, if still open)."""
@@ -268,7 +277,7 @@ class EventLog:
                     time=self._time(pending.trigger),
                     epoch=pending.view.epoch,
                     cause=pending.cause,
-                    causes=pending.causes,
+                    causes=tuple(str(c) for c in pending.causes),
                     members_before=tuple(before_ids),
                     members_after=tuple(after_ids),
                     joined=tuple(m for m in after_ids if m not in pending.before),

@@ -1,5 +1,6 @@
-"""The rendezvous replica: gRPC in front, etcd behind, the pure roll-call
-``Coordinator`` and ``FailureDetector`` in the middle.
+"""The rendezvous replica: gRPC in front, etcd behind, the leader's pure
+policy (``rollcall.membership.leader.Leader``, which owns the roll-call
+``Coordinator`` and the ``FailureDetector``) in the middle.
 
 One replica serves one job. Every replica answers ``Status`` and ``Watch``;
 the one that holds the job's etcd election runs roll calls and serves
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from rollcall.membership.cause import CauseKind
 from rollcall.membership.checkpoint import (
     CheckpointFailure,
     CheckpointManifest,
@@ -41,7 +43,6 @@ from rollcall.membership.coordinator import (
     RequestAnswers,
 )
 from rollcall.membership.credentials import SECRET_BYTES, epoch_secret, secret_hash, secret_matches
-from rollcall.membership.detector import FailureDetector
 from rollcall.membership.errors import (
     ConfigurationMismatch,
     ControlPlaneUnavailable,
@@ -63,6 +64,7 @@ from rollcall.membership.fingerprint import (
     admit,
     describe_mismatch,
 )
+from rollcall.membership.leader import Evict, Evidence, Leader, PeerBusy, WriteProgress
 from rollcall.membership.view import EMPTY_VIEW, Member, View
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
@@ -115,28 +117,15 @@ class _Leadership:
     """Everything that exists only while this replica is the leader."""
 
     info: LeaderInfo
-    coordinator: Coordinator
-    detector: FailureDetector
+    #: The leader's policy (it owns the coordinator and the detector).
+    leader: Leader
     view_revision: int
     records: dict[str, MemberRecord]
-    grace_until: float
-    join_deadlines: dict[str, float] = field(default_factory=dict)
     sessions: dict[str, _Session] = field(default_factory=dict)
-    step: int | None = None
-    #: Whether a member reported a committed step while this replica led
-    #: (the progress record in etcd lags behind by up to a write).
-    trained: bool = False
-    step_written: tuple[int, int] | None = None
-    step_written_at: float = 0.0
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_reason: str = ""
-    #: Members that declared themselves busy: member id -> (until, reason).
-    busy: dict[str, tuple[float, str]] = field(default_factory=dict)
     #: View commits under way (the view key may change under our own hand).
     committing: int = 0
-    #: Members of the inherited view that did not reconnect within the
-    #: takeover grace but whose process answers (said once each).
-    held_elsewhere: set[str] = field(default_factory=set)
     #: When etcd stopped answering this leader (None: it answers).
     unreachable_since: float | None = None
     #: The job's epoch key (etcd), from which each view's epoch secret is derived.
@@ -147,6 +136,10 @@ class _Leadership:
     #: The events announcing the last view announced (``_view_events``),
     #: made once however many sessions receive them.
     announcing: tuple[View, tuple[pb.SessionEvent, pb.SessionEvent]] | None = None
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.leader.coordinator
 
 
 class Replica(pb_grpc.RendezvousServicer):
@@ -310,16 +303,9 @@ class Replica(pb_grpc.RendezvousServicer):
         joiners = [r.member for r in records.values() if r.member.id not in view]
         lead = _Leadership(
             info=info,
-            # No roll call until every member of the view reconnected or was
-            # found dead: calling a member that cannot be asked yet would
-            # evict it for the change of leader, not for anything it did.
-            coordinator=Coordinator(self._config, view, now, joiners, awaiting=view.ids),
-            detector=FailureDetector(self._config),
+            leader=Leader(self._config, view, now, joiners),
             view_revision=revision,
             records=records,
-            grace_until=now + self._config.takeover_grace if view.members else now,
-            join_deadlines={j.id: now + self._config.join_session_timeout for j in joiners},
-            trained=view.resume_step is not None,
             epoch_key=epoch_key,
             secret_hashes=hashes,
         )
@@ -333,10 +319,6 @@ class Replica(pb_grpc.RendezvousServicer):
             view.size,
             len(joiners),
         )
-        # A member whose record vanished is not suspected for it: records
-        # expire whenever etcd cannot keep their leases alive (a stall, or no
-        # leader for a while), which says nothing about the member. Every
-        # member of the view gets the takeover grace to reconnect.
         self._drain(lead)
         tasks = [
             asyncio.create_task(self._drive(lead), name="drive"),
@@ -379,16 +361,6 @@ class Replica(pb_grpc.RendezvousServicer):
             except ControlPlaneUnavailable as exc:
                 self._unreachable(lead, exc)
             await asyncio.sleep(period)
-
-    def _lease_deserved(self, lead: _Leadership, member_id: str, now: float) -> bool:
-        """A member's lease is kept alive while its session is healthy (or it
-        declared itself busy), and for a grace period after a takeover or a
-        join (before it connects)."""
-        if member_id in lead.sessions and member_id in lead.detector:
-            return member_id in lead.busy or not lead.detector.suspected(member_id, now)
-        if member_id in lead.join_deadlines:
-            return now < lead.join_deadlines[member_id]
-        return now < lead.grace_until or member_id in lead.coordinator.awaiting
 
     # --- etcd outages and lost data --------------------------------------------
 
@@ -433,12 +405,8 @@ class Replica(pb_grpc.RendezvousServicer):
         """Keep the leases of members that deserve it alive; record again
         those whose lease etcd let expire or whose record is gone while
         their session is alive (that is etcd's failure, not theirs)."""
-        now = self._clock()
-        leases = {
-            r.lease_id: member_id
-            for member_id, r in lead.records.items()
-            if self._lease_deserved(lead, member_id, now)
-        }
+        deserving = lead.leader.leases(lead.records, self._clock())
+        leases = {lead.records[member_id].lease_id: member_id for member_id in deserving.member_ids}
         remaining = await self._etcd(self._store.keep_alive, list(leases))
         again = [leases[lease_id] for lease_id, ttl in remaining.items() if ttl <= 0]
         again += [m for m in lead.sessions if m not in lead.records]
@@ -505,27 +473,23 @@ class Replica(pb_grpc.RendezvousServicer):
         sessions until it reaches etcd and finds it lost the election), so
         it is not evicted: roll calls wait for it, and it is asked again
         every takeover grace."""
-        await asyncio.sleep(max(0.0, lead.grace_until - self._clock()))
+        leader = lead.leader
+        await asyncio.sleep(max(0.0, leader.grace_until - self._clock()))
         while lead.coordinator.awaiting:
-            for member_id in sorted(lead.coordinator.awaiting):
+            for member_id in leader.absent():
                 member = self._member_of(lead, member_id)
                 if member is None or member_id in lead.sessions:
                     continue
-                if await process_answers(member.address, self._config.member_probe_timeout):
-                    if member_id not in lead.held_elsewhere:
-                        lead.held_elsewhere.add(member_id)
-                        log.warning(
-                            "%s did not reconnect within the takeover grace, but its process "
-                            "answers at %s: it is alive (probably still held by a replica cut "
-                            "off from etcd), not evicted; roll calls wait for it",
-                            member_id, member.address,
-                        )  # fmt: skip
-                elif member_id in lead.coordinator.awaiting and member_id not in lead.sessions:
-                    self._suspect(
-                        lead, member_id,
-                        f"did not reconnect after leader failover, and nothing answers at "
-                        f"{member.address}",
+                answers = await process_answers(member.address, self._config.member_probe_timeout)
+                if leader.probed(member, answers, self._clock()):
+                    log.warning(
+                        "%s did not reconnect within the takeover grace, but its process "
+                        "answers at %s: it is alive (probably still held by a replica cut "
+                        "off from etcd), not evicted; roll calls wait for it",
+                        member_id, member.address,
                     )  # fmt: skip
+                elif not answers:
+                    self._drain(lead)  # suspected, unless it reconnected meanwhile
             await asyncio.sleep(self._config.takeover_grace)
 
     def _remember(self, **changes: Any) -> None:
@@ -539,7 +503,8 @@ class Replica(pb_grpc.RendezvousServicer):
         """The job's record as the leader knows it now."""
         view = lead.coordinator.view
         known = self._remembered or JobRecord(EMPTY_VIEW, 0, None, None, ())
-        progress = (view.epoch, lead.step) if lead.step is not None else known.progress
+        step = lead.leader.step
+        progress = (view.epoch, step) if step is not None else known.progress
         return dataclasses.replace(known, view=view, view_revision=lead.view_revision,
                                    progress=progress)  # fmt: skip
 
@@ -658,57 +623,28 @@ class Replica(pb_grpc.RendezvousServicer):
     # --- the roll-call driver -------------------------------------------------
 
     async def _drive(self, lead: _Leadership) -> None:
-        """Let time pass for the coordinator and the detector.
-
-        If this loop itself woke up late (the replica is overloaded), late
-        heartbeats may be waiting unread in its own queues: detector
-        suspicions then wait one more round instead of evicting members for
-        the leader's own lag."""
-        lagging = False
-        next_suspicion: float | None = None
+        """Let time pass for the leader's policy (``Leader.tick``), waking
+        when it has work to do or an event arrived, and tell it when this
+        loop woke up late (``Leader.woke``: suspicions wait a round)."""
+        leader = lead.leader
         while True:
             now = self._clock()
-            lead.coordinator.tick(now)
-            # Scanning every member's detector costs O(members): only when
-            # one may be due (heartbeats only ever push suspicion later).
-            if lead.busy:
-                self._end_busy_periods(lead, now)
-            if not lagging and next_suspicion is not None and now >= next_suspicion:
-                for member_id in lead.detector.suspects(now):
-                    if member_id not in lead.busy:
-                        self._suspect(lead, member_id, "heartbeat detector")
-                next_suspicion = None
-            for member_id, deadline in list(lead.join_deadlines.items()):
-                if now >= deadline and member_id not in lead.sessions:
-                    self._suspect(lead, member_id, "joined but never opened a session")
+            leader.tick(now)
             self._drain(lead)
-            if next_suspicion is None:
-                next_suspicion = lead.detector.next_check(now)
-            wakeups = [
-                t
-                for t in (
-                    lead.coordinator.next_wakeup(),
-                    next_suspicion,
-                    lead.grace_until if lead.grace_until > now else None,
-                    *lead.join_deadlines.values(),
-                    *(until for until, _ in lead.busy.values()),
-                )
-                if t is not None
-            ]
-            timeout = min(max(0.0, min(wakeups, default=now + 1.0) - now), 1.0)
+            wakeup = leader.next_wakeup(now)
+            timeout = min(max(0.0, (wakeup if wakeup is not None else now + 1.0) - now), 1.0)
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=timeout)
-                lagging = False
+                leader.woke(self._clock(), None)
             except TimeoutError:
-                late = self._clock() - (now + timeout)
-                lagging = late > self._config.heartbeat_interval and not lagging
-                if lagging:
+                late = leader.woke(self._clock(), now + timeout)
+                if late is not None:
                     log.warning("replica lagging by %.0f ms: suspicions deferred", late * 1000)
 
     def _drain(self, lead: _Leadership) -> None:
-        """Carry out the coordinator's actions."""
-        for action in lead.coordinator.take_actions():
+        """Carry out the leader's actions."""
+        for action in lead.leader.take_actions():
             if isinstance(action, RequestAnswers):
                 self._events.rollcall(self._clock())
                 for member_id in action.member_ids:
@@ -721,6 +657,12 @@ class Replica(pb_grpc.RendezvousServicer):
                 asyncio.create_task(
                     self._counted_commit(lead, action), name=f"commit-{action.view.epoch}"
                 )
+            elif isinstance(action, Evict):
+                self._evict(lead, action)
+            elif isinstance(action, PeerBusy):
+                self._tell_busy(lead, action)
+            else:
+                asyncio.create_task(self._flush_progress(lead, action))
         self._wake.set()
 
     @staticmethod
@@ -756,7 +698,8 @@ class Replica(pb_grpc.RendezvousServicer):
         session.asked_epoch = epoch
         lead = self._lead
         causes = lead.coordinator.rollcall.causes if lead and lead.coordinator.rollcall else ()
-        session.send(pb.SessionEvent(roll_call=pb.RollCallRequest(epoch=epoch, causes=causes)))
+        request = pb.RollCallRequest(epoch=epoch, causes=[str(c) for c in causes])
+        session.send(pb.SessionEvent(roll_call=request))
 
     async def _counted_commit(self, lead: _Leadership, action: CommitView) -> None:
         lead.committing += 1
@@ -805,15 +748,9 @@ class Replica(pb_grpc.RendezvousServicer):
         else:
             return
         lead.view_revision = revision
-        if lead.step is not None and (lead.coordinator.view.epoch, lead.step) != lead.step_written:
-            # Record the old view's last step now: if every worker is gone,
-            # it is the step a resumed job has to reach again.
-            asyncio.create_task(self._flush_progress(lead, lead.coordinator.view.epoch, lead.step))
-        lead.step = action.view.resume_step
-        lead.trained = lead.trained or lead.step is not None
         now = self._clock()
-        lead.coordinator.committed(action.view, now)
-        causes = ", ".join(action.causes[:8]) + (
+        lead.leader.committed(action.view, now)
+        causes = ", ".join(str(c) for c in action.causes[:8]) + (
             f" and {len(action.causes) - 8} more" if len(action.causes) > 8 else ""
         )
         log.info("committed epoch %d: %d members (%s)", action.view.epoch, action.view.size, causes)
@@ -822,7 +759,7 @@ class Replica(pb_grpc.RendezvousServicer):
             self._metrics.epoch.set(action.view.epoch)
             self._metrics.members.set(action.view.size)
         self._observe_view(action.view)
-        self._announce(lead, action)
+        self._announce(lead, action.view)
         self._drain(lead)
 
     async def _written_behind_our_back(
@@ -887,23 +824,36 @@ class Replica(pb_grpc.RendezvousServicer):
             session.send(secret)
         session.send(announcement)
 
-    def _announce(self, lead: _Leadership, action: CommitView) -> None:
-        removed = set(action.removed)
-        events = self._view_events(lead, action.view)
-        for member_id, session in list(lead.sessions.items()):
-            self._send_view(session, action.view, events)
-            if member_id in removed:
-                session.close(
-                    Evicted(f"member {member_id} is not in view {action.view.epoch}; rejoin")
-                )
-                del lead.sessions[member_id]
-        for member_id in removed:
-            lead.detector.forget(member_id)
-            lead.join_deadlines.pop(member_id, None)
-            lead.busy.pop(member_id, None)
-            record = lead.records.pop(member_id, None)
-            if record is not None:
-                asyncio.create_task(self._remove_record(record))
+    def _announce(self, lead: _Leadership, view: View) -> None:
+        """Send a committed view on every session (members it removes are
+        evicted after it: ``Evict`` actions)."""
+        events = self._view_events(lead, view)
+        for session in list(lead.sessions.values()):
+            self._send_view(session, view, events)
+
+    def _evict(self, lead: _Leadership, action: Evict) -> None:
+        """The one way a member leaves the leader's books (it left, was
+        suspected, or lost its place in a view): its session ends (cleanly
+        when it left) and its etcd record is removed."""
+        member_id = action.member_id
+        if action.cause is None:
+            ending: RollcallError | None = Evicted(
+                f"member {member_id} is not in view {action.epoch}; rejoin"
+            )
+        elif action.cause.kind is CauseKind.LEAVE:
+            ending = None
+        else:
+            if action.counted:
+                log.info("suspect %s: %s", member_id, action.reason)
+                kind = "crash" if action.evidence is Evidence.STREAM_BROKEN else "suspected"
+                self._events.cause(self._clock(), kind, action.silence_s)
+            ending = Evicted(f"member {member_id} suspected ({action.reason}); rejoin")
+        session = lead.sessions.pop(member_id, None)
+        if session is not None:
+            session.close(ending)
+        record = lead.records.pop(member_id, None)
+        if record is not None:
+            asyncio.create_task(self._remove_record(record))
 
     async def _remove_record(self, record: MemberRecord) -> None:
         try:
@@ -916,8 +866,7 @@ class Replica(pb_grpc.RendezvousServicer):
     ) -> None:
         """A member's failure report of the view in force: a roll call,
         within the member's limit (``Config.report_burst``)."""
-        cause = f"report:{report.peer_id} by {member_id}"
-        outcome = lead.coordinator.report(member_id, report.peer_id, cause, now)
+        outcome = lead.leader.report(member_id, report.peer_id, now)
         if outcome is ReportOutcome.ROLL_CALL:
             self._events.cause(now, "report")
             log.info("%s reports %s failing: %s", member_id, report.peer_id, report.reason)
@@ -929,68 +878,33 @@ class Replica(pb_grpc.RendezvousServicer):
                 member_id, self._config.report_burst, self._config.report_interval,
             )  # fmt: skip
 
-    def _declare_busy(
-        self, lead: _Leadership, member_id: str, seconds: float, reason: str, now: float
-    ) -> None:
-        """Record (or, with 0 seconds, end) a member's busy period and tell
-        the other members, whose collectives then wait for it."""
-        if seconds > 0:
-            lead.busy[member_id] = (now + seconds, reason)
-            log.info("%s busy (%s) for up to %.0f s", member_id, reason or "no reason", seconds)
-        elif lead.busy.pop(member_id, None) is not None:
-            log.info("%s no longer busy", member_id)
-            # Its heartbeats may have been starved meanwhile: silence is
-            # counted from now on, not from before the busy period.
-            lead.detector.watch(member_id, now)
+    def _tell_busy(self, lead: _Leadership, action: PeerBusy) -> None:
+        """A member's busy period began or ended: the other members' collectives wait for it."""
+        member_id = action.member_id
+        if action.seconds > 0:
+            log.info("%s busy (%s) for up to %.0f s", member_id, action.reason or "no reason",
+                     action.seconds)  # fmt: skip
         else:
-            return
+            if action.overran:
+                log.warning("%s is still busy past the period it declared", member_id)
+            log.info("%s no longer busy", member_id)
         event = pb.SessionEvent(
-            busy=pb.PeerBusy(member_id=member_id, seconds=seconds, reason=reason)
+            busy=pb.PeerBusy(member_id=member_id, seconds=action.seconds, reason=action.reason)
         )
         for other, session in lead.sessions.items():
             if other != member_id:
                 session.send(event)
 
-    def _end_busy_periods(self, lead: _Leadership, now: float) -> None:
-        """Busy periods that ran out end as if the member had ended them;
-        from then on its silence counts again."""
-        for member_id, (until, _) in list(lead.busy.items()):
-            if now >= until:
-                log.warning("%s is still busy past the period it declared", member_id)
-                self._declare_busy(lead, member_id, 0.0, "", now)
+    async def _put_progress(self, lead: _Leadership, write: WriteProgress) -> None:
+        if await self._etcd(self._store.write_progress_as, lead.info, write.epoch, write.step):
+            lead.leader.progress_written(write.epoch, write.step)
 
-    def _suspect(
-        self, lead: _Leadership, member_id: str, reason: str, kind: str = "suspected"
-    ) -> None:
-        """Remove ``member_id`` from the roll (``reason`` goes to the log and
-        to the member; ``kind`` is the events' cause: "crash" when its stream
-        broke, "suspected" otherwise)."""
-        now = self._clock()
-        if lead.coordinator.suspect(member_id, now):
-            log.info("suspect %s: %s", member_id, reason)
-            self._events.cause(now, kind, lead.detector.silence(member_id, now))
-        lead.detector.forget(member_id)
-        lead.join_deadlines.pop(member_id, None)
-        lead.busy.pop(member_id, None)
-        session = lead.sessions.pop(member_id, None)
-        if session is not None:
-            session.close(Evicted(f"member {member_id} suspected ({reason}); rejoin"))
-        record = lead.records.pop(member_id, None)
-        if record is not None:
-            asyncio.create_task(self._remove_record(record))
-        self._drain(lead)
-
-    async def _put_progress(self, lead: _Leadership, epoch: int, step: int) -> None:
-        now = self._clock()
-        if await self._etcd(self._store.write_progress_as, lead.info, epoch, step):
-            lead.step_written, lead.step_written_at = (epoch, step), now
-
-    async def _flush_progress(self, lead: _Leadership, epoch: int, step: int) -> None:
+    async def _flush_progress(self, lead: _Leadership, write: WriteProgress) -> None:
         """The last step of a view that is being replaced, whatever the rate."""
         try:
-            await self._put_progress(lead, epoch, step)
+            await self._put_progress(lead, write)
         except ControlPlaneUnavailable as exc:
-            log.warning("progress of epoch %d not recorded: %s", epoch, exc)
+            log.warning("progress of epoch %d not recorded: %s", write.epoch, exc)
 
     async def _record_progress(self, lead: _Leadership) -> None:
         """The current view's last step, every progress_write_interval when
@@ -998,10 +912,10 @@ class Replica(pb_grpc.RendezvousServicer):
         step current then, so the record is current again within an
         interval of etcd answering (and of this replica leading again)."""
         while True:
-            epoch = lead.coordinator.view.epoch
-            if lead.step is not None and (epoch, lead.step) != lead.step_written:
+            due = lead.leader.progress_due()
+            if due is not None:
                 try:
-                    await self._put_progress(lead, epoch, lead.step)
+                    await self._put_progress(lead, due)
                 except ControlPlaneUnavailable:
                     pass  # the keep-alive says that etcd does not answer
             await asyncio.sleep(self._config.progress_write_interval)
@@ -1141,8 +1055,7 @@ class Replica(pb_grpc.RendezvousServicer):
             raise NotLeader("replica lost leadership during the join")
         now = self._clock()
         lead.records[member.id] = record
-        lead.join_deadlines[member.id] = now + self._config.join_session_timeout
-        lead.coordinator.join(record.member, now)
+        lead.leader.joined(record.member, now)
         self._events.cause(now, "join")
         self._drain(lead)
 
@@ -1162,7 +1075,7 @@ class Replica(pb_grpc.RendezvousServicer):
             activity = JobActivity(
                 members=view.size,
                 joiners=sum(1 for member_id in lead.records if member_id not in view),
-                progress=stored.progress or lead.trained,
+                progress=stored.progress or lead.leader.trained,
                 checkpoints=stored.checkpoints,
             )
             admission = admit(fingerprint, stored.fingerprint, activity)
@@ -1196,18 +1109,9 @@ class Replica(pb_grpc.RendezvousServicer):
             self._fence(lead, request.member_id, request.epoch)
             self._authenticate(lead, request.member_id, request.member_secret)
             now = self._clock()
-            lead.coordinator.leave(request.member_id, now)
+            lead.leader.leave(request.member_id, now)
             self._events.cause(now, "leave")
             log.info("leave %s", request.member_id)
-            lead.detector.forget(request.member_id)
-            lead.join_deadlines.pop(request.member_id, None)
-            lead.busy.pop(request.member_id, None)
-            session = lead.sessions.pop(request.member_id, None)
-            if session is not None:
-                session.close()
-            record = lead.records.pop(request.member_id, None)
-            if record is not None:
-                asyncio.create_task(self._remove_record(record))
             self._drain(lead)
             return pb.LeaveResponse()
         except RollcallError as error:
@@ -1224,7 +1128,7 @@ class Replica(pb_grpc.RendezvousServicer):
             checkpoints = await self._etcd(self._store.read_checkpoints)
             lead = self._lead
             leading = lead is not None and lead.coordinator.view.epoch == view.epoch
-            step = lead.step if lead is not None and leading else None
+            step = lead.leader.step if lead is not None and leading else None
             progress = None
             if step is None:  # etcd's record: another replica leads, or none yet
                 progress = await self._etcd(self._store.read_progress)
@@ -1310,7 +1214,8 @@ class Replica(pb_grpc.RendezvousServicer):
         deadline = self._clock() + self._config.checkpoint_progress_wait
         while True:
             limit = progress_limit(
-                lead.step, lead.coordinator.view.resume_step, progress[1] if progress else None
+                lead.leader.step, lead.coordinator.view.resume_step,
+                progress[1] if progress else None,
             )
             if (limit is not None and step <= limit) or self._clock() >= deadline:
                 return limit
@@ -1323,13 +1228,11 @@ class Replica(pb_grpc.RendezvousServicer):
         newest recorded checkpoint (a resuming worker checks manifests
         against it, and its replay cost counts from it): the reported step
         is written at once if the record is further behind."""
-        written = lead.step_written
-        if written is not None and written[1] >= step - 1:
-            return  # the checks allow one step past the progress
-        if lead.step is None or (written is not None and lead.step <= written[1]):
-            return  # nothing newer reported: never raised on the checkpoint's word alone
+        write = lead.leader.progress_for_checkpoint(step)
+        if write is None:
+            return
         try:
-            await self._put_progress(lead, lead.coordinator.view.epoch, lead.step)
+            await self._put_progress(lead, write)
         except ControlPlaneUnavailable as exc:  # the manifest is recorded; the next write follows
             log.warning("progress of step %d not recorded with its checkpoint: %s", step, exc)
 
@@ -1358,7 +1261,7 @@ class Replica(pb_grpc.RendezvousServicer):
         check.check_counter(report.step, "checkpoint step")
         check.check_text(report.reason, "checkpoint failure reason", _MAX_REASON)
         now = self._clock()
-        lead.detector.heartbeat(member_id, now)
+        lead.leader.heard(member_id, now)
         view = lead.coordinator.view
         if report.epoch != view.epoch or member_id not in view:
             return  # late: the member is not in the view in force
@@ -1469,6 +1372,7 @@ class Replica(pb_grpc.RendezvousServicer):
                     ended = True
                     if lead.sessions.get(member_id) is session:
                         del lead.sessions[member_id]
+                        lead.leader.session_rejected(member_id)
                     await self._abort(context, failure)
                 return
         finally:
@@ -1476,7 +1380,8 @@ class Replica(pb_grpc.RendezvousServicer):
             if not ended and lead.sessions.get(member_id) is session:
                 # The stream broke (process killed, connection cut): the
                 # fastest failure signal there is.
-                self._suspect(lead, member_id, "session stream broken", kind="crash")
+                lead.leader.session_broken(member_id, self._clock())
+                self._drain(lead)
 
     def _open(self, first: pb.SessionRequest) -> tuple[_Leadership, _Session]:
         if first.WhichOneof("kind") != "open":
@@ -1493,15 +1398,13 @@ class Replica(pb_grpc.RendezvousServicer):
             old.close()  # replaced by a reconnect
         session = _Session(request.member_id)
         lead.sessions[request.member_id] = session
-        lead.join_deadlines.pop(request.member_id, None)
-        lead.detector.watch(request.member_id, now)
-        if request.member_id in lead.coordinator.awaiting:
-            lead.held_elsewhere.discard(request.member_id)
-            lead.coordinator.reconnected(request.member_id, now)
+        awaited = request.member_id in lead.coordinator.awaiting
+        lead.leader.session_opened(request.member_id, now)
+        if awaited:
             self._drain(lead)
         view = lead.coordinator.view
         self._send_view(session, view, self._view_events(lead, view))
-        for other, (until, reason) in lead.busy.items():
+        for other, (until, reason) in lead.leader.busy.items():
             if other != request.member_id and until > now:
                 busy = pb.PeerBusy(member_id=other, seconds=until - now, reason=reason)
                 session.send(pb.SessionEvent(busy=busy))
@@ -1528,7 +1431,7 @@ class Replica(pb_grpc.RendezvousServicer):
         if kind == "heartbeat":
             self._fence(lead, member_id, request.heartbeat.epoch)
             sent_at = check.check_time(request.heartbeat.sent_at, "heartbeat sent_at")
-            lead.detector.heartbeat(member_id, now)
+            lead.leader.heard(member_id, now)
             session = lead.sessions.get(member_id)
             if session is not None and sent_at:
                 session.send(pb.SessionEvent(ack=pb.HeartbeatAck(sent_at=sent_at)))
@@ -1536,15 +1439,11 @@ class Replica(pb_grpc.RendezvousServicer):
             epoch, step = request.progress.epoch, request.progress.step
             self._fence(lead, member_id, epoch)
             check.check_counter(step, "step")
-            lead.detector.heartbeat(member_id, now)
-            view = lead.coordinator.view
-            lead.coordinator.progress(member_id, epoch, step)
-            if epoch == view.epoch and member_id in view:
-                lead.step = max(step, lead.step if lead.step is not None else step)
-                lead.trained = True
-                self._emit(self._events.progress(now, view, lead.step))
+            counted = lead.leader.progress(member_id, epoch, step, now)
+            if counted is not None:
+                self._emit(self._events.progress(now, lead.coordinator.view, counted))
                 if self._metrics is not None:
-                    self._metrics.progress(lead.step, self._events.global_batch)
+                    self._metrics.progress(counted, self._events.global_batch)
         elif kind == "answer":
             answer = request.answer
             check.check_counter(answer.epoch, "epoch")
@@ -1552,9 +1451,8 @@ class Replica(pb_grpc.RendezvousServicer):
             if held is not None:
                 check.check_counter(held, "step")
             check.check_digest(answer.digest, self._config)
-            lead.detector.heartbeat(member_id, now)
             try:
-                lead.coordinator.answer(member_id, answer.epoch, held, answer.digest, now)
+                lead.leader.answer(member_id, answer.epoch, held, answer.digest, now)
             except (StaleEpoch, NotAMember) as late:
                 # A known member answering a roll call that already closed:
                 # harmless, the view it missed will evict or include it.
@@ -1565,7 +1463,7 @@ class Replica(pb_grpc.RendezvousServicer):
             self._fence(lead, member_id, report.epoch)
             check.check_id(report.peer_id, "peer_id", self._config)
             check.check_text(report.reason, "reason", _MAX_REASON)
-            lead.detector.heartbeat(member_id, now)
+            lead.leader.heard(member_id, now)
             if report.epoch == lead.coordinator.view.epoch:
                 self._on_report(lead, member_id, report, now)
         elif kind == "view_report":
@@ -1574,7 +1472,7 @@ class Replica(pb_grpc.RendezvousServicer):
             for name in ("fetch_s", "rebuild_s", "first_step_s", "lost_work_s", "step_s",
                          "launch_s"):  # fmt: skip
                 check.check_time(getattr(r, name), f"view report {name}", _MAX_REPORTED_SECONDS)
-            lead.detector.heartbeat(member_id, now)
+            lead.leader.heard(member_id, now)
             account = MemberReport(
                 r.fetch_s, r.rebuild_s, r.first_step_s, r.lost_work_s, r.step_s, r.launch_s,
                 r.global_batch,
@@ -1585,10 +1483,9 @@ class Replica(pb_grpc.RendezvousServicer):
             self._fence(lead, member_id, busy.epoch)
             seconds = check.check_time(busy.seconds, "busy seconds", self._config.busy_max + 1)
             check.check_text(busy.reason, "busy reason", _MAX_REASON)
-            lead.detector.heartbeat(member_id, now)
-            self._declare_busy(lead, member_id, min(seconds, self._config.busy_max), busy.reason,
-                               now)  # fmt: skip
-            self._wake.set()
+            lead.leader.declare_busy(member_id, min(seconds, self._config.busy_max), busy.reason,
+                                     now)  # fmt: skip
+            self._drain(lead)
         elif kind == "checkpoint_failure":
             self._checkpoint_failed(lead, member_id, request.checkpoint_failure)
         elif kind == "open":

@@ -24,6 +24,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from rollcall.membership.cause import Cause, CauseKind
 from rollcall.membership.config import Config
 from rollcall.membership.coordinator import (
     Action,
@@ -36,7 +37,7 @@ from rollcall.membership.coordinator import (
     RequestAnswers,
     plan_resume,
 )
-from rollcall.membership.errors import InvalidRequest, NotAMember, StaleEpoch
+from rollcall.membership.errors import InvalidRequest, NotAMember, NotProposed, StaleEpoch
 from rollcall.membership.view import EMPTY_VIEW, Member, View
 
 CONFIG = Config()
@@ -120,7 +121,7 @@ def test_first_join_makes_epoch_1_after_settle() -> None:
     coordinator.committed(proposal.view, SETTLE)
 
     assert proposal == CommitView(
-        view=View(1, (worker("a"),)), previous=EMPTY_VIEW, removed=(), causes=("join:a",)
+        view=View(1, (worker("a"),)), previous=EMPTY_VIEW, removed=(), causes=(Cause.join("a"),)
     )
     assert coordinator.view == View(1, (worker("a"),))
 
@@ -234,7 +235,7 @@ def test_departed_member_is_removed_from_the_next_view(depart: str) -> None:
 
     assert proposal.view.ids == ("a", "c")
     assert proposal.removed == ("b",)
-    assert proposal.causes == (f"{depart}:b",)
+    assert proposal.causes == (Cause(CauseKind(depart), "b"),)
 
 
 def test_departure_during_a_rollcall_removes_the_candidate_from_it() -> None:
@@ -253,7 +254,7 @@ def test_departure_during_a_rollcall_removes_the_candidate_from_it() -> None:
     assert proposal.view.ids == ("a", "c")
     assert proposal.view.resume_step == 4
     assert proposal.removed == ("b", "d")
-    assert proposal.causes == ("suspect:d", "leave:b")
+    assert proposal.causes == (Cause.suspect("d"), Cause.leave("b"))
 
 
 def test_last_silent_candidate_leaving_completes_the_rollcall_at_once() -> None:
@@ -298,7 +299,7 @@ def test_withdrawn_join_is_not_a_cause_of_the_rollcall() -> None:
     coordinator.tick(SETTLE)
 
     rollcall = coordinator.rollcall
-    assert rollcall is not None and rollcall.causes == ("join:c",)
+    assert rollcall is not None and rollcall.causes == (Cause.join("c"),)
 
 
 def test_suspect_of_a_member_of_the_uncommitted_view_starts_another_rollcall_after_commit() -> None:
@@ -317,7 +318,7 @@ def test_suspect_of_a_member_of_the_uncommitted_view_starts_another_rollcall_aft
     assert proposal.view.ids == ("a", "b", "c")
     assert following.view == View(3, (worker("a"), worker("b")))
     assert following.removed == ("c",)
-    assert following.causes == ("suspect:c",)
+    assert following.causes == (Cause.suspect("c"),)
 
 
 def test_suspect_of_a_member_the_uncommitted_view_drops_starts_no_rollcall() -> None:
@@ -337,7 +338,7 @@ def test_suspect_of_a_member_the_uncommitted_view_drops_starts_no_rollcall() -> 
 def test_recheck_starts_a_rollcall_at_once_that_still_calls_the_member() -> None:
     coordinator = established("a", "b")
 
-    assert coordinator.recheck("b", "reset:b", 1.0) is True
+    assert coordinator.recheck("b", Cause.report("b", "a"), 1.0) is True
 
     assert coordinator.take_actions() == [RequestAnswers(2, ("a", "b"))]
 
@@ -346,7 +347,7 @@ def test_recheck_of_a_non_member_returns_false_and_changes_nothing() -> None:
     coordinator = established("a")
     before = snapshot(coordinator)
 
-    assert coordinator.recheck("nobody", "reset:nobody", 1.0) is False
+    assert coordinator.recheck("nobody", Cause.report("nobody", "a"), 1.0) is False
 
     assert snapshot(coordinator) == before
     assert coordinator.take_actions() == []
@@ -357,7 +358,7 @@ def report_until_limited(coordinator: Coordinator, reporter: str, now: float) ->
     everyone answering, until one is refused; returns how many were held."""
     held = 0
     while True:
-        outcome = coordinator.report(reporter, "b", f"report:b by {reporter}", now)
+        outcome = coordinator.report(reporter, "b", now)
         if outcome is not ReportOutcome.ROLL_CALL:
             assert outcome is ReportOutcome.LIMITED
             return held
@@ -371,7 +372,7 @@ def test_a_members_reports_start_report_burst_roll_calls_then_are_limited() -> N
 
     assert report_until_limited(coordinator, "a", 0.0) == CONFIG.report_burst
     epoch = coordinator.view.epoch
-    assert coordinator.report("a", "b", "again", 0.0) is ReportOutcome.STILL_LIMITED
+    assert coordinator.report("a", "b", 0.0) is ReportOutcome.STILL_LIMITED
     assert coordinator.rollcall is None and coordinator.take_actions() == []
     assert coordinator.view.epoch == epoch
 
@@ -381,14 +382,14 @@ def test_a_limited_member_gets_one_roll_call_per_report_interval() -> None:
     report_until_limited(coordinator, "a", 0.0)
 
     later = CONFIG.report_interval
-    assert coordinator.report("a", "b", "later", later) is ReportOutcome.ROLL_CALL
+    assert coordinator.report("a", "b", later) is ReportOutcome.ROLL_CALL
 
 
 def test_the_limit_is_per_member() -> None:
     coordinator = established("a", "b", "c")
     report_until_limited(coordinator, "a", 0.0)
 
-    assert coordinator.report("c", "b", "report:b by c", 0.0) is ReportOutcome.ROLL_CALL
+    assert coordinator.report("c", "b", 0.0) is ReportOutcome.ROLL_CALL
 
 
 def test_a_report_that_needs_no_roll_call_costs_nothing() -> None:
@@ -396,8 +397,8 @@ def test_a_report_that_needs_no_roll_call_costs_nothing() -> None:
     rollcall_over(coordinator, "c", 0.0)  # a view change is under way
 
     for _ in range(10 * CONFIG.report_burst):
-        assert coordinator.report("a", "b", "during", 0.0) is ReportOutcome.NOT_NEEDED
-        assert coordinator.report("a", "ghost", "stranger", 0.0) is ReportOutcome.NOT_NEEDED
+        assert coordinator.report("a", "b", 0.0) is ReportOutcome.NOT_NEEDED
+        assert coordinator.report("a", "ghost", 0.0) is ReportOutcome.NOT_NEEDED
     answer_missing(coordinator, 0.1)
     commit(coordinator, 0.1)
 
@@ -407,11 +408,11 @@ def test_a_report_that_needs_no_roll_call_costs_nothing() -> None:
 def test_a_report_naming_the_reporter_itself_counts_against_its_limit() -> None:
     coordinator = established("a", "b")
     for _ in range(CONFIG.report_burst):
-        assert coordinator.report("a", "a", "self", 0.0) is ReportOutcome.ROLL_CALL
+        assert coordinator.report("a", "a", 0.0) is ReportOutcome.ROLL_CALL
         answer_missing(coordinator, 0.0)
         commit(coordinator, 0.0)
 
-    assert coordinator.report("a", "b", "peer", 0.0) is ReportOutcome.LIMITED
+    assert coordinator.report("a", "b", 0.0) is ReportOutcome.LIMITED
 
 
 @pytest.mark.parametrize("depart", ["leave", "suspect"])
@@ -573,7 +574,7 @@ def decide_after(
     for joiner in joiners:
         coordinator.join(worker(joiner), 0.0)
     if not joiners:
-        coordinator.recheck(previous.ids[0], "report", 0.0)
+        coordinator.recheck(previous.ids[0], Cause.report(previous.ids[0], "a peer"), 0.0)
     coordinator.tick(SETTLE)
     for member_id, (step, digest) in answers.items():
         coordinator.answer(member_id, previous.epoch + 1, step, digest, SETTLE)
@@ -673,7 +674,7 @@ def test_only_reports_of_the_view_in_force_by_its_members_count() -> None:
     coordinator = Coordinator(CONFIG, view_of("a", resume=10), now=0.0)
     coordinator.progress("a", 2, 500)  # an older view
     coordinator.progress("stranger", 3, 500)
-    coordinator.recheck("a", "report", 0.0)
+    coordinator.recheck("a", Cause.report("a", "a"), 0.0)
     coordinator.answer("a", 4, 500, "d", 0.0)
 
     proposal = only_commit(coordinator.take_actions())
@@ -685,10 +686,10 @@ def test_only_reports_of_the_view_in_force_by_its_members_count() -> None:
 def test_reports_are_forgotten_when_the_next_view_is_committed() -> None:
     coordinator = Coordinator(CONFIG, view_of("a", resume=10), now=0.0)
     coordinator.progress("a", 3, 500)
-    coordinator.recheck("a", "report", 0.0)
+    coordinator.recheck("a", Cause.report("a", "a"), 0.0)
     coordinator.answer("a", 4, 11, "d", 0.0)
     commit(coordinator, 0.0)
-    coordinator.recheck("a", "report", 0.0)
+    coordinator.recheck("a", Cause.report("a", "a"), 0.0)
     coordinator.answer("a", 5, 500, "d", 0.0)
 
     assert only_commit(coordinator.take_actions()).view.resume_step is None
@@ -856,7 +857,7 @@ def test_commit_of_a_view_that_was_not_proposed_is_refused() -> None:
     answer_missing(coordinator, 0.1)
     proposal = only_commit(coordinator.take_actions())
 
-    with pytest.raises(ValueError):
+    with pytest.raises(NotProposed):
         coordinator.committed(View(proposal.view.epoch + 1, ()), 0.2)
 
     assert coordinator.proposal == proposal
@@ -1212,7 +1213,7 @@ class RollCallMachine(RuleBasedStateMachine):
             st.sampled_from([i for i in self.issued if self.coordinator.knows(i)])
         )
         before = snapshot(self.coordinator)
-        if self.coordinator.recheck(member_id, f"reset:{member_id}", self.now):
+        if self.coordinator.recheck(member_id, Cause.report(member_id, "a peer"), self.now):
             self.queued.add(member_id)
         else:
             assert snapshot(self.coordinator) == before, "refused recheck changed state"
@@ -1225,7 +1226,7 @@ class RollCallMachine(RuleBasedStateMachine):
         reporter = data.draw(st.sampled_from(view.ids))
         member_id = data.draw(st.sampled_from([*view.ids, "nobody"]))
         before = snapshot(self.coordinator)
-        outcome = self.coordinator.report(reporter, member_id, f"report:{member_id}", self.now)
+        outcome = self.coordinator.report(reporter, member_id, self.now)
         if outcome is ReportOutcome.ROLL_CALL:
             self.queued.add(member_id)
         else:

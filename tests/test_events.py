@@ -7,17 +7,18 @@ import json
 
 import pytest
 
+from rollcall.membership.cause import Cause
 from rollcall.membership.config import Config
 from rollcall.membership.view import Member, View
 from rollcall.protocol.events import (
     SCHEMA,
-    Cause,
     MalformedEvent,
     Progress,
     ViewChange,
     from_record,
     to_record,
 )
+from rollcall.protocol.events import Cause as EventCause
 from rollcall.rendezvous.events import EventLog, MemberReport
 
 EVENT_TIMEOUT = Config().event_timeout
@@ -39,7 +40,7 @@ def test_a_crash_is_one_record_with_its_stall_and_phases():
     before, after = view(3, "a", "b", "c"), view(4, "a", "b", resume=99)
     log.cause(10.0, "crash", detect_s=0.04)
     log.rollcall(10.001)
-    assert log.committed(after, before, ["suspect:c"], now=10.03) == []
+    assert log.committed(after, before, [Cause.suspect("c")], now=10.03) == []
     assert log.report("a", 4, report(rebuild=0.02, first=0.06, lost=0.01), now=10.11) == []
     (record,) = log.report("b", 4, report(rebuild=0.03, first=0.05, lost=0.02), now=10.12)
     assert record["schema"] == SCHEMA and record["kind"] == "view_change"
@@ -67,7 +68,7 @@ def test_restart_cost_counts_only_the_steps_since_the_last_checkpoint():
     log = EventLog("job1", WALL)
     log.checkpoint_step = 89
     log.cause(1.0, "leave")
-    log.committed(view(2, "a", resume=99), view(1, "a", "b"), ["leave:b"], now=1.01)
+    log.committed(view(2, "a", resume=99), view(1, "a", "b"), [Cause.leave("b")], now=1.01)
     (record,) = log.report("a", 2, report(), now=1.1)
     assert record["cause"] == "leave"
     assert record["restart_cost_s"] == pytest.approx(3.0 + 10 * 0.1)
@@ -76,9 +77,11 @@ def test_restart_cost_counts_only_the_steps_since_the_last_checkpoint():
 def test_a_member_that_never_reports_leaves_the_stall_unknown():
     log = EventLog("job1", WALL)
     log.cause(1.0, "join")
-    log.committed(view(2, "a", "b", resume=5), view(1, "a"), ["join:b"], now=1.05)
+    log.committed(view(2, "a", "b", resume=5), view(1, "a"), [Cause.join("b")], now=1.05)
     assert log.report("a", 2, report(), now=1.2) == []
-    (record,) = log.committed(view(3, "a", resume=7), view(2, "a", "b"), ["suspect:b"], now=5.0)
+    (record,) = log.committed(
+        view(3, "a", resume=7), view(2, "a", "b"), [Cause.suspect("b")], now=5.0
+    )
     assert record["epoch"] == 2 and record["joined"] == ["b"]
     assert record["stall_s"] is None and record["phases"]["rebuild_s"] is None
 
@@ -86,7 +89,7 @@ def test_a_member_that_never_reports_leaves_the_stall_unknown():
 def test_an_open_record_is_written_after_the_timeout():
     log = EventLog("job1", WALL)
     log.cause(1.0, "join")
-    log.committed(view(1, "a"), view(0), ["join:a"], now=1.05)
+    log.committed(view(1, "a"), view(0), [Cause.join("a")], now=1.05)
     assert log.tick(1.05 + EVENT_TIMEOUT - 1) == []
     (record,) = log.tick(1.05 + EVENT_TIMEOUT)
     assert record["epoch"] == 1 and record["stall_s"] is None
@@ -95,7 +98,7 @@ def test_an_open_record_is_written_after_the_timeout():
 def test_the_timeout_of_an_open_record_is_the_configs_event_timeout():
     log = EventLog("job1", WALL, Config(event_timeout=4.0))
     log.cause(1.0, "join")
-    log.committed(view(1, "a"), view(0), ["join:a"], now=1.05)
+    log.committed(view(1, "a"), view(0), [Cause.join("a")], now=1.05)
     assert log.tick(1.05 + 3.9) == []
     (record,) = log.tick(1.05 + 4.0)
     assert record["epoch"] == 1
@@ -104,7 +107,7 @@ def test_the_timeout_of_an_open_record_is_the_configs_event_timeout():
 def test_reports_for_another_epoch_or_from_non_members_are_ignored():
     log = EventLog("job1", WALL)
     log.cause(1.0, "join")
-    log.committed(view(2, "a", resume=1), view(1, "a"), ["join:a"], now=1.05)
+    log.committed(view(2, "a", resume=1), view(1, "a"), [Cause.join("a")], now=1.05)
     assert log.report("a", 1, report(), now=1.1) == []
     assert log.report("z", 2, report(), now=1.1) == []
     assert len(log.report("a", 2, report(), now=1.2)) == 1
@@ -114,22 +117,33 @@ def test_several_kinds_of_trigger_make_a_mixed_cause():
     log = EventLog("job1", WALL)
     log.cause(1.0, "join")
     log.cause(1.01, "crash")
-    log.committed(view(2, "a", resume=1), view(1, "a", "c"), ["join:x", "suspect:c"], now=1.05)
+    log.committed(
+        view(2, "a", resume=1), view(1, "a", "c"), [Cause.join("x"), Cause.suspect("c")], now=1.05
+    )
     (record,) = log.flush()
     assert record["cause"] == "mixed"
 
 
 def test_a_view_after_a_takeover_takes_its_cause_from_the_coordinator():
     log = EventLog("job1", WALL)
-    log.committed(view(5, "a", resume=1), view(4, "a", "b"), ["suspect:b"], now=1.0)
+    log.committed(view(5, "a", resume=1), view(4, "a", "b"), [Cause.suspect("b")], now=1.0)
     (record,) = log.flush()
     assert record["cause"] == "suspected"
+
+
+def test_a_view_changes_causes_are_written_as_their_wire_text():
+    log = EventLog("job1", WALL)
+    log.cause(1.0, "report")
+    causes = [Cause.report("b", "a"), Cause.join("c")]
+    log.committed(view(2, "a", "c", resume=1), view(1, "a", "b"), causes, now=1.05)
+    (record,) = log.flush()
+    assert record["causes"] == ["report:b by a", "join:c"]
 
 
 def test_progress_records_are_throttled_and_count_samples():
     log = EventLog("job1", WALL)
     current = view(1, "a", "b", resume=0)
-    log.committed(current, view(0), ["join:a", "join:b"], now=0.0)
+    log.committed(current, view(0), [Cause.join("a"), Cause.join("b")], now=0.0)
     log.report("a", 1, report(), now=0.1)
     (first,) = log.progress(1.0, current, 9)
     assert first["kind"] == "progress" and first["samples"] == 320 and first["members"] == 2
@@ -149,7 +163,7 @@ def test_what_the_leader_writes_reads_back_by_the_one_schema():
     line = json.loads(json.dumps(written))
     change = from_record(ViewChange, line)
     assert to_record(change, "job1") == line
-    assert change.cause == Cause.CRASH and change.removed == ("c",)
+    assert change.cause == EventCause.CRASH and change.removed == ("c",)
     assert change.phases.detect_s == pytest.approx(0.04)
     assert from_record(Progress, progress).step == 120
 
