@@ -1,7 +1,8 @@
 """Exponential back-off as a pure sequence of delays.
 
 A retry loop (the client's replica failover, session and watch, the etcd
-client's watches, the state fetcher's calls) waits the same way: ``initial``
+client's watches, the state fetcher's calls, the service's campaign and view
+commits) waits the same way: ``initial``
 first, doubling after each wait, never more than ``maximum``, and from
 ``initial`` again once an attempt got somewhere. This holds the arithmetic;
 the caller sleeps (``asyncio.sleep``, ``Event.wait``), so the sequence needs

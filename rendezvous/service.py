@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from rollcall.membership.backoff import Backoff
 from rollcall.membership.cause import CauseKind
 from rollcall.membership.checkpoint import (
     CheckpointFailure,
@@ -232,16 +233,15 @@ class Replica(pb_grpc.RendezvousServicer):
     # --- election ------------------------------------------------------------
 
     async def _campaign_forever(self) -> None:
-        backoff = self._config.client_retry_initial
+        backoff = Backoff(self._config.client_retry_initial, self._config.client_retry_max)
         while not self._stopping:
             try:
                 info = await self._etcd(self._store.campaign, self.replica_id, self._advertise)
             except ControlPlaneUnavailable as exc:
                 log.warning("%s", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._config.client_retry_max)
+                await asyncio.sleep(backoff.next())
                 continue
-            backoff = self._config.client_retry_initial
+            backoff.reset()
             if info is None:
                 self._leader_changed.clear()
                 try:
@@ -709,7 +709,7 @@ class Replica(pb_grpc.RendezvousServicer):
             lead.committing -= 1
 
     async def _commit(self, lead: _Leadership, action: CommitView) -> None:
-        backoff = self._config.client_retry_initial
+        backoff = Backoff(self._config.client_retry_initial, self._config.client_retry_max)
         while not lead.lost.is_set():
             try:
                 committed = await self._etcd(
@@ -729,8 +729,7 @@ class Replica(pb_grpc.RendezvousServicer):
                             revision == lead.view_revision
                             or current.epoch < action.previous.epoch
                         ):
-                            await asyncio.sleep(backoff)
-                            backoff = min(backoff * 2, self._config.client_retry_max)
+                            await asyncio.sleep(backoff.next())
                             continue
                         if not await self._written_behind_our_back(lead, current, malformed):
                             what = malformed or f"epoch {current.epoch if current else '?'}"
@@ -743,8 +742,7 @@ class Replica(pb_grpc.RendezvousServicer):
                 break
             except ControlPlaneUnavailable as exc:
                 log.warning("commit of epoch %d waits: %s", action.view.epoch, exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._config.client_retry_max)
+                await asyncio.sleep(backoff.next())
         else:
             return
         lead.view_revision = revision
