@@ -2,11 +2,10 @@
 
 A retry loop (the client's replica failover, session and watch, the etcd
 client's watches, the state fetcher's calls, the service's campaign and view
-commits) waits the same way: ``initial``
-first, doubling after each wait, never more than ``maximum``, and from
-``initial`` again once an attempt got somewhere. This holds the arithmetic;
-the caller sleeps (``asyncio.sleep``, ``Event.wait``), so the sequence needs
-no clock and tests need no sleep.
+commits) waits the same way: ``initial`` first, doubling after each wait,
+never more than ``maximum``, and from ``initial`` again once an attempt got
+somewhere. This holds the arithmetic; the caller sleeps (``asyncio.sleep``,
+``Event.wait``), so the sequence needs no clock and tests need no sleep.
 """
 
 from __future__ import annotations
