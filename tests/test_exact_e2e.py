@@ -37,9 +37,7 @@ class Run:
         args = ["--steps", str(STEPS), "--digests", "--exact", "--save-state", str(self.states),
                 "--min-workers", str(min_workers), "--loader-workers", "0"]  # fmt: skip
         index = len(self.all)
-        program = ProgramProcess(
-            self.plane, PROGRAM, args, self.directory / f"program{index}.log"
-        )
+        program = ProgramProcess(self.plane, PROGRAM, args, self.directory / f"program{index}.log")
         self.all.append(program)
         return program
 
