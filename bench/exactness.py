@@ -778,8 +778,10 @@ def header(result: dict[str, Any], settings: Settings) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("compare", "cost", "all"), default="all")
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer steps, shorter windows (each part 10-20 min here)")  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="compare: 200/400 steps, not 300/600; cost: shorter windows",
+    )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2, help="cost: rounds of each config")
     parser.add_argument("--logs", type=Path, default=None, help="keep every process's log here")
     args = parser.parse_args()
