@@ -20,7 +20,13 @@ import torch
 from rollcall.membership.errors import UsageError
 from rollcall.worker.buffers import BufferSync
 from rollcall.worker.contract import GradientWatch
-from rollcall.worker.exact import NO_EXPONENT, ExactStep, exponent, fixed_point_bits
+from rollcall.worker.exact import (
+    NO_EXPONENT,
+    ExactStep,
+    exponent,
+    fixed_point,
+    fixed_point_bits,
+)
 
 MICROBATCHES = 6
 
@@ -167,7 +173,7 @@ def test_the_result_is_within_the_documented_bound_of_the_exact_sum():
         assert ((got.double() - want / 30).abs() <= bound + float_ulp).all()
 
 
-def test_the_fixed_point_sum_cannot_overflow():
+def test_thefixed_point_sum_cannot_overflow():
     for microbatches in (1, 2, 3, 6, 64, 1000):
         assert microbatches * 2 ** fixed_point_bits(microbatches) <= 2**62
 
@@ -234,3 +240,16 @@ def test_a_gradient_clipped_between_backward_and_commit_is_refused():
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     with pytest.raises(UsageError, match="before_update"):
         watch.check()
+
+
+@pytest.mark.parametrize("shift", [-100, -1, 0, 30, 69, 127, 128, 200])
+def testfixed_point_in_float32_is_the_same_integer_as_through_float64(shift: int):
+    generator = torch.Generator().manual_seed(shift + 1000)
+    values = torch.randn(4096, generator=generator) * torch.logspace(-40, 30, 4096)
+    values[:4] = torch.tensor([0.0, -0.0, 1e-45, -3e-39])  # zeros and subnormals
+    values = values.to(torch.float32)
+    magnitude = float(values.abs().max()) * 2.0**shift
+    if magnitude >= 2.0**62:
+        values = values / 2.0 ** (math.log2(magnitude) - 61)  # keep it within int64
+    through_float64 = torch.round(values.to(torch.float64) * 2.0**shift).to(torch.int64)
+    assert torch.equal(fixed_point(values, shift), through_float64)

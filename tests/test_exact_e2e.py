@@ -19,8 +19,7 @@ from tests.harness import ControlPlane, ProgramProcess, wait_for
 pytestmark = pytest.mark.integration
 
 PATIENCE = 120.0
-#: Long enough that the survivors still train when the second joiner arrives.
-STEPS = 300
+STEPS = 60
 PROGRAM = "cnn_train.py"
 
 
@@ -35,7 +34,8 @@ class Run:
 
     def start(self, min_workers: int) -> ProgramProcess:
         args = ["--steps", str(STEPS), "--digests", "--exact", "--save-state", str(self.states),
-                "--min-workers", str(min_workers), "--loader-workers", "0"]  # fmt: skip
+                "--min-workers", str(min_workers), "--loader-workers", "0",
+                "--hold-while", str(self.directory / "hold")]  # fmt: skip
         index = len(self.all)
         program = ProgramProcess(self.plane, PROGRAM, args, self.directory / f"program{index}.log")
         self.all.append(program)
@@ -101,6 +101,7 @@ def test_one_worker_and_three_with_two_kills_and_two_joins_hold_the_same_bits_at
 
     with run(etcd, tmp_path, "churn") as churn:
         team = [churn.start(3) for _ in range(3)]
+        hold = churn.directory / "hold"
         kill_at = 8
         for _ in range(2):
 
@@ -111,9 +112,12 @@ def test_one_worker_and_three_with_two_kills_and_two_joins_hold_the_same_bits_at
             victim = team.pop(0)  # rank 0 first, then a survivor
             victim.signal(signal.SIGKILL)
             wait_for(lambda: all(world_of(p) == 2 for p in team), "the view to shrink", PATIENCE)
+            hold.touch()  # the survivors wait between steps until the joiner is in
             team.append(churn.start(3))  # the same settings: min_workers is checked at join
+            wait_for(lambda: len(churn.plane.status_json()["members"]) == 3, "the join", PATIENCE)
+            hold.unlink()
             wait_for(lambda: all(world_of(p) == 3 for p in team), "the joiner", PATIENCE)
-            kill_at = max(step_of(p) for p in team) + 15
+            kill_at = max(step_of(p) for p in team) + 10
         for program in team:
             assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
         digests = churn.digests()

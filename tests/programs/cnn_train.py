@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -162,6 +163,8 @@ def train(args: argparse.Namespace) -> None:
     ) as job:  # fmt: skip
         say(event="joined", member_id=job.member_id)
         for step in job.steps(args.steps):
+            while args.hold_while and os.path.exists(args.hold_while):
+                time.sleep(0.05)  # a test holds the team until a joiner is in
             for batch in step.microbatches():
                 loss, count = loss_sum(model, batch.inputs, batch.targets)
                 step.backward(loss, count)
@@ -262,6 +265,7 @@ def main() -> None:
         "--collective-timeout", type=float, help="Config.collective_timeout (default: its default)"
     )
     parser.add_argument("--exact", action="store_true", help="Elastic(exact=True)")
+    parser.add_argument("--hold-while", help="before each step, wait while this file exists")
     parser.add_argument(
         "--save-state", help="every rank saves model, optimizer and scheduler state here"
     )
