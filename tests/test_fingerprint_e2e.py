@@ -75,8 +75,9 @@ def example_fingerprint() -> JobFingerprint:
     model, optimizer, corpus = build(LMConfig(), SEED)
     plan = DataPlan(len(corpus), GLOBAL_BATCH, MICRO_BATCH, SEED)
     return job_fingerprint(
-        model, optimizer, plan, flags={"min_workers": "1", "sync_buffers": "true"}
-    )
+        model, optimizer, plan,
+        flags={"min_workers": "1", "sync_buffers": "true", "exact": "false"},
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +176,24 @@ def test_a_refused_join_raises_configuration_mismatch_at_once(
             await client.close()
 
     assert asyncio.run(join()) < PROMPT
+    assert member_records(plane) == [first.member_id]
+
+
+def test_an_exact_mode_worker_is_refused_by_a_default_mode_job(
+    training: tuple[ControlPlane, Any],
+) -> None:
+    plane, first = training
+    exact = JobFingerprint.of({**example_fingerprint().as_dict(), "exact": "true"})
+
+    async def join() -> None:
+        client = RendezvousClient(plane.addresses, plane.job, plane.token, Config())
+        try:
+            with pytest.raises(ConfigurationMismatch, match="exact is true but job job1's"):
+                await client.join("127.0.0.1:1", name="exact", fingerprint=exact)
+        finally:
+            await client.close()
+
+    asyncio.run(join())
     assert member_records(plane) == [first.member_id]
 
 
