@@ -683,3 +683,16 @@ def test_a_resuming_worker_passes_over_checkpoints_beyond_the_jobs_progress(tmp_
     assert load_newest([real], limit=None).manifest == real  # no progress known: none checked
     with pytest.raises(CheckpointUnusable, match="beyond the job's recorded progress"):
         load_newest([real], limit=real.step - 1)
+
+
+def test_when_no_orphaned_file_loads_the_error_says_where_they_were_and_what_to_do(
+    tmp_path: Path,
+):
+    written(tmp_path, [4], keep=10)
+    path = tmp_path / file_name(JOB, 4, "w-1")
+    path.write_bytes(b"\0" * path.stat().st_size)  # same size, nothing of the state left
+    with pytest.raises(CheckpointUnusable) as caught:
+        load_newest(find_orphans(tmp_path, JOB).manifests, found="files here", recovery="do X")
+    text = str(caught.value)
+    assert "among the 1 files here" in text and "SHA-256" in text and text.endswith("do X")
+    assert "checkpoints forget" not in text  # the record's repair does not apply here

@@ -73,12 +73,12 @@ def run_rank(model: torch.nn.Module, indices: Sequence[int], reduce: Collective)
     exact = ExactStep(params, sync, MICROBATCHES)
     exact.begin()
     for index in indices:
-        exact.start(index)
+        exact.start()
         inputs, targets = batch(index)
         loss = torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum")
         loss.backward()
         exact.took(index, float(loss.detach()), len(targets))
-    reduced = exact.reduce(reduce, [p.dtype for p in params])
+    reduced = exact.reduce(reduce)
     reduced.apply()
     return {
         "count": reduced.count,
@@ -196,12 +196,12 @@ def test_a_non_finite_gradient_anywhere_is_seen_by_every_rank():
         exact = ExactStep(params, BufferSync(model), MICROBATCHES)
         exact.begin()
         for index in ((0, 1, 2), (3, 4, 5))[i]:
-            exact.start(index)
+            exact.start()
             inputs, targets = batch(index)
             loss = torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum")
             (loss * (math.inf if index == 4 else 1.0)).backward()
             exact.took(index, float(loss.detach()), len(targets))
-        reduced = exact.reduce(reduce, [p.dtype for p in params])
+        reduced = exact.reduce(reduce)
         reduced.apply()
         results[i] = [p.grad for p in params]
 
@@ -231,7 +231,7 @@ def test_a_gradient_clipped_between_backward_and_commit_is_refused():
     exact = ExactStep(params, BufferSync(model), MICROBATCHES)
     watch = GradientWatch(params)
     exact.begin()
-    exact.start(0)
+    exact.start()
     inputs, targets = batch(0)
     torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum").backward()
     exact.took(0, 1.0, len(targets))
@@ -253,3 +253,21 @@ def testfixed_point_in_float32_is_the_same_integer_as_through_float64(shift: int
         values = values / 2.0 ** (math.log2(magnitude) - 61)  # keep it within int64
     through_float64 = torch.round(values.to(torch.float64) * 2.0**shift).to(torch.int64)
     assert torch.equal(fixed_point(values, shift), through_float64)
+
+
+def test_the_fingerprint_of_exact_mode_names_what_the_bits_depend_on():
+    from rollcall.membership.fingerprint import JobFingerprint
+    from rollcall.worker.exact import fingerprint_value
+
+    assert fingerprint_value(False) == "false"
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fingerprint_value(True)
+        torch.set_num_threads(2)
+        two = fingerprint_value(True)
+    finally:
+        torch.set_num_threads(before)
+    assert one.startswith("true (torch ") and "1 intra-op threads" in one
+    assert one != two  # workers with other thread counts are refused at join
+    JobFingerprint.of({"exact": one})  # a valid field value

@@ -139,13 +139,20 @@ def state_problem(manifest: CheckpointManifest) -> tuple[ReplicaState | None, st
     return state, None
 
 
-def load_newest(manifests: Sequence[CheckpointManifest], limit: int | None = None) -> Loaded:
+def load_newest(
+    manifests: Sequence[CheckpointManifest],
+    limit: int | None = None,
+    *,
+    found: str = "published",
+    recovery: str = RECOVERY,
+) -> Loaded:
     """Load the newest checkpoint that passes every check; older ones are
     tried when a newer one is missing or corrupt, or beyond ``limit`` (the
     highest step the job's recorded progress allows,
     ``rollcall.membership.checkpoint.progress_limit``; None: no progress is known and
     none is checked). Raises :class:`CheckpointUnusable` naming each one's
-    problem if none does."""
+    problem if none does, where the manifests were ``found`` and what an
+    operator can do (``recovery``)."""
     started = time.perf_counter()
     skipped: list[str] = []
     for manifest in manifests:
@@ -159,8 +166,8 @@ def load_newest(manifests: Sequence[CheckpointManifest], limit: int | None = Non
         log.warning("skipping %s", reason)
         skipped.append(reason)
     raise CheckpointUnusable(
-        f"no usable checkpoint among the {len(manifests)} published: {'; '.join(skipped)}; "
-        + RECOVERY
+        f"no usable checkpoint among the {len(manifests)} {found}: {'; '.join(skipped)}; "
+        + recovery
     )
 
 

@@ -38,6 +38,7 @@ batch), integer ones add up the microbatches' changes.
 from __future__ import annotations
 
 import math
+import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -46,7 +47,15 @@ import torch
 from rollcall.membership.errors import UsageError
 from rollcall.worker.buffers import BufferSync
 
-__all__ = ["MIN_EXPONENT", "NO_EXPONENT", "ExactStep", "Reduced", "fixed_point", "fixed_point_bits"]
+__all__ = [
+    "MIN_EXPONENT",
+    "NO_EXPONENT",
+    "ExactStep",
+    "Reduced",
+    "fingerprint_value",
+    "fixed_point",
+    "fixed_point_bits",
+]
 
 #: Exponent of a tensor no microbatch gave a nonzero gradient.
 NO_EXPONENT = -(2**62)
@@ -56,6 +65,20 @@ MIN_EXPONENT = -961
 
 #: Reduces tensors in place across the view with "max" or "sum".
 Reduce = Callable[[Sequence[torch.Tensor], str], None]
+
+
+def fingerprint_value(enabled: bool) -> str:
+    """The job fingerprint's ``exact`` field: ``false``, or ``true`` with
+    what a microbatch's gradient bits depend on besides the job's settings
+    (the torch build, the intra-op thread count, the machine), so that a
+    worker that cannot give the same bits is refused at join, naming them,
+    instead of silently breaking the job's exactness."""
+    if not enabled:
+        return "false"
+    return (
+        f"true (torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
+        f"{platform.machine()})"
+    )
 
 
 def fixed_point_bits(microbatches: int) -> int:
@@ -157,19 +180,17 @@ class ExactStep:
     def begin(self) -> None:
         """A new step (or the same step again after an abort)."""
         self._taken.clear()
-        if self._buffers is not None:
-            self._buffers.rollback()
 
-    def start(self, index: int) -> None:
-        """Before microbatch ``index``: it runs from the step's buffers."""
+    def start(self) -> None:
+        """Before each microbatch: it runs from the step's buffers (those of
+        the last commit)."""
         if self._buffers is not None:
             self._buffers.rollback()
 
     def took(self, index: int, loss: float, count: int) -> None:
         """After a backward pass of microbatch ``index``: keep its gradients
         apart (the parameters' ``.grad`` starts from zero for the next one)
-        and the buffers its forward pass left, then put the step's buffers
-        back."""
+        and the buffers its forward pass left."""
         if not 0 <= index < self._microbatches:
             raise UsageError(
                 "in exact mode step.backward() must be called inside "
@@ -191,13 +212,11 @@ class ExactStep:
                     grads[i] = before if grad is None else before + grad
             loss, count = earlier.loss + loss, earlier.count + count
         self._taken[index] = _Microbatch(grads, buffers, loss, count)
-        if self._buffers is not None:
-            self._buffers.rollback()
 
-    def reduce(self, reduce: Reduce, dtypes: Sequence[torch.dtype]) -> Reduced:
+    def reduce(self, reduce: Reduce) -> Reduced:
         """Reduce the step across the view with ``reduce`` (two collectives:
         a MAX of exponents, a SUM of integers). The result's ``apply`` sets
-        every parameter's ``.grad`` (as ``dtypes``) to the step's gradient
+        every parameter's ``.grad`` (in its dtype) to the step's gradient
         divided by the global count, and the buffers to their combination.
         Raises whatever ``reduce`` raises (the step is then not applied), and
         ``UsageError`` if the global count is not positive."""
@@ -220,8 +239,8 @@ class ExactStep:
             if int(present[index]):
                 loss += float(losses[index])
         grads = [
-            self._gradient(summed, e, count, self._nonfinite).to(dtype).reshape(p.shape)
-            for p, e, summed, dtype in zip(self._params, scales, payload[:n], dtypes, strict=True)
+            self._gradient(summed, e, count, self._nonfinite).to(p.dtype).reshape(p.shape)
+            for p, e, summed in zip(self._params, scales, payload[:n], strict=True)
         ]
         buffers = self._combined(payload[n:-3], present) if self._buffers is not None else None
         self._taken.clear()

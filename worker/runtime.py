@@ -88,6 +88,7 @@ from rollcall.worker.environment import (
     ENV_RENDEZVOUS,
 )
 from rollcall.worker.exact import ExactStep
+from rollcall.worker.exact import fingerprint_value as exact_fingerprint
 from rollcall.worker.faults import Faults
 from rollcall.worker.fingerprint import job_fingerprint
 from rollcall.worker.group import EpochGroup
@@ -151,7 +152,7 @@ class Step:
                 return
             data = job._loader.get(mb.step, mb.index)
             if job._exact is not None:
-                job._exact.start(mb.index)
+                job._exact.start()
             torch.manual_seed(mb.seed)
             self._microbatches += 1
             self._index = mb.index
@@ -166,11 +167,12 @@ class Step:
             job._scaler.scale(loss_sum).backward()
         else:
             loss_sum.backward()
+        loss = float(loss_sum.detach())
         if job._exact is not None:
-            job._exact.took(self._index, float(loss_sum.detach()), count)
+            job._exact.took(self._index, loss, count)
         job._gradients.mark()
         self._count += count
-        self._loss += float(loss_sum.detach())
+        self._loss += loss
 
     def commit(self) -> bool:
         """Sum gradients over the view and apply the update. False if the step
@@ -320,7 +322,7 @@ class Elastic:
             model, optimizer, self._loader.plan, scheduler=scheduler, grad_scaler=grad_scaler,
             extras=self._extras,
             flags={"min_workers": str(min_workers), "sync_buffers": str(sync_buffers).lower(),
-                   "exact": str(exact).lower()},
+                   "exact": exact_fingerprint(exact)},
         )  # fmt: skip
         # Forked loader workers must start before any socket or thread exists,
         # and must not keep the supervisor's channel open after we are gone.
@@ -336,7 +338,6 @@ class Elastic:
             else None
         )
         self._gradients = GradientWatch(self._params)
-        self._dtypes = [p.dtype for p in self._params]
         # Checked once before anything starts: the state must be one that
         # can travel (and this raises TypeError naming what cannot).
         self._capture(-1, with_rng=False)
@@ -916,7 +917,7 @@ class Elastic:
         try:
             if self._exact is not None:
                 reduced = self._exact.reduce(
-                    lambda tensors, op: group.allreduce(tensors, _REDUCE_OPS[op]), self._dtypes
+                    lambda tensors, op: group.allreduce(tensors, _REDUCE_OPS[op])
                 )
                 count, loss = float(reduced.count), reduced.loss
                 finish = reduced.apply
@@ -1154,14 +1155,13 @@ class Elastic:
                 "over on purpose with start_over=True (rollcall worker --start-over) or a new "
                 "job name"
             )
-        try:
-            return load_newest(orphans.manifests), orphans
-        except CheckpointUnusable as exc:
-            raise CheckpointUnusable(
-                f"{lost}, and none of them loads: {exc}. Restore a good copy into {directory} "
-                "or etcd from a backup, or start over on purpose with start_over=True "
-                "(rollcall worker --start-over) or a new job name"
-            ) from exc
+        recovery = (
+            f"nothing was changed. Restore a good copy into {directory} or etcd from a backup, "
+            "or start over on purpose with start_over=True (rollcall worker --start-over) or a "
+            "new job name"
+        )
+        found = f"files of job {self.job_name} in {directory} (etcd holds no record of the job)"
+        return load_newest(orphans.manifests, found=found, recovery=recovery), orphans
 
     def _checkpoint_failed(self, step: int, reason: str) -> None:
         """(Writer thread.) Durability is stuck: count it, tell the leader."""
