@@ -35,6 +35,7 @@ from rollcall.membership.checkpoint import (
 )
 from rollcall.membership.config import Config
 from rollcall.membership.errors import InvalidRequest, NoSuchCheckpoint
+from rollcall.membership.fingerprint import JobFingerprint
 from rollcall.rendezvous.store import EtcdStore
 from rollcall.worker.checkpoint import (
     CheckpointUnusable,
@@ -696,3 +697,13 @@ def test_when_no_orphaned_file_loads_the_error_says_where_they_were_and_what_to_
     text = str(caught.value)
     assert "among the 1 files here" in text and "SHA-256" in text and text.endswith("do X")
     assert "checkpoints forget" not in text  # the record's repair does not apply here
+
+
+def test_a_manifest_copy_keeps_the_fingerprint_of_the_job_that_wrote_the_file(tmp_path: Path):
+    fingerprint = JobFingerprint.of({"global_batch": "32", "seed": "0"})
+    writer = CheckpointWriter(tmp_path, JOB, Published(), fingerprint=fingerprint)
+    written(tmp_path, [4], writer=writer)
+    written(tmp_path / "none", [4])  # a writer told no fingerprint keeps none
+    orphans = find_orphans(tmp_path, JOB)
+    assert list(orphans.fingerprints.values()) == [fingerprint]
+    assert list(find_orphans(tmp_path / "none", JOB).fingerprints.values()) == [None]

@@ -149,6 +149,17 @@ def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_new_ones_resume_
         # again, and train on from there.
         for copy in aside.iterdir():
             copy.rename(checkpoints / copy.name)
+        # A worker whose settings differ from those the files were written
+        # with is refused (exit 5): etcd's fingerprint is gone, the copies
+        # keep it.
+        other = WorkerProcess(
+            plane, tmp_path / "other.log", extra=[*extra, "--global-batch", "64"],
+            wait_joined=False,
+        )  # fmt: skip
+        workers.append(other)
+        assert other.proc.wait(timeout=PATIENCE) == 5, other.log_tail()
+        assert "global_batch is 64 but job" in other.log_tail(), other.log_tail()
+        assert not other.steps(), "the differing worker trained"
         late = [
             WorkerProcess(plane, tmp_path / f"late{index}.log", steps=1_000_000, extra=extra)
             for index in range(2)

@@ -36,9 +36,10 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -51,6 +52,7 @@ from rollcall.membership.checkpoint import (
     superseded,
 )
 from rollcall.membership.errors import CannotResume, InvalidRequest
+from rollcall.membership.fingerprint import JobFingerprint
 from rollcall.worker.digest import digest
 from rollcall.worker.state import CorruptState, ReplicaState
 from rollcall.worker.state_bytes import from_bytes, to_bytes
@@ -76,6 +78,9 @@ Publish = Callable[[CheckpointManifest], tuple[bool, Sequence[CheckpointManifest
 OnFailure = Callable[[int, str], None]
 #: Told the step of a checkpoint that is now recorded.
 OnDurable = Callable[[int], None]
+
+#: The key of the job's fingerprint in a manifest copy.
+FINGERPRINT_KEY = "job_fingerprint"
 
 #: What an operator does when no checkpoint loads (CheckpointUnusable).
 RECOVERY = (
@@ -183,6 +188,9 @@ class Orphans:
     manifests: tuple[CheckpointManifest, ...]
     #: Files that cannot be checked, each with the reason.
     unchecked: tuple[str, ...]
+    #: The fingerprint of the job that wrote each file, by location (None:
+    #: its copy holds none).
+    fingerprints: Mapping[str, JobFingerprint | None] = field(default_factory=dict)
 
 
 def find_orphans(directory: Path, job: str) -> Orphans:
@@ -192,6 +200,7 @@ def find_orphans(directory: Path, job: str) -> Orphans:
     Raises OSError if the directory cannot be listed."""
     manifests: list[CheckpointManifest] = []
     unchecked: list[str] = []
+    fingerprints: dict[str, JobFingerprint | None] = {}
     for path in sorted(directory.iterdir()):
         step = parse_file_name(path.name, job)
         if step is None:
@@ -204,8 +213,10 @@ def find_orphans(directory: Path, job: str) -> Orphans:
             elif info.st_uid != os.getuid():
                 problem = f"owned by uid {info.st_uid}, not by this user"
             else:
-                copy = path.with_name(manifest_file_name(path.name)).read_bytes()
-                manifest = CheckpointManifest.from_dict(json.loads(copy))
+                copy = json.loads(path.with_name(manifest_file_name(path.name)).read_bytes())
+                manifest = CheckpointManifest.from_dict(copy)
+                written_by = copy.get(FINGERPRINT_KEY)
+                fingerprint = None if written_by is None else JobFingerprint.of(written_by)
                 if manifest.step != step:
                     problem = f"its manifest copy claims step {manifest.step}"
         except FileNotFoundError:
@@ -216,10 +227,11 @@ def find_orphans(directory: Path, job: str) -> Orphans:
             problem = f"its manifest copy is malformed ({exc})"
         if problem is None:
             manifests.append(replace(manifest, uri=str(path)))
+            fingerprints[str(path)] = fingerprint
         else:
             unchecked.append(f"{path.name}: {problem}")
     manifests.sort(key=lambda m: (m.created_unix, m.step), reverse=True)
-    return Orphans(tuple(manifests), tuple(unchecked))
+    return Orphans(tuple(manifests), tuple(unchecked), fingerprints)
 
 
 def process_age() -> float:
@@ -268,6 +280,7 @@ class CheckpointWriter:
         publish: Publish,
         on_failure: OnFailure | None = None,
         on_durable: OnDurable | None = None,
+        fingerprint: JobFingerprint | None = None,
     ) -> None:
         # 0700 when created here; the parents rollcall creates get the umask.
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -276,6 +289,9 @@ class CheckpointWriter:
         self._publish = publish
         self._on_failure = on_failure
         self._on_durable = on_durable
+        #: The job's fingerprint, kept in each manifest copy: a file etcd no
+        #: longer names is resumed from only by a job of the same settings.
+        self._fingerprint = fingerprint
         self._thread: threading.Thread | None = None
         #: Files this writer may delete once superseded, by location.
         self._owned: dict[str, _Owned] = {}
@@ -368,7 +384,10 @@ class CheckpointWriter:
             step=state.step, digest=digest(state), uri=uri, size=len(blob), sha256=sha256,
             epoch=epoch, writer=writer, created_unix=time.time(), step_seconds=step_seconds,
         )  # fmt: skip
-        copy = json.dumps(manifest.to_dict(), sort_keys=True).encode()
+        record: dict[str, Any] = manifest.to_dict()
+        if self._fingerprint is not None:
+            record[FINGERPRINT_KEY] = self._fingerprint.as_dict()
+        copy = json.dumps(record, sort_keys=True).encode()
         _write_atomically(path.with_name(manifest_file_name(path.name)), copy)
         _fsync_directory(self.directory)
         return manifest

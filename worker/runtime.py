@@ -50,6 +50,7 @@ from rollcall.membership.checkpoint import (
 )
 from rollcall.membership.config import Config
 from rollcall.membership.errors import (
+    ConfigurationMismatch,
     ControlPlaneUnavailable,
     Evicted,
     Interrupted,
@@ -59,6 +60,7 @@ from rollcall.membership.errors import (
     UsageError,
     ViewChanged,
 )
+from rollcall.membership.fingerprint import compare, describe_mismatch
 from rollcall.membership.member import Fence, Member
 from rollcall.membership.view import EMPTY_VIEW, View
 from rollcall.pb import rendezvous_pb2, state_pb2_grpc
@@ -399,6 +401,7 @@ class Elastic:
                 self._publish_checkpoint,
                 on_failure=self._checkpoint_failed,
                 on_durable=self._checkpoint_durable,
+                fingerprint=self.fingerprint,
             )  # fmt: skip
             if checkpoint_dir is not None
             else None
@@ -1161,7 +1164,19 @@ class Elastic:
             "new job name"
         )
         found = f"files of job {self.job_name} in {directory} (etcd holds no record of the job)"
-        return load_newest(orphans.manifests, found=found, recovery=recovery), orphans
+        loaded = load_newest(orphans.manifests, found=found, recovery=recovery)
+        written_by = orphans.fingerprints.get(loaded.manifest.uri)
+        differences = compare(self.fingerprint, written_by) if written_by is not None else ()
+        if differences:
+            # etcd's record, which refuses such a worker at join, is gone:
+            # the copy beside the file stands in for it.
+            raise ConfigurationMismatch(
+                f"{Path(loaded.manifest.uri).name} was written by job {self.job_name} with other "
+                f"settings (etcd lost the job's record, so the checkpoint's copy of them is "
+                f"what this worker is checked against): "
+                + describe_mismatch(self.job_name, differences)
+            )
+        return loaded, orphans
 
     def _checkpoint_failed(self, step: int, reason: str) -> None:
         """(Writer thread.) Durability is stuck: count it, tell the leader."""
