@@ -14,6 +14,7 @@ import click
 from rollcall.cli.options import (
     check_job,
     config_option,
+    log_level_option,
     parse_overrides,
     setup_logging,
     split_list,
@@ -187,12 +188,7 @@ def wait_for_signal() -> None:
     "--etcd-password-file", type=click.Path(dir_okay=False, path_type=Path),
     help="File holding the etcd user's password (rollcall etcd prints where it is).",
 )  # fmt: skip
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
-    show_default=True,
-)
+@log_level_option("info")
 @click.option(
     "--events",
     type=click.Path(dir_okay=False, path_type=Path),

@@ -49,6 +49,16 @@ def config_option(fn: F) -> F:
     )(fn)
 
 
+def log_level_option(default: str) -> Callable[[F], F]:
+    """``--log-level``, defaulting to ``default``."""
+    return click.option(
+        "--log-level",
+        type=click.Choice(["debug", "info", "warning", "error"]),
+        default=default,
+        show_default=True,
+    )
+
+
 def token_option(fn: F) -> F:
     return click.option(
         "--token-file",

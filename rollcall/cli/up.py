@@ -18,7 +18,13 @@ import click
 
 from rollcall.cli.control_plane import etcd_auth_dir, private_workdir, secure_etcd
 from rollcall.cli.group import EXIT_USAGE, fail
-from rollcall.cli.options import check_job, config_option, parse_overrides, setup_logging
+from rollcall.cli.options import (
+    check_job,
+    config_option,
+    log_level_option,
+    parse_overrides,
+    setup_logging,
+)
 from rollcall.membership.config import Config
 from rollcall.membership.errors import RollcallError
 
@@ -107,12 +113,7 @@ EXAMPLE_ONLY = ("steps", "global_batch", "micro_batch", "d_model", "layers", "ch
     default=None,
     help="Live terminal view (default: when stdout is a terminal).",
 )
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="warning",
-    show_default=True,
-)
+@log_level_option("warning")
 @config_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[-- COMMAND [ARGS]...]")
 def up(

@@ -15,6 +15,7 @@ from rollcall.cli.group import EXIT_MISMATCH, EXIT_RECORD_LOST, fail
 from rollcall.cli.options import (
     check_job,
     config_option,
+    log_level_option,
     parse_overrides,
     setup_logging,
     split_list,
@@ -123,12 +124,7 @@ from rollcall.cli.options import (
     show_default=True,
     help="torch intra-op threads.",
 )
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="warning",
-    show_default=True,
-)
+@log_level_option("warning")
 @config_option
 def worker(
     addresses: str, job: str, token_file: Path | None, example: str, steps: int,
