@@ -52,3 +52,19 @@ class Cause:
     def __str__(self) -> str:
         text = f"{self.kind.value}:{self.member_id}"
         return text if self.reporter is None else f"{text} by {self.reporter}"
+
+    @classmethod
+    def parse(cls, text: str) -> Cause | None:
+        """The cause whose wire text is ``text`` (the inverse of ``str``),
+        or None if it is not one (a leader of another version, or noise)."""
+        head, _, rest = text.partition(":")
+        try:
+            kind = CauseKind(head)
+        except ValueError:
+            return None
+        member_id, by, reporter = rest.partition(" by ")
+        if not member_id or " " in member_id:
+            return None
+        if kind is CauseKind.REPORT:
+            return cls(kind, member_id, reporter) if by and reporter else None
+        return None if by else cls(kind, member_id)

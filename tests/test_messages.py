@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from rollcall.membership.cause import Cause
 from rollcall.membership.view import Member, View
 from rollcall.worker.messages import describe_transport, view_change
 from tests.harness import ROOT
@@ -21,12 +22,19 @@ def _view(epoch: int, ids: list[str], resume: int | None = 216) -> View:
 def test_a_view_change_names_who_was_lost_who_left_and_who_joined() -> None:
     before = _view(4, ["w0-a", "w1-b", "w2-c", "w3-d"])
     after = _view(5, ["w0-a", "w3-d", "w4-e"])
-    line = view_change(before, after, 1, ("suspect:w1-b", "leave:w2-c", "join:w4-e"), "w0-a")
+    causes = (Cause.suspect("w1-b"), Cause.leave("w2-c"), Cause.join("w4-e"))
+    line = view_change(before, after, 1, causes, "w0-a")
     assert line == ("view 5: 3 members (w1-b lost, w2-c left, w4-e joined); rank 1, step 217 next")
 
 
+def test_a_member_reported_failing_is_named_with_its_reporter() -> None:
+    before = _view(4, ["w0-a", "w1-b"])
+    line = view_change(before, _view(5, ["w0-a"]), 0, (Cause.report("w1-b", "w0-a"),), "w0-a")
+    assert line == "view 5: 1 member (w1-b lost (reported failing by w0-a)); rank 0, step 217 next"
+
+
 def test_the_first_view_of_a_new_job_says_it_starts() -> None:
-    line = view_change(None, _view(1, ["w0-a"], resume=None), 0, ("join:w0-a",), "w0-a")
+    line = view_change(None, _view(1, ["w0-a"], resume=None), 0, (Cause.join("w0-a"),), "w0-a")
     assert line == "view 1: 1 member; rank 0, step 0 next"
 
 

@@ -1,6 +1,9 @@
 """bench/soak.py, short: a seeded schedule of faults on hosts in network
 namespaces ends with its fault matrix, zero invariant violations and
-nothing left behind (the long run is a benchmark: bench/README.md)."""
+nothing left behind (the long run is a benchmark: bench/README.md). The
+schedule of seed 7 includes an etcd stall (every etcd member SIGSTOPped
+for 15.7 s, longer than the member leases): training goes on through it
+and nobody is evicted."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rollcall.membership.config import Config
 from tests.harness import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -20,7 +24,7 @@ def test_short_soak_reports_its_fault_matrix_with_zero_violations(tmp_path: Path
     out = tmp_path / "soak.json"
     done = subprocess.run(
         [sys.executable, "bench/soak.py", "--duration", "15", "--seed", "7",
-         "--kinds", "crash,freeze,slow_below", "--gap", "1", "--json", str(out)],
+         "--kinds", "crash,freeze,slow_below,etcd_stall", "--gap", "1", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=360,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -33,8 +37,16 @@ def test_short_soak_reports_its_fault_matrix_with_zero_violations(tmp_path: Path
     assert sum(counts.values()) == len(episodes)
     assert set(counts) >= {"crash", "partition", "quorum_loss", "corrupt_chunk"}
     for episode in episodes:
-        assert episode["kind"] in {"crash", "freeze", "slow_below"}
+        assert episode["kind"] in {"crash", "freeze", "slow_below", "etcd_stall"}
         assert episode["violations"] == []
+        assert episode["false_evictions"] == []
         assert 0 < episode["stall_s"] < 30
+    stalls = [e for e in episodes if e["kind"] == "etcd_stall"]
+    assert stalls, "the schedule drew no etcd stall: choose a seed that does"
+    for episode in stalls:
+        # Longer than a member's etcd lease: etcd expires them all on thaw.
+        assert float(episode["detail"].split()[0]) > Config().member_lease_ttl
+        # Training went on through the stall: no gap as long as the stall.
+        assert episode["stall_s"] < 5.0
     assert "fault matrix (0 violations)" in done.stdout
     assert result["steps_committed"] > 0

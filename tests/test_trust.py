@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
+from rollcall.membership.cause import Cause
 from rollcall.membership.config import Config
 from rollcall.membership.view import View
 from rollcall.pb import rendezvous_pb2 as pb
@@ -240,7 +241,7 @@ def test_a_joiners_inflated_answer_is_refused_and_training_goes_on_unaffected(
     async def poison() -> View:
         client = RendezvousClient(control_plane.addresses, control_plane.job, control_plane.token)
 
-        async def answer(epoch: int, causes: tuple[str, ...]) -> tuple[int | None, str]:
+        async def answer(epoch: int, causes: tuple[Cause, ...]) -> tuple[int | None, str]:
             reached = (await client.status()).step or 0
             return reached + 5000, forged
 

@@ -21,6 +21,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from rollcall.membership.cause import Cause, CauseKind
 from rollcall.membership.view import View
 
 __all__ = ["describe_transport", "install_default_handler", "view_change"]
@@ -74,17 +75,15 @@ def describe_transport(text: str) -> str:
     return text.splitlines()[0][:160] if text else "unknown transport error"
 
 
-def _who(member_id: str, causes: Sequence[str]) -> str:
+def _who(member_id: str, causes: Sequence[Cause]) -> str:
     """How ``member_id`` left, from the roll call's causes."""
     for cause in causes:
-        kind, _, rest = cause.partition(":")
-        subject = rest.split(" ", 1)[0]
-        if subject != member_id:
+        if cause.member_id != member_id:
             continue
-        if kind == "leave":
+        if cause.kind is CauseKind.LEAVE:
             return "left"
-        if kind == "report":
-            return "lost (reported failing by a peer)"
+        if cause.kind is CauseKind.REPORT:
+            return f"lost (reported failing by {cause.reporter})"
     return "lost"
 
 
@@ -92,7 +91,7 @@ def view_change(
     previous: View | None,
     view: View,
     rank: int,
-    causes: Sequence[str],
+    causes: Sequence[Cause],
     me: str,
 ) -> str:
     """One line for a view this worker enters, e.g. "view 5: 3 members

@@ -43,6 +43,7 @@ import grpc
 import torch
 from torch.distributed import ReduceOp
 
+from rollcall.membership.cause import Cause
 from rollcall.membership.checkpoint import (
     CheckpointManifest,
     ReplayCost,
@@ -356,7 +357,7 @@ class Elastic:
         #: Signalled when a view arrives or a roll call starts.
         self._view_changed = threading.Condition()
         self._view: View = EMPTY_VIEW
-        self._causes: dict[int, tuple[str, ...]] = {}
+        self._causes: dict[int, tuple[Cause, ...]] = {}
         self._previous_view: View | None = None
         #: Busy declarations of peers: member id -> (until, reason), monotonic.
         self._busy: dict[str, tuple[float, str]] = {}
@@ -574,7 +575,7 @@ class Elastic:
         if seconds > 0:
             log.info("%s is busy (%s) for up to %.0f s: waiting for it", member_id, reason, seconds)
 
-    async def _on_roll_call(self, epoch: int, causes: tuple[str, ...]) -> tuple[int | None, str]:
+    async def _on_roll_call(self, epoch: int, causes: tuple[Cause, ...]) -> tuple[int | None, str]:
         """Abort the step in flight, then answer with the last committed step
         and the digest of the state this worker will serve. A step whose
         all-reduce completed has every member's contribution: the answer

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import grpc
 
 from rollcall.membership.backoff import Backoff
+from rollcall.membership.cause import Cause
 from rollcall.membership.checkpoint import CheckpointManifest, Durability
 from rollcall.membership.config import Config
 from rollcall.membership.errors import (
@@ -42,6 +43,7 @@ from rollcall.protocol.wire import (
     ERROR_METADATA,
     LEADER_METADATA,
     NAMED_BY_METADATA,
+    causes_from_pb,
     durability_from_pb,
     manifest_from_pb,
     manifest_to_pb,
@@ -54,10 +56,10 @@ T = TypeVar("T")
 
 #: What a member answers at a roll call: (last committed step or None, state digest).
 RollCallAnswer = tuple[int | None, str]
-#: Called with the roll call's epoch and its causes (the leader's words, for
+#: Called with the roll call's epoch and its causes (``Cause`` values, for
 #: messages); may be a coroutine function. Must abort the step in flight
 #: before it returns.
-RollCallHandler = Callable[[int, tuple[str, ...]], RollCallAnswer | Awaitable[RollCallAnswer]]
+RollCallHandler = Callable[[int, tuple[Cause, ...]], RollCallAnswer | Awaitable[RollCallAnswer]]
 #: Called when a peer declares itself busy: (member id, seconds from now, reason).
 BusyHandler = Callable[[str, float, str], None]
 
@@ -596,7 +598,8 @@ class RendezvousClient:
                 elif kind == "view":
                     self._set_view(view_from_pb(event.view))
                 elif kind == "roll_call":
-                    await self._answer(event.roll_call.epoch, tuple(event.roll_call.causes))
+                    causes = causes_from_pb(event.roll_call.causes)
+                    await self._answer(event.roll_call.epoch, causes)
                 elif kind == "busy" and self._on_busy is not None:
                     busy = event.busy
                     self._on_busy(busy.member_id, busy.seconds, busy.reason)
@@ -607,7 +610,7 @@ class RendezvousClient:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
 
-    async def _answer(self, epoch: int, causes: tuple[str, ...]) -> None:
+    async def _answer(self, epoch: int, causes: tuple[Cause, ...]) -> None:
         if self._on_roll_call is None:
             step, digest = self._step, ""
         else:

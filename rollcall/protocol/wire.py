@@ -7,7 +7,7 @@ import dataclasses
 import hashlib
 import hmac
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from rollcall.membership.cause import Cause
 from rollcall.membership.checkpoint import CheckpointFailure, CheckpointManifest, Durability
 from rollcall.membership.errors import (
     ConfigurationMismatch,
@@ -125,6 +126,13 @@ def view_from_pb(message: pb.View) -> View:
         digest=message.digest,
         fetch={f.member_id: tuple(f.sources) for f in message.fetch},
     )
+
+
+def causes_from_pb(texts: Iterable[str]) -> tuple[Cause, ...]:
+    """A roll call's causes from their wire texts (``str(Cause)``); a text
+    that is not a cause (a leader of another version) is left out."""
+    parsed = (Cause.parse(text) for text in texts)
+    return tuple(cause for cause in parsed if cause is not None)
 
 
 def manifest_to_pb(manifest: CheckpointManifest) -> pb.Checkpoint:

@@ -1,0 +1,295 @@
+"""Carrying out the leader's decisions (``rollcall.membership.leader.
+Leader``'s actions): the driver loop that lets time pass for it, roll-call
+requests, view commits to etcd (and putting the view back when someone else
+wrote it), announcing views on the sessions, evictions, busy periods and
+progress writes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from rollcall.membership.backoff import Backoff
+from rollcall.membership.cause import CauseKind
+from rollcall.membership.coordinator import CommitView, Refusal, RefusedClaim, RequestAnswers
+from rollcall.membership.credentials import epoch_secret
+from rollcall.membership.errors import ControlPlaneUnavailable, Evicted, RollcallError
+from rollcall.membership.leader import Evict, Evidence, PeerBusy, WriteProgress
+from rollcall.membership.view import View
+from rollcall.pb import rendezvous_pb2 as pb
+from rollcall.protocol.wire import view_to_pb
+from rollcall.rendezvous.replica.base import ReplicaBase
+from rollcall.rendezvous.replica.leadership import Leadership, MemberSession
+from rollcall.rendezvous.store import MemberRecord
+
+log = logging.getLogger("rollcall.rendezvous")
+
+
+class LeaderActions(ReplicaBase):
+    """The leader's actions, carried out on etcd and the sessions."""
+
+    async def _drive(self, lead: Leadership) -> None:
+        """Let time pass for the leader's policy (``Leader.tick``), waking
+        when it has work to do or an event arrived, and tell it when this
+        loop woke up late (``Leader.woke``: suspicions wait a round)."""
+        leader = lead.leader
+        while True:
+            now = self._clock()
+            leader.tick(now)
+            self._drain(lead)
+            wakeup = leader.next_wakeup(now)
+            timeout = min(max(0.0, (wakeup if wakeup is not None else now + 1.0) - now), 1.0)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                leader.woke(self._clock(), None)
+            except TimeoutError:
+                late = leader.woke(self._clock(), now + timeout)
+                if late is not None:
+                    log.warning("replica lagging by %.0f ms: suspicions deferred", late * 1000)
+
+    def _drain(self, lead: Leadership) -> None:
+        """Carry out the leader's actions."""
+        for action in lead.leader.take_actions():
+            if isinstance(action, RequestAnswers):
+                self._events.rollcall(self._clock())
+                for member_id in action.member_ids:
+                    session = lead.sessions.get(member_id)
+                    if session is not None:
+                        self._ask(session, action.epoch)
+            elif isinstance(action, CommitView):
+                for claim in action.refused:
+                    self._log_refused(action.view, claim)
+                asyncio.create_task(
+                    self._counted_commit(lead, action), name=f"commit-{action.view.epoch}"
+                )
+            elif isinstance(action, Evict):
+                self._evict(lead, action)
+            elif isinstance(action, PeerBusy):
+                self._tell_busy(lead, action)
+            else:
+                asyncio.create_task(self._flush_progress(lead, action))
+        self._wake.set()
+
+    @staticmethod
+    def _log_refused(view: View, claim: RefusedClaim) -> None:
+        """A roll-call answer whose step the view does not resume from."""
+        if claim.why is Refusal.AHEAD:
+            log.warning(
+                "roll call %d: %s claims step %d, more than one step ahead of the job's "
+                "recorded progress (%s): not believed; it fetches step %s from the others",
+                view.epoch, claim.member_id, claim.step, claim.bound, view.resume_step,
+            )  # fmt: skip
+        else:
+            log.warning(
+                "roll call %d: joiner %s claims step %d: a joiner's state is never adopted; "
+                "it fetches step %s from the survivors",
+                view.epoch, claim.member_id, claim.step, view.resume_step,
+            )  # fmt: skip
+
+    def _ask(self, session: MemberSession, epoch: int) -> None:
+        if session.asked_epoch >= epoch:
+            return
+        session.asked_epoch = epoch
+        lead = self._lead
+        causes = lead.coordinator.rollcall.causes if lead and lead.coordinator.rollcall else ()
+        request = pb.RollCallRequest(epoch=epoch, causes=[str(c) for c in causes])
+        session.send(pb.SessionEvent(roll_call=request))
+
+    async def _counted_commit(self, lead: Leadership, action: CommitView) -> None:
+        lead.committing += 1
+        try:
+            await self._commit(lead, action)
+        finally:
+            lead.committing -= 1
+
+    async def _commit(self, lead: Leadership, action: CommitView) -> None:
+        backoff = Backoff(self._config.client_retry_initial, self._config.client_retry_max)
+        while not lead.lost.is_set():
+            try:
+                committed = await self._etcd(
+                    self._store.commit_view, action.view, lead.view_revision, lead.info
+                )
+                if committed is None:
+                    # The comparison failed. Our own earlier attempt may have
+                    # landed with its answer lost; the view untouched means
+                    # only our election lease lapsed (the keep-alive takes it
+                    # again or steps down), a view older than ours that etcd
+                    # lost it (the keep-alive restores it); someone who is not
+                    # the leader may have written the key; anything else
+                    # means another replica leads now.
+                    current, revision, malformed = await self._etcd(self._store.read_stored_view)
+                    if current != action.view:
+                        if current is not None and (
+                            revision == lead.view_revision or current.epoch < action.previous.epoch
+                        ):
+                            await asyncio.sleep(backoff.next())
+                            continue
+                        if not await self._written_behind_our_back(lead, current, malformed):
+                            what = malformed or f"epoch {current.epoch if current else '?'}"
+                            self._lose(lead, f"view CAS failed: etcd holds {what}")
+                            return
+                        lead.view_revision = revision
+                        continue
+                else:
+                    revision = committed
+                break
+            except ControlPlaneUnavailable as exc:
+                log.warning("commit of epoch %d waits: %s", action.view.epoch, exc)
+                await asyncio.sleep(backoff.next())
+        else:
+            return
+        lead.view_revision = revision
+        now = self._clock()
+        lead.leader.committed(action.view, now)
+        causes = ", ".join(str(c) for c in action.causes[:8]) + (
+            f" and {len(action.causes) - 8} more" if len(action.causes) > 8 else ""
+        )
+        log.info("committed epoch %d: %d members (%s)", action.view.epoch, action.view.size, causes)
+        self._emit(self._events.committed(action.view, action.previous, action.causes, now))
+        if self._metrics is not None:
+            self._metrics.epoch.set(action.view.epoch)
+            self._metrics.members.set(action.view.size)
+        self._observe_view(action.view)
+        self._announce(lead, action.view)
+        self._drain(lead)
+
+    async def _written_behind_our_back(
+        self, lead: Leadership, stored: View | None, malformed: str
+    ) -> bool:
+        """Whether the view key changed while this replica still holds the
+        election (so no other replica can have committed it): then it was
+        written by someone else, which is said, and the leader's own views
+        go on over it."""
+        if await self._etcd(self._store.read_leader) != lead.info:
+            return False
+        if stored is None:
+            what = f"a malformed value: {malformed}"
+        else:
+            what = f"epoch {stored.epoch}, members {', '.join(stored.ids) or 'none'}"
+        log.warning(
+            "the view of job %s in etcd was not written by this job's leader (%s): ignored; "
+            "the leader keeps epoch %d and writes its views over it",
+            self._job, what, lead.coordinator.view.epoch,
+        )  # fmt: skip
+        return True
+
+    async def _guard_view(self, lead: Leadership) -> None:
+        """Put the leader's view back if someone else wrote the view key
+        (only the leader commits views): members and clients must never be
+        told of a view this leader did not decide."""
+        if lead.committing:
+            return  # the key may be changing under our own commit
+        stored, revision, malformed = await self._etcd(self._store.read_stored_view)
+        if lead.lost.is_set() or lead.committing or revision == lead.view_revision:
+            return
+        if not await self._written_behind_our_back(lead, stored, malformed):
+            return
+        restored = await self._etcd(
+            self._store.commit_view, lead.coordinator.view, revision, lead.info
+        )
+        if restored is not None and not lead.committing:
+            lead.view_revision = restored
+
+    def _view_events(self, lead: Leadership, view: View) -> tuple[pb.SessionEvent, pb.SessionEvent]:
+        """The events announcing ``view``: its epoch secret (for its members
+        only) and the view itself."""
+        if lead.announcing is not None and lead.announcing[0] == view:
+            return lead.announcing[1]
+        secret = epoch_secret(lead.epoch_key, self._job, view)
+        events = (
+            pb.SessionEvent(epoch_secret=pb.EpochSecret(epoch=view.epoch, secret=secret)),
+            pb.SessionEvent(view=view_to_pb(view)),
+        )
+        lead.announcing = (view, events)
+        return events
+
+    @staticmethod
+    def _send_view(
+        session: MemberSession, view: View, events: tuple[pb.SessionEvent, pb.SessionEvent]
+    ) -> None:
+        """Send a view on ``session``, preceded by its epoch secret if the
+        session's member is in it (never to anyone else)."""
+        secret, announcement = events
+        if session.member_id in view:
+            session.send(secret)
+        session.send(announcement)
+
+    def _announce(self, lead: Leadership, view: View) -> None:
+        """Send a committed view on every session (members it removes are
+        evicted after it: ``Evict`` actions)."""
+        events = self._view_events(lead, view)
+        for session in list(lead.sessions.values()):
+            self._send_view(session, view, events)
+
+    def _evict(self, lead: Leadership, action: Evict) -> None:
+        """The one way a member leaves the leader's books (it left, was
+        suspected, or lost its place in a view): its session ends (cleanly
+        when it left) and its etcd record is removed."""
+        member_id = action.member_id
+        if action.cause is None:
+            ending: RollcallError | None = Evicted(
+                f"member {member_id} is not in view {action.epoch}; rejoin"
+            )
+        elif action.cause.kind is CauseKind.LEAVE:
+            ending = None
+        else:
+            if action.counted:
+                log.info("suspect %s: %s", member_id, action.reason)
+                kind = "crash" if action.evidence is Evidence.STREAM_BROKEN else "suspected"
+                self._events.cause(self._clock(), kind, action.silence_s)
+            ending = Evicted(f"member {member_id} suspected ({action.reason}); rejoin")
+        session = lead.sessions.pop(member_id, None)
+        if session is not None:
+            session.close(ending)
+        record = lead.records.pop(member_id, None)
+        if record is not None:
+            asyncio.create_task(self._remove_record(record))
+
+    async def _remove_record(self, record: MemberRecord) -> None:
+        try:
+            await self._etcd(self._store.remove_member, record.member.id, record.lease_id)
+        except ControlPlaneUnavailable:
+            pass  # not kept alive any more: the lease expires on its own
+
+    def _tell_busy(self, lead: Leadership, action: PeerBusy) -> None:
+        """A member's busy period began or ended: the other members' collectives wait for it."""
+        member_id = action.member_id
+        if action.seconds > 0:
+            log.info("%s busy (%s) for up to %.0f s", member_id, action.reason or "no reason",
+                     action.seconds)  # fmt: skip
+        else:
+            if action.overran:
+                log.warning("%s is still busy past the period it declared", member_id)
+            log.info("%s no longer busy", member_id)
+        event = pb.SessionEvent(
+            busy=pb.PeerBusy(member_id=member_id, seconds=action.seconds, reason=action.reason)
+        )
+        for other, session in lead.sessions.items():
+            if other != member_id:
+                session.send(event)
+
+    async def _put_progress(self, lead: Leadership, write: WriteProgress) -> None:
+        if await self._etcd(self._store.write_progress_as, lead.info, write.epoch, write.step):
+            lead.leader.progress_written(write.epoch, write.step)
+
+    async def _flush_progress(self, lead: Leadership, write: WriteProgress) -> None:
+        """The last step of a view that is being replaced, whatever the rate."""
+        try:
+            await self._put_progress(lead, write)
+        except ControlPlaneUnavailable as exc:
+            log.warning("progress of epoch %d not recorded: %s", write.epoch, exc)
+
+    async def _record_progress(self, lead: Leadership) -> None:
+        """The current view's last step, every progress_write_interval when
+        it changed. A write that etcd does not answer is retried with the
+        step current then, so the record is current again within an
+        interval of etcd answering (and of this replica leading again)."""
+        while True:
+            due = lead.leader.progress_due()
+            if due is not None:
+                try:
+                    await self._put_progress(lead, due)
+                except ControlPlaneUnavailable:
+                    pass  # the keep-alive says that etcd does not answer
+            await asyncio.sleep(self._config.progress_write_interval)

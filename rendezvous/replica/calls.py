@@ -1,0 +1,202 @@
+"""The members' and clients' unary calls: ``Join`` (with the job
+fingerprint's admission), ``Leave``, ``Status`` and ``Watch``."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from rollcall.membership.checkpoint import durability, progress_limit
+from rollcall.membership.credentials import SECRET_BYTES, secret_hash
+from rollcall.membership.errors import (
+    ConfigurationMismatch,
+    ControlPlaneUnavailable,
+    NotLeader,
+    RollcallError,
+)
+from rollcall.membership.fingerprint import (
+    JobActivity,
+    JobFingerprint,
+    Verdict,
+    admit,
+    describe_mismatch,
+)
+from rollcall.membership.view import Member, View
+from rollcall.pb import rendezvous_pb2 as pb
+from rollcall.protocol import validation as check
+from rollcall.protocol.wire import durability_to_pb, manifest_to_pb, view_to_pb
+from rollcall.rendezvous.replica.actions import LeaderActions
+from rollcall.rendezvous.replica.leadership import Leadership
+
+log = logging.getLogger("rollcall.rendezvous")
+
+#: Compare-and-swap rounds on the job's fingerprint before a join gives up.
+_FINGERPRINT_ATTEMPTS = 5
+
+
+class MemberCalls(LeaderActions):
+    """``Join``, ``Leave``, ``Status`` and ``Watch``."""
+
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._check_job(request.job)
+            check.check_address(request.address, self._config)
+            name = request.name or "w"
+            check.check_id(name, "name", self._config)
+            fingerprint = check.check_fingerprint(request.fingerprint)
+            member = Member(f"{name[: self._config.max_id_length - 9]}-{secrets.token_hex(4)}",
+                            request.address)  # fmt: skip
+            secret = secrets.token_hex(SECRET_BYTES)
+            lead = self._leader()
+            if fingerprint is None:  # not checked: operator tools, lightweight members
+                await self._enrol(lead, member, secret)
+            else:
+                async with self._admitting:
+                    await self._admit(lead, fingerprint, request.address)
+                    await self._enrol(lead, member, secret)
+            log.info("join %s at %s", member.id, request.address)
+            return pb.JoinResponse(
+                member_id=member.id,
+                view=view_to_pb(lead.coordinator.view),
+                heartbeat_interval_ms=round(self._config.heartbeat_interval * 1000),
+                earliest_suspicion_s=self._config.earliest_suspicion(),
+                member_secret=secret,
+            )
+        except RollcallError as error:
+            await self._abort(context, error)
+
+    async def _enrol(self, lead: Leadership, member: Member, secret: str) -> None:
+        """Record a joiner (with the hash of its secret) in etcd and hand it
+        to the coordinator."""
+        record = await self._etcd(self._store.add_member, member, secret_hash(secret))
+        if lead.lost.is_set():
+            raise NotLeader("replica lost leadership during the join")
+        now = self._clock()
+        lead.records[member.id] = record
+        lead.leader.joined(record.member, now)
+        self._events.cause(now, "join")
+        self._drain(lead)
+
+    async def _admit(self, lead: Leadership, fingerprint: JobFingerprint, address: str) -> None:
+        """Check a joiner's fingerprint against the job's (``membership.
+        fingerprint.admit``): record it if the job has none, replace the
+        job's if the job is empty and has never trained, else raise
+        ``ConfigurationMismatch``, having changed nothing."""
+        for _ in range(_FINGERPRINT_ATTEMPTS):
+            stored = await self._etcd(self._store.read_fingerprint)
+            if stored.malformed:
+                log.warning(
+                    "job %s: the fingerprint stored in etcd is malformed (%s): ignored, "
+                    "this joiner's replaces it", self._job, stored.malformed,
+                )  # fmt: skip
+            view = lead.coordinator.view
+            activity = JobActivity(
+                members=view.size,
+                joiners=sum(1 for member_id in lead.records if member_id not in view),
+                progress=stored.progress or lead.leader.trained,
+                checkpoints=stored.checkpoints,
+            )
+            admission = admit(fingerprint, stored.fingerprint, activity)
+            if admission.verdict is Verdict.MATCHES:
+                self._remember(fingerprint=fingerprint.as_dict())
+                return
+            if admission.verdict is Verdict.REFUSE:
+                refusal = describe_mismatch(self._job, admission.differences)
+                log.info("join from %s refused: %s", address, refusal)
+                raise ConfigurationMismatch(refusal)
+            if not await self._etcd(self._store.record_fingerprint, fingerprint, stored.revision):
+                continue  # another writer got in between: decide again
+            self._remember(fingerprint=fingerprint.as_dict())
+            if admission.verdict is Verdict.REPLACE:
+                changes = (f"{d.name} {d.job} -> {d.joiner}" for d in admission.differences)
+                changed = ", ".join(changes)
+                log.info(
+                    "job %s is empty and has never trained: its fingerprint is replaced by "
+                    "a new run's (%s)", self._job, changed,
+                )  # fmt: skip
+            else:
+                log.info("job %s: fingerprint recorded (%d fields)", self._job, len(fingerprint))
+            return
+        raise ControlPlaneUnavailable("job fingerprint: too much contention on etcd")
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._check_job(request.job)
+            check.check_id(request.member_id, "member_id", self._config)
+            lead = self._leader()
+            self._fence(lead, request.member_id, request.epoch)
+            self._authenticate(lead, request.member_id, request.member_secret)
+            now = self._clock()
+            lead.leader.leave(request.member_id, now)
+            self._events.cause(now, "leave")
+            log.info("leave %s", request.member_id)
+            self._drain(lead)
+            return pb.LeaveResponse()
+        except RollcallError as error:
+            await self._abort(context, error)
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._check_job(request.job)
+            if self._lead is not None:  # its own view, whatever the key holds
+                view = self._lead.coordinator.view
+            else:
+                view, _ = await self._etcd(self._store.read_view)
+            leader = await self._etcd(self._store.read_leader)
+            checkpoints = await self._etcd(self._store.read_checkpoints)
+            lead = self._lead
+            leading = lead is not None and lead.coordinator.view.epoch == view.epoch
+            step = lead.leader.step if lead is not None and leading else None
+            progress = None
+            if step is None:  # etcd's record: another replica leads, or none yet
+                progress = await self._etcd(self._store.read_progress)
+                if not leading:
+                    step = (
+                        progress[1] if progress and progress[0] == view.epoch else view.resume_step
+                    )
+            response = pb.StatusResponse(
+                view=view_to_pb(view),
+                leader=leader.address if leader else "",
+                replica=self._advertise,
+                checkpoints=[manifest_to_pb(m) for m in checkpoints],
+            )
+            if step is not None:
+                response.step = step
+                response.last_step = step
+            elif progress is not None:
+                response.last_step = progress[1]
+            if lead is not None and lead.coordinator.rollcall is not None:
+                response.rollcall_epoch = lead.coordinator.rollcall.epoch
+            failure = await self._etcd(self._store.read_checkpoint_failure)
+            limit = progress_limit(
+                step, response.last_step if response.HasField("last_step") else None,
+                view.resume_step,
+            )  # fmt: skip
+            response.durability.CopyFrom(durability_to_pb(durability(checkpoints, failure, limit)))
+            return response
+        except RollcallError as error:
+            await self._abort(context, error)
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.View]:
+        try:
+            self._check_job(request.job)
+            check.check_counter(request.after_epoch, "after_epoch")
+        except RollcallError as error:
+            await self._abort(context, error)
+            return
+        sent = request.after_epoch
+        while True:
+            view = await self._next_view(sent)
+            sent = view.epoch
+            yield view_to_pb(view)
+
+    async def _next_view(self, after_epoch: int) -> View:
+        async with self._view_changed:
+            await self._view_changed.wait_for(lambda: self._latest_view.epoch > after_epoch)
+            return self._latest_view

@@ -1,0 +1,63 @@
+"""What the leader holds per member session, and everything that exists
+only while a replica leads (its policy, the members' etcd records, the open
+sessions, the commits under way)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from rollcall.membership.coordinator import Coordinator
+from rollcall.membership.errors import RollcallError
+from rollcall.membership.leader import Leader
+from rollcall.membership.view import View
+from rollcall.pb import rendezvous_pb2 as pb
+from rollcall.rendezvous.store import LeaderInfo, MemberRecord
+
+
+@dataclass
+class MemberSession:
+    """An open session stream of one member on the leader."""
+
+    member_id: str
+    outbox: asyncio.Queue[pb.SessionEvent | RollcallError | None] = field(
+        default_factory=asyncio.Queue
+    )
+    asked_epoch: int = 0  # last roll call sent on this session
+
+    def send(self, event: pb.SessionEvent) -> None:
+        self.outbox.put_nowait(event)
+
+    def close(self, error: RollcallError | None = None) -> None:
+        """End the stream: cleanly (None) or with the error's status."""
+        self.outbox.put_nowait(error)
+
+
+@dataclass
+class Leadership:
+    """Everything that exists only while this replica is the leader."""
+
+    info: LeaderInfo
+    #: The leader's policy (it owns the coordinator and the detector).
+    leader: Leader
+    view_revision: int
+    records: dict[str, MemberRecord]
+    sessions: dict[str, MemberSession] = field(default_factory=dict)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    lost_reason: str = ""
+    #: View commits under way (the view key may change under our own hand).
+    committing: int = 0
+    #: When etcd stopped answering this leader (None: it answers).
+    unreachable_since: float | None = None
+    #: The job's epoch key (etcd), from which each view's epoch secret is derived.
+    epoch_key: str = ""
+    #: Member id -> the hash of its secret (etcd's secrets/<id>), for members
+    #: whose record is gone with an expired lease.
+    secret_hashes: dict[str, str] = field(default_factory=dict)
+    #: The events announcing the last view announced (``_view_events``),
+    #: made once however many sessions receive them.
+    announcing: tuple[View, tuple[pb.SessionEvent, pb.SessionEvent]] | None = None
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.leader.coordinator
