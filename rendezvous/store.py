@@ -414,6 +414,22 @@ class EtcdStore:
     def _secret_key(self, member_id: str) -> bytes:
         return self._secrets_prefix + member_id.encode()
 
+    def forget_secrets(self, member_ids: Iterable[str]) -> None:
+        """Delete the secret hashes of members that are gone (in one
+        transaction; deleting one that is already gone is not an error)."""
+        ops = [
+            etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=self._secret_key(i)))
+            for i in member_ids
+        ]
+        if not ops:
+            return
+        request = etcdrpc.TxnRequest(success=ops)
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> None:
+            self.etcd.txn(request, channel, timeout)
+
+        self.etcd.call(attempt)
+
     def list_secret_hashes(self) -> dict[str, str]:
         """Member id -> the hash of its secret, for every member not removed
         (their records may be gone with an expired lease). Malformed values

@@ -7,15 +7,17 @@ led the job notices (the job's view epoch or etcd's revision went back, or
 the cluster id changed), says so in one clear line, and writes back what it
 remembers (view, progress, fingerprint, checkpoint manifests), so that the
 workers train on in the same view and nobody restarts from step 0. When no
-replica remembers (it lost its memory too), a worker exits with the
-documented code 6 and one line saying that etcd lost the job's data; new
-workers then resume from the newest checkpoint file that verifies against
-the manifest copy beside it, never from step 0.
+replica remembers (it lost its memory too), a worker writes the state it
+holds to its checkpoint directory and exits with the documented code 6 and
+one line saying that etcd lost the job's data; new workers then resume from
+the newest checkpoint file that verifies against the manifest copy beside
+it (the one written on the way out), never from step 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,13 +128,22 @@ def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_new_ones_resume_
             plane.etcd, plane.job, plane.token_file, port, tmp_path / "replica-again.log",
             plane.settings,
         )  # fmt: skip
+        held = []
         for worker in workers:
             assert worker.proc.wait(timeout=PATIENCE) == 6, worker.log_tail()
             errors = [line for line in worker.log_tail(40).splitlines() if "error:" in line]
             assert len(errors) == 1 and "etcd lost the job's data" in errors[0], errors
             assert "is ahead of the committed epoch" not in worker.log_path.read_text()
-        print(f"\n  {errors[0][:300]}")
+            # Rank 0 writes the state it held on the way out, not only the
+            # periodic checkpoint before it.
+            said = re.search(r"This worker held step (\d+) and wrote it to (\S+) before", errors[0])
+            if said:
+                assert Path(said[2]).is_file() and Path(said[2] + MANIFEST_SUFFIX).is_file()
+                held.append(int(said[1]))
+        assert len(held) == 1, [w.log_tail(3) for w in workers]
+        print(f"\n  {errors[0][:400]}")
         newest = max(int(name.split("+")[2]) for name in _files(checkpoints))
+        assert newest == held[0], (newest, held)
         # Without the manifest copies beside the files nothing can be
         # checked: a new worker refuses to start the job at step 0 (exit 4).
         aside = tmp_path / "copies-aside"

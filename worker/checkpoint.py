@@ -392,6 +392,18 @@ class CheckpointWriter:
         _fsync_directory(self.directory)
         return manifest
 
+    def write_last(
+        self, state: ReplicaState, epoch: int, writer: str, step_seconds: float, timeout: float
+    ) -> CheckpointManifest:
+        """(In the caller's thread, when the job's record is lost and nothing
+        can be published.) Write ``state`` and the copy of its manifest, so
+        that workers started again resume from it (``find_orphans``); waits
+        up to ``timeout`` for a write in flight first. Raises what writing
+        raises."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"the checkpoint in flight did not finish within {timeout:g} s")
+        return self._write_file(state, epoch, writer, step_seconds)
+
     def adopt(self, manifest: CheckpointManifest, orphans: Sequence[CheckpointManifest]) -> None:
         """(Once, after a resume from files etcd no longer knew of.) Publish
         the adopted checkpoint's ``manifest`` in the background, so that the

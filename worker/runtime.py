@@ -77,6 +77,7 @@ from rollcall.worker.checkpoint import (
     CheckpointWriter,
     Loaded,
     Orphans,
+    describe_failure,
     find_orphans,
     load_newest,
     process_age,
@@ -751,7 +752,8 @@ class Elastic:
             while True:
                 ended = self._client.ended
                 if isinstance(ended, JobRecordLost):
-                    raise JobRecordLost(f"{ended}. {self._what_restarting_does()}") from ended
+                    saved = self._save_before_exit()
+                    raise JobRecordLost(f"{ended}. {self._what_restarting_does(saved)}") from ended
                 if ended is not None:
                     raise ended
                 self._raise_if_interrupted()
@@ -1107,7 +1109,31 @@ class Elastic:
             self._client.publish_checkpoint(manifest), timeout=self._config.client_call_deadline
         )
 
-    def _what_restarting_does(self) -> str:
+    def _save_before_exit(self) -> CheckpointManifest | str | None:
+        """etcd lost the job's record and no replica remembers it: write the
+        state this worker holds (its last committed step) to the checkpoint
+        directory, so that workers started again resume from it rather than
+        from an older checkpoint. Rank 0 of the last view writes, as it
+        writes every checkpoint: the members may hold steps one apart (a
+        step dropped for want of a heartbeat acknowledgement), and workers
+        started again take the newest written file. The manifest written,
+        why it was not (a text), or None (no checkpoint directory, nothing
+        trained, not rank 0)."""
+        if self.checkpoints is None or self.committed_step < 0 or self.member_id is None:
+            return None
+        if self._view.rank_of(self.member_id) != 0:
+            return None
+        try:
+            with self._lock:
+                state = self._capture(self.committed_step)
+            return self.checkpoints.write_last(
+                state, self._view.epoch, self.member_id, self._step_seconds,
+                timeout=self._config.client_call_deadline,
+            )  # fmt: skip
+        except Exception as exc:  # said in the exit line: the older files remain
+            return describe_failure(exc)
+
+    def _what_restarting_does(self, saved: CheckpointManifest | str | None = None) -> str:
         """What workers started again after etcd lost the job's record find
         (``JobRecordLost``): said, so that nobody restarts from step 0 unawares."""
         held = f"This worker held step {self.committed_step}"
@@ -1117,8 +1143,14 @@ class Elastic:
                 "of the job and, without checkpoint files, start it at step 0. Restore etcd "
                 "from a backup to keep the progress"
             )
+        if isinstance(saved, CheckpointManifest):
+            return (
+                f"{held} and wrote it to {saved.uri} before exiting: workers started again "
+                "resume from it"
+            )
+        unsaved = f" (writing it before exiting failed: {saved})" if saved else ""
         return (
-            f"{held}; workers started again resume from the newest checkpoint file in "
+            f"{held}{unsaved}; workers started again resume from the newest checkpoint file in "
             f"{self.checkpoints.directory} that verifies"
         )
 

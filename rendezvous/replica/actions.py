@@ -244,13 +244,28 @@ class LeaderActions(ReplicaBase):
             session.close(ending)
         record = lead.records.pop(member_id, None)
         if record is not None:
-            asyncio.create_task(self._remove_record(record))
+            asyncio.create_task(self._remove_record(lead, record))
 
-    async def _remove_record(self, record: MemberRecord) -> None:
+    async def _remove_record(self, lead: Leadership, record: MemberRecord) -> None:
         try:
             await self._etcd(self._store.remove_member, record.member.id, record.lease_id)
         except ControlPlaneUnavailable:
-            pass  # not kept alive any more: the lease expires on its own
+            # Not kept alive any more, the record expires with its lease;
+            # the secret hash has none: deleted once etcd answers.
+            lead.unremoved.add(record.member.id)
+
+    async def _forget_secrets(self, lead: Leadership, member_ids: set[str]) -> None:
+        """Delete the secret hashes of members this leader removed or does
+        not know (a member id is never given out twice); those etcd does
+        not delete now are tried again in the next keep-alive round."""
+        lead.unremoved |= member_ids
+        if not lead.unremoved:
+            return
+        doomed = set(lead.unremoved)
+        await self._etcd(self._store.forget_secrets, sorted(doomed))
+        lead.unremoved -= doomed
+        for member_id in doomed:
+            lead.secret_hashes.pop(member_id, None)
 
     def _tell_busy(self, lead: Leadership, action: PeerBusy) -> None:
         """A member's busy period began or ended: the other members' collectives wait for it."""

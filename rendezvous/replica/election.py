@@ -83,8 +83,8 @@ class Election(LeaderActions):
         # Secret hashes outlive the records (which expire with their leases
         # when etcd cannot keep them alive): the members of the view that
         # reconnect without a record are still recognised.
-        hashes = await self._etcd(self._store.list_secret_hashes)
-        hashes = {i: h for i, h in hashes.items() if i in view or i in records}
+        stored = await self._etcd(self._store.list_secret_hashes)
+        hashes = {i: h for i, h in stored.items() if i in view or i in records}
         self._events.checkpoint_step = checkpoints[0].step if checkpoints else None
         self._failure = await self._etcd(self._store.read_checkpoint_failure)
         if self._metrics is not None:
@@ -102,6 +102,9 @@ class Election(LeaderActions):
             records=records,
             epoch_key=epoch_key,
             secret_hashes=hashes,
+            # Members it does not know were removed while etcd did not
+            # answer (or never opened a session): their hashes go.
+            unremoved=set(stored) - set(hashes),
         )
         self._lead = lead
         self._observe_view(view)
@@ -145,6 +148,7 @@ class Election(LeaderActions):
                 if not await self._hold_leadership(lead):
                     return
                 await self._keep_members(lead)
+                await self._forget_secrets(lead, set())
                 self._answered_again(lead)
                 self._emit(self._events.tick(self._clock()))
             except ControlPlaneUnavailable as exc:
@@ -211,7 +215,7 @@ class Election(LeaderActions):
             record = await self._etcd(self._store.register_again, member, hashed)
             if lead.lost.is_set() or not lead.coordinator.knows(member_id):
                 # Suspected or gone meanwhile: the new record is not wanted.
-                asyncio.create_task(self._remove_record(record))
+                asyncio.create_task(self._remove_record(lead, record))
                 continue
             lead.records[member_id] = record
             done.append(member_id)

@@ -54,6 +54,9 @@ class Leadership:
     #: Member id -> the hash of its secret (etcd's secrets/<id>), for members
     #: whose record is gone with an expired lease.
     secret_hashes: dict[str, str] = field(default_factory=dict)
+    #: Members removed while etcd did not answer: their secret hashes (kept
+    #: without a lease) are deleted once it does (``Election._keep_alive``).
+    unremoved: set[str] = field(default_factory=set)
     #: The events announcing the last view announced (``_view_events``),
     #: made once however many sessions receive them.
     announcing: tuple[View, tuple[pb.SessionEvent, pb.SessionEvent]] | None = None
