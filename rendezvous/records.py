@@ -160,6 +160,13 @@ def check_progress(value: bytes) -> tuple[int, int]:
     return epoch, step
 
 
+def check_lost(value: bytes) -> int:
+    """The epoch of a lost-history record (``{"epoch"}``)."""
+    epoch = _counter(_object(load_json(value), "lost-history record"), "epoch")
+    assert epoch is not None
+    return epoch
+
+
 def check_checkpoints(value: bytes, config: Config) -> tuple[list[CheckpointManifest], list[str]]:
     """The valid manifests of a checkpoint list, newest first, and why each
     other entry was left out."""

@@ -22,6 +22,9 @@ with ``etcdctl get --prefix /rollcall/jobs/``::
                     the first fingerprinted join
     epoch_key       {"key"}: the random key every view's epoch secret is
                     derived from (``rollcall.membership.credentials.epoch_secret``)
+    lost            {"epoch"}: etcd lost the job's data; the highest epoch a
+                    member was refused at for being in a view etcd no longer
+                    holds (``JobRecordLost``): the job trained before
 
 The store is synchronous: the asyncio service calls it from worker threads.
 
@@ -214,6 +217,7 @@ class EtcdStore:
         self._progress_key = f"{base}progress".encode()
         self._checkpoints_key = f"{base}checkpoints".encode()
         self._checkpoint_failure_key = f"{base}checkpoint_failure".encode()
+        self._lost_key = f"{base}lost".encode()
         # Revision of a malformed failure record already logged.
         self._failure_warned = 0
         self._fingerprint_key = f"{base}fingerprint".encode()
@@ -606,6 +610,25 @@ class EtcdStore:
             return None
         try:
             return records.check_progress(response.kvs[0].value)
+        except MalformedRecord as exc:
+            self._ignore(response.kvs[0], exc)
+            return None
+
+    def record_lost(self, epoch: int) -> None:
+        """Record that a member of epoch ``epoch`` found the job's data lost
+        (kept at the highest such epoch)."""
+        known = self.read_lost()
+        if known is None or known < epoch:
+            self.etcd.put(self._lost_key, _dumps({"epoch": epoch}))
+
+    def read_lost(self) -> int | None:
+        """The epoch of the lost-history record, or None (none, or malformed:
+        logged)."""
+        response = self.etcd.kv_range(range_request(self._lost_key))
+        if not response.kvs:
+            return None
+        try:
+            return records.check_lost(response.kvs[0].value)
         except MalformedRecord as exc:
             self._ignore(response.kvs[0], exc)
             return None

@@ -190,3 +190,53 @@ def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_new_ones_resume_
             with contextlib.suppress(Exception):
                 worker.stop(timeout=20)
         plane.close()
+
+
+@pytest.mark.timeout(240)
+def test_etcd_wiped_no_replica_remembers_and_no_checkpoints_new_workers_refuse_step_0(
+    etcd: LocalEtcd, tmp_path: Path
+) -> None:
+    """Without checkpoint files nothing is left to resume from, but the job
+    must not start again at step 0 unawares: the replica that refuses the
+    live workers records that etcd lost the job's data (``lost_epoch``),
+    and a worker started then refuses (exit 4) unless told to start over."""
+    plane = ControlPlane([etcd.endpoint], tmp_path, settings=SETTINGS)
+    workers: list[WorkerProcess] = []
+    try:
+        for index in range(2):
+            workers.append(WorkerProcess(plane, tmp_path / f"w{index}.log", steps=1_000_000))
+        wait_for(lambda: all(len(w.steps()) >= 5 for w in workers), "training", PATIENCE)
+        old = plane.replicas[0]
+        port = int(old.address.rsplit(":", 1)[1])
+        old.kill()
+        _wipe(etcd)
+        plane.replicas[0] = ReplicaProcess(
+            plane.etcd, plane.job, plane.token_file, port, tmp_path / "replica-again.log",
+            plane.settings,
+        )  # fmt: skip
+        for worker in workers:
+            assert worker.proc.wait(timeout=PATIENCE) == 6, worker.log_tail()
+            assert "refuse to start it at step 0 unless told to" in worker.log_tail(), (
+                worker.log_tail()
+            )
+        status = wait_for(lambda: plane.status_json()["lost_epoch"] and plane.status_json(),
+                          "the loss recorded", PATIENCE)  # fmt: skip
+        assert status["last_step"] is None and status["checkpoints"] == []
+        refused = WorkerProcess(plane, tmp_path / "refused.log", wait_joined=False)
+        workers.append(refused)
+        assert refused.proc.wait(timeout=PATIENCE) == 4, refused.log_tail()
+        assert "etcd lost its data while it trained" in refused.log_tail(), refused.log_tail()
+        assert not refused.steps(), "the new worker trained from step 0"
+        print(f"\n  {refused.log_tail(1)[:400]}")
+        over = WorkerProcess(plane, tmp_path / "over.log", steps=1_000_000,
+                             extra=["--start-over"])  # fmt: skip
+        workers.append(over)
+        wait_for(lambda: len(over.steps()) >= 3, "the worker told to start over training",
+                 PATIENCE)  # fmt: skip
+        assert over.steps()[0]["step"] == 0
+        assert "starting over from step 0 as asked" in over.log_path.read_text()
+    finally:
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                worker.stop(timeout=20)
+        plane.close()

@@ -515,6 +515,17 @@ def test_progress_round_trip(store: EtcdStore) -> None:
     assert store.read_progress() == (3, 42)
 
 
+def test_the_lost_history_record_keeps_the_highest_epoch_and_ignores_a_malformed_one(
+    store: EtcdStore,
+) -> None:
+    assert store.read_lost() is None
+    store.record_lost(4)
+    store.record_lost(2)  # a member of an older view, refused later
+    assert store.read_lost() == 4
+    store.etcd.put(b"/rollcall/jobs/job-a/lost", b'{"epoch": "four"}')
+    assert store.read_lost() is None  # logged and ignored, never raised
+
+
 # --- fingerprint ----------------------------------------------------------------------
 
 RUN1 = JobFingerprint.of({"global_batch": "48", "seed": "0"})

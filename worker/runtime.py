@@ -1140,8 +1140,8 @@ class Elastic:
         if self.checkpoints is None:
             return (
                 f"{held} and has no checkpoint directory: workers started again find no record "
-                "of the job and, without checkpoint files, start it at step 0. Restore etcd "
-                "from a backup to keep the progress"
+                "of the job and, without checkpoint files, refuse to start it at step 0 "
+                "unless told to (--start-over). Restore etcd from a backup to keep the progress"
             )
         if isinstance(saved, CheckpointManifest):
             return (
@@ -1247,7 +1247,8 @@ class Elastic:
         elif status.last_step is None:
             found = self._orphaned_checkpoint()
             if found is None:
-                return  # a new job: step 0 is where it starts
+                self._refuse_lost_history(status.lost_epoch)
+                return  # a new job (or starting over): step 0 is where it starts
             loaded, orphans = found
         elif not self._start_over:
             raise ProgressLost(
@@ -1294,6 +1295,34 @@ class Elastic:
             s_ckpt, loaded.manifest.uri, self.resumed.seconds, self.resumed.replay_steps,
             self.resumed.t_step, launch, loaded.seconds,
         )  # fmt: skip
+
+    def _refuse_lost_history(self, lost_epoch: int) -> None:
+        """The job has no record in etcd and no checkpoint file to resume
+        from, but etcd is known to have lost its data (``lost_epoch``, set by
+        the rendezvous service when it refused a member of that epoch):
+        ``ProgressLost`` unless ``start_over``."""
+        if not lost_epoch:
+            return
+        if self._start_over:
+            log.warning(
+                "job %s had trained (a worker was at epoch %d when etcd lost the job's "
+                "data): starting over from step 0 as asked (start_over)",
+                self.job_name, lost_epoch,
+            )  # fmt: skip
+            return
+        where = (
+            f"no checkpoint file of it is in {self.checkpoints.directory}"
+            if self.checkpoints is not None
+            else "this worker has no checkpoint directory"
+        )
+        raise ProgressLost(
+            f"job {self.job_name} has no record in etcd, but etcd lost its data while it "
+            f"trained (a worker was at epoch {lost_epoch}) and {where}: starting it at step 0 "
+            "would silently discard what it trained. Restore etcd from a backup, start the "
+            "workers with the checkpoint directory that holds the job's files "
+            "(--checkpoint-dir), or start over on purpose: start_over=True "
+            "(rollcall worker --start-over) or a new job name"
+        )
 
     def _fenced(self) -> bool:
         """Fencing before an update: the leader must have acknowledged a

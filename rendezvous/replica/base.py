@@ -97,6 +97,8 @@ class ReplicaBase:
         #: progress_write_interval; the events follow the writes).
         self._failure: CheckpointFailure | None = None
         self._failure_written = -float("inf")
+        #: The highest epoch recorded as lost (``_note_lost``) by this replica.
+        self._lost_noted = 0
 
     @property
     def is_leader(self) -> bool:
@@ -184,6 +186,9 @@ class ReplicaBase:
             )
         if lead.coordinator.knows(member_id):
             return InvalidRequest(f"epoch {epoch} is ahead of the committed epoch {committed}")
+        if epoch > self._lost_noted:
+            self._lost_noted = epoch
+            asyncio.ensure_future(self._note_lost(member_id, epoch))
         return JobRecordLost(
             f"member {member_id} is at epoch {epoch}, but etcd holds job {self._job} at epoch "
             f"{committed} and this replica never saw a later one: etcd lost the job's data "
@@ -191,6 +196,23 @@ class ReplicaBase:
             "This worker's state is intact but cannot rejoin under its old id: restart the "
             "job's workers"
         )
+
+    async def _note_lost(self, member_id: str, epoch: int) -> None:
+        """Record in etcd that the job trained up to epoch ``epoch`` before
+        etcd lost its data, so that workers started again do not start it at
+        step 0 unawares (``Status.lost_epoch``)."""
+        try:
+            await self._etcd(self._store.record_lost, epoch)
+        except ControlPlaneUnavailable as exc:
+            self._lost_noted = 0  # the next refused member tries again
+            log.warning("the loss of job %s's data is not recorded: %s", self._job, exc)
+            return
+        log.error(
+            "etcd lost job %s's data and no replica remembers it: member %s is at epoch %d, "
+            "etcd holds none; recorded, so that workers started again refuse to start the "
+            "job at step 0 without checkpoint files or --start-over",
+            self._job, member_id, epoch,
+        )  # fmt: skip
 
     def _fence(self, lead: Leadership, member_id: str, epoch: int) -> None:
         """Reject a member that may no longer act: unknown ids, and senders

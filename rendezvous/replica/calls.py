@@ -171,6 +171,8 @@ class MemberCalls(LeaderActions):
                 response.last_step = progress[1]
             if lead is not None and lead.coordinator.rollcall is not None:
                 response.rollcall_epoch = lead.coordinator.rollcall.epoch
+            lost = await self._etcd(self._store.read_lost)
+            response.lost_epoch = lost or 0
             failure = await self._etcd(self._store.read_checkpoint_failure)
             limit = progress_limit(
                 step, response.last_step if response.HasField("last_step") else None,

@@ -84,6 +84,7 @@ def status(
                     "last_step": result.last_step,
                     "checkpoints": [m.to_dict() for m in result.checkpoints],
                     "durability": durability_json(result.durability),
+                    "lost_epoch": result.lost_epoch or None,
                 }
             )
         )
@@ -105,6 +106,11 @@ def status(
         click.echo(
             f"newest checkpoint: step {newest.step}  {newest.uri}  ({newest.size} bytes, "
             f"{len(result.checkpoints)} kept)"
+        )
+    if result.lost_epoch:
+        click.echo(
+            f"warning: etcd lost this job's data while it trained (a worker was at epoch "
+            f"{result.lost_epoch}); workers resume only from checkpoint files or --start-over"
         )
     stuck = durability_line(result.durability)
     if stuck is not None:

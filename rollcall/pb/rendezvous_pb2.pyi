@@ -249,7 +249,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("view", "leader", "step", "replica", "rollcall_epoch", "checkpoints", "last_step", "durability")
+    __slots__ = ("view", "leader", "step", "replica", "rollcall_epoch", "checkpoints", "last_step", "durability", "lost_epoch")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class StatusResponse(_message.Message):
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     DURABILITY_FIELD_NUMBER: _ClassVar[int]
+    LOST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     view: View
     leader: str
     step: int
@@ -266,7 +267,8 @@ class StatusResponse(_message.Message):
     checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
     last_step: int
     durability: Durability
-    def __init__(self, view: _Optional[_Union[View, _Mapping]] = ..., leader: _Optional[str] = ..., step: _Optional[int] = ..., replica: _Optional[str] = ..., rollcall_epoch: _Optional[int] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., last_step: _Optional[int] = ..., durability: _Optional[_Union[Durability, _Mapping]] = ...) -> None: ...
+    lost_epoch: int
+    def __init__(self, view: _Optional[_Union[View, _Mapping]] = ..., leader: _Optional[str] = ..., step: _Optional[int] = ..., replica: _Optional[str] = ..., rollcall_epoch: _Optional[int] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., last_step: _Optional[int] = ..., durability: _Optional[_Union[Durability, _Mapping]] = ..., lost_epoch: _Optional[int] = ...) -> None: ...
 
 class Durability(_message.Message):
     __slots__ = ("durable_step", "failures", "failed_step", "reason", "failing_since_unix", "writer")

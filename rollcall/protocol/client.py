@@ -123,6 +123,9 @@ class Status:
     last_step: int | None = None
     #: How far the job is durable, and whether checkpoints fail.
     durability: Durability = Durability(None)
+    #: etcd lost the job's data: the highest epoch a member was refused at
+    #: for it (0: never).
+    lost_epoch: int = 0
 
 
 def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
@@ -285,6 +288,7 @@ class RendezvousClient:
             checkpoints=tuple(manifest_from_pb(m) for m in response.checkpoints),
             last_step=response.last_step if response.HasField("last_step") else None,
             durability=durability_from_pb(response.durability),
+            lost_epoch=response.lost_epoch,
         )
 
     async def watch(self, after_epoch: int = 0) -> AsyncIterator[View]:
