@@ -105,6 +105,7 @@ def _rank(rank: int, args: dict[str, Any], out: str) -> None:
             dist.all_reduce(p.grad)
             p.grad /= world * tokens[:, 1:].numel()
         for p, q in zip(reference.parameters(), model.parameters(), strict=True):
+            assert q.grad is not None
             p.grad = q.grad.clone()
         dist.barrier()
         started = time.perf_counter()

@@ -157,7 +157,8 @@ class ShardedOptimizer:
         if not groups:
             return None, leaves
         # Each group carries all its settings: the constructor's defaults are unused.
-        return type(self._template)(groups), leaves
+        kind: Any = type(self._template)
+        return kind(groups), leaves
 
     def _flat_params(self) -> torch.Tensor:
         with torch.no_grad():
