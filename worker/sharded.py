@@ -28,7 +28,7 @@ dtype or device; an optimizer that already holds state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,14 @@ import torch
 from rollcall.membership.errors import UsageError
 from rollcall.membership.shards import ShardPlan, partition_bounds
 
-__all__ = ["ELEMENTWISE", "Segment", "ShardedOptimizer", "state_bytes"]
+__all__ = [
+    "ELEMENTWISE",
+    "PartitionState",
+    "Segment",
+    "ShardLost",
+    "ShardedOptimizer",
+    "state_bytes",
+]
 
 #: Optimizers whose update of one element depends on that element's
 #: parameter, gradient and state alone.
@@ -105,12 +112,32 @@ def _check(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
     return groups
 
 
+class ShardLost(UsageError):
+    """A plan needs the state of a partition that no live member holds."""
+
+
+@dataclass(frozen=True)
+class PartitionState:
+    """The optimizer state of one partition, as an owner hands it to a new
+    one: per segment (in order), its optimizer state entries."""
+
+    partition: int
+    segments: tuple[dict[str, torch.Tensor], ...]
+
+
 class ShardedOptimizer:
     """This rank's part of the optimizer state under ``plan``.
 
     ``optimizer`` is the user's, never stepped: its class and each group's
     hyperparameters are used to build this rank's own optimizer over the
-    segments it owns; the user's optimizer itself keeps no state.
+    segments it owns, and the hyperparameters are read from it again at
+    every update (a scheduler changes them there); the user's optimizer
+    itself keeps no state.
+
+    A step is ``update`` (the owned partitions, from the reduced ``.grad``),
+    ``payload`` (what this rank sends) and ``receive`` (everyone's payloads
+    into the model); ``step`` does the three with an all-gather. ``replan``
+    moves to the plan of a new view.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, plan: ShardPlan, me: str) -> None:
@@ -126,7 +153,11 @@ class ShardedOptimizer:
         self._bounds = partition_bounds(self.numel, plan.count)
         self.segments = self._cut(sizes)
         self._owned = set(plan.owned_by(me))
-        self._local, self._leaves = self._build()
+        self._leaves: dict[Segment, torch.Tensor] = {}
+        self._local: torch.optim.Optimizer | None = None
+        #: Local param group index -> the user's group it was built from.
+        self._group_of: list[int] = []
+        self._build({})
 
     def _cut(self, sizes: Sequence[int]) -> tuple[Segment, ...]:
         """Every partition's segments, cut at group boundaries."""
@@ -139,10 +170,13 @@ class ShardedOptimizer:
                     segments.append(Segment(p, g, a, b))
         return tuple(segments)
 
-    def _build(self) -> tuple[torch.optim.Optimizer | None, dict[Segment, torch.Tensor]]:
+    def _build(self, states: dict[Segment, dict[str, torch.Tensor]]) -> None:
+        """This rank's optimizer over its owned segments, each leaf made from
+        the model's parameters, with ``states`` (kept or received) set."""
         flat = self._flat_params()
         leaves: dict[Segment, torch.Tensor] = {}
         groups: list[dict[str, Any]] = []
+        self._group_of = []
         for g, group in enumerate(self._template.param_groups):
             mine = [s for s in self.segments if s.group == g and s.partition in self._owned]
             if not mine:
@@ -154,11 +188,16 @@ class ShardedOptimizer:
                 tensors.append(leaf)
             settings = {k: v for k, v in group.items() if k != "params"}
             groups.append({"params": tensors, **settings})
+            self._group_of.append(g)
+        self._leaves = leaves
         if not groups:
-            return None, leaves
+            self._local = None
+            return
         # Each group carries all its settings: the constructor's defaults are unused.
         kind: Any = type(self._template)
-        return kind(groups), leaves
+        self._local = kind(groups)
+        for segment, state in states.items():
+            self._local.state[leaves[segment]] = {k: v.clone() for k, v in state.items()}
 
     def _flat_params(self) -> torch.Tensor:
         with torch.no_grad():
@@ -177,6 +216,10 @@ class ShardedOptimizer:
         return torch.cat(parts)
 
     @property
+    def plan(self) -> ShardPlan:
+        return self._plan
+
+    @property
     def owned(self) -> tuple[int, ...]:
         return tuple(sorted(self._owned))
 
@@ -189,25 +232,37 @@ class ShardedOptimizer:
         """Bytes of optimizer state this rank holds."""
         return 0 if self._local is None else state_bytes(self._local)
 
-    def step(self, gather: Gather, ranks: Sequence[str]) -> None:
+    def update(self) -> None:
         """Update the owned partitions from the parameters' (reduced)
-        ``.grad`` and give every rank the new parameters: ``gather`` is an
-        all-gather over the members ``ranks`` (the view, in rank order)."""
-        if self._local is not None:
-            grads = self._flat_grads()
-            for segment, leaf in self._leaves.items():
-                leaf.grad = grads[segment.start : segment.stop].clone()
-            self._local.step()
-        self._distribute(gather, ranks)
+        ``.grad``, with the hyperparameters the user's optimizer holds now."""
+        if self._local is None:
+            return
+        for local, g in zip(self._local.param_groups, self._group_of, strict=True):
+            for key, value in self._template.param_groups[g].items():
+                if key != "params":
+                    local[key] = value
+        grads = self._flat_grads()
+        for segment, leaf in self._leaves.items():
+            leaf.grad = grads[segment.start : segment.stop]
+        self._local.step()
+        for leaf in self._leaves.values():
+            leaf.grad = None
 
-    def _distribute(self, gather: Gather, ranks: Sequence[str]) -> None:
-        """Each rank sends the partitions it is the first live owner of,
-        padded to the longest such list; all write them into the model."""
+    def _senders(self, ranks: Sequence[str]) -> dict[str, list[int]]:
+        """Member -> the partitions it is the first live owner of."""
         alive = set(ranks)
-        sender = {
-            p: next(m for m in owners if m in alive) for p, owners in enumerate(self._plan.owners)
-        }
-        sends = {m: [p for p in range(self._plan.count) if sender[p] == m] for m in ranks}
+        sends: dict[str, list[int]] = {m: [] for m in ranks}
+        for p, owners in enumerate(self._plan.owners):
+            sender = next((m for m in owners if m in alive), None)
+            if sender is None:
+                raise ShardLost(f"partition {p} has no owner among the members {list(ranks)}")
+            sends[sender].append(p)
+        return sends
+
+    def payload(self, ranks: Sequence[str]) -> torch.Tensor:
+        """The new parameters of the partitions this rank sends, padded to
+        the longest of the members' payloads (``ranks``: the view)."""
+        sends = self._senders(ranks)
         width = max(sum(self._size(p) for p in ps) for ps in sends.values())
         payload = torch.zeros(width, dtype=self._dtype, device=self._device)
         offset = 0
@@ -216,9 +271,13 @@ class ShardedOptimizer:
                 leaf = self._leaves[segment]
                 payload[offset : offset + leaf.numel()] = leaf.detach()
                 offset += leaf.numel()
-        received = gather(payload)
+        return payload
+
+    def receive(self, payloads: Sequence[torch.Tensor], ranks: Sequence[str]) -> None:
+        """Write every member's payload (in rank order) into the model."""
+        sends = self._senders(ranks)
         flat = torch.empty(self.numel, dtype=self._dtype, device=self._device)
-        for member, tensor in zip(ranks, received, strict=True):
+        for member, tensor in zip(ranks, payloads, strict=True):
             offset = 0
             for p in sends[member]:
                 start, stop = self._bounds[p]
@@ -230,6 +289,67 @@ class ShardedOptimizer:
                 for param in group:
                     param.copy_(flat[offset : offset + param.numel()].view_as(param))
                     offset += param.numel()
+
+    def step(self, gather: Gather, ranks: Sequence[str]) -> None:
+        """``update``, then an all-gather (``gather``, over the members
+        ``ranks``, the view in rank order) of the new parameters."""
+        self.update()
+        self.receive(gather(self.payload(ranks)), ranks)
+
+    def export(self, partition: int) -> PartitionState:
+        """This rank's optimizer state of an owned ``partition``, for a new
+        owner (cloned: the caller may send it anywhere)."""
+        if partition not in self._owned:
+            raise ValueError(f"{self._me} does not own partition {partition}")
+        assert self._local is not None
+        entries = []
+        for segment in self._of(partition):
+            state = self._local.state.get(self._leaves[segment], {})
+            entries.append({k: v.clone() for k, v in state.items()})
+        return PartitionState(partition, tuple(entries))
+
+    def replan(
+        self,
+        plan: ShardPlan,
+        survivors: Collection[str],
+        fetch: Callable[[int], PartitionState],
+    ) -> tuple[int, ...]:
+        """Move to ``plan`` (the new view's): keep the state of partitions
+        this rank still owns, ``fetch`` that of the ones it newly owns from a
+        live previous owner, drop the rest. ``survivors``: the members that
+        hold the state of the committed step. The model's parameters must be
+        the current ones (every rank holds them whole). Returns the
+        partitions fetched. ``ShardLost``, changing nothing, if a partition
+        has no owner among the survivors."""
+        if plan.count != self._plan.count:
+            raise ValueError(f"the partition count is fixed: {self._plan.count}, not {plan.count}")
+        lost = self._plan.uncovered(survivors)
+        if lost:
+            gone = sorted({m for p in lost for m in self._plan.owners[p]})
+            raise ShardLost(
+                f"partitions {', '.join(map(str, lost))} of the optimizer state have no live "
+                f"owner (all their copies were on {', '.join(gone)}): the job must resume from "
+                "its newest durable checkpoint"
+            )
+        owned = set(plan.owned_by(self._me))
+        states: dict[Segment, dict[str, torch.Tensor]] = {}
+        fetched = []
+        for p in sorted(owned):
+            segments = self._of(p)
+            if p in self._owned:
+                assert self._local is not None
+                for segment in segments:
+                    states[segment] = dict(self._local.state.get(self._leaves[segment], {}))
+                continue
+            received = fetch(p)
+            if received.partition != p or len(received.segments) != len(segments):
+                raise ValueError(f"the state received for partition {p} is not of it")
+            for segment, state in zip(segments, received.segments, strict=True):
+                states[segment] = dict(state)
+            fetched.append(p)
+        self._plan, self._owned = plan, owned
+        self._build({s: st for s, st in states.items() if st})
+        return tuple(fetched)
 
     def _size(self, partition: int) -> int:
         start, stop = self._bounds[partition]

@@ -1,0 +1,137 @@
+"""Re-sharding across view changes (``ShardedOptimizer.replan``), with the
+ranks of each view simulated in this process (no processes: the fast lane;
+tests/test_sharded.py runs a real gloo group): through a kill, a join and a
+second kill, every rank's parameters stay bit-identical to the replicated
+optimizer's after every step, every partition keeps 2 copies, only the
+copies the plan moves are fetched, and a kill of both owners of a partition
+is refused before anything changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollcall.membership.shards import ShardPlan, moves, place
+from rollcall.worker.sharded import PartitionState, ShardedOptimizer, ShardLost
+
+COUNT, COPIES = 12, 2
+
+# The user's optimizer is never stepped (its state is sharded): the
+# scheduler warns, and its learning rate reaches the shards all the same,
+# which the equality with the replicated run checks.
+pytestmark = pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler\.step\(\)`")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(9, 11), torch.nn.Tanh(), torch.nn.Linear(11, 3))
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    decayed = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    plain = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return torch.optim.AdamW([{"params": decayed}, {"params": plain, "weight_decay": 0.0}],
+                             lr=1e-2, weight_decay=0.1)  # fmt: skip
+
+
+class Job:
+    """The ranks of one job, and the replicated run they must match."""
+
+    def __init__(self, members: list[str]) -> None:
+        self.reference = _model()
+        self.replicated = _optimizer(self.reference)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.replicated, step_size=2, gamma=0.5)
+        self.plan = place(members, {}, COUNT, COPIES)
+        self.ranks: dict[str, tuple[torch.nn.Module, ShardedOptimizer, object]] = {}
+        for member in members:
+            self._add(member, self.plan)
+        self.steps = 0
+
+    def _add(self, member: str, plan: ShardPlan) -> ShardedOptimizer:
+        model = _model()
+        model.load_state_dict(self.reference.state_dict())  # a joiner gets the parameters
+        optimizer = _optimizer(model)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        for _ in range(getattr(self, "steps", 0)):
+            scheduler.step()  # a joiner's scheduler is restored to the job's
+        sharded = ShardedOptimizer(optimizer, plan, member)
+        self.ranks[member] = (model, sharded, scheduler)
+        return sharded
+
+    def step(self) -> None:
+        generator = torch.Generator().manual_seed(self.steps)
+        x, y = torch.randn(16, 9, generator=generator), torch.randn(16, 3, generator=generator)
+        self.reference.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(self.reference(x), y).backward()
+        members = list(self.ranks)
+        for model, sharded, _ in self.ranks.values():
+            for p, q in zip(model.parameters(), self.reference.parameters(), strict=True):
+                p.grad = None if q.grad is None else q.grad.clone()  # the reduced gradient
+            sharded.update()
+        payloads = [sharded.payload(members) for _, sharded, _ in self.ranks.values()]
+        for _, sharded, scheduler in self.ranks.values():
+            sharded.receive(payloads, members)
+            scheduler.step()
+        self.replicated.step()
+        self.scheduler.step()
+        self.steps += 1
+        for member, (model, _, _) in self.ranks.items():
+            pairs = zip(model.parameters(), self.reference.parameters(), strict=True)
+            assert all(torch.equal(p, q) for p, q in pairs), (member, self.steps)
+
+    def change(self, dead: list[str], joiners: list[str]) -> tuple[int, int]:
+        """A view change: the dead are gone, the joiners arrive; returns
+        (copies fetched, copies the plan moves)."""
+        survivors = [m for m in self.ranks if m not in dead]
+        members = survivors + joiners
+        plan = place(members, {}, COUNT, COPIES, previous=self.plan)
+        old = self.plan
+
+        def fetch(p: int) -> PartitionState:
+            source = next(m for m in old.owners[p] if m in survivors)
+            return self.ranks[source][1].export(p)
+
+        for member in dead:
+            del self.ranks[member]
+        fetched = 0
+        for member in joiners:
+            fetched += len(self._add(member, old).replan(plan, survivors, fetch))
+        for member in survivors:
+            fetched += len(self.ranks[member][1].replan(plan, survivors, fetch))
+        self.plan = plan
+        for owners in plan.owners:
+            assert len(owners) == COPIES
+        return fetched, len(moves(old, plan))
+
+
+def test_kills_and_joins_keep_the_sharded_run_equal_to_the_replicated_one() -> None:
+    job = Job(["w0", "w1", "w2", "w3"])
+    for _ in range(3):
+        job.step()
+    assert job.change(["w2"], []) == (6, 6)  # the copies w2 held: 12 x 2 / 4
+    for _ in range(3):
+        job.step()
+    fetched, moved = job.change([], ["w4"])
+    assert fetched == moved and moved >= COUNT * COPIES // 4
+    for _ in range(3):
+        job.step()
+    fetched, moved = job.change(["w0"], [])
+    assert fetched == moved
+    for _ in range(3):
+        job.step()
+    held = {m: len(s.owned) for m, (_, s, _) in job.ranks.items()}
+    assert sum(held.values()) == COUNT * COPIES
+
+
+def test_a_kill_of_every_owner_of_a_partition_is_refused_and_changes_nothing() -> None:
+    job = Job(["w0", "w1", "w2", "w3"])
+    job.step()
+    pair = job.plan.owners[0]
+    _, sharded, _ = job.ranks[next(m for m in job.ranks if m not in pair)]
+    owned, held = sharded.owned, sharded.state_bytes()
+    survivors = [m for m in job.ranks if m not in pair]
+    plan = place(survivors, {}, COUNT, COPIES, previous=job.plan)
+    with pytest.raises(ShardLost, match="newest durable checkpoint"):
+        sharded.replan(plan, survivors, lambda p: pytest.fail("fetched"))
+    assert (sharded.owned, sharded.state_bytes()) == (owned, held)
+    job.step()  # the old view trains on untouched
