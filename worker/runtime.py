@@ -47,11 +47,9 @@ from rollcall.membership.cause import Cause
 from rollcall.membership.checkpoint import (
     CheckpointManifest,
     ReplayCost,
-    progress_limit,
 )
 from rollcall.membership.config import Config
 from rollcall.membership.errors import (
-    ConfigurationMismatch,
     ControlPlaneUnavailable,
     Evicted,
     Interrupted,
@@ -61,7 +59,6 @@ from rollcall.membership.errors import (
     UsageError,
     ViewChanged,
 )
-from rollcall.membership.fingerprint import compare, describe_mismatch
 from rollcall.membership.member import Fence, Member
 from rollcall.membership.view import EMPTY_VIEW, View
 from rollcall.pb import rendezvous_pb2, state_pb2_grpc
@@ -75,11 +72,7 @@ from rollcall.worker.buffers import BufferSync
 from rollcall.worker.checkpoint import (
     CheckpointUnusable,
     CheckpointWriter,
-    Loaded,
-    Orphans,
     describe_failure,
-    find_orphans,
-    load_newest,
     process_age,
 )
 from rollcall.worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
@@ -102,6 +95,7 @@ from rollcall.worker.messages import describe_transport, install_default_handler
 from rollcall.worker.metrics import WorkerMetrics
 from rollcall.worker.parking import wait_parked
 from rollcall.worker.report import SupervisorReport
+from rollcall.worker.resume import choose, what_restarting_does
 from rollcall.worker.state import CorruptState, ReplicaState, capture, restore
 from rollcall.worker.state_bytes import to_bytes
 from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
@@ -753,7 +747,9 @@ class Elastic:
                 ended = self._client.ended
                 if isinstance(ended, JobRecordLost):
                     saved = self._save_before_exit()
-                    raise JobRecordLost(f"{ended}. {self._what_restarting_does(saved)}") from ended
+                    directory = self.checkpoints.directory if self.checkpoints else None
+                    then = what_restarting_does(self.committed_step, directory, saved)
+                    raise JobRecordLost(f"{ended}. {then}") from ended
                 if ended is not None:
                     raise ended
                 self._raise_if_interrupted()
@@ -1133,84 +1129,6 @@ class Elastic:
         except Exception as exc:  # said in the exit line: the older files remain
             return describe_failure(exc)
 
-    def _what_restarting_does(self, saved: CheckpointManifest | str | None = None) -> str:
-        """What workers started again after etcd lost the job's record find
-        (``JobRecordLost``): said, so that nobody restarts from step 0 unawares."""
-        held = f"This worker held step {self.committed_step}"
-        if self.checkpoints is None:
-            return (
-                f"{held} and has no checkpoint directory: workers started again find no record "
-                "of the job and, without checkpoint files, refuse to start it at step 0 "
-                "unless told to (--start-over). Restore etcd from a backup to keep the progress"
-            )
-        if isinstance(saved, CheckpointManifest):
-            return (
-                f"{held} and wrote it to {saved.uri} before exiting: workers started again "
-                "resume from it"
-            )
-        unsaved = f" (writing it before exiting failed: {saved})" if saved else ""
-        return (
-            f"{held}{unsaved}; workers started again resume from the newest checkpoint file in "
-            f"{self.checkpoints.directory} that verifies"
-        )
-
-    def _orphaned_checkpoint(self) -> tuple[Loaded, Orphans] | None:
-        """etcd holds no record of the job (no progress, no manifest): if
-        this worker's checkpoint directory holds the job's checkpoint files,
-        etcd most likely lost the job's data, and starting at step 0 would
-        silently discard (and later overwrite) them. Loads the newest
-        written file that verifies against the manifest copy beside it.
-
-        None: no such file (a new job), or ``start_over``. ``ProgressLost``
-        if files exist but none can be checked; ``CheckpointUnusable`` if
-        none that can be checked loads."""
-        if self.checkpoints is None or self._start_over:
-            return None
-        directory = self.checkpoints.directory
-        lost = (
-            f"job {self.job_name} has no record in etcd (no progress, no checkpoint "
-            f"manifest), but {directory} holds checkpoint files of it: etcd probably lost "
-            "the job's data"
-        )
-        try:
-            orphans = find_orphans(directory, self.job_name)
-        except OSError as exc:
-            raise ProgressLost(
-                f"job {self.job_name} has no record in etcd and its checkpoint directory "
-                f"{directory} cannot be listed ({exc.strerror or exc}): whether it holds the "
-                "job's checkpoints is unknown, so it is not started at step 0. Fix the "
-                "directory's permissions, or start over on purpose with start_over=True "
-                "(rollcall worker --start-over) or a new job name"
-            ) from exc
-        if not orphans.manifests:
-            if not orphans.unchecked:
-                return None
-            raise ProgressLost(
-                f"{lost}, and none can be checked ({'; '.join(orphans.unchecked)}). Starting "
-                "at step 0 would silently discard them. Restore etcd from a backup, or start "
-                "over on purpose with start_over=True (rollcall worker --start-over) or a new "
-                "job name"
-            )
-        recovery = (
-            f"nothing was changed. Restore a good copy into {directory} or etcd from a backup, "
-            "or start over on purpose with start_over=True (rollcall worker --start-over) or a "
-            "new job name"
-        )
-        found = f"files of job {self.job_name} in {directory} (etcd holds no record of the job)"
-        loaded = load_newest(orphans.manifests, found=found, recovery=recovery)
-        written_by = orphans.fingerprints.get(loaded.manifest.uri)
-        differences = compare(self.fingerprint, written_by) if written_by is not None else ()
-        if differences:
-            # etcd's record, which refuses such a worker at join, is gone:
-            # the copy beside the file stands in for it.
-            raise ConfigurationMismatch(
-                f"{Path(loaded.manifest.uri).name} was written by job {self.job_name} with other "
-                f"settings (etcd lost the job's record, so the checkpoint's copy of them is "
-                f"what this worker is checked against): "
-                + describe_mismatch(self.job_name, differences)
-            )
-        return loaded, orphans
-
     def _checkpoint_failed(self, step: int, reason: str) -> None:
         """(Writer thread.) Durability is stuck: count it, tell the leader."""
         if self.metrics is not None:
@@ -1236,35 +1154,13 @@ class Elastic:
         (the worker must not start the job from scratch on its own)."""
         launch = process_age()
         status = self._remote(self._client.status(), f"epoch {view.epoch}: reading checkpoints")
-        orphans: Orphans | None = None
-        if status.checkpoints:
-            # A manifest beyond the job's recorded progress is not trusted
-            # (the leader records progress at least up to each checkpoint
-            # it accepts).
-            known = status.last_step is not None
-            limit = progress_limit(status.last_step, status.step) if known else None
-            loaded = load_newest(status.checkpoints, limit)
-        elif status.last_step is None:
-            found = self._orphaned_checkpoint()
-            if found is None:
-                self._refuse_lost_history(status.lost_epoch)
-                return  # a new job (or starting over): step 0 is where it starts
-            loaded, orphans = found
-        elif not self._start_over:
-            raise ProgressLost(
-                f"job {self.job_name} reached step {status.last_step}, but no live worker "
-                "holds its state and it has no durable checkpoint: starting again would "
-                "silently retrain it from step 0. To start over on purpose pass "
-                "start_over=True (rollcall worker --start-over) or use a new job name; "
-                "to keep a job's progress through such losses, give its workers "
-                "checkpoint_dir= (rollcall worker --checkpoint-dir)"
-            )
-        else:
-            log.warning(
-                "job %s had reached step %d and no state is left: starting over from step 0 "
-                "as asked (start_over)", self.job_name, status.last_step,
-            )  # fmt: skip
+        chosen = choose(
+            status, job=self.job_name, start_over=self._start_over, fingerprint=self.fingerprint,
+            directory=self.checkpoints.directory if self.checkpoints else None,
+        )  # fmt: skip
+        if chosen is None:
             return
+        loaded, orphans = chosen.loaded, chosen.orphans
         with self._lock:
             self._restore(loaded.state)
             self._snapshot = None  # served without RNG states, captured at the roll call
@@ -1295,34 +1191,6 @@ class Elastic:
             s_ckpt, loaded.manifest.uri, self.resumed.seconds, self.resumed.replay_steps,
             self.resumed.t_step, launch, loaded.seconds,
         )  # fmt: skip
-
-    def _refuse_lost_history(self, lost_epoch: int) -> None:
-        """The job has no record in etcd and no checkpoint file to resume
-        from, but etcd is known to have lost its data (``lost_epoch``, set by
-        the rendezvous service when it refused a member of that epoch):
-        ``ProgressLost`` unless ``start_over``."""
-        if not lost_epoch:
-            return
-        if self._start_over:
-            log.warning(
-                "job %s had trained (a worker was at epoch %d when etcd lost the job's "
-                "data): starting over from step 0 as asked (start_over)",
-                self.job_name, lost_epoch,
-            )  # fmt: skip
-            return
-        where = (
-            f"no checkpoint file of it is in {self.checkpoints.directory}"
-            if self.checkpoints is not None
-            else "this worker has no checkpoint directory"
-        )
-        raise ProgressLost(
-            f"job {self.job_name} has no record in etcd, but etcd lost its data while it "
-            f"trained (a worker was at epoch {lost_epoch}) and {where}: starting it at step 0 "
-            "would silently discard what it trained. Restore etcd from a backup, start the "
-            "workers with the checkpoint directory that holds the job's files "
-            "(--checkpoint-dir), or start over on purpose: start_over=True "
-            "(rollcall worker --start-over) or a new job name"
-        )
 
     def _fenced(self) -> bool:
         """Fencing before an update: the leader must have acknowledged a
