@@ -6,9 +6,9 @@ After the gradients are reduced (every rank holds the same sum, as in
 replicated mode), every owner of a partition runs the user's optimizer
 update on that partition: the update is element-wise and deterministic, so
 the ``r`` copies of a partition's state stay identical without ever being
-sent. Then the new parameters travel: one all-gather in which each rank
-sends the partitions it is the first owner of, so that every rank holds
-the whole model for the next forward pass. Nothing is summed on the way, so
+sent. Then the new parameters travel: one all-gather in which each partition is sent
+by one of its owners (the one sending least so far), so that every rank
+holds the whole model for the next forward pass. Nothing is summed on the way, so
 the parameters are the bits their owner computed.
 
 The state space is the flat concatenation of the parameters of every
@@ -249,19 +249,25 @@ class ShardedOptimizer:
             leaf.grad = None
 
     def _senders(self, ranks: Sequence[str]) -> dict[str, list[int]]:
-        """Member -> the partitions it is the first live owner of."""
+        """Member -> the partitions it sends: each partition's live owner
+        that sends the fewest elements so far (in partition order, so every
+        rank decides alike), so that no payload is much longer than another
+        (every payload is padded to the longest)."""
         alive = set(ranks)
         sends: dict[str, list[int]] = {m: [] for m in ranks}
+        sent = {m: 0 for m in ranks}
         for p, owners in enumerate(self._plan.owners):
-            sender = next((m for m in owners if m in alive), None)
-            if sender is None:
+            live = [m for m in owners if m in alive]
+            if not live:
                 raise ShardLost(f"partition {p} has no owner among the members {list(ranks)}")
+            sender = min(live, key=lambda m: sent[m])
             sends[sender].append(p)
+            sent[sender] += self._size(p)
         return sends
 
     def payload(self, ranks: Sequence[str]) -> torch.Tensor:
-        """The new parameters of the partitions this rank sends, padded to
-        the longest of the members' payloads (``ranks``: the view)."""
+        """The new parameters of the partitions this rank sends (``_senders``),
+        padded to the longest of the members' payloads (``ranks``: the view)."""
         sends = self._senders(ranks)
         width = max(sum(self._size(p) for p in ps) for ps in sends.values())
         payload = torch.zeros(width, dtype=self._dtype, device=self._device)
