@@ -60,6 +60,21 @@ def _wipe(etcd: LocalEtcd) -> None:
     etcd.start()
 
 
+def _lose_every_replica_and_etcds_data(
+    plane: ControlPlane, etcd: LocalEtcd, tmp_path: Path
+) -> None:
+    """Every replica and etcd's data are lost; a replica comes back on the
+    same address and etcd comes back empty."""
+    old = plane.replicas[0]
+    port = int(old.address.rsplit(":", 1)[1])
+    old.kill()
+    _wipe(etcd)
+    plane.replicas[0] = ReplicaProcess(
+        plane.etcd, plane.job, plane.token_file, port, tmp_path / "replica-again.log",
+        plane.settings,
+    )  # fmt: skip
+
+
 @pytest.mark.timeout(180)
 def test_etcd_wiped_the_leader_writes_the_job_back_and_training_goes_on(
     team: tuple[ControlPlane, list[WorkerProcess]], etcd: LocalEtcd
@@ -118,16 +133,7 @@ def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_new_ones_resume_
                 WorkerProcess(plane, tmp_path / f"w{index}.log", steps=1_000_000, extra=extra)
             )
         wait_for(lambda: plane.status_json()["checkpoints"], "a checkpoint", PATIENCE)
-        # Every replica and etcd's data are lost; a replica comes back on the
-        # same address and etcd comes back empty.
-        old = plane.replicas[0]
-        port = int(old.address.rsplit(":", 1)[1])
-        old.kill()
-        _wipe(etcd)
-        plane.replicas[0] = ReplicaProcess(
-            plane.etcd, plane.job, plane.token_file, port, tmp_path / "replica-again.log",
-            plane.settings,
-        )  # fmt: skip
+        _lose_every_replica_and_etcds_data(plane, etcd, tmp_path)
         held = []
         for worker in workers:
             assert worker.proc.wait(timeout=PATIENCE) == 6, worker.log_tail()
@@ -206,14 +212,7 @@ def test_etcd_wiped_no_replica_remembers_and_no_checkpoints_new_workers_refuse_s
         for index in range(2):
             workers.append(WorkerProcess(plane, tmp_path / f"w{index}.log", steps=1_000_000))
         wait_for(lambda: all(len(w.steps()) >= 5 for w in workers), "training", PATIENCE)
-        old = plane.replicas[0]
-        port = int(old.address.rsplit(":", 1)[1])
-        old.kill()
-        _wipe(etcd)
-        plane.replicas[0] = ReplicaProcess(
-            plane.etcd, plane.job, plane.token_file, port, tmp_path / "replica-again.log",
-            plane.settings,
-        )  # fmt: skip
+        _lose_every_replica_and_etcds_data(plane, etcd, tmp_path)
         for worker in workers:
             assert worker.proc.wait(timeout=PATIENCE) == 6, worker.log_tail()
             assert "refuse to start it at step 0 unless told to" in worker.log_tail(), (

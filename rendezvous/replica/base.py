@@ -229,6 +229,15 @@ class ReplicaBase:
             )
         raise NotAMember(f"member {member_id!r} is not a member of job {self._job}")
 
+    def _acting_for(self, member_id: str, epoch: int, secret: str) -> Leadership:
+        """The leadership, for a request acting for ``member_id``: this
+        replica leads, the member may act at ``epoch`` and the request
+        carries its secret (``_fence``, ``_authenticate``)."""
+        lead = self._leader()
+        self._fence(lead, member_id, epoch)
+        self._authenticate(lead, member_id, secret)
+        return lead
+
     def _authenticate(self, lead: Leadership, member_id: str, presented: str) -> None:
         """Refuse a request naming ``member_id`` that does not carry its
         member secret (checked against the hash in its record)."""

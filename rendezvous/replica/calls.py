@@ -127,9 +127,7 @@ class MemberCalls(LeaderActions):
         try:
             self._check_job(request.job)
             check.check_id(request.member_id, "member_id", self._config)
-            lead = self._leader()
-            self._fence(lead, request.member_id, request.epoch)
-            self._authenticate(lead, request.member_id, request.member_secret)
+            lead = self._acting_for(request.member_id, request.epoch, request.member_secret)
             now = self._clock()
             lead.leader.leave(request.member_id, now)
             self._events.cause(now, "leave")

@@ -48,9 +48,7 @@ class CheckpointCalls(LeaderActions):
             check.check_digest(manifest.digest, self._config)
             check.check_id(manifest.writer, "checkpoint writer", self._config)
             check.check_counter(manifest.step, "checkpoint step")
-            lead = self._leader()
-            self._fence(lead, request.member_id, request.epoch)
-            self._authenticate(lead, request.member_id, request.member_secret)
+            lead = self._acting_for(request.member_id, request.epoch, request.member_secret)
             view = lead.coordinator.view
             if request.epoch != view.epoch or request.member_id not in view:
                 raise StaleEpoch(

@@ -82,9 +82,7 @@ class Sessions(CheckpointCalls):
         request = first.open
         self._check_job(request.job)
         check.check_id(request.member_id, "member_id", self._config)
-        lead = self._leader()
-        self._fence(lead, request.member_id, request.epoch)
-        self._authenticate(lead, request.member_id, request.member_secret)
+        lead = self._acting_for(request.member_id, request.epoch, request.member_secret)
         now = self._clock()
         old = lead.sessions.pop(request.member_id, None)
         if old is not None:
