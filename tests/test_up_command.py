@@ -38,7 +38,10 @@ def mode(path: Path) -> int:
 
 def test_a_user_script_trains_to_the_end_while_workers_are_added_and_killed(tmp_path: Path):
     steps = 500  # ~30 s at the script's pace: room for an add and a kill on a busy machine
-    up = start_up(tmp_path, 2, *user_command("--steps", str(steps), "--pause", "0.05"))
+    paused = tmp_path / "paused"  # removed once the kill is over: the rest goes at full pace
+    paused.touch()
+    pace = ("--pause", "0.05", "--pause-while", str(paused))
+    up = start_up(tmp_path, 2, *user_command("--steps", str(steps), *pace))
     workdir = tmp_path / "up"
     try:
         wait_for(lambda: members(up) == 2 and up.status()["step"], "2 members training")
@@ -59,6 +62,7 @@ def test_a_user_script_trains_to_the_end_while_workers_are_added_and_killed(tmp_
         assert victim not in member_ids(up)
         after = up.status()["step"]
         wait_for(lambda: up.status()["step"] > after + 5, "the survivors to go on training")
+        paused.unlink()
 
         assert up.process.proc.wait(timeout=PATIENCE * 2) == 0, up.process.log_tail()
     finally:

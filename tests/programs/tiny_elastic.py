@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,6 +24,11 @@ def main() -> None:
         default=0.0,
         help="Seconds of pretend compute per step (keeps a short run alive).",
     )
+    parser.add_argument(
+        "--pause-while",
+        type=Path,
+        help="Pause only while this file exists (a test ends the pauses once it is done).",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # every copy builds the same data and initial model
@@ -35,7 +41,8 @@ def main() -> None:
             for batch in step.microbatches():
                 loss = nn.functional.mse_loss(model(batch.inputs), batch.targets, reduction="sum")
                 step.backward(loss, len(batch.inputs))
-            time.sleep(args.pause)
+            if args.pause_while is None or args.pause_while.exists():
+                time.sleep(args.pause)
             step.commit()
         print(f"trained to step {job.committed_step}", flush=True)
 
