@@ -26,12 +26,13 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rollcall.membership.cause import Cause
 from rollcall.membership.config import Config
 from rollcall.membership.errors import InvalidRequest, NotAMember, NotProposed, StaleEpoch
 from rollcall.membership.ratelimit import Admission, ReportLimiter
+from rollcall.membership.shards import Sharding, decide_shards, host_of
 from rollcall.membership.view import Member, View
 
 
@@ -132,13 +133,15 @@ class RefusedClaim:
 
 @dataclass(frozen=True)
 class ResumePlan:
-    """Resume step, agreed digest, who fetches from whom, and the claims
-    that were not believed."""
+    """Resume step, agreed digest, who fetches from whom, the claims that
+    were not believed, and the members believed to hold the resume step
+    (whatever their digest)."""
 
     step: int | None
     digest: str
     fetch: dict[str, tuple[str, ...]]
     refused: tuple[RefusedClaim, ...] = ()
+    holders: tuple[str, ...] = ()
 
 
 def progress_bound(
@@ -212,24 +215,45 @@ def plan_resume(
     digest = next(answers[i].digest for i in holders if counts[answers[i].digest] == best)
     sources = tuple(i for i in holders if answers[i].digest == digest)
     fetch = {i: sources for i in order if i not in sources}
-    return ResumePlan(step, digest, fetch, tuple(refused))
+    return ResumePlan(step, digest, fetch, tuple(refused), tuple(holders))
 
 
 def decide_view(
-    rollcall: RollCall, previous: View, reports: Mapping[str, int] | None = None
+    rollcall: RollCall,
+    previous: View,
+    reports: Mapping[str, int] | None = None,
+    sharding: Sharding | None = None,
 ) -> tuple[View, tuple[RefusedClaim, ...]]:
     """The new view after ``previous``: candidates that answered, in
     candidate order (survivors keep their relative order, joiners come after
-    them), resuming as ``plan_resume`` decides; and the claims refused."""
+    them), resuming as ``plan_resume`` decides; and the claims refused.
+
+    In a sharded job (``sharding``) the view also says who owns which
+    partition (``decide_shards``, hosts taken from the members' addresses).
+    If a partition has no owner among the members holding the resume step,
+    the view resumes from the newest durable checkpoint: no resume step,
+    nothing to fetch, and the partitions lost named."""
     members = tuple(c for c in rollcall.candidates if c.id in rollcall.answers)
+    ids = [m.id for m in members]
     plan = plan_resume(
-        [m.id for m in members], rollcall.answers, survivors=previous.ids,
-        resume=previous.resume_step, reports=reports,
+        ids, rollcall.answers, survivors=previous.ids, resume=previous.resume_step,
+        reports=reports,
     )  # fmt: skip
     view = View(
         epoch=rollcall.epoch, members=members, resume_step=plan.step, digest=plan.digest,
         fetch=plan.fetch,
     )  # fmt: skip
+    if sharding is not None and members:
+        hosts = {m.id: host_of(m.address) for m in members}
+        holders = None if plan.step is None else plan.holders
+        advanced = plan.step is not None and (
+            previous.resume_step is None or plan.step > previous.resume_step
+        )
+        shards = decide_shards(sharding, previous.shards, advanced, ids, hosts, holders)
+        if shards.lost:
+            view = View(epoch=rollcall.epoch, members=members, shards=shards)
+        else:
+            view = replace(view, shards=shards)
     return view, plan.refused
 
 
@@ -262,6 +286,12 @@ class Coordinator:
         self._reporters = ReportLimiter(config.report_burst, config.report_interval)
         #: Highest step each member of the view in force reported committing in it.
         self._reports: dict[str, int] = {}
+        #: The job's partition count and redundancy if its optimizer state
+        #: is sharded (from its fingerprint, or the view in force).
+        shards = view.shards
+        self.sharding: Sharding | None = (
+            None if shards is None else Sharding(shards.count, shards.plan.redundancy)
+        )
         for member in joiners:
             self.join(member, now)
 
@@ -483,7 +513,7 @@ class Coordinator:
         self.tick(now)
 
     def _decide(self, rollcall: RollCall) -> None:
-        view, refused = decide_view(rollcall, self._view, self._reports)
+        view, refused = decide_view(rollcall, self._view, self._reports, self.sharding)
         kept = set(view.ids)
         removed = tuple(m.id for m in self._view.members if m.id not in kept) + tuple(
             c.id for c in rollcall.candidates if c.id not in kept and c.id not in self._view

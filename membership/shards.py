@@ -37,7 +37,13 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "SHARD_PARTITIONS",
+    "SHARD_REDUNDANCY",
     "ShardPlan",
+    "Sharding",
+    "ShardedView",
+    "decide_shards",
+    "host_of",
     "least_moves",
     "moves",
     "partition_bounds",
@@ -272,3 +278,135 @@ def least_moves(previous: ShardPlan, members: Sequence[str], redundancy: int) ->
     deficit = sum(copies - len([x for x in o if x in alive][:copies]) for o in previous.owners)
     joiners = sum(1 for m in members if m not in before)
     return max(deficit, joiners * floor)
+
+
+#: The job fingerprint's fields that make a job sharded (both or neither).
+SHARD_PARTITIONS = "shard_partitions"
+SHARD_REDUNDANCY = "shard_redundancy"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """A sharded job's constants: the partition count and the redundancy."""
+
+    count: int
+    redundancy: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"the partition count must be at least 1, got {self.count}")
+        if self.redundancy < 1:
+            raise ValueError(f"the redundancy must be at least 1, got {self.redundancy}")
+
+    def fields(self) -> dict[str, str]:
+        """The job fingerprint's fields for this setting."""
+        return {SHARD_PARTITIONS: str(self.count), SHARD_REDUNDANCY: str(self.redundancy)}
+
+    @classmethod
+    def from_fingerprint(cls, fields: Mapping[str, str]) -> Sharding | None:
+        """The setting a job fingerprint records; None for a replicated job
+        (or a fingerprint whose fields are not numbers: not ours)."""
+        try:
+            return cls(int(fields[SHARD_PARTITIONS]), int(fields[SHARD_REDUNDANCY]))
+        except (KeyError, ValueError):
+            return None
+
+
+def host_of(address: str) -> str:
+    """The failure domain of a member reached at ``address`` (host:port):
+    its host part, so that members sharing a machine share a domain."""
+    host, _, port = address.rpartition(":")
+    return host if host and port else address
+
+
+@dataclass(frozen=True)
+class ShardedView:
+    """What a committed view says about the sharded state.
+
+    ``plan``: who owns each partition in this view. ``sources``: per
+    partition, the members of this view that hold its state as of the
+    view's resume step (owners in the previous view that hold that step);
+    empty for a fresh plan. A member gets a partition it does not hold from
+    one of them. ``lost``: the partitions no live member holds; non-empty
+    means the view resumes from the job's newest durable checkpoint (its
+    resume step is unset) and ``plan`` is a fresh one.
+    """
+
+    plan: ShardPlan
+    sources: tuple[tuple[str, ...], ...] = ()
+    lost: tuple[int, ...] = ()
+    #: The plan whose copies the members held on entering this view (the
+    #: previous view's, or an earlier one's if no step committed since);
+    #: None for a fresh plan. Until a step commits in this view, members
+    #: keep those copies, so that a view change that aborts the move loses
+    #: nothing.
+    base: ShardPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.sources and len(self.sources) != self.plan.count:
+            raise ValueError(
+                f"sources name {len(self.sources)} partitions, the plan has {self.plan.count}"
+            )
+
+    @property
+    def count(self) -> int:
+        return self.plan.count
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.plan.to_dict(),
+            "sources": [list(s) for s in self.sources],
+            "lost": list(self.lost),
+            "base": None if self.base is None else [list(o) for o in self.base.owners],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardedView:
+        plan = ShardPlan.from_dict(data)
+        base = data.get("base")
+        return cls(
+            plan=plan,
+            sources=tuple(tuple(str(m) for m in entry) for entry in data.get("sources", ())),
+            lost=tuple(int(p) for p in data.get("lost", ())),
+            base=None if base is None else ShardPlan(
+                tuple(tuple(str(m) for m in o) for o in base), plan.redundancy
+            ),
+        )
+
+
+def decide_shards(
+    sharding: Sharding,
+    previous: ShardedView | None,
+    advanced: bool,
+    members: Sequence[str],
+    hosts: Mapping[str, str],
+    holders: Collection[str] | None,
+) -> ShardedView:
+    """The sharded part of a new view of ``members`` (rank order).
+
+    ``holders``: the members whose state of the view's resume step is
+    believed (None: nobody holds state, the view starts from step 0 or a
+    checkpoint). ``advanced``: a step committed in the previous view, so
+    its holders hold the previous view's plan (else they still hold its
+    ``base``). Copies held by a member that is not a holder (behind by a
+    step, or new) do not count. A partition none of the holders holds is
+    lost: every partition is then placed afresh and the view must resume
+    from a checkpoint (``lost`` says which were lost)."""
+    if holders is None:
+        return ShardedView(place(members, hosts, sharding.count, sharding.redundancy))
+    if previous is None or previous.count != sharding.count:
+        # State without a plan (the view's record was lost): no copy is
+        # known to be anyone's.
+        fresh = place(members, hosts, sharding.count, sharding.redundancy)
+        return ShardedView(fresh, lost=tuple(range(sharding.count)))
+    held_plan = previous.plan if advanced or previous.base is None else previous.base
+    held = set(holders) & set(members)
+    lost = held_plan.uncovered(held)
+    if lost:
+        return ShardedView(
+            place(members, hosts, sharding.count, sharding.redundancy), lost=lost
+        )
+    sources = tuple(tuple(m for m in owners if m in held) for owners in held_plan.owners)
+    plan = place(members, hosts, sharding.count, sharding.redundancy,
+                 ShardPlan(sources, held_plan.redundancy))  # fmt: skip
+    return ShardedView(plan, sources, base=held_plan)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from rollcall.membership.shards import ShardedView
+
 
 @dataclass(frozen=True)
 class Member:
@@ -24,7 +26,9 @@ class View:
     ``resume_step`` is the highest committed step any member of the view holds
     (``None`` before anyone committed a step); ``fetch`` maps each member that
     must pull state before its first step to the ids it may pull from, and
-    ``digest`` is the state digest those sources agreed on.
+    ``digest`` is the state digest those sources agreed on. ``shards``: in
+    a job with sharded optimizer state, who owns which partition in this
+    view and where each is held (``membership/shards.py``); None otherwise.
     """
 
     epoch: int
@@ -32,6 +36,7 @@ class View:
     resume_step: int | None = None
     digest: str = ""
     fetch: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    shards: ShardedView | None = None
 
     def __post_init__(self) -> None:
         if self.epoch < 0:
@@ -70,6 +75,7 @@ class View:
             "resume_step": self.resume_step,
             "digest": self.digest,
             "fetch": {k: list(v) for k, v in sorted(self.fetch.items())},
+            **({} if self.shards is None else {"shards": self.shards.to_dict()}),
         }
 
     @classmethod
@@ -81,6 +87,7 @@ class View:
             resume_step=None if data.get("resume_step") is None else int(data["resume_step"]),
             digest=str(data.get("digest", "")),
             fetch={str(k): tuple(str(x) for x in v) for k, v in data.get("fetch", {}).items()},
+            shards=None if data.get("shards") is None else ShardedView.from_dict(data["shards"]),
         )
 
     def to_json(self) -> str:

@@ -10,7 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollcall.membership.shards import ShardPlan, least_moves, moves, partition_bounds, place
+from rollcall.membership.coordinator import Answer, RollCall, decide_view
+from rollcall.membership.shards import (
+    Sharding,
+    ShardPlan,
+    least_moves,
+    moves,
+    partition_bounds,
+    place,
+)
+from rollcall.membership.view import EMPTY_VIEW, View
+from rollcall.membership.view import Member as ViewMember
+from rollcall.protocol.wire import view_from_pb, view_to_pb
 
 
 @given(numel=st.integers(0, 10_000), count=st.integers(1, 300))
@@ -103,3 +114,100 @@ def test_bad_plans_are_refused() -> None:
         ShardPlan((("a", "a"),), 2)
     plan = place(_members(3), {}, 5, 2)
     assert ShardPlan.from_dict(plan.to_dict()) == plan
+
+
+# --- the sharded part of a view, as the leader decides it ---------------------------
+
+
+def _decide(
+    previous: View, members: list[str], steps: dict[str, int | None], sharding: Sharding
+) -> View:
+    """The view a roll call over ``members`` (answering ``steps``) decides
+    after ``previous``."""
+    candidates = tuple(ViewMember(m, f"10.0.0.{i}:1") for i, m in enumerate(members))
+    rollcall = RollCall(previous.epoch + 1, candidates, deadline=0.0, started_at=0.0, causes=())
+    for m in members:
+        step = steps[m]
+        rollcall.answers[m] = Answer(m, step, "" if step is None else f"d{step}")
+    view, _ = decide_view(rollcall, previous, {}, sharding)
+    return view
+
+
+def test_the_leader_plans_the_shards_of_each_view_and_names_where_each_partition_is_held() -> None:
+    sharding = Sharding(8, 2)
+    start = _decide(EMPTY_VIEW, ["a", "b", "c", "d"], dict.fromkeys("abcd"), sharding)
+    assert start.shards is not None and start.shards.sources == () and start.shards.base is None
+    assert all(len(o) == 2 for o in start.shards.plan.owners)
+    trained = View(start.epoch, start.members, 5, "d5", {}, start.shards)
+    # b dies: every partition keeps two live owners, the copies come from
+    # the holders of step 5, and nothing else moves.
+    shrunk = _decide(trained, ["a", "c", "d"], {"a": 6, "c": 6, "d": 6}, sharding)
+    assert shrunk.resume_step == 6 and shrunk.shards is not None
+    assert shrunk.shards.base == start.shards.plan
+    assert all(len(o) == 2 and "b" not in o for o in shrunk.shards.plan.owners)
+    assert shrunk.shards.sources == tuple(
+        tuple(m for m in o if m != "b") for o in start.shards.plan.owners
+    )
+    assert len(moves(start.shards.plan, shrunk.shards.plan)) == len(start.shards.plan.owned_by("b"))
+
+
+def test_a_member_behind_by_a_step_does_not_count_as_holding_its_copies() -> None:
+    sharding = Sharding(4, 2)
+    start = _decide(EMPTY_VIEW, ["a", "b"], dict.fromkeys("ab"), sharding)
+    trained = View(start.epoch, start.members, 3, "d3", {}, start.shards)
+    view = _decide(trained, ["a", "b"], {"a": 4, "b": 3}, sharding)
+    assert view.resume_step == 4 and view.shards is not None
+    assert view.shards.sources == (("a",),) * 4
+    assert view.shards.lost == ()
+
+
+def test_both_owners_gone_makes_a_view_that_resumes_from_the_checkpoint() -> None:
+    sharding = Sharding(8, 2)
+    start = _decide(EMPTY_VIEW, ["a", "b", "c", "d"], dict.fromkeys("abcd"), sharding)
+    assert start.shards is not None
+    trained = View(start.epoch, start.members, 5, "d5", {}, start.shards)
+    [pair] = {o for o in start.shards.plan.owners if "a" in o}
+    rest = [m for m in "abcd" if m not in pair]
+    view = _decide(trained, rest, dict.fromkeys(rest, 6), sharding)
+    assert view.shards is not None
+    assert view.shards.lost == tuple(p for p, o in enumerate(start.shards.plan.owners) if o == pair)
+    # Nothing of the members' state is used: no resume step, nobody fetches,
+    # and a fresh plan over the survivors.
+    assert (view.resume_step, view.digest, dict(view.fetch)) == (None, "", {})
+    assert view.shards.sources == () and view.shards.base is None
+    assert {m for o in view.shards.plan.owners for m in o} == set(rest)
+
+
+def test_until_a_step_commits_in_a_view_its_members_are_taken_to_hold_the_earlier_plan() -> None:
+    sharding = Sharding(8, 2)
+    start = _decide(EMPTY_VIEW, ["a", "b", "c", "d"], dict.fromkeys("abcd"), sharding)
+    trained = View(start.epoch, start.members, 5, "d5", {}, start.shards)
+    shrunk = _decide(trained, ["a", "c", "d"], dict.fromkeys("acd", 6), sharding)
+    # The move into `shrunk` was aborted before any step: the members still
+    # hold the copies of `start`'s plan (they keep them until a step).
+    again = _decide(shrunk, ["a", "c", "d", "e"], {"a": 6, "c": 6, "d": 6, "e": None}, sharding)
+    assert again.shards is not None and start.shards is not None
+    assert again.shards.base == start.shards.plan
+    after_step = _decide(
+        View(again.epoch, again.members, 6, "d6", {}, again.shards),
+        ["a", "c", "d", "e"], dict.fromkeys("acde", 7), sharding,
+    )  # fmt: skip
+    assert after_step.shards is not None and after_step.shards.base == again.shards.plan
+
+
+def test_a_sharded_view_travels_through_json_and_protobuf_unchanged() -> None:
+    sharding = Sharding(6, 2)
+    start = _decide(EMPTY_VIEW, ["a", "b", "c"], dict.fromkeys("abc"), sharding)
+    trained = View(start.epoch, start.members, 2, "d2", {}, start.shards)
+    for view in (start, _decide(trained, ["a", "b"], dict.fromkeys("ab", 3), sharding),
+                 _decide(trained, ["c"], {"c": 3}, sharding)):  # fmt: skip
+        assert View.from_json(view.to_json()) == view
+        assert view_from_pb(view_to_pb(view)) == view
+
+
+def test_the_sharding_setting_is_read_from_the_job_fingerprint() -> None:
+    assert Sharding.from_fingerprint(Sharding(64, 2).fields()) == Sharding(64, 2)
+    assert Sharding.from_fingerprint({"global_batch": "8"}) is None
+    assert Sharding.from_fingerprint({"shard_partitions": "x", "shard_redundancy": "2"}) is None
+    with pytest.raises(ValueError, match="redundancy"):
+        Sharding(4, 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -25,6 +25,7 @@ from rollcall.membership.fingerprint import (
     admit,
     describe_mismatch,
 )
+from rollcall.membership.shards import Sharding
 from rollcall.membership.view import Member, View
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.protocol import validation as check
@@ -103,6 +104,7 @@ class MemberCalls(LeaderActions):
             admission = admit(fingerprint, stored.fingerprint, activity)
             if admission.verdict is Verdict.MATCHES:
                 self._remember(fingerprint=fingerprint.as_dict())
+                self._learn_sharding(lead, fingerprint.as_dict())
                 return
             if admission.verdict is Verdict.REFUSE:
                 refusal = describe_mismatch(self._job, admission.differences)
@@ -111,6 +113,7 @@ class MemberCalls(LeaderActions):
             if not await self._etcd(self._store.record_fingerprint, fingerprint, stored.revision):
                 continue  # another writer got in between: decide again
             self._remember(fingerprint=fingerprint.as_dict())
+            self._learn_sharding(lead, fingerprint.as_dict())
             if admission.verdict is Verdict.REPLACE:
                 changes = (f"{d.name} {d.job} -> {d.joiner}" for d in admission.differences)
                 changed = ", ".join(changes)
@@ -122,6 +125,14 @@ class MemberCalls(LeaderActions):
                 log.info("job %s: fingerprint recorded (%d fields)", self._job, len(fingerprint))
             return
         raise ControlPlaneUnavailable("job fingerprint: too much contention on etcd")
+
+    @staticmethod
+    def _learn_sharding(lead: Leadership, fields: Mapping[str, str]) -> None:
+        """The job's fingerprint says whether (and how) its optimizer state
+        is sharded; a view already sharded keeps its setting (a fingerprint
+        that changes it is refused once the job trained)."""
+        if lead.coordinator.view.shards is None:
+            lead.coordinator.sharding = Sharding.from_fingerprint(fields)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> Any:
         try:

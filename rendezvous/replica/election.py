@@ -14,6 +14,7 @@ from rollcall.membership.checkpoint import stuck_since
 from rollcall.membership.continuity import EtcdPosition
 from rollcall.membership.errors import ControlPlaneUnavailable, MalformedRecord, NotLeader
 from rollcall.membership.leader import Leader
+from rollcall.membership.shards import Sharding
 from rollcall.membership.view import Member
 from rollcall.rendezvous.probe import process_answers
 from rollcall.rendezvous.replica.actions import LeaderActions
@@ -106,6 +107,8 @@ class Election(LeaderActions):
             # answer (or never opened a session): their hashes go.
             unremoved=set(stored) - set(hashes),
         )
+        if record.fingerprint is not None and lead.coordinator.sharding is None:
+            lead.coordinator.sharding = Sharding.from_fingerprint(record.fingerprint)
         self._lead = lead
         self._observe_view(view)
         log.info(

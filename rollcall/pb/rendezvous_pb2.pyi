@@ -26,18 +26,42 @@ class FetchPlan(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class View(_message.Message):
-    __slots__ = ("epoch", "members", "resume_step", "digest", "fetch")
+    __slots__ = ("epoch", "members", "resume_step", "digest", "fetch", "shards")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     FETCH_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     resume_step: int
     digest: str
     fetch: _containers.RepeatedCompositeFieldContainer[FetchPlan]
-    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., resume_step: _Optional[int] = ..., digest: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[FetchPlan, _Mapping]]] = ...) -> None: ...
+    shards: ShardedView
+    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., resume_step: _Optional[int] = ..., digest: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[FetchPlan, _Mapping]]] = ..., shards: _Optional[_Union[ShardedView, _Mapping]] = ...) -> None: ...
+
+class ShardedView(_message.Message):
+    __slots__ = ("redundancy", "owners", "sources", "lost", "base", "has_base")
+    REDUNDANCY_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    HAS_BASE_FIELD_NUMBER: _ClassVar[int]
+    redundancy: int
+    owners: _containers.RepeatedCompositeFieldContainer[MemberList]
+    sources: _containers.RepeatedCompositeFieldContainer[MemberList]
+    lost: _containers.RepeatedScalarFieldContainer[int]
+    base: _containers.RepeatedCompositeFieldContainer[MemberList]
+    has_base: bool
+    def __init__(self, redundancy: _Optional[int] = ..., owners: _Optional[_Iterable[_Union[MemberList, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[MemberList, _Mapping]]] = ..., lost: _Optional[_Iterable[int]] = ..., base: _Optional[_Iterable[_Union[MemberList, _Mapping]]] = ..., has_base: _Optional[bool] = ...) -> None: ...
+
+class MemberList(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("job", "address", "name", "fingerprint")

@@ -32,6 +32,7 @@ from rollcall.membership.errors import (
     StaleEpoch,
     Unauthenticated,
 )
+from rollcall.membership.shards import ShardedView, ShardPlan
 from rollcall.membership.view import Member, View
 from rollcall.pb import rendezvous_pb2 as pb
 
@@ -115,6 +116,16 @@ def view_to_pb(view: View) -> pb.View:
     )
     if view.resume_step is not None:
         message.resume_step = view.resume_step
+    if view.shards is not None:
+        shards = view.shards
+        message.shards.CopyFrom(pb.ShardedView(
+            redundancy=shards.plan.redundancy,
+            owners=[pb.MemberList(ids=list(o)) for o in shards.plan.owners],
+            sources=[pb.MemberList(ids=list(s)) for s in shards.sources],
+            lost=list(shards.lost),
+            base=[pb.MemberList(ids=list(o)) for o in (shards.base.owners if shards.base else ())],
+            has_base=shards.base is not None,
+        ))  # fmt: skip
     return message
 
 
@@ -125,7 +136,17 @@ def view_from_pb(message: pb.View) -> View:
         resume_step=message.resume_step if message.HasField("resume_step") else None,
         digest=message.digest,
         fetch={f.member_id: tuple(f.sources) for f in message.fetch},
+        shards=_shards_from_pb(message.shards) if message.HasField("shards") else None,
     )
+
+
+def _shards_from_pb(message: pb.ShardedView) -> ShardedView:
+    plan = ShardPlan(tuple(tuple(o.ids) for o in message.owners), message.redundancy)
+    base = ShardPlan(tuple(tuple(o.ids) for o in message.base), message.redundancy)
+    return ShardedView(
+        plan, tuple(tuple(s.ids) for s in message.sources), tuple(message.lost),
+        base if message.has_base else None,
+    )  # fmt: skip
 
 
 def causes_from_pb(texts: Iterable[str]) -> tuple[Cause, ...]:
