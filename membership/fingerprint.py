@@ -64,6 +64,12 @@ FIELDS: tuple[FingerprintField, ...] = (
         "sync_buffers", "whether buffers are kept identical across replicas (true, false)"
     ),
     FingerprintField("exact", "whether the job runs in bit-exact mode"),
+    FingerprintField("shard_partitions", "partitions of the sharded optimizer state"),
+    FingerprintField("shard_redundancy", "copies kept of each partition of the optimizer state"),
+    FingerprintField(
+        "checkpoint_every", "steps between checkpoints (every rank of a sharded job takes part)"
+    ),
+    FingerprintField("checkpoints", "whether the sharded job writes checkpoints (on, off)"),
 )
 NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 _HINTS = {f.name: f.hint for f in FIELDS if f.hint}

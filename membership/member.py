@@ -119,7 +119,7 @@ class Member:
             return None
         if view.epoch <= self.entered or self.answered > view.epoch:
             return None
-        if view.resume_step is None and view.size < min_workers:
+        if view.resume_step is None and view.size < min_workers and not _resumes_lost(view):
             return None
         return view
 
@@ -214,3 +214,10 @@ class Member:
             return None
         self._reported = True
         return ReportFailure(failure[1])
+
+
+def _resumes_lost(view: View) -> bool:
+    """A view that resumes a sharded job from its checkpoint because
+    partitions were lost: the job is not starting, ``min_workers`` does not
+    hold it back."""
+    return view.shards is not None and bool(view.shards.lost)

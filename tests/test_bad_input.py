@@ -1235,6 +1235,15 @@ def fetch_request(**changes: Any) -> state_pb.FetchRequest:
     return state_pb.FetchRequest(**{**fields, **changes})
 
 
+def partition_request(**changes: Any) -> state_pb.PartitionRequest:
+    """``PEER`` asking for partition 0 of step 7, with ``changes``."""
+    fields: dict[str, Any] = {
+        "job": STATE_JOB, "member_id": PEER, "epoch": STATE_VIEW.epoch,
+        "epoch_secret": STATE_SECRET, "partition": 0, "step": 7,
+    }  # fmt: skip
+    return state_pb.PartitionRequest(**{**fields, **changes})
+
+
 async def served(channel: grpc.aio.Channel, worker: Worker) -> Served:
     stub = state_pb_grpc.StateTransferStub(channel)
     md = token_metadata(STATE_TOKEN)
@@ -1300,6 +1309,7 @@ STATE_VALID = {
     "Describe": state_request(),
     "Fetch": fetch_request(),
     "GroupStore": state_request(),
+    "FetchPartition": partition_request(),
 }
 assert STATE_VALID.keys() == STATE.keys(), "a method without hostile cases"
 NOT_IN_VIEW = "is not in this worker's view"
@@ -1326,6 +1336,13 @@ STATE_CASES = {
         )
         for rpc in ("Describe", "GroupStore")
     },
+    "oversized FetchPartition": StateCase(
+        "FetchPartition", partition_request(member_id=HUGER), Code.RESOURCE_EXHAUSTED,
+        "larger than max",
+    ),  # fmt: skip
+    "FetchPartition of a worker whose optimizer state is not sharded": StateCase(
+        "FetchPartition", partition_request(), Code.INVALID_ARGUMENT, "is not sharded"
+    ),
     "oversized Fetch": StateCase(
         "Fetch", fetch_request(digest=HUGER), Code.RESOURCE_EXHAUSTED, "larger than max"
     ),
@@ -1335,6 +1352,7 @@ STATE_CASES = {
             ("Describe", state_request),
             ("GroupStore", state_request),
             ("Fetch", fetch_request),
+            ("FetchPartition", partition_request),
         ]
         for what, request, code, says in [
             ("non-member", build(member_id="ghost-0"), Code.FAILED_PRECONDITION, NOT_IN_VIEW),

@@ -41,6 +41,10 @@ JOB = JobFingerprint.of(
         "min_workers": "1",
         "sync_buffers": "true",
         "exact": "false",
+        "shard_partitions": "64",
+        "shard_redundancy": "2",
+        "checkpoint_every": "100",
+        "checkpoints": "on",
     }
 )
 EMPTY_FRESH = JobActivity(members=0, joiners=0, progress=False, checkpoints=False)

@@ -150,6 +150,21 @@ def _broadcast_once(channels: Channels, rank: int, size: int) -> None:
     channels.reports.put({"rank": rank, "values": [t.flatten().tolist() for t in tensors]})
 
 
+def _gather_once(channels: Channels, rank: int, size: int) -> None:
+    _started(channels, rank)
+    group = _join_epoch(1, rank, size, channels.ports, threading.Event())
+    mine = torch.arange(6, dtype=torch.float64).reshape(2, 3) + 10 * rank
+    everyone = group.allgather(mine)
+    at_one = group.gather(mine, dst=1)
+    group.close()
+    channels.reports.put({
+        "rank": rank,
+        "all": [t.tolist() for t in everyone],
+        "at_one": None if at_one is None else [t.tolist() for t in at_one],
+        "kept": mine.tolist(),
+    })  # fmt: skip
+
+
 def _build_while_aborted(
     channels: Channels, rank: int, size: int, trigger: ProcessEvent, timeout: float
 ) -> None:
@@ -357,6 +372,17 @@ def test_broadcast_copies_the_source_ranks_tensors(members: Members) -> None:
     processes = members.start(_broadcast_once, [0, 1, 2], 3)
     results = members.collect(3, "values")
     assert [result["values"] for result in results] == [[[1.0] * 4, [1] * 6]] * 3
+    assert members.exit_codes(processes, START_BOUND) == [0] * 3
+
+
+def test_allgather_and_gather_hand_each_ranks_tensor_in_rank_order(members: Members) -> None:
+    processes = members.start(_gather_once, [0, 1, 2], 3)
+    results = sorted(members.collect(3, "all"), key=lambda r: r["rank"])
+    expected = [(torch.arange(6, dtype=torch.float64).reshape(2, 3) + 10 * r).tolist()
+                for r in range(3)]  # fmt: skip
+    assert [r["all"] for r in results] == [expected] * 3
+    assert [r["at_one"] for r in results] == [None, expected, None]
+    assert [r["kept"] for r in results] == expected
     assert members.exit_codes(processes, START_BOUND) == [0] * 3
 
 

@@ -135,3 +135,69 @@ def test_a_kill_of_every_owner_of_a_partition_is_refused_and_changes_nothing() -
         sharded.replan(plan, survivors, lambda p: pytest.fail("fetched"))
     assert (sharded.owned, sharded.state_bytes()) == (owned, held)
     job.step()  # the old view trains on untouched
+
+
+def test_the_gathered_state_is_the_replicated_optimizers_and_loads_into_any_plan() -> None:
+    job = Job(["w0", "w1", "w2"])
+    for _ in range(3):
+        job.step()
+    parts = [job.ranks[job.plan.owners[p][0]][1].export(p) for p in range(COUNT)]
+    _, sharded, _ = job.ranks["w0"]
+    whole = sharded.gathered_state(parts)
+    want = job.replicated.state_dict()
+    assert whole["state"].keys() == want["state"].keys()
+    for index, entries in want["state"].items():
+        assert whole["state"][index].keys() == entries.keys()
+        assert all(torch.equal(whole["state"][index][k], v) for k, v in entries.items())
+    assert whole["param_groups"] == want["param_groups"]
+    with pytest.raises(ValueError, match="missing"):
+        sharded.gathered_state(parts[1:])
+    # A checkpoint of it loads at another world size: two ranks, other plan.
+    plan = place(["x", "y"], {}, COUNT, COPIES)
+    fresh = ShardedOptimizer(_optimizer(job.reference), plan, "x")
+    fresh.load_state(whole)
+    again = fresh.gathered_state([fresh.export(p) for p in range(COUNT)])
+    for index, entries in want["state"].items():
+        assert all(torch.equal(again["state"][index][k], v) for k, v in entries.items())
+
+
+def test_a_move_keeps_the_copies_it_gives_up_until_the_next_update() -> None:
+    job = Job(["w0", "w1", "w2", "w3"])
+    job.step()
+    old = job.plan
+    plan = place(["w0", "w1", "w2", "w3", "w4"], {}, COUNT, COPIES, previous=old)
+    giver = next(m for m in job.ranks if set(old.owned_by(m)) - set(plan.owned_by(m)))
+    _, sharded, _ = job.ranks[giver]
+    given = sorted(set(old.owned_by(giver)) - set(plan.owned_by(giver)))
+    before = {p: sharded.export(p) for p in given}
+    assert sharded.move_to(plan, {}, keep=True) == ()
+    assert sorted(sharded.owned) == sorted(plan.owned_by(giver))
+    for p in given:  # still served, unchanged, while the view may yet be given up
+        assert sharded.holds(p) and sharded.needs(plan) == ()
+        kept = sharded.export(p)
+        pairs = zip(kept.segments, before[p].segments, strict=True)
+        assert all(torch.equal(a[k], b[k]) for a, b in pairs for k in a)
+    sharded.update()
+    assert not any(sharded.holds(p) for p in given)
+    with pytest.raises(ValueError, match="does not own"):
+        sharded.export(given[0])
+
+
+def test_a_received_partition_of_the_wrong_shape_is_refused_and_changes_nothing() -> None:
+    job = Job(["w0", "w1"])
+    job.step()
+    _, sharded, _ = job.ranks["w0"]
+    plan = place(["w0", "w1", "w2"], {}, COUNT, COPIES, previous=job.plan)
+    newcomer = job._add("w2", job.plan)
+    newcomer.forget()
+    [first, *_] = newcomer.needs(plan)
+    good = sharded.export(first)
+    bad = PartitionState(first, tuple({k: v[:1] if v.dim() else v for k, v in s.items()}
+                                      for s in good.segments))  # fmt: skip
+    received = {p: sharded.export(p) for p in newcomer.needs(plan)}
+    with pytest.raises(ValueError, match="shape"):
+        newcomer.move_to(plan, {**received, first: bad})
+    assert newcomer.owned == ()
+    with pytest.raises(ValueError, match="not received"):
+        newcomer.move_to(plan, {})
+    assert sorted(newcomer.move_to(plan, received)) == sorted(received)

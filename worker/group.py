@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 import torch
+from torch._C._distributed_c10d import AllgatherOptions, GatherOptions
 from torch.distributed import (
     AllreduceOptions,
     BroadcastOptions,
@@ -104,6 +105,12 @@ class _Gloo(Protocol):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> Work: ...
     def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions) -> Work: ...
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: AllgatherOptions
+    ) -> Work: ...
+    def gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: GatherOptions
+    ) -> Work: ...
 
 
 def _gloo_group(store: Store, rank: int, size: int, timeout: float, listen_host: str) -> _Gloo:
@@ -351,6 +358,43 @@ class EpochGroup:
             raise failed
         if self.rank != src:
             _unpack(buffers, tensors)
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (all of one shape and dtype), in rank
+        order; same abort rules as :meth:`allreduce` (``tensor`` itself is
+        never written)."""
+        source = tensor.detach().reshape(-1).clone()
+        outputs = [torch.empty_like(source) for _ in range(self.size)]
+
+        def start(pg: _Gloo) -> list[Work]:
+            opts = AllgatherOptions()
+            opts.timeout = _delta(self.hard_timeout)
+            return [pg.allgather([outputs], [source], opts)]
+
+        failed = self._collective("all-gather", start, [source, *outputs])
+        if failed is not None:
+            raise failed
+        return [out.view_as(tensor) for out in outputs]
+
+    def gather(self, tensor: torch.Tensor, dst: int) -> list[torch.Tensor] | None:
+        """Every rank's ``tensor`` (all of one shape and dtype) at rank
+        ``dst``, in rank order (None on the other ranks); same abort rules
+        as :meth:`allreduce`."""
+        if not 0 <= dst < self.size:
+            raise ValueError(f"gather destination {dst} outside a group of {self.size}")
+        source = tensor.detach().reshape(-1).clone()
+        outputs = [torch.empty_like(source) for _ in range(self.size)] if self.rank == dst else []
+
+        def start(pg: _Gloo) -> list[Work]:
+            opts = GatherOptions()
+            opts.rootRank = dst
+            opts.timeout = _delta(self.hard_timeout)
+            return [pg.gather([outputs] if outputs else [], [source], opts)]
+
+        failed = self._collective("gather", start, [source, *outputs])
+        if failed is not None:
+            raise failed
+        return [out.view_as(tensor) for out in outputs] if self.rank == dst else None
 
     def close(self) -> None:
         """Release the group and the store it hosts. Safe to call twice."""

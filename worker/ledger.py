@@ -155,6 +155,28 @@ class Ledger:
                     self._fsync(file.fileno())
         self._add(entry)
 
+    def rewind(self, step: int) -> int:
+        """Forget the records after ``step``: the job resumed from a
+        checkpoint of ``step``, so what those steps did is undone and they
+        are trained again. The file is rewritten (to a temporary file, then
+        renamed over it). Returns how many records were dropped."""
+        later = [s for s in self._entries if s > step]
+        if not later:
+            return 0
+        for s in later:
+            del self._entries[s]
+        self._last = max(self._entries, default=None)
+        if self._path is not None:
+            temporary = self._path.with_name(self._path.name + ".rewind")
+            with temporary.open("w", encoding="utf-8") as file:
+                for entry in self._entries.values():
+                    file.write(entry.to_json() + "\n")
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, self._path)
+            self._unsynced = 0
+        return len(later)
+
     def sync(self) -> None:
         """Make every record written so far survive a crash of the machine."""
         if self._path is not None and self._unsynced:

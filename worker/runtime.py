@@ -53,6 +53,7 @@ from rollcall.membership.errors import (
     ControlPlaneUnavailable,
     Evicted,
     Interrupted,
+    InvalidRequest,
     JobRecordLost,
     ProgressLost,
     RollcallError,
@@ -60,6 +61,7 @@ from rollcall.membership.errors import (
     ViewChanged,
 )
 from rollcall.membership.member import Fence, Member
+from rollcall.membership.shards import Sharding, ShardPlan, moves
 from rollcall.membership.view import EMPTY_VIEW, View
 from rollcall.pb import rendezvous_pb2, state_pb2_grpc
 from rollcall.protocol.client import ClientTLS, RendezvousClient
@@ -76,7 +78,7 @@ from rollcall.worker.checkpoint import (
     process_age,
 )
 from rollcall.worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
-from rollcall.worker.digest import digest
+from rollcall.worker.digest import digest, tree_digest
 from rollcall.worker.environment import (
     DEFAULT_NAME,
     ENV_CHECKPOINT_DIR,
@@ -96,8 +98,9 @@ from rollcall.worker.metrics import WorkerMetrics
 from rollcall.worker.parking import wait_parked
 from rollcall.worker.report import SupervisorReport
 from rollcall.worker.resume import choose, what_restarting_does
+from rollcall.worker.sharded import PartitionState, ShardedOptimizer, check_shardable
 from rollcall.worker.state import CorruptState, ReplicaState, capture, restore
-from rollcall.worker.state_bytes import to_bytes
+from rollcall.worker.state_bytes import to_bytes, tree_from_bytes, tree_to_bytes
 from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
 log = logging.getLogger("rollcall.worker")
@@ -177,6 +180,24 @@ class Step:
         was aborted (nothing was applied; the step will be handed out again)."""
         self.committed = self._job._commit(self)
         return self.committed
+
+
+def _check_sharding(
+    redundancy: int | None, partitions: int, optimizer: torch.optim.Optimizer, scaler: Any
+) -> Sharding | None:
+    """``Elastic``'s sharding options, checked: None for replicated state."""
+    if redundancy is None:
+        return None
+    for name, value in (("shard_redundancy", redundancy), ("shard_partitions", partitions)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if scaler is not None:
+        raise UsageError(
+            "sharded optimizer state cannot be combined with a grad scaler (its unscale and "
+            "inf check need the whole optimizer): train with shard_redundancy=None"
+        )
+    check_shardable(optimizer)
+    return Sharding(partitions, redundancy)
 
 
 def _check_count(count: Any) -> int:
@@ -261,6 +282,8 @@ class Elastic:
         worker_init_fn: Callable[[int], None] | None = None,
         multiprocessing_context: Any = None,
         pin_memory: bool = False,
+        shard_redundancy: int | None = None,
+        shard_partitions: int = 64,
     ) -> None:
         if messages:
             install_default_handler()
@@ -284,6 +307,7 @@ class Elastic:
                 "with sync_buffers=False"
             )
         check_scheduler(scheduler, optimizer)
+        self._sharding = _check_sharding(shard_redundancy, shard_partitions, optimizer, grad_scaler)
         self._extras = check_extras(state or {})
         self._token = token or read_token(None)
         self._config = config or Config()
@@ -316,11 +340,16 @@ class Elastic:
         )  # fmt: skip
         # What every worker of the job must match, checked at join: taken
         # before anything trains the model (and before loader processes exist).
+        flags = {"min_workers": str(min_workers), "sync_buffers": str(sync_buffers).lower(),
+                 "exact": exact_fingerprint(exact)}  # fmt: skip
+        if self._sharding is not None:
+            # Every rank takes part in gathering a checkpoint's state.
+            writes = checkpoint_dir is not None or bool(os.environ.get(ENV_CHECKPOINT_DIR))
+            flags.update(self._sharding.fields(), checkpoint_every=str(checkpoint_every),
+                         checkpoints="on" if writes else "off")  # fmt: skip
         self.fingerprint = job_fingerprint(
             model, optimizer, self._loader.plan, scheduler=scheduler, grad_scaler=grad_scaler,
-            extras=self._extras,
-            flags={"min_workers": str(min_workers), "sync_buffers": str(sync_buffers).lower(),
-                   "exact": exact_fingerprint(exact)},
+            extras=self._extras, flags=flags,
         )  # fmt: skip
         # Forked loader workers must start before any socket or thread exists,
         # and must not keep the supervisor's channel open after we are gone.
@@ -336,6 +365,12 @@ class Elastic:
             else None
         )
         self._gradients = GradientWatch(self._params)
+        #: This rank's part of the optimizer state in a sharded job (built
+        #: on entering the first view) and the view it was last moved to.
+        self._sharded: ShardedOptimizer | None = None
+        self._shard_view: View | None = None
+        #: A checkpoint's whole optimizer state, until the shards take it.
+        self._full_optimizer: dict[str, Any] | None = None
         # Checked once before anything starts: the state must be one that
         # can travel (and this raises TypeError naming what cannot).
         self._capture(-1, with_rng=False)
@@ -364,6 +399,9 @@ class Elastic:
         self._closed = False
         #: Set when this worker resumed the job from a durable checkpoint.
         self.resumed: ReplayCost | None = None
+        #: In a sharded job: what entering the last view did to this rank's
+        #: shards (epoch, partitions fetched, bytes, partitions held).
+        self.resharded: dict[str, Any] | None = None
         self._step_seconds = 0.0  # moving average of a committed step's wall time
         self._launch_s = 0.0  # process start to joined
         self._lost_work = 0.0  # compute thrown away since the last view report
@@ -521,6 +559,7 @@ class Elastic:
                 store_port=self._store_port,
                 epoch_secret=self._client.epoch_secret,
                 faults=self._faults,
+                partition=self._serve_partition if self._sharding is not None else None,
             ),
             server,
         )
@@ -549,9 +588,35 @@ class Elastic:
         log.debug("state server of %s at %s", self.member_id, self.address)
         self._report.joined(self.member_id, self.address)
 
+    async def _serve_partition(self, partition: int, step: int) -> tuple[str, bytes]:
+        """(Control side.) The serialized state of a partition this rank
+        holds as of ``step``, and its digest."""
+
+        def export() -> tuple[str, bytes]:
+            with self._lock:
+                sharded = self._sharded
+                if sharded is None or self.committed_step != step or not sharded.holds(partition):
+                    raise InvalidRequest(
+                        f"{self.member_id} does not hold partition {partition} of step {step}"
+                    )
+                tree = list(sharded.export(partition).segments)
+            return tree_digest(tree), tree_to_bytes(tree)
+
+        return await self._loop.run_in_executor(None, export)
+
     def _on_view(self, view: View) -> None:
+        dropped = None
         with self._state:
             self._member.view_committed(view)
+            lost = view.shards.lost if view.shards is not None else ()
+            if lost and self.member_id in view and self._member.step >= 0:
+                # Our state is worthless from now on: no roll call may count
+                # it, no peer may fetch it (no update lands after the answer
+                # that preceded this view).
+                dropped = self._member.step
+                self._member.restored(-1)
+        if dropped is not None:
+            self._say_lost(view, dropped)
         with self._view_changed:
             self._view = view
             self._view_changed.notify_all()
@@ -634,6 +699,11 @@ class Elastic:
             )
         for name, obj in self._extras.items():
             obj.load_state_dict(extras[name])
+        if self._sharding is not None:
+            # A checkpoint holds the whole optimizer state (a peer's snapshot
+            # none): the shards take their part of it on entering the view.
+            self._full_optimizer = self._optimizer.state_dict() if self._optimizer.state else None
+            self._optimizer.state.clear()
         if self._buffers is not None:
             self._buffers.reset()
         self._ownership.loaded()
@@ -768,6 +838,7 @@ class Elastic:
                     self.member_id in latest
                     and latest.resume_step is None
                     and latest.size < self._min_workers
+                    and not (latest.shards is not None and latest.shards.lost)
                     and self._below_minimum_said != latest.epoch
                 ):
                     self._below_minimum_said = latest.epoch
@@ -789,6 +860,7 @@ class Elastic:
             self._member.enter(view)
         if self._aborting():
             raise StepAborted(f"epoch {view.epoch}: a newer roll call is under way")
+        self._check_shards(view)
         if view.resume_step is None and self.committed_step < 0:
             self._resume_from_checkpoint(view)
         if self.committed_step >= 0 and (
@@ -849,6 +921,8 @@ class Elastic:
             listen_host=self._host, patience=self._patience,
             hard_timeout=self._config.collective_backstop(), secret=secret, config=self._config,
         )  # fmt: skip
+        if self._sharding is not None:
+            self._enter_shards(view, rank)
         ready = time.perf_counter()
         self._loader.enter_view(rank, view.size, self.committed_step + 1)
         self._entering = (view.epoch, fetched, ready - built, time.monotonic())
@@ -877,6 +951,176 @@ class Elastic:
             if view.resume_step == manifest.step and self.checkpoints is not None:
                 self.checkpoints.adopt(replace(manifest, epoch=view.epoch), orphans)
         return rank
+
+    def _check_shards(self, view: View) -> None:
+        """A sharded job's view must say who owns what; if it says that
+        partitions were lost, this rank's state is worthless: it drops it,
+        and the view resumes from the newest durable checkpoint."""
+        shards = view.shards
+        if self._sharding is None and shards is None:
+            return
+        if self._sharding is None or shards is None:
+            raise UsageError(
+                f"view {view.epoch} {'has' if shards else 'has no'} shard plan but this worker "
+                f"{'is not' if self._sharding is None else 'is'} sharded: the rendezvous service "
+                "must be of this version (it plans the shards from the job's fingerprint)"
+            )
+        if shards.count != self._sharding.count:
+            raise UsageError(
+                f"view {view.epoch} plans {shards.count} partitions, this worker "
+                f"{self._sharding.count}"
+            )
+        if shards.lost:
+            # This rank's step was dropped when the view arrived (_on_view).
+            with self._lock:
+                if self._sharded is not None:
+                    self._sharded.forget()
+                self._full_optimizer = None
+                self._snapshot = None
+
+    def _say_lost(self, view: View, step: int) -> None:
+        """The one line a view that lost partitions gets."""
+        assert view.shards is not None
+        lost = view.shards.lost
+        previous = self._shard_view.shards if self._shard_view is not None else None
+        owners = sorted({m for p in lost for m in previous.plan.owners[p]}) if (
+            previous is not None and previous.count == view.shards.count
+        ) else []  # fmt: skip
+        log.error(
+            "view %d: partitions %s of the optimizer state have no live copy (their owners %s "
+            "are gone): this worker drops its state of step %d and the job resumes from its "
+            "newest durable checkpoint",
+            view.epoch, ", ".join(map(str, lost)), ", ".join(owners) or "?", step,
+        )  # fmt: skip
+
+    def _enter_shards(self, view: View, rank: int) -> None:
+        """Bring this rank's shards to ``view``'s plan, in its new group:
+        complete the parameters of the resume step from their holders (the
+        previous step's all-gather may not have reached everyone), fetch the
+        partitions newly given to this rank from a holder (digest-checked
+        against a second holder when there is one), wait until every member
+        has what it needs, then keep, take or drop."""
+        shards = view.shards
+        group = self._group
+        assert shards is not None and group is not None and self.member_id is not None
+        me = self.member_id
+        started = time.perf_counter()
+        if not shards.sources:
+            # A fresh plan: the job starts, or resumes from a checkpoint
+            # (the shards were built when it loaded, _resume_from_checkpoint).
+            if self._shard_view is not view:
+                with self._lock:
+                    self._build_shards(view)
+            assert self._sharded is not None
+            self.resharded = {"epoch": view.epoch, "fetched": [], "bytes": 0,
+                              "owned": list(self._sharded.owned)}  # fmt: skip
+            return
+        holders = {m for entry in shards.sources for m in entry}
+        with self._lock:
+            if self._sharded is None:
+                self._sharded = ShardedOptimizer(self._optimizer, shards.plan, me)
+                self._sharded.forget()
+            elif me not in holders:
+                self._sharded.forget()  # behind: its copies are of an older step
+            self._full_optimizer = None
+        sharded = self._sharded
+        try:
+            sharded.publish(group.allgather, view.ids, shards.sources)
+        except StepAborted:
+            raise
+        needs = sharded.needs(shards.plan)
+        received, size = self._remote(
+            self._fetch_partitions(view, needs), f"epoch {view.epoch}: fetching partitions"
+        )
+        if moves(ShardPlan(shards.sources, shards.plan.redundancy), shards.plan):
+            # Nobody drops a copy before every taker has its own.
+            group.allreduce_sum([torch.zeros(1)])
+        with self._lock:
+            fetched = sharded.move_to(shards.plan, received, keep=True)
+        self._shard_view = view
+        self.resharded = {"epoch": view.epoch, "fetched": list(fetched), "bytes": size,
+                          "owned": list(sharded.owned)}  # fmt: skip
+        log.info(
+            "view %d: optimizer state re-sharded in %.3f s: this rank holds partitions %s "
+            "(%d fetched, %d bytes)",
+            view.epoch, time.perf_counter() - started, list(sharded.owned), len(fetched), size,
+        )  # fmt: skip
+
+    def _build_shards(self, view: View) -> None:
+        """(Under ``_lock``.) This rank's shards of ``view``'s fresh plan,
+        holding their part of a checkpoint's optimizer state if one was just
+        loaded, else none (step 0)."""
+        assert view.shards is not None and self.member_id is not None
+        self._sharded = ShardedOptimizer(self._optimizer, view.shards.plan, self.member_id)
+        if self._full_optimizer is not None:
+            self._sharded.load_state(self._full_optimizer)
+            self._full_optimizer = None
+        self._shard_view = view
+
+    async def _fetch_partitions(
+        self, view: View, partitions: Sequence[int]
+    ) -> tuple[dict[int, PartitionState], int]:
+        """(Control side.) The partitions' states as of the view's resume
+        step, from their holders, all at once."""
+        shards = view.shards
+        fetcher = self._fetcher
+        assert shards is not None and fetcher is not None and view.resume_step is not None
+        address = {m.id: m.address for m in view.members}
+        step = view.resume_step
+
+        async def one(p: int) -> tuple[int, PartitionState, int]:
+            holders = [m for m in shards.sources[p] if m != self.member_id]
+            turn = p % len(holders)
+            ordered = holders[turn:] + holders[:turn]
+            witness = address[ordered[1]] if len(ordered) > 1 else None
+            tree, size = await fetcher.fetch_partition(
+                [address[m] for m in ordered], view.epoch, p, step,
+                self._config.collective_timeout, witness,
+            )  # fmt: skip
+            return p, PartitionState(p, tuple(tree)), size
+
+        results = await asyncio.gather(*(one(p) for p in partitions))
+        return {p: state for p, state, _ in results}, sum(size for _, _, size in results)
+
+    def _publish_shards(self, step: Step, group: EpochGroup) -> ReplicaState | None:
+        """(Under ``_lock``, the step landed.) The all-gather of the updated
+        parameters; then, at a checkpoint step, the gather of every
+        partition's state to rank 0, which returns the checkpoint's state.
+        A failed all-gather leaves the step landed: the next view completes
+        it (``_enter_shards``)."""
+        sharded, view = self._sharded, self._shard_view
+        assert sharded is not None and view is not None
+        try:
+            sharded.publish(group.allgather, view.ids)
+        except StepAborted as exc:
+            if isinstance(exc, PeerFailed):
+                self._note_failure(f"epoch {step.epoch}: parameter all-gather failed", exc.reason)
+            log.info(
+                "step %d landed but its parameter all-gather did not complete (%s): the next "
+                "view completes it", step.number, exc,
+            )  # fmt: skip
+            return None
+        if self.checkpoints is None or (step.number + 1) % self._checkpoint_every != 0:
+            return None
+        mine = [sharded.export(p) for p in sharded.sent_by_me(view.ids)]
+        blob = tree_to_bytes([[part.partition, list(part.segments)] for part in mine])
+        try:
+            lengths = group.allgather(torch.tensor([len(blob)], dtype=torch.int64))
+            padded = torch.zeros(max(int(n) for n in lengths), dtype=torch.uint8)
+            padded[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            parts = group.gather(padded, dst=0)
+        except StepAborted as exc:
+            log.info("step %d: no checkpoint, its state's gather failed (%s)", step.number, exc)
+            return None
+        if parts is None or not self.checkpoints.ready(step.number):
+            return None
+        states = []
+        for length, part in zip(lengths, parts, strict=True):
+            for partition, segments in tree_from_bytes(part[: int(length)].numpy().tobytes()):
+                states.append(PartitionState(int(partition), tuple(segments)))
+        state = self._capture(step.number)
+        state.optimizer = sharded.gathered_state(states)
+        return state
 
     def _patience(self, started: float) -> float:
         """How long a wait for peers that began at ``started`` may go on:
@@ -963,8 +1207,10 @@ class Elastic:
             with self._lock:
                 self._apply(step, finish)
                 landed = True
-                if self._checkpoint_due(step):
+                if self._sharded is None and self._checkpoint_due(step):
                     snapshot = self._capture(step.number)
+                if self._sharded is not None:
+                    snapshot = self._publish_shards(step, group)
         finally:
             with self._state:
                 answer = self._member.applied(step.number, landed)
@@ -1031,7 +1277,9 @@ class Elastic:
         if self._before_update is not None:
             self._before_update(step)
         with self._ownership.applying():
-            if self._scaler is not None:
+            if self._sharded is not None:
+                self._sharded.update()  # this rank's partitions; the others' arrive next
+            elif self._scaler is not None:
                 self._scaler.step(self._optimizer)
                 self._scaler.update()
             else:
@@ -1119,6 +1367,8 @@ class Elastic:
             return None
         if self._view.rank_of(self.member_id) != 0:
             return None
+        if self._sharded is not None:
+            return "the optimizer state is sharded: writing it needs every rank"
         try:
             with self._lock:
                 state = self._capture(self.committed_step)
@@ -1152,7 +1402,8 @@ class Elastic:
         Raises ``CheckpointUnusable`` when checkpoints exist but none loads,
         and ``ProgressLost`` when the job has progress but no checkpoint
         (the worker must not start the job from scratch on its own)."""
-        launch = process_age()
+        # A worker that trained in an earlier view was not launched again.
+        launch = process_age() if self._previous_view is None else 0.0
         status = self._remote(self._client.status(), f"epoch {view.epoch}: reading checkpoints")
         chosen = choose(
             status, job=self.job_name, start_over=self._start_over, fingerprint=self.fingerprint,
@@ -1164,6 +1415,12 @@ class Elastic:
         with self._lock:
             self._restore(loaded.state)
             self._snapshot = None  # served without RNG states, captured at the roll call
+            if self._sharding is not None:
+                # At once: a rank holding the step must hold the plan's shards.
+                self._build_shards(view)
+        undone = self.ledger.rewind(loaded.manifest.step)
+        if undone:
+            log.info("ledger: the %d steps after step %d are undone", undone, loaded.manifest.step)
         if orphans is not None:
             self._adopted = (loaded.manifest, orphans.manifests)
             log.warning(
@@ -1186,8 +1443,10 @@ class Elastic:
         )
         self._report.resumed(self.resumed)
         log.warning(
-            "no live replica: resumed from the checkpoint of step %d (%s); replay cost %.2f s "
+            "%s: resumed from the checkpoint of step %d (%s); replay cost %.2f s "
             "(%d steps x %.3f s + launch %.2f s + load %.3f s)",
+            "partitions of the optimizer state were lost" if view.shards and view.shards.lost
+            else "no live replica",
             s_ckpt, loaded.manifest.uri, self.resumed.seconds, self.resumed.replay_steps,
             self.resumed.t_step, launch, loaded.seconds,
         )  # fmt: skip

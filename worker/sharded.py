@@ -28,7 +28,7 @@ dtype or device; an optimizer that already holds state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ __all__ = [
     "Segment",
     "ShardLost",
     "ShardedOptimizer",
+    "check_shardable",
     "state_bytes",
 ]
 
@@ -80,7 +81,9 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def _check(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+def check_shardable(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """The optimizer's parameter groups if its state can be sharded, else
+    ``UsageError`` saying why."""
     if type(optimizer) not in ELEMENTWISE:
         allowed = ", ".join(t.__name__ for t in ELEMENTWISE)
         raise UsageError(
@@ -141,7 +144,7 @@ class ShardedOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, plan: ShardPlan, me: str) -> None:
-        self._groups = _check(optimizer)
+        self._groups = check_shardable(optimizer)
         self._template = optimizer
         self._plan = plan
         self._me = me
@@ -154,6 +157,10 @@ class ShardedOptimizer:
         self.segments = self._cut(sizes)
         self._owned = set(plan.owned_by(me))
         self._leaves: dict[Segment, torch.Tensor] = {}
+        #: Copies kept after a move to a plan that no longer gives them to
+        #: this rank, until the next update makes them stale: partition ->
+        #: (its state, its segments' parameters).
+        self._spare: dict[int, tuple[PartitionState, list[torch.Tensor]]] = {}
         self._local: torch.optim.Optimizer | None = None
         #: Local param group index -> the user's group it was built from.
         self._group_of: list[int] = []
@@ -235,6 +242,7 @@ class ShardedOptimizer:
     def update(self) -> None:
         """Update the owned partitions from the parameters' (reduced)
         ``.grad``, with the hyperparameters the user's optimizer holds now."""
+        self._spare = {}
         if self._local is None:
             return
         for local, g in zip(self._local.param_groups, self._group_of, strict=True):
@@ -248,15 +256,18 @@ class ShardedOptimizer:
         for leaf in self._leaves.values():
             leaf.grad = None
 
-    def _senders(self, ranks: Sequence[str]) -> dict[str, list[int]]:
+    def _senders(
+        self, ranks: Sequence[str], holders: Sequence[Sequence[str]] | None = None
+    ) -> dict[str, list[int]]:
         """Member -> the partitions it sends: each partition's live owner
-        that sends the fewest elements so far (in partition order, so every
-        rank decides alike), so that no payload is much longer than another
-        (every payload is padded to the longest)."""
+        (or live member of ``holders[p]``) that sends the fewest elements so
+        far (in partition order, so every rank decides alike), so that no
+        payload is much longer than another (every payload is padded to the
+        longest)."""
         alive = set(ranks)
         sends: dict[str, list[int]] = {m: [] for m in ranks}
         sent = {m: 0 for m in ranks}
-        for p, owners in enumerate(self._plan.owners):
+        for p, owners in enumerate(self._plan.owners if holders is None else holders):
             live = [m for m in owners if m in alive]
             if not live:
                 raise ShardLost(f"partition {p} has no owner among the members {list(ranks)}")
@@ -265,23 +276,41 @@ class ShardedOptimizer:
             sent[sender] += self._size(p)
         return sends
 
-    def payload(self, ranks: Sequence[str]) -> torch.Tensor:
+    def payload(
+        self, ranks: Sequence[str], holders: Sequence[Sequence[str]] | None = None
+    ) -> torch.Tensor:
         """The new parameters of the partitions this rank sends (``_senders``),
         padded to the longest of the members' payloads (``ranks``: the view)."""
-        sends = self._senders(ranks)
+        sends = self._senders(ranks, holders)
         width = max(sum(self._size(p) for p in ps) for ps in sends.values())
         payload = torch.zeros(width, dtype=self._dtype, device=self._device)
         offset = 0
         for p in sends[self._me]:
-            for segment in self._of(p):
-                leaf = self._leaves[segment]
+            for leaf in self._values(p):
                 payload[offset : offset + leaf.numel()] = leaf.detach()
                 offset += leaf.numel()
         return payload
 
-    def receive(self, payloads: Sequence[torch.Tensor], ranks: Sequence[str]) -> None:
+    def _values(self, partition: int) -> list[torch.Tensor]:
+        """The parameters of a partition this rank holds, per segment."""
+        if partition in self._owned:
+            return [self._leaves[segment] for segment in self._of(partition)]
+        if partition in self._spare:
+            return self._spare[partition][1]
+        raise ValueError(f"{self._me} does not hold partition {partition}")
+
+    def holds(self, partition: int) -> bool:
+        """Whether this rank holds a copy of ``partition`` (owned or spare)."""
+        return partition in self._owned or partition in self._spare
+
+    def receive(
+        self,
+        payloads: Sequence[torch.Tensor],
+        ranks: Sequence[str],
+        holders: Sequence[Sequence[str]] | None = None,
+    ) -> None:
         """Write every member's payload (in rank order) into the model."""
-        sends = self._senders(ranks)
+        sends = self._senders(ranks, holders)
         flat = torch.empty(self.numel, dtype=self._dtype, device=self._device)
         for member, tensor in zip(ranks, payloads, strict=True):
             offset = 0
@@ -300,11 +329,38 @@ class ShardedOptimizer:
         """``update``, then an all-gather (``gather``, over the members
         ``ranks``, the view in rank order) of the new parameters."""
         self.update()
-        self.receive(gather(self.payload(ranks)), ranks)
+        self.publish(gather, ranks)
+
+    def publish(
+        self, gather: Gather, ranks: Sequence[str], holders: Sequence[Sequence[str]] | None = None
+    ) -> None:
+        """The all-gather of the parameters this rank's partitions hold
+        (``update`` wrote them there), into the model of every member of
+        ``ranks``. With ``holders`` (per partition, the members that hold
+        it as of the model's step: a new view's sources), each partition is
+        sent by one of them: so a view whose previous all-gather did not
+        complete everywhere brings every member's model to that step."""
+        self.receive(gather(self.payload(ranks, holders)), ranks, holders)
+
+    def forget(self) -> None:
+        """Hold no partition any more (this rank's copies are stale: it is
+        behind, or the job resumes from a checkpoint)."""
+        self._owned = set()
+        self._spare = {}
+        self._build({})
+
+    def needs(self, plan: ShardPlan) -> tuple[int, ...]:
+        """The partitions ``plan`` gives this rank that it does not hold."""
+        return tuple(p for p in plan.owned_by(self._me) if not self.holds(p))
 
     def export(self, partition: int) -> PartitionState:
         """This rank's optimizer state of an owned ``partition``, for a new
         owner (cloned: the caller may send it anywhere)."""
+        if partition in self._spare:
+            kept = self._spare[partition][0]
+            return PartitionState(
+                partition, tuple({k: v.clone() for k, v in st.items()} for st in kept.segments)
+            )
         if partition not in self._owned:
             raise ValueError(f"{self._me} does not own partition {partition}")
         assert self._local is not None
@@ -337,6 +393,20 @@ class ShardedOptimizer:
                 f"owner (all their copies were on {', '.join(gone)}): the job must resume from "
                 "its newest durable checkpoint"
             )
+        return self.move_to(plan, {p: fetch(p) for p in self.needs(plan)})
+
+    def move_to(
+        self, plan: ShardPlan, received: Mapping[int, PartitionState], keep: bool = False
+    ) -> tuple[int, ...]:
+        """Move to ``plan``: keep what this rank holds and still owns, take
+        the partitions it newly owns from ``received`` (each partition's
+        state from a live holder), drop the rest, or with ``keep`` hold it
+        as a spare copy until the next ``update`` (so that it can still be
+        handed on if this view is given up before a step). Returns the
+        partitions taken. ValueError, changing nothing, if ``received``
+        lacks one or holds a partition that is not of this model's shape."""
+        if plan.count != self._plan.count:
+            raise ValueError(f"the partition count is fixed: {self._plan.count}, not {plan.count}")
         owned = set(plan.owned_by(self._me))
         states: dict[Segment, dict[str, torch.Tensor]] = {}
         fetched = []
@@ -347,15 +417,111 @@ class ShardedOptimizer:
                 for segment in segments:
                     states[segment] = dict(self._local.state.get(self._leaves[segment], {}))
                 continue
-            received = fetch(p)
-            if received.partition != p or len(received.segments) != len(segments):
+            got = self._spare[p][0] if p in self._spare else received.get(p)
+            if got is None:
+                raise ValueError(f"partition {p} is this rank's in the new plan, not received")
+            if got.partition != p or len(got.segments) != len(segments):
                 raise ValueError(f"the state received for partition {p} is not of it")
-            for segment, state in zip(segments, received.segments, strict=True):
+            for segment, state in zip(segments, got.segments, strict=True):
+                _check_entries(p, segment, state)
                 states[segment] = dict(state)
-            fetched.append(p)
-        self._plan, self._owned = plan, owned
+            if p not in self._spare:
+                fetched.append(p)
+        spare = {p: kept for p, kept in self._spare.items() if p not in owned} if keep else {}
+        if keep:
+            for p in self._owned - owned:
+                spare[p] = (self.export(p), [self._leaves[s].detach() for s in self._of(p)])
+        self._plan, self._owned, self._spare = plan, owned, spare
         self._build({s: st for s, st in states.items() if st})
         return tuple(fetched)
+
+    def sent_by_me(self, ranks: Sequence[str]) -> tuple[int, ...]:
+        """The partitions this rank sends in an all-gather over ``ranks``."""
+        return tuple(self._senders(ranks)[self._me])
+
+    def gathered_state(self, parts: Sequence[PartitionState]) -> dict[str, Any]:
+        """The user's optimizer's ``state_dict`` (replicated form: what a
+        checkpoint holds, loadable at any world size and in replicated mode)
+        from every partition's state (``parts``, one per partition)."""
+        by_partition = {part.partition: part for part in parts}
+        missing = sorted(set(range(self._plan.count)) - set(by_partition))
+        if missing:
+            raise ValueError(f"partitions {missing} are missing from the gathered state")
+        flat: dict[str, torch.Tensor] = {}
+        #: (group, key) -> a scalar entry, or None for an element-wise one.
+        kinds: dict[tuple[int, str], torch.Tensor | None] = {}
+        for p in range(self._plan.count):
+            for segment, state in zip(self._of(p), by_partition[p].segments, strict=True):
+                _check_entries(p, segment, state)
+                for key, value in state.items():
+                    if value.dim() == 0:
+                        kinds.setdefault((segment.group, key), value)
+                        continue
+                    kinds[(segment.group, key)] = None
+                    if key not in flat:
+                        flat[key] = torch.zeros(self.numel, dtype=value.dtype)
+                    flat[key][segment.start : segment.stop] = value
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        index, offset = 0, 0
+        for g, group in enumerate(self._groups):
+            keys = sorted(k for (gg, k) in kinds if gg == g)
+            for param in group:
+                entry: dict[str, torch.Tensor] = {}
+                for key in keys:
+                    scalar = kinds[(g, key)]
+                    if scalar is not None:
+                        entry[key] = scalar.clone()
+                    else:
+                        piece = flat[key][offset : offset + param.numel()]
+                        entry[key] = piece.clone().view_as(param)
+                if entry:
+                    states[index] = entry
+                index += 1
+                offset += param.numel()
+        return {"state": states, "param_groups": self._template.state_dict()["param_groups"]}
+
+    def load_state(self, state_dict: Mapping[str, Any]) -> None:
+        """Take this rank's partitions from a replicated-form optimizer
+        ``state_dict`` (a checkpoint's), the model's parameters being the
+        checkpoint's. ValueError if it does not fit this optimizer."""
+        entries = state_dict.get("state", {})
+        params = [p for group in self._groups for p in group]
+        starts = []
+        offset = 0
+        for param in params:
+            starts.append(offset)
+            offset += param.numel()
+        states: dict[Segment, dict[str, torch.Tensor]] = {}
+        for segment in self.segments:
+            if segment.partition not in self._owned:
+                continue
+            covering = [
+                i for i, param in enumerate(params)
+                if starts[i] < segment.stop and starts[i] + param.numel() > segment.start
+            ]  # fmt: skip
+            keys = {k for i in covering for k in entries.get(i, {})}
+            state: dict[str, torch.Tensor] = {}
+            for key in sorted(keys):
+                values = [entries.get(i, {}).get(key) for i in covering]
+                if any(v is None for v in values):
+                    raise ValueError(f"optimizer state {key!r} is missing for some parameters")
+                if all(v.dim() == 0 for v in values):
+                    state[key] = values[0].clone()
+                    continue
+                pieces = []
+                for i, value in zip(covering, values, strict=True):
+                    if value.numel() != params[i].numel():
+                        raise ValueError(
+                            f"optimizer state {key!r} of parameter {i} has {value.numel()} "
+                            f"elements, the parameter {params[i].numel()}"
+                        )
+                    a = max(segment.start, starts[i]) - starts[i]
+                    b = min(segment.stop, starts[i] + params[i].numel()) - starts[i]
+                    pieces.append(value.reshape(-1)[a:b])
+                state[key] = torch.cat(pieces)
+            if state:
+                states[segment] = state
+        self._build(states)
 
     def _size(self, partition: int) -> int:
         start, stop = self._bounds[partition]
@@ -363,3 +529,17 @@ class ShardedOptimizer:
 
     def _of(self, partition: int) -> list[Segment]:
         return [s for s in self.segments if s.partition == partition]
+
+
+def _check_entries(partition: int, segment: Segment, state: Mapping[str, torch.Tensor]) -> None:
+    """A received segment's state: tensors, each either element-wise (one
+    value per element of the segment) or a scalar."""
+    length = segment.stop - segment.start
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"partition {partition}: state entry {key!r} is not a tensor")
+        if value.dim() != 0 and tuple(value.shape) != (length,):
+            raise ValueError(
+                f"partition {partition}: state entry {key!r} has shape {tuple(value.shape)}, "
+                f"not ({length},) or a scalar"
+            )

@@ -15,7 +15,7 @@ import torch
 from rollcall.worker.digest import digest, tensor_bytes
 from rollcall.worker.state import FORMAT, VERSION, CorruptState, ReplicaState
 
-__all__ = ["from_bytes", "to_bytes"]
+__all__ = ["from_bytes", "to_bytes", "tree_from_bytes", "tree_to_bytes"]
 
 # Layout: MAGIC, the header's length (u64, little endian), the header (JSON,
 # UTF-8), then, from the next multiple of ALIGN on, every tensor's raw bytes,
@@ -43,8 +43,7 @@ _DTYPES: dict[str, torch.dtype] = {
 def to_bytes(state: ReplicaState) -> bytes:
     """Serialize ``state``: a JSON header and the raw tensor bytes (see the
     layout above). Equal states give equal bytes."""
-    tensors: list[torch.Tensor] = []
-    tree = _encode(
+    return tree_to_bytes(
         {
             "format": FORMAT,
             "version": VERSION,
@@ -56,22 +55,41 @@ def to_bytes(state: ReplicaState) -> bytes:
             "data_position": state.data_position,
             "rng": state.rng,
             "extras": state.extras,
-        },
-        tensors,
+        }
     )
+
+
+def tree_to_bytes(tree: Any) -> bytes:
+    """Serialize a tree of dicts, lists, tuples, scalars and tensors in the
+    layout above. Equal trees give equal bytes."""
+    tensors: list[torch.Tensor] = []
+    encoded = _encode(tree, tensors)
     flats = [tensor_bytes(tensor) for tensor in tensors]
     table = []
     position = 0
     for tensor, flat in zip(tensors, flats, strict=True):
         table.append([str(tensor.dtype), list(tensor.shape), position])
         position = _aligned(position + flat.nbytes)
-    text = json.dumps({"tensors": table, "state": tree}, separators=(",", ":")).encode()
+    text = json.dumps({"tensors": table, "state": encoded}, separators=(",", ":")).encode()
     start = len(MAGIC) + _HEADER_LENGTH.size + len(text)
     parts: list[Any] = [MAGIC, _HEADER_LENGTH.pack(len(text)), text, bytes(_aligned(start) - start)]
     for flat in flats:
         parts.append(flat)
         parts.append(bytes(_aligned(flat.nbytes) - flat.nbytes))
     return b"".join(parts)
+
+
+def tree_from_bytes(data: bytes | bytearray) -> Any:
+    """The tree ``tree_to_bytes`` wrote, without running code; CorruptState
+    if the bytes do not decode. The tensors share ``data`` (as
+    ``from_bytes``)."""
+    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    try:
+        return _decode(buffer)
+    except CorruptState:
+        raise
+    except Exception as exc:  # malformed input fails in many ways; all mean "corrupt"
+        raise CorruptState(f"serialized state does not load ({len(data)} bytes): {exc}") from exc
 
 
 def _aligned(offset: int) -> int:
@@ -108,14 +126,7 @@ def from_bytes(data: bytes | bytearray, expect_digest: str | None = None) -> Rep
     The tensors share one private copy of ``data`` (a ``bytearray`` passed in
     is used as it is, and must not be changed afterwards).
     """
-    buffer = data if isinstance(data, bytearray) else bytearray(data)
-    try:
-        payload = _decode(buffer)
-    except CorruptState:
-        raise
-    except Exception as exc:  # malformed input fails in many ways; all mean "corrupt"
-        raise CorruptState(f"replica state does not load ({len(data)} bytes): {exc}") from exc
-    state = _validated(payload)
+    state = _validated(tree_from_bytes(data))
     if expect_digest is not None:
         actual = digest(state)
         if actual != expect_digest:

@@ -35,9 +35,10 @@ from rollcall.pb import state_pb2_grpc as pb_grpc
 from rollcall.protocol import validation as check
 from rollcall.protocol.client import ClientTLS, open_channel
 from rollcall.protocol.wire import status_of, token_metadata
+from rollcall.worker.digest import tree_digest
 from rollcall.worker.faults import Faults
 from rollcall.worker.state import CorruptState, ReplicaState
-from rollcall.worker.state_bytes import from_bytes
+from rollcall.worker.state_bytes import from_bytes, tree_from_bytes
 from rollcall.worker.stripes import Assembler, ranges
 
 log = logging.getLogger("rollcall.transfer")
@@ -79,8 +80,10 @@ class StateServer(pb_grpc.StateTransferServicer):
         store_port: Callable[[int], Awaitable[int]],
         epoch_secret: Callable[[int], str | None],
         faults: Faults | None = None,
+        partition: Callable[[int, int], Awaitable[tuple[str, bytes]]] | None = None,
     ) -> None:
         self._epoch_secret = epoch_secret
+        self._partition = partition
         self._job = job
         self._faults = faults or Faults()
         self._own_id = own_id
@@ -140,6 +143,27 @@ class StateServer(pb_grpc.StateTransferServicer):
             if offset == request.offset:
                 chunk = self._faults.corrupt(chunk)
             yield pb.Chunk(offset=offset, data=chunk)
+
+    async def FetchPartition(
+        self, request: pb.PartitionRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        try:
+            self._admit(request.job, request.member_id, request.epoch, request.epoch_secret)
+            if self._partition is None:
+                raise InvalidRequest("this worker's optimizer state is not sharded")
+            found, data = await self._partition(request.partition, request.step)
+        except RollcallError as error:
+            await self._fail(context, error)
+            return
+        if request.digest_only:
+            yield pb.PartitionChunk(digest=found, size=len(data))
+            return
+        view = memoryview(data)
+        for offset in range(0, max(len(data), 1), CHUNK_BYTES):
+            chunk = bytes(view[offset : offset + CHUNK_BYTES])
+            if offset == 0:
+                chunk = self._faults.corrupt(chunk)
+            yield pb.PartitionChunk(digest=found, size=len(data), offset=offset, data=chunk)
 
     async def GroupStore(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -213,6 +237,76 @@ class StateFetcher:
             deadline,
         )
         return int(info.port)
+
+    async def fetch_partition(
+        self,
+        sources: Sequence[str],
+        epoch: int,
+        partition: int,
+        step: int,
+        timeout: float,
+        witness: str | None = None,
+    ) -> tuple[Any, int]:
+        """The optimizer state of ``partition`` as of ``step`` (a tree, see
+        ``rollcall.worker.sharded``) and its size in bytes, from the first
+        of ``sources`` (addresses) that delivers it whole and with the
+        digest it names; with ``witness`` (another holder's address) that
+        digest must also be the witness's. ``TransferFailed`` if none can."""
+        deadline = time.monotonic() + timeout
+        expected = None
+        if witness is not None:
+            chunks = await self._retrying(
+                lambda: self._partition_chunks(witness, epoch, partition, step, deadline, True),
+                deadline,
+            )
+            expected = chunks[0].digest
+        failures = []
+        for address in sources:
+            try:
+                chunks = await self._retrying(
+                    lambda a=address: self._partition_chunks(  # type: ignore[misc]
+                        a, epoch, partition, step, deadline, False
+                    ),
+                    deadline,
+                )
+            except grpc.aio.AioRpcError as exc:
+                failures.append(f"{address}: {exc.code().name} {exc.details()}")
+                continue
+            data = b"".join(c.data for c in chunks)
+            named = chunks[0].digest
+            try:
+                tree = tree_from_bytes(data)
+            except CorruptState as exc:
+                failures.append(f"{address}: {exc}")
+                continue
+            found = tree_digest(tree)
+            if found != named or (expected is not None and found != expected):
+                failures.append(
+                    f"{address}: content digest {found}, it named {named}"
+                    + ("" if expected is None else f", holder {witness} named {expected}")
+                )
+                continue
+            return tree, len(data)
+        raise TransferFailed(
+            f"partition {partition} of step {step}: no holder delivered it: " + "; ".join(failures)
+        )
+
+    async def _partition_chunks(
+        self, address: str, epoch: int, partition: int, step: int, deadline: float,
+        digest_only: bool,
+    ) -> list[pb.PartitionChunk]:  # fmt: skip
+        request = pb.PartitionRequest(
+            job=self._job, member_id=self._member_id, epoch=epoch,
+            epoch_secret=self._secret(epoch), partition=partition, step=step,
+            digest_only=digest_only,
+        )  # fmt: skip
+        stream = self._stub(address).FetchPartition(
+            request, metadata=self._metadata, timeout=self._call_timeout(deadline)
+        )
+        chunks = [chunk async for chunk in stream]
+        if not chunks:
+            raise TransferFailed(f"{address} sent nothing for partition {partition}")
+        return chunks
 
     def _call_timeout(self, deadline: float) -> float:
         """Timeout of one call made for a transfer that ends at ``deadline``."""

@@ -116,6 +116,21 @@ from rollcall.cli.options import (
     help="Bit-exact mode: every step's update depends on its samples alone, whatever the "
     "world size or membership history (docs/exactness.md). Every worker of a job must agree.",
 )
+@click.option(
+    "--shard-redundancy",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Shard the optimizer state: each partition is kept by this many workers, so a worker "
+    "holds about redundancy/world of it (docs/sharding.md). Off by default (every worker "
+    "holds all of it). Every worker of a job must agree.",
+)
+@click.option(
+    "--shard-partitions",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="With --shard-redundancy: partitions of the optimizer state, fixed for the job.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line instead of text.")
 @click.option(
     "--threads",
@@ -131,8 +146,8 @@ def worker(
     global_batch: int, micro_batch: int, seed: int, context: int, d_model: int, layers: int,
     host: str, name: str | None, ledger: Path | None, digest_every: int,
     checkpoint_dir: Path | None, checkpoint_every: int, metrics_port: int | None,
-    min_workers: int, start_over: bool, exact: bool, as_json: bool, threads: int,
-    log_level: str, overrides: tuple[str, ...],
+    min_workers: int, start_over: bool, exact: bool, shard_redundancy: int | None,
+    shard_partitions: int, as_json: bool, threads: int, log_level: str, overrides: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Run a training worker of the built-in example job.
 
@@ -197,6 +212,7 @@ def worker(
             name=name, ledger=ledger, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, metrics_port=metrics_port, config=config,
             min_workers=min_workers, start_over=start_over, exact=exact,
+            shard_redundancy=shard_redundancy, shard_partitions=shard_partitions,
         )  # fmt: skip
     except Evicted as exc:
         fail(f"evicted from job {job}: {exc}; this worker's state is stale, start it again", 3)

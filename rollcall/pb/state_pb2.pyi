@@ -58,3 +58,33 @@ class GroupStoreInfo(_message.Message):
     PORT_FIELD_NUMBER: _ClassVar[int]
     port: int
     def __init__(self, port: _Optional[int] = ...) -> None: ...
+
+class PartitionRequest(_message.Message):
+    __slots__ = ("job", "member_id", "epoch", "epoch_secret", "partition", "step", "digest_only")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_SECRET_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_ONLY_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    member_id: str
+    epoch: int
+    epoch_secret: str
+    partition: int
+    step: int
+    digest_only: bool
+    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., epoch_secret: _Optional[str] = ..., partition: _Optional[int] = ..., step: _Optional[int] = ..., digest_only: _Optional[bool] = ...) -> None: ...
+
+class PartitionChunk(_message.Message):
+    __slots__ = ("digest", "size", "offset", "data")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    size: int
+    offset: int
+    data: bytes
+    def __init__(self, digest: _Optional[str] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

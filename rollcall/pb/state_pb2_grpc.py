@@ -50,6 +50,11 @@ class StateTransferStub:
                 request_serializer=rollcall_dot_v1_dot_state__pb2.StateRequest.SerializeToString,
                 response_deserializer=rollcall_dot_v1_dot_state__pb2.GroupStoreInfo.FromString,
                 _registered_method=True)
+        self.FetchPartition = channel.unary_stream(
+                '/rollcall.v1.StateTransfer/FetchPartition',
+                request_serializer=rollcall_dot_v1_dot_state__pb2.PartitionRequest.SerializeToString,
+                response_deserializer=rollcall_dot_v1_dot_state__pb2.PartitionChunk.FromString,
+                _registered_method=True)
 
 
 class StateTransferServicer:
@@ -76,6 +81,14 @@ class StateTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchPartition(self, request, context):
+        """The optimizer state of one partition this worker holds (sharded jobs,
+        docs/sharding.md), as a stream of chunks, each naming the digest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StateTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +106,11 @@ def add_StateTransferServicer_to_server(servicer, server):
                     servicer.GroupStore,
                     request_deserializer=rollcall_dot_v1_dot_state__pb2.StateRequest.FromString,
                     response_serializer=rollcall_dot_v1_dot_state__pb2.GroupStoreInfo.SerializeToString,
+            ),
+            'FetchPartition': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchPartition,
+                    request_deserializer=rollcall_dot_v1_dot_state__pb2.PartitionRequest.FromString,
+                    response_serializer=rollcall_dot_v1_dot_state__pb2.PartitionChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +194,33 @@ class StateTransfer:
             '/rollcall.v1.StateTransfer/GroupStore',
             rollcall_dot_v1_dot_state__pb2.StateRequest.SerializeToString,
             rollcall_dot_v1_dot_state__pb2.GroupStoreInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchPartition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rollcall.v1.StateTransfer/FetchPartition',
+            rollcall_dot_v1_dot_state__pb2.PartitionRequest.SerializeToString,
+            rollcall_dot_v1_dot_state__pb2.PartitionChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from rollcall import Config, Elastic, ViewChanged
+from rollcall.worker.digest import tree_digest
 
 
 class Shapes(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -160,6 +161,8 @@ def train(args: argparse.Namespace) -> None:
         global_batch=args.global_batch, micro_batch=args.micro_batch, seed=args.seed,
         scheduler=scheduler, grad_scaler=scaler, state={"ema": ema}, before_update=clip,
         min_workers=args.min_workers, ledger=args.ledger, config=config, exact=args.exact,
+        shard_redundancy=args.shard_redundancy, shard_partitions=args.shard_partitions,
+        checkpoint_every=args.checkpoint_every,
     ) as job:  # fmt: skip
         say(event="joined", member_id=job.member_id)
         for step in job.steps(args.steps):
@@ -179,6 +182,12 @@ def train(args: argparse.Namespace) -> None:
                       "lr": optimizer.param_groups[0]["lr"], "grad_norm": clip.norm}  # fmt: skip
             if args.digests:
                 record["digest"] = job.state_digest()
+                record["model"] = tree_digest(model.state_dict())
+            if job.resharded is not None and job.resharded["epoch"] == step.epoch:
+                record["resharded"] = job.resharded
+            if job.resumed is not None:
+                record["resumed"] = {"s_ckpt": job.resumed.s_ckpt, "s_done": job.resumed.s_done,
+                                     "seconds": job.resumed.seconds}  # fmt: skip
             say(**record)
             if step.rank == 0 and args.eval_every and (step.number + 1) % args.eval_every == 0:
                 with job.busy("evaluation"):
@@ -235,7 +244,7 @@ def reference(args: argparse.Namespace) -> None:
         optimizer.zero_grad(set_to_none=True)
         ema.update(model)
         say(event="step", step=number, loss=total / count, lr=optimizer.param_groups[0]["lr"],
-            grad_norm=norm)  # fmt: skip
+            grad_norm=norm, model=tree_digest(model.state_dict()))  # fmt: skip
 
 
 def main() -> None:
@@ -265,6 +274,9 @@ def main() -> None:
         "--collective-timeout", type=float, help="Config.collective_timeout (default: its default)"
     )
     parser.add_argument("--exact", action="store_true", help="Elastic(exact=True)")
+    parser.add_argument("--shard-redundancy", type=int, help="Elastic(shard_redundancy=...)")
+    parser.add_argument("--shard-partitions", type=int, default=64)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--hold-while", help="before each step, wait while this file exists")
     parser.add_argument(
         "--save-state", help="every rank saves model, optimizer and scheduler state here"

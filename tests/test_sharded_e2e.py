@@ -1,0 +1,202 @@
+"""Sharded optimizer state end to end (docs/sharding.md): four workers of the
+CNN test program in exact mode with ``shard_redundancy=2``, through a kill
+and a join, and through the kill of both owners of a partition. Real etcd, a
+real rendezvous service, real worker processes and gloo.
+
+What each run is compared with: one replicated worker in exact mode, whose
+parameters after every step are the ones any history must reach (exact mode
+makes the result independent of the membership, docs/exactness.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollcall.membership.shards import ShardPlan, least_moves
+from tests.harness import ControlPlane, ProgramProcess, wait_for
+
+pytestmark = pytest.mark.integration
+
+PATIENCE = 120.0
+STEPS = 30
+PARTITIONS = 8
+PROGRAM = "cnn_train.py"
+
+
+class Run:
+    """Copies of the test program on one job."""
+
+    def __init__(self, plane: ControlPlane, directory: Path) -> None:
+        self.plane, self.directory = plane, directory
+        self.all: list[ProgramProcess] = []
+
+    def start(self, *extra: str, env: dict[str, str] | None = None) -> ProgramProcess:
+        args = ["--steps", str(STEPS), "--digests", "--exact", "--loader-workers", "0",
+                "--hold-while", str(self.directory / "hold"), *extra]  # fmt: skip
+        index = len(self.all)
+        log = self.directory / f"program{index}.log"
+        program = ProgramProcess(self.plane, PROGRAM, args, log, env=env)
+        self.all.append(program)
+        return program
+
+    def models(self) -> dict[int, set[str]]:
+        by_step: dict[int, set[str]] = {}
+        for program in self.all:
+            for event in program.events("step"):
+                by_step.setdefault(event["step"], set()).add(event["model"])
+        return by_step
+
+
+@contextlib.contextmanager
+def run(etcd, tmp_path: Path, job: str) -> Iterator[Run]:
+    directory = tmp_path / job
+    directory.mkdir()
+    plane = ControlPlane([etcd.endpoint], directory, job=job)
+    group = Run(plane, directory)
+    try:
+        yield group
+    finally:
+        for program in group.all:
+            with contextlib.suppress(Exception):
+                program.stop(timeout=20)
+        plane.close()
+
+
+def step_of(program: ProgramProcess) -> int:
+    return max((e["step"] for e in program.events("step")), default=-1)
+
+
+def world_of(program: ProgramProcess) -> int:
+    steps = program.events("step")
+    return steps[-1]["world"] if steps else 0
+
+
+def resharded(program: ProgramProcess, epoch: int) -> dict | None:
+    for event in program.events("step"):
+        if event["epoch"] == epoch and "resharded" in event:
+            return dict(event["resharded"])
+    return None
+
+
+def epoch_of(program: ProgramProcess) -> int:
+    return program.events("step")[-1]["epoch"]
+
+
+def reference(etcd, tmp_path: Path) -> dict[int, set[str]]:
+    """One replicated worker in exact mode: the parameters after each step."""
+    with run(etcd, tmp_path, "alone") as alone:
+        program = alone.start("--min-workers", "1")
+        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+        models = alone.models()
+    assert sorted(models) == list(range(STEPS))
+    return models
+
+
+def differing(found: dict[int, set[str]], want: dict[int, set[str]]) -> dict:
+    return {step: sorted(d) for step, d in found.items() if d != want[step]}
+
+
+SHARDED = ("--shard-redundancy", "2", "--shard-partitions", str(PARTITIONS), "--min-workers", "4")
+
+
+@pytest.mark.timeout(900)
+def test_a_kill_and_a_join_reshard_without_a_checkpoint_and_keep_the_replicated_bits(
+    etcd, tmp_path: Path
+) -> None:
+    want = reference(etcd, tmp_path)
+    with run(etcd, tmp_path, "sharded") as job:
+        team = [job.start(*SHARDED) for _ in range(4)]
+        wait_for(lambda: min(step_of(p) for p in team) >= 6, "step 6", PATIENCE)
+        first = epoch_of(team[0])
+        before = {p.events("joined")[0]["member_id"]: resharded(p, first) for p in team}
+        victim = team.pop(1)
+        dead = victim.events("joined")[0]["member_id"]
+        victim.signal(signal.SIGKILL)
+        wait_for(lambda: all(world_of(p) == 3 for p in team), "the view to shrink", PATIENCE)
+        shrunk = epoch_of(team[0])
+        after_kill = {p.events("joined")[0]["member_id"]: resharded(p, shrunk) for p in team}
+        (job.directory / "hold").touch()  # the team waits between steps until the joiner is in
+        joiner = job.start(*SHARDED)
+        team.append(joiner)
+        wait_for(lambda: len(job.plane.status_json()["members"]) == 4, "the join", PATIENCE)
+        (job.directory / "hold").unlink()
+        wait_for(lambda: all(world_of(p) == 4 for p in team), "the joiner", PATIENCE)
+        grown = epoch_of(team[0])
+        after_join = {p.events("joined")[0]["member_id"]: resharded(p, grown) for p in team}
+        for program in team:
+            assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+        models = job.models()
+        resumed = [e for p in job.all for e in p.events("step") if "resumed" in e]
+
+    assert resumed == [], "no checkpoint may be read"
+    assert sorted(models) == list(range(STEPS))
+    assert differing(models, want) == {}, "the parameters differ from the replicated run's"
+
+    def owners(table: dict) -> list[set[str]]:
+        return [{m for m, r in table.items() if p in r["owned"]} for p in range(PARTITIONS)]
+
+    assert all(r is not None for r in (*before.values(), *after_kill.values(),
+                                       *after_join.values()))  # fmt: skip
+    assert [len(o) for o in owners(before)] == [2] * PARTITIONS
+    # After the kill every partition again has two owners, all of them alive,
+    # and the survivors fetched exactly the copies that died with the victim.
+    assert all(len(o) == 2 and dead not in o for o in owners(after_kill))
+    fetched = sum(len(r["fetched"]) for r in after_kill.values())
+    assert fetched == len(before[dead]["owned"]) == least_moves(
+        _plan(owners(before)), list(after_kill), 2
+    )
+    # The joiner received its share and nobody else fetched anything.
+    new = joiner.events("joined")[0]["member_id"]
+    assert [len(o) for o in owners(after_join)] == [2] * PARTITIONS
+    assert {m: len(r["fetched"]) for m, r in after_join.items() if r["fetched"]} == {
+        new: len(after_join[new]["owned"])
+    }
+    share = least_moves(_plan(owners(after_kill)), list(after_join), 2)
+    assert len(after_join[new]["owned"]) == share
+    assert all(r["bytes"] > 0 for r in after_join.values() if r["fetched"])
+
+
+def _plan(owners: list[set[str]]) -> ShardPlan:
+    return ShardPlan(tuple(tuple(sorted(o)) for o in owners), 2)
+
+
+@pytest.mark.timeout(900)
+def test_killing_both_owners_of_a_partition_resumes_from_the_checkpoint_with_the_replay_cost(
+    etcd, tmp_path: Path
+) -> None:
+    want = reference(etcd, tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    env = {"ROLLCALL_CHECKPOINT_DIR": str(checkpoints)}
+    with run(etcd, tmp_path, "lost") as job:
+        team = [job.start(*SHARDED, "--checkpoint-every", "5", env=env) for _ in range(4)]
+        wait_for(lambda: min(step_of(p) for p in team) >= 12, "step 12", PATIENCE)
+        first = epoch_of(team[0])
+        table = {p.events("joined")[0]["member_id"]: resharded(p, first) for p in team}
+        ids = list(table)
+        pair = next((a, b) for a in ids for b in ids
+                    if a < b and set(table[a]["owned"]) & set(table[b]["owned"]))  # fmt: skip
+        victims = [p for p in team if p.events("joined")[0]["member_id"] in pair]
+        for victim in victims:
+            victim.signal(signal.SIGKILL)
+        survivors = [p for p in team if p not in victims]
+        for program in survivors:
+            assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+        models = job.models()
+        resumed = [e["resumed"] for p in survivors for e in p.events("step") if "resumed" in e]
+        logs = [p.log_path.read_text() for p in survivors]
+
+    lost = set(table[pair[0]]["owned"]) & set(table[pair[1]]["owned"])
+    for text in logs:
+        lines = [line for line in text.splitlines() if "have no live copy" in line]
+        assert len(lines) == 1, text[-3000:]
+        assert all(str(p) in lines[0] for p in lost) and all(m in lines[0] for m in pair)
+        assert "replay cost" in text
+    assert resumed, "the survivors must resume from the checkpoint"
+    assert all(r["s_ckpt"] % 5 == 4 and r["s_ckpt"] <= r["s_done"] for r in resumed)
+    assert all(r["seconds"] > 0 for r in resumed)
+    assert sorted(models) == list(range(STEPS))
+    assert differing(models, want) == {}, "the parameters differ from the replicated run's"
