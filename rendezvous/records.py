@@ -21,6 +21,7 @@ from typing import Any
 from rollcall.membership.checkpoint import CheckpointManifest
 from rollcall.membership.config import Config
 from rollcall.membership.errors import InvalidRequest, MalformedRecord
+from rollcall.membership.shards import ShardedView, ShardPlan
 from rollcall.membership.view import Member, View
 from rollcall.protocol.validation import MAX_COUNTER, check_digest, check_id
 
@@ -121,7 +122,51 @@ def check_view(value: bytes, config: Config) -> View:
             raise MalformedRecord(f"fetch plan names non-members {', '.join(strangers)[:80]}")
         plan[fetcher] = tuple(sources)
     assert epoch is not None
-    return View(epoch, tuple(members), _counter(data, "resume_step", optional=True), digest, plan)
+    shards = None if data.get("shards") is None else _check_shards(data["shards"], ids, config)
+    return View(epoch, tuple(members), _counter(data, "resume_step", optional=True), digest, plan,
+                shards)  # fmt: skip
+
+
+def _check_shards(data: Any, ids: list[str], config: Config) -> ShardedView:
+    """A view's shard plan: owners (members of the view) and sources per
+    partition, lost partitions in range, a base plan naming valid ids (its
+    owners may have left since)."""
+    if not isinstance(data, dict):
+        raise MalformedRecord("shards is not an object")
+    redundancy = data.get("redundancy")
+    if type(redundancy) is not int or not 1 <= redundancy <= MAX_COUNTER:
+        raise MalformedRecord(f"shards redundancy {str(redundancy)[:40]!r} is not a count >= 1")
+
+    def tables(name: str, members_only: bool) -> tuple[tuple[str, ...], ...]:
+        raw = data.get(name, [])
+        if not isinstance(raw, list) or not all(
+            isinstance(e, list) and all(isinstance(m, str) for m in e) for e in raw
+        ):
+            raise MalformedRecord(f"shards {name} is not a list of lists of member ids")
+        for entry in raw:
+            for member_id in entry:
+                _checked(check_id, member_id, "member id", config)
+        strangers = sorted({m for e in raw for m in e} - set(ids)) if members_only else []
+        if strangers:
+            raise MalformedRecord(f"shards {name} names non-members {', '.join(strangers)[:80]}")
+        return tuple(tuple(e) for e in raw)
+
+    owners, sources = tables("owners", True), tables("sources", True)
+    base = None if data.get("base") is None else tables("base", False)
+    lost = data.get("lost", [])
+    if not isinstance(lost, list) or not all(
+        type(p) is int and 0 <= p < len(owners) for p in lost
+    ):
+        raise MalformedRecord(f"shards lost is not a list of partitions of 0..{len(owners) - 1}")
+    if base is not None and len(base) != len(owners):
+        raise MalformedRecord(f"shards base names {len(base)} partitions, owners {len(owners)}")
+    try:
+        plan = ShardPlan(owners, redundancy)
+        return ShardedView(
+            plan, sources, tuple(lost), None if base is None else ShardPlan(base, redundancy)
+        )
+    except ValueError as exc:
+        raise MalformedRecord(f"shards: {exc}") from None
 
 
 def check_leader(value: bytes, lease: int) -> tuple[str, str, int]:

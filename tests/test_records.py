@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from rollcall.membership.checkpoint import CheckpointManifest
 from rollcall.membership.config import Config
 from rollcall.membership.errors import ControlPlaneUnavailable, MalformedRecord
+from rollcall.membership.shards import ShardedView, ShardPlan
 from rollcall.membership.view import Member, View
 from rollcall.rendezvous import records
 
@@ -48,6 +49,49 @@ def test_a_malformed_record_is_a_control_plane_unavailability() -> None:
 
 def test_a_view_as_rollcall_writes_it_passes() -> None:
     assert records.check_view(VIEW.to_json().encode(), CONFIG) == VIEW
+
+
+A, B = VIEW.ids
+SHARDED = View(
+    VIEW.epoch, VIEW.members, VIEW.resume_step, VIEW.digest, VIEW.fetch,
+    ShardedView(ShardPlan(((A, B), (B, A), (A,)), 2), sources=((A,), (A,), (A,)),
+                base=ShardPlan(((A, "w9-00000000"), (A,), (A,)), 2)),
+)  # fmt: skip
+
+
+def sharded_with(**changes: Any) -> bytes:
+    data = SHARDED.to_dict()
+    data["shards"] = {**data["shards"], **changes}
+    return json.dumps(data).encode()
+
+
+def test_a_sharded_view_keeps_its_shard_plan() -> None:
+    assert records.check_view(SHARDED.to_json().encode(), CONFIG) == SHARDED
+    lost = View(3, VIEW.members, shards=ShardedView(ShardPlan(((A, B),), 2), lost=(0,)))
+    assert records.check_view(lost.to_json().encode(), CONFIG) == lost
+
+
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        (view_with(shards=[]), "shards is not an object"),
+        (sharded_with(redundancy=0), "redundancy"),
+        (sharded_with(owners="x"), "owners"),
+        (sharded_with(owners=[[A], [], [A]]), "partition 1 has no owner"),
+        (sharded_with(owners=[[A, A], [B], [A]]), "names an owner twice"),
+        (sharded_with(owners=[[A], ["fake-1"], [A]]), "non-members fake-1"),
+        (sharded_with(sources=[[A]]), "sources name 1 partitions"),
+        (sharded_with(sources=[[A], ["fake-1"], [A]]), "non-members fake-1"),
+        (sharded_with(lost=[3]), "lost"),
+        (sharded_with(lost=["0"]), "lost"),
+        (sharded_with(base=[[A]]), "base names 1 partitions"),
+        (sharded_with(base=[[A], ["a b"], [A]]), "member id"),
+    ],
+    ids=lambda v: str(v)[:40] if isinstance(v, str) else None,
+)
+def test_a_malformed_shard_plan_is_refused_naming_what_is_wrong(value: bytes, says: str) -> None:
+    with pytest.raises(MalformedRecord, match=says):
+        records.check_view(value, CONFIG)
 
 
 def test_the_empty_view_passes() -> None:
