@@ -164,21 +164,27 @@ class Election(LeaderActions):
         step down (etcd could not keep it alive: a stall, or this replica
         could not reach it for longer than its TTL): if nobody took over,
         it takes the election again and keeps every session."""
+        before = lead.view_revision
         record, position = await self._etcd(self._store.read_job)
-        if record.view_revision != lead.view_revision:
+        # A commit of ours that ran while etcd was read makes the record
+        # older than the epoch this replica has seen since, which is no loss
+        # of data (seen under load: a needless restore and step down): the
+        # record is not checked nor remembered this round.
+        raced = bool(lead.committing) or lead.view_revision != before
+        if not raced and record.view_revision != lead.view_revision:
             # Not the view this leader committed (only the leader commits):
             # one written behind its back (``_guard_view`` puts its own back)
             # says nothing about how far the job got, so a higher epoch in
             # it must not count as history that a restore would then "lose".
             mine = lead.coordinator.view.epoch
             position = dataclasses.replace(position, epoch=min(position.epoch, mine))
-        lost = self._continuity.lost(position)
+        lost = None if raced else self._continuity.lost(position)
         if lost is not None:
             return await self._restore_in_place(lead, record, position, lost)
-        self._continuity.advance(position)
-        self._remember(
-            fingerprint=record.fingerprint, checkpoints=record.checkpoints, progress=record.progress
-        )
+        if not raced:
+            self._continuity.advance(position)
+            self._remember(fingerprint=record.fingerprint, checkpoints=record.checkpoints,
+                           progress=record.progress)  # fmt: skip
         if await self._etcd(self._store.refresh_leader, lead.info):
             return True
         info = await self._etcd(
