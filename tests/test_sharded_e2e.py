@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from rollcall.membership.shards import ShardPlan, least_moves
+from rollcall.worker.ledger import Ledger, merge_ledgers
 from tests.harness import ControlPlane, ProgramProcess, wait_for
 
 pytestmark = pytest.mark.integration
 
 PATIENCE = 120.0
-STEPS = 30
+STEPS = 36
 PARTITIONS = 8
 PROGRAM = "cnn_train.py"
 
@@ -35,13 +36,17 @@ class Run:
         self.all: list[ProgramProcess] = []
 
     def start(self, *extra: str, env: dict[str, str] | None = None) -> ProgramProcess:
-        args = ["--steps", str(STEPS), "--digests", "--exact", "--loader-workers", "0",
-                "--hold-while", str(self.directory / "hold"), *extra]  # fmt: skip
         index = len(self.all)
+        args = ["--steps", str(STEPS), "--digests", "--exact", "--loader-workers", "0",
+                "--hold-while", str(self.directory / "hold"),
+                "--ledger", str(self.directory / f"ledger{index}.jsonl"), *extra]  # fmt: skip
         log = self.directory / f"program{index}.log"
         program = ProgramProcess(self.plane, PROGRAM, args, log, env=env)
         self.all.append(program)
         return program
+
+    def ledgers(self) -> list[Path]:
+        return sorted(p for p in self.directory.glob("ledger*.jsonl") if p.stat().st_size)
 
     def models(self) -> dict[int, set[str]]:
         by_step: dict[int, set[str]] = {}
@@ -86,14 +91,16 @@ def epoch_of(program: ProgramProcess) -> int:
     return program.events("step")[-1]["epoch"]
 
 
-def reference(etcd, tmp_path: Path) -> dict[int, set[str]]:
-    """One replicated worker in exact mode: the parameters after each step."""
+def reference(etcd, tmp_path: Path) -> tuple[dict[int, set[str]], dict[int, tuple[int, ...]]]:
+    """One replicated worker in exact mode: the parameters after each step,
+    and the samples each step consumed."""
     with run(etcd, tmp_path, "alone") as alone:
         program = alone.start("--min-workers", "1")
         assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
         models = alone.models()
+        [path] = alone.ledgers()
     assert sorted(models) == list(range(STEPS))
-    return models
+    return models, Ledger.load(path).steps()
 
 
 def differing(found: dict[int, set[str]], want: dict[int, set[str]]) -> dict:
@@ -104,60 +111,70 @@ SHARDED = ("--shard-redundancy", "2", "--shard-partitions", str(PARTITIONS), "--
 
 
 @pytest.mark.timeout(900)
-def test_a_kill_and_a_join_reshard_without_a_checkpoint_and_keep_the_replicated_bits(
+def test_two_kills_and_two_joins_reshard_without_a_checkpoint_and_keep_the_replicated_bits(
     etcd, tmp_path: Path
 ) -> None:
-    want = reference(etcd, tmp_path)
+    want, want_ledger = reference(etcd, tmp_path)
     with run(etcd, tmp_path, "sharded") as job:
         team = [job.start(*SHARDED) for _ in range(4)]
-        wait_for(lambda: min(step_of(p) for p in team) >= 6, "step 6", PATIENCE)
-        first = epoch_of(team[0])
-        before = {p.events("joined")[0]["member_id"]: resharded(p, first) for p in team}
-        victim = team.pop(1)
-        dead = victim.events("joined")[0]["member_id"]
-        victim.signal(signal.SIGKILL)
-        wait_for(lambda: all(world_of(p) == 3 for p in team), "the view to shrink", PATIENCE)
-        shrunk = epoch_of(team[0])
-        after_kill = {p.events("joined")[0]["member_id"]: resharded(p, shrunk) for p in team}
-        (job.directory / "hold").touch()  # the team waits between steps until the joiner is in
-        joiner = job.start(*SHARDED)
-        team.append(joiner)
-        wait_for(lambda: len(job.plane.status_json()["members"]) == 4, "the join", PATIENCE)
-        (job.directory / "hold").unlink()
-        wait_for(lambda: all(world_of(p) == 4 for p in team), "the joiner", PATIENCE)
-        grown = epoch_of(team[0])
-        after_join = {p.events("joined")[0]["member_id"]: resharded(p, grown) for p in team}
+        changes = []  # per cycle: (the dead, tables before, after the kill, after the join)
+        kill_at = 6
+        for cycle in range(2):
+
+            def reached(at: int = kill_at) -> bool:
+                return min(step_of(p) for p in team) >= at
+
+            wait_for(reached, f"step {kill_at}", PATIENCE)
+            before = {member_of(p): resharded(p, epoch_of(p)) for p in team}
+            victim = team.pop(cycle)  # a joiner of the first cycle dies in the second
+            victim.signal(signal.SIGKILL)
+            wait_for(lambda: all(world_of(p) == 3 for p in team), "the view to shrink", PATIENCE)
+            after_kill = {member_of(p): resharded(p, epoch_of(p)) for p in team}
+            (job.directory / "hold").touch()  # the team waits between steps for the joiner
+            joiner = job.start(*SHARDED)
+            team.append(joiner)
+            wait_for(lambda: len(job.plane.status_json()["members"]) == 4, "the join", PATIENCE)
+            (job.directory / "hold").unlink()
+            wait_for(lambda: all(world_of(p) == 4 for p in team), "the joiner", PATIENCE)
+            after_join = {member_of(p): resharded(p, epoch_of(p)) for p in team}
+            changes.append((member_of(victim), member_of(joiner), before, after_kill, after_join))
+            kill_at = max(step_of(p) for p in team) + 6
         for program in team:
             assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
         models = job.models()
+        ledger = merge_ledgers(Ledger.load(path).steps() for path in job.ledgers())
         resumed = [e for p in job.all for e in p.events("step") if "resumed" in e]
 
     assert resumed == [], "no checkpoint may be read"
     assert sorted(models) == list(range(STEPS))
     assert differing(models, want) == {}, "the parameters differ from the replicated run's"
+    assert Ledger.compare(ledger, want_ledger) == [], "the samples differ from the replicated run's"
+    for dead, new, before, after_kill, after_join in changes:
+        tables = (*before.values(), *after_kill.values(), *after_join.values())
+        assert all(t is not None for t in tables)
+        assert [len(o) for o in owners(before)] == [2] * PARTITIONS
+        # After the kill every partition again has two owners, all alive, and
+        # the survivors fetched exactly the copies that died with the victim.
+        assert all(len(o) == 2 and dead not in o for o in owners(after_kill))
+        fetched = sum(len(t["fetched"]) for t in after_kill.values())
+        least = least_moves(_plan(owners(before)), list(after_kill), 2)
+        print(f"kill of {dead}: {fetched} partitions fetched, least possible {least}")
+        assert fetched == len(before[dead]["owned"]) == least
+        # The joiner received its share and nobody else fetched anything.
+        assert [len(o) for o in owners(after_join)] == [2] * PARTITIONS
+        least = least_moves(_plan(owners(after_kill)), list(after_join), 2)
+        got = {m: len(t["fetched"]) for m, t in after_join.items() if t["fetched"]}
+        print(f"join of {new}: fetched {got}, least possible {least}")
+        assert got == {new: len(after_join[new]["owned"])} and got[new] == least
+        assert after_join[new]["bytes"] > 0
 
-    def owners(table: dict) -> list[set[str]]:
-        return [{m for m, r in table.items() if p in r["owned"]} for p in range(PARTITIONS)]
 
-    assert all(r is not None for r in (*before.values(), *after_kill.values(),
-                                       *after_join.values()))  # fmt: skip
-    assert [len(o) for o in owners(before)] == [2] * PARTITIONS
-    # After the kill every partition again has two owners, all of them alive,
-    # and the survivors fetched exactly the copies that died with the victim.
-    assert all(len(o) == 2 and dead not in o for o in owners(after_kill))
-    fetched = sum(len(r["fetched"]) for r in after_kill.values())
-    assert fetched == len(before[dead]["owned"]) == least_moves(
-        _plan(owners(before)), list(after_kill), 2
-    )
-    # The joiner received its share and nobody else fetched anything.
-    new = joiner.events("joined")[0]["member_id"]
-    assert [len(o) for o in owners(after_join)] == [2] * PARTITIONS
-    assert {m: len(r["fetched"]) for m, r in after_join.items() if r["fetched"]} == {
-        new: len(after_join[new]["owned"])
-    }
-    share = least_moves(_plan(owners(after_kill)), list(after_join), 2)
-    assert len(after_join[new]["owned"]) == share
-    assert all(r["bytes"] > 0 for r in after_join.values() if r["fetched"])
+def member_of(program: ProgramProcess) -> str:
+    return str(program.events("joined")[0]["member_id"])
+
+
+def owners(table: dict) -> list[set[str]]:
+    return [{m for m, t in table.items() if p in t["owned"]} for p in range(PARTITIONS)]
 
 
 def _plan(owners: list[set[str]]) -> ShardPlan:
@@ -168,7 +185,7 @@ def _plan(owners: list[set[str]]) -> ShardPlan:
 def test_killing_both_owners_of_a_partition_resumes_from_the_checkpoint_with_the_replay_cost(
     etcd, tmp_path: Path
 ) -> None:
-    want = reference(etcd, tmp_path)
+    want, want_ledger = reference(etcd, tmp_path)
     checkpoints = tmp_path / "checkpoints"
     env = {"ROLLCALL_CHECKPOINT_DIR": str(checkpoints)}
     with run(etcd, tmp_path, "lost") as job:
@@ -186,6 +203,7 @@ def test_killing_both_owners_of_a_partition_resumes_from_the_checkpoint_with_the
         for program in survivors:
             assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
         models = job.models()
+        ledger = merge_ledgers(Ledger.load(path).steps() for path in job.ledgers())
         resumed = [e["resumed"] for p in survivors for e in p.events("step") if "resumed" in e]
         logs = [p.log_path.read_text() for p in survivors]
 
@@ -200,3 +218,5 @@ def test_killing_both_owners_of_a_partition_resumes_from_the_checkpoint_with_the
     assert all(r["seconds"] > 0 for r in resumed)
     assert sorted(models) == list(range(STEPS))
     assert differing(models, want) == {}, "the parameters differ from the replicated run's"
+    # The steps after the checkpoint were trained again on the same samples.
+    assert Ledger.compare(ledger, want_ledger) == []

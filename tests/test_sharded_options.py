@@ -9,6 +9,7 @@ import torch
 
 from rollcall.membership.errors import UsageError
 from rollcall.membership.shards import Sharding
+from rollcall.worker.contract import ShardedStateGuard
 from rollcall.worker.runtime import _check_sharding
 
 
@@ -37,3 +38,16 @@ def test_an_optimizer_whose_update_is_not_element_wise_is_refused() -> None:
     lbfgs = torch.optim.LBFGS(torch.nn.Linear(3, 2).parameters())
     with pytest.raises(UsageError, match="train it replicated"):
         _check_sharding(2, 64, lbfgs, None)
+
+
+def test_the_users_optimizer_state_dict_is_refused_outside_the_runtime() -> None:
+    optimizer = _adamw()
+    guard = ShardedStateGuard(optimizer)
+    with pytest.raises(UsageError, match="silently restart the moments"):
+        optimizer.state_dict()
+    with guard.allowed():
+        saved = optimizer.state_dict()
+    with pytest.raises(UsageError, match="would be ignored"):
+        optimizer.load_state_dict(saved)
+    guard.release()
+    optimizer.load_state_dict(optimizer.state_dict())

@@ -173,6 +173,51 @@ class Ownership:
             self._scheduler_class = None
 
 
+class ShardedStateGuard:
+    """In a job with sharded optimizer state the user's optimizer holds none
+    of it (each rank's part lives in ``rollcall.worker.sharded``): its
+    ``state_dict()`` would lack every moment and ``load_state_dict()`` would
+    be ignored, so both raise :class:`UsageError` unless the runtime itself
+    calls them (``allowed``). Torch's own hooks, removed by ``release``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._inside = False
+        self._hooks = [
+            optimizer.register_state_dict_pre_hook(self._saving),
+            optimizer.register_load_state_dict_pre_hook(self._loading),
+        ]
+
+    def _saving(self, *_: Any) -> None:
+        if not self._inside:
+            raise UsageError(
+                "optimizer.state_dict() was called, but the optimizer state is sharded across "
+                "the workers (Elastic(shard_redundancy=...)): the optimizer object holds none of "
+                "it, so a checkpoint of it would silently restart the moments. Let the runtime "
+                "write checkpoints (checkpoint_dir=), which gather the whole state"
+            )
+
+    def _loading(self, *_: Any) -> None:
+        if not self._inside:
+            raise UsageError(
+                "optimizer.load_state_dict() was called, but the optimizer state is sharded "
+                "across the workers (Elastic(shard_redundancy=...)): it would be ignored. The "
+                "runtime loads the job's checkpoints itself"
+            )
+
+    @contextlib.contextmanager
+    def allowed(self) -> Iterator[None]:
+        """The runtime's own capture or restore of the optimizer."""
+        self._inside = True
+        try:
+            yield
+        finally:
+            self._inside = False
+
+    def release(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
 def _schedule_position(scheduler: Any) -> int | None:
     """How far a scheduler has been stepped, where it says (torch's
     schedulers count in ``last_epoch``)."""

@@ -77,7 +77,13 @@ from rollcall.worker.checkpoint import (
     describe_failure,
     process_age,
 )
-from rollcall.worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
+from rollcall.worker.contract import (
+    GradientWatch,
+    Ownership,
+    ShardedStateGuard,
+    check_extras,
+    check_scheduler,
+)
 from rollcall.worker.digest import digest, tree_digest
 from rollcall.worker.environment import (
     DEFAULT_NAME,
@@ -369,10 +375,15 @@ class Elastic:
         #: on entering the first view) and the view it was last moved to.
         self._sharded: ShardedOptimizer | None = None
         self._shard_view: View | None = None
+        #: A sharded step landed without its all-gather (``_complete_step``).
+        self._incomplete = False
+        #: The view entered last and this rank in it.
+        self._entered: tuple[View, int] = (EMPTY_VIEW, 0)
         #: A checkpoint's whole optimizer state, until the shards take it.
         self._full_optimizer: dict[str, Any] | None = None
         # Checked once before anything starts: the state must be one that
         # can travel (and this raises TypeError naming what cannot).
+        self._guard = ShardedStateGuard(optimizer) if self._sharding is not None else None
         self._capture(-1, with_rng=False)
         self._ownership = Ownership(optimizer, scheduler)
 
@@ -449,6 +460,8 @@ class Elastic:
             self._report.ended(sys.exc_info()[1])
             self._restore_signals()
             self._ownership.release()
+            if self._guard is not None:
+                self._guard.release()
             self._stop_loop()
             stop_metrics(self._metrics_server)
             self._loader.close()
@@ -474,11 +487,18 @@ class Elastic:
         group = self._group
         return group.size if group is not None else None
 
+    @property
+    def sharding(self) -> Sharding | None:
+        """The partition count and redundancy of the sharded optimizer state
+        (None: every worker holds all of it)."""
+        return self._sharding
+
     def state_digest(self) -> str:
         """Digest of this replica's whole state after its last committed step
         (model parameters and buffers, optimizer, scheduler, grad scaler,
         registered state): what roll calls compare. Equal on every replica
-        of a job at the same step."""
+        of a job at the same step. In a sharded job it leaves out the
+        optimizer state, which no rank holds whole."""
         with self._lock:
             return digest(self._capture(self.committed_step, with_rng=False))
 
@@ -679,7 +699,17 @@ class Elastic:
 
     def _capture(self, step: int, with_rng: bool = True) -> ReplicaState:
         """The replica state after ``step`` (under ``_lock`` once training):
-        buffers as of the last commit, whatever a step in flight did."""
+        buffers as of the last commit, whatever a step in flight did. In a
+        sharded job its optimizer entry holds no state (``_publish_shards``
+        gathers it for a checkpoint)."""
+        with self._guarded():
+            return self._capture_state(step, with_rng)
+
+    def _guarded(self) -> contextlib.AbstractContextManager[None]:
+        """The runtime's own use of the user's optimizer's state_dict."""
+        return self._guard.allowed() if self._guard is not None else contextlib.nullcontext()
+
+    def _capture_state(self, step: int, with_rng: bool) -> ReplicaState:
         state = capture(
             step, self._model, self._optimizer, self._scheduler, self._scaler,
             {name: obj.state_dict() for name, obj in self._extras.items()}, with_rng=with_rng,
@@ -690,7 +720,8 @@ class Elastic:
 
     def _restore(self, state: ReplicaState) -> None:
         """Load ``state`` into the registered objects (under ``_lock``)."""
-        extras = restore(state, self._model, self._optimizer, self._scheduler, self._scaler)
+        with self._guarded():
+            extras = restore(state, self._model, self._optimizer, self._scheduler, self._scaler)
         missing = sorted(set(self._extras) - set(extras))
         if missing or set(extras) - set(self._extras):
             raise UsageError(
@@ -702,11 +733,18 @@ class Elastic:
         if self._sharding is not None:
             # A checkpoint holds the whole optimizer state (a peer's snapshot
             # none): the shards take their part of it on entering the view.
-            self._full_optimizer = self._optimizer.state_dict() if self._optimizer.state else None
+            with self._guarded():
+                whole = self._optimizer.state_dict() if self._optimizer.state else None
+            self._full_optimizer = whole
             self._optimizer.state.clear()
         if self._buffers is not None:
             self._buffers.reset()
         self._ownership.loaded()
+        # Steps this worker committed after the state's were undone (the
+        # job resumed from a checkpoint): they are trained again.
+        undone = self.ledger.rewind(state.step)
+        if undone:
+            log.info("ledger: the %d steps after step %d are undone", undone, state.step)
         with self._state:
             self._member.restored(state.step)
 
@@ -775,18 +813,12 @@ class Elastic:
         """Steps ``committed + 1 .. max_steps - 1``, each handed out again
         after an aborted attempt, in whatever view is current then."""
         while self.committed_step + 1 < max_steps:
-            view = self._wait_for_view()
-            try:
-                rank = self._enter(view)
-            except StepAborted as exc:
-                if isinstance(exc, PeerFailed):
-                    self._note_failure(f"view {view.epoch} given up while entering it", exc.reason)
-                else:
-                    log.info("view %d given up while entering it: %s", view.epoch, exc)
-                # Not entered again: the next view (a roll call is coming, or
-                # is asked for by _wait_for_view) replaces it.
+            if not self._enter_next():
                 continue
             while self.committed_step + 1 < max_steps and not self._aborting():
+                # The view entered last: a sharded commit may have entered
+                # a new one to complete its step (_complete_step).
+                view, rank = self._entered
                 step = Step(self, self.committed_step + 1, view, rank)
                 try:
                     yield step
@@ -797,6 +829,36 @@ class Elastic:
                     break
             self._raise_if_interrupted()
         self._report.done(self.committed_step)
+
+    def _enter_next(self) -> bool:
+        """Wait for the next view and enter it; False if it was given up
+        (the next view, a roll call is coming or is asked for by
+        ``_wait_for_view``, replaces it)."""
+        view = self._wait_for_view()
+        try:
+            self._entered = (view, self._enter(view))
+        except StepAborted as exc:
+            if isinstance(exc, PeerFailed):
+                self._note_failure(f"view {view.epoch} given up while entering it", exc.reason)
+            else:
+                log.info("view %d given up while entering it: %s", view.epoch, exc)
+            return False
+        return True
+
+    def _complete_step(self, step: Step) -> bool:
+        """A sharded step landed but its parameter all-gather did not reach
+        this rank: the model is still the previous step's. Enter the next
+        view, which completes the parameters from their holders, before
+        ``commit`` returns, so that the loop never sees a model that is not
+        the step's. False if that view undid the step (it resumed from a
+        checkpoint: the step is handed out again)."""
+        log.info(
+            "step %d landed but its parameter all-gather did not complete: waiting for the "
+            "next view to complete it", step.number,
+        )  # fmt: skip
+        while not self._enter_next():
+            pass
+        return self.committed_step >= step.number
 
     def _discard(self, step: Step) -> None:
         """Throw away what an uncommitted step did to gradients and buffers."""
@@ -1095,10 +1157,7 @@ class Elastic:
         except StepAborted as exc:
             if isinstance(exc, PeerFailed):
                 self._note_failure(f"epoch {step.epoch}: parameter all-gather failed", exc.reason)
-            log.info(
-                "step %d landed but its parameter all-gather did not complete (%s): the next "
-                "view completes it", step.number, exc,
-            )  # fmt: skip
+            self._incomplete = True  # commit enters the next view before it returns
             return None
         if self.checkpoints is None or (step.number + 1) % self._checkpoint_every != 0:
             return None
@@ -1119,7 +1178,8 @@ class Elastic:
             for partition, segments in tree_from_bytes(part[: int(length)].numpy().tobytes()):
                 states.append(PartitionState(int(partition), tuple(segments)))
         state = self._capture(step.number)
-        state.optimizer = sharded.gathered_state(states)
+        with self._guarded():
+            state.optimizer = sharded.gathered_state(states)
         return state
 
     def _patience(self, started: float) -> float:
@@ -1236,6 +1296,9 @@ class Elastic:
             self._progress_sent = (step.epoch, now)
             self._loop.call_soon_threadsafe(self._client.report_progress, step.number)
         self._report.step(step, self.plan.global_batch)
+        if self._incomplete:
+            self._incomplete = False
+            return self._complete_step(step)
         return True
 
     def _reduction(self, step: Step) -> tuple[list[torch.Tensor], slice]:
@@ -1279,6 +1342,9 @@ class Elastic:
         with self._ownership.applying():
             if self._sharded is not None:
                 self._sharded.update()  # this rank's partitions; the others' arrive next
+                # The user's optimizer never steps: tell torch's LR schedulers
+                # an update ran (their marker), or they warn of a wrong order.
+                self._optimizer._opt_called = True  # type: ignore[attr-defined]
             elif self._scaler is not None:
                 self._scaler.step(self._optimizer)
                 self._scaler.update()
@@ -1418,9 +1484,7 @@ class Elastic:
             if self._sharding is not None:
                 # At once: a rank holding the step must hold the plan's shards.
                 self._build_shards(view)
-        undone = self.ledger.rewind(loaded.manifest.step)
-        if undone:
-            log.info("ledger: the %d steps after step %d are undone", undone, loaded.manifest.step)
+
         if orphans is not None:
             self._adopted = (loaded.manifest, orphans.manifests)
             log.warning(
@@ -1500,6 +1564,8 @@ class Elastic:
         self._report.ended(sys.exc_info()[1] or self._client.ended)
         self._restore_signals()
         self._ownership.release()
+        if self._guard is not None:
+            self._guard.release()
         if self.checkpoints is not None and not self.checkpoints.wait(
             self._config.collective_timeout
         ):

@@ -129,10 +129,9 @@ class MemberCalls(LeaderActions):
     @staticmethod
     def _learn_sharding(lead: Leadership, fields: Mapping[str, str]) -> None:
         """The job's fingerprint says whether (and how) its optimizer state
-        is sharded; a view already sharded keeps its setting (a fingerprint
-        that changes it is refused once the job trained)."""
-        if lead.coordinator.view.shards is None:
-            lead.coordinator.sharding = Sharding.from_fingerprint(fields)
+        is sharded (a fingerprint that changes it is admitted only while the
+        job is empty and has never trained)."""
+        lead.coordinator.sharding = Sharding.from_fingerprint(fields)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> Any:
         try:

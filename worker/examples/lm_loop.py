@@ -75,6 +75,11 @@ def train(run: LMRun, say: Say, **elastic: Any) -> None:
             }  # fmt: skip
             last = now
             if run.digest_every and step.number % run.digest_every == 0:
-                record["digest"] = digest(capture(step.number, model, optimizer))
+                # A sharded job's optimizer object holds none of the state:
+                # the runtime's digest (without it) is what its ranks share.
+                record["digest"] = (
+                    job.state_digest() if job.sharding is not None
+                    else digest(capture(step.number, model, optimizer))
+                )  # fmt: skip
             say(**record)
         say(event="done", step=job.committed_step)
