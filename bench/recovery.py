@@ -2,7 +2,7 @@
 transfer throughput and failure-free per-step overhead.
 
     .venv/bin/python bench/recovery.py [--repeats 3] [--rounds 5] [--json FILE] [--quick]
-        [--only recovery|transfer|overhead ...]
+        [--only recovery|transfer|overhead|sharding ...]
 
 Starts a real etcd and one rendezvous replica (the `rollcall` CLI) on
 loopback, then WORKERS (4) `rollcall worker --example lm` processes (default
@@ -43,6 +43,15 @@ arrives; logs (--log-level info) are parsed for their own timestamps
    backward, one flat allreduce, divide, step; torch.set_num_threads(1).
    Reported per round and as median/min/max: steps/s and CPU ms per step.
 
+6. sharding (`--only sharding`, not run by default; results in
+   results/recovery-sharding.json unless --json says otherwise): at the
+   example's default size and at d_model 256 x 8 layers (~47x the
+   parameters), 4 workers replicated and 4 with `--shard-redundancy 2`,
+   each on a fresh cluster: steps/s and CPU per step over a window, the
+   bytes each rank sends per step (all-reduce, and the sharded all-gather
+   at the exact payload width), the crash stall and the hot-add stall as
+   in parts 1 and 2.
+
 Every wait is bounded; every process is killed in `finally`.
 """
 
@@ -62,7 +71,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -166,7 +175,9 @@ class Proc:
 
 
 class Worker(Proc):
-    def __init__(self, address: str, token_file: Path, log_path: Path) -> None:
+    def __init__(
+        self, address: str, token_file: Path, log_path: Path, extra: Sequence[str] = ()
+    ) -> None:
         super().__init__(
             [
                 sys.executable,
@@ -188,6 +199,7 @@ class Worker(Proc):
                 "1",
                 "--log-level",
                 "info",
+                *extra,
             ],  # fmt: skip
             log_path,
         )
@@ -279,11 +291,13 @@ def crash_once(workers: list[Worker], replica: Proc, index: int) -> dict[str, fl
     return result
 
 
-def hot_add_once(workers: list[Worker], address: str, token_file: Path, log: Path) -> dict:
+def hot_add_once(
+    workers: list[Worker], address: str, token_file: Path, log: Path, extra: Sequence[str] = ()
+) -> dict:
     wait_steady(workers, WORKERS, 3, 0)
     time.sleep(1.0)  # a baseline of step intervals
     t_start = time.time()
-    joiner = Worker(address, token_file, log)
+    joiner = Worker(address, token_file, log, extra)
     try:
         joiner.wait_joined()
         first = joiner.wait_for(lambda: joiner.steps_in(WORKERS + 1, 0), "joiner step")
@@ -456,8 +470,10 @@ class Cluster:
     """A real etcd and one rendezvous replica on loopback, and the workers
     started against them; everything is killed on exit."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, extra: Sequence[str] = ()) -> None:
         self.tmp = tmp
+        #: Arguments every worker gets (model size, sharding).
+        self.extra = tuple(extra)
         self.procs: list[Proc] = []
         self.counter = 0
         self.etcd = LocalEtcd(data_dir=tmp / "etcd", client_port=free_port(), peer_port=free_port())
@@ -488,7 +504,8 @@ class Cluster:
 
     def new_worker(self) -> Worker:
         self.counter += 1
-        w = Worker(self.address, self.token_file, self.tmp / f"worker{self.counter}.log")
+        w = Worker(self.address, self.token_file, self.tmp / f"worker{self.counter}.log",
+                   self.extra)  # fmt: skip
         self.procs.append(w)
         w.wait_joined()
         return w
@@ -567,6 +584,73 @@ def recovery(repeats: int) -> dict[str, Any]:
             "ratio": statistics.median(fetch_mbs) / statistics.median(raw_mbs),
         },
     }
+
+
+# ------------------------------------------------------------- sharded against replicated
+
+
+#: The sharding part's models: the example's default and ~47x its parameters.
+SHARD_MODELS = ((64, 2), (256, 8))
+SHARD_REDUNDANCY = 2
+
+
+def bytes_per_step(d_model: int, layers: int, sharded: bool) -> dict[str, int]:
+    """What one rank sends per step at WORKERS ranks: the ring all-reduce of
+    the gradients (2 (W-1)/W of them) and, sharded, its all-gather payload
+    (the exact width ``ShardedOptimizer.payload`` pads to), sent to each of
+    the W-1 others by gloo's ring."""
+    import torch
+
+    from rollcall.membership.shards import place
+    from rollcall.worker.examples.lm import LMConfig, build
+    from rollcall.worker.sharded import ShardedOptimizer
+
+    model, optimizer, _ = build(LMConfig(d_model=d_model, layers=layers), 0)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    allreduce = 2 * (WORKERS - 1) * numel * 4 // WORKERS
+    if not sharded:
+        return {"parameters": numel, "allreduce": allreduce, "allgather": 0}
+    ranks = [f"r{i}" for i in range(WORKERS)]
+    plan = place(ranks, {}, 64, SHARD_REDUNDANCY)
+    with torch.no_grad():
+        width = ShardedOptimizer(optimizer, plan, ranks[0]).payload(ranks).numel()
+    return {"parameters": numel, "allreduce": allreduce,
+            "allgather": (WORKERS - 1) * width * 4}  # fmt: skip
+
+
+def sharding(repeats: int, window: float) -> list[dict[str, Any]]:
+    """Replicated and sharded (redundancy 2) runs of the same job, side by
+    side at each of SHARD_MODELS: steps/s, bytes sent per rank per step, the
+    crash and hot-add stalls."""
+    runs = []
+    for d_model, layers in SHARD_MODELS:
+        size = ["--d-model", str(d_model), "--layers", str(layers)]
+        for mode in ("replicated", "sharded"):
+            extra = size + (["--shard-redundancy", str(SHARD_REDUNDANCY)]
+                            if mode == "sharded" else [])  # fmt: skip
+            with tempfile.TemporaryDirectory(prefix="rollcall-sharding-") as tmp_name:
+                tmp = Path(tmp_name)
+                with Cluster(tmp, extra) as cluster:
+                    workers = [cluster.new_worker() for _ in range(WORKERS)]
+                    rate, cpu = rollcall_rate(workers, window)
+                    crashes, adds = [], []
+                    for i in range(repeats):
+                        crashes.append(crash_once(workers, cluster.replica, i % WORKERS))
+                        workers.append(cluster.new_worker())
+                        adds.append(hot_add_once(workers, cluster.address, cluster.token_file,
+                                                 tmp / f"joiner{i}.log", extra))  # fmt: skip
+                    print(f"  d_model {d_model} x {layers}, {mode}: {rate:.2f} steps/s, crash "
+                          f"{crashes[-1]['stall_s']:.3f} s, hot-add {adds[-1]['stall_s']:.3f} s",
+                          flush=True)  # fmt: skip
+            runs.append({
+                "d_model": d_model, "layers": layers, "mode": mode,
+                "steps_s": rate, "cpu_s_per_step": cpu,
+                "bytes_per_rank_per_step": bytes_per_step(d_model, layers, mode == "sharded"),
+                "crash_stall_s": summary([c["stall_s"] for c in crashes]),
+                "hot_add_stall_s": summary([a["stall_s"] for a in adds]),
+                "crashes": crashes, "hot_adds": adds,
+            })  # fmt: skip
+    return runs
 
 
 # ----------------------------------------------------------- state transfer alone
@@ -750,6 +834,18 @@ def print_table(r: dict[str, Any]) -> None:
     for t in r.get("state_transfer_alone", []):
         rows += rate(t, f"alone (d_model {t['d_model']}, {t['layers']} layers)")
         rows.append(("  of which decode + digest check", ms(t, "decode_verify_s")))
+    for run in r.get("sharding", []):
+        b = run["bytes_per_rank_per_step"]
+        sent = (b["allreduce"] + b["allgather"]) / 1e6
+        rows += [
+            (f"{run['mode']}, d_model {run['d_model']} x {run['layers']} "
+             f"({b['parameters'] / 1e6:.2f} M parameters)",
+             f"{run['steps_s']:7.2f} steps/s, {sent:.1f} MB sent per rank per step"),
+            ("  crash stall / hot-add stall",
+             f"{run['crash_stall_s']['median'] * 1000:7.1f} ms / "
+             f"{run['hot_add_stall_s']['median'] * 1000:.1f} ms (median of "
+             f"{run['crash_stall_s']['n']})"),
+        ]  # fmt: skip
     if "overhead" in r:
         o = r["overhead"]
         pct, cpu = o["overhead_pct"], o["cpu_overhead_pct"]
@@ -775,7 +871,9 @@ def print_table(r: dict[str, Any]) -> None:
 #: State sizes of the stand-alone transfer: the example's default model
 #: (1.7 MB with its AdamW moments) and a wider, deeper one (~78 MB).
 TRANSFER_MODELS = ((64, 2), (256, 8))
+#: Parts run by default; "sharding" runs only when asked (--only sharding).
 PARTS = ("recovery", "transfer", "overhead")
+ALL_PARTS = (*PARTS, "sharding")
 
 
 def main() -> int:
@@ -784,9 +882,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="overhead rounds (pairs)")
     parser.add_argument("--quick", action="store_true",
                         help="1 repeat, 2 overhead rounds of 5 s windows")  # fmt: skip
-    parser.add_argument("--only", choices=PARTS, action="append",
+    parser.add_argument("--only", choices=ALL_PARTS, action="append",
                         help="run only this part (repeatable)")  # fmt: skip
-    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "recovery.json")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="where the results go (default results/recovery.json, "
+                        "results/recovery-sharding.json for --only sharding)")  # fmt: skip
     args = parser.parse_args()
     if not 1 <= args.repeats <= 20:
         parser.error("--repeats must be 1..20")
@@ -796,6 +896,9 @@ def main() -> int:
     rounds = 2 if args.quick else args.rounds
     window = 5.0 if args.quick else 10.0
     parts = args.only or PARTS
+    if args.json is None:
+        name = "recovery-sharding.json" if list(parts) == ["sharding"] else "recovery.json"
+        args.json = ROOT / "bench" / "results" / name
     import torch
 
     started = time.monotonic()
@@ -809,6 +912,8 @@ def main() -> int:
         ]
     if "overhead" in parts:
         result["overhead"] = overhead(rounds, window)
+    if "sharding" in parts:
+        result["sharding"] = sharding(repeats, window)
     print_table(result)
     result.update(
         date=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -828,6 +933,8 @@ def main() -> int:
             "rate_window_s": window,
             "example": "lm (default LMConfig)",
             "transfer_models": [list(m) for m in TRANSFER_MODELS],
+            "shard_models": [list(m) for m in SHARD_MODELS],
+            "shard_redundancy": SHARD_REDUNDANCY,
             "global_batch": 32,
             "micro_batch": 8,
             "threads": 1,
