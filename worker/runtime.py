@@ -984,7 +984,7 @@ class Elastic:
             hard_timeout=self._config.collective_backstop(), secret=secret, config=self._config,
         )  # fmt: skip
         if self._sharding is not None:
-            self._enter_shards(view, rank)
+            self._enter_shards(view)
         ready = time.perf_counter()
         self._loader.enter_view(rank, view.size, self.committed_step + 1)
         self._entering = (view.epoch, fetched, ready - built, time.monotonic())
@@ -1055,7 +1055,7 @@ class Elastic:
             view.epoch, ", ".join(map(str, lost)), ", ".join(owners) or "?", step,
         )  # fmt: skip
 
-    def _enter_shards(self, view: View, rank: int) -> None:
+    def _enter_shards(self, view: View) -> None:
         """Bring this rank's shards to ``view``'s plan, in its new group:
         complete the parameters of the resume step from their holders (the
         previous step's all-gather may not have reached everyone), fetch the
@@ -1086,10 +1086,7 @@ class Elastic:
                 self._sharded.forget()  # behind: its copies are of an older step
             self._full_optimizer = None
         sharded = self._sharded
-        try:
-            sharded.publish(group.allgather, view.ids, shards.sources)
-        except StepAborted:
-            raise
+        sharded.publish(group.allgather, view.ids, shards.sources)
         needs = sharded.needs(shards.plan)
         received, size = self._remote(
             self._fetch_partitions(view, needs), f"epoch {view.epoch}: fetching partitions"
@@ -1484,7 +1481,6 @@ class Elastic:
             if self._sharding is not None:
                 # At once: a rank holding the step must hold the plan's shards.
                 self._build_shards(view)
-
         if orphans is not None:
             self._adopted = (loaded.manifest, orphans.manifests)
             log.warning(

@@ -272,6 +272,9 @@ class StateFetcher:
             except grpc.aio.AioRpcError as exc:
                 failures.append(f"{address}: {exc.code().name} {exc.details()}")
                 continue
+            except TransferFailed as exc:
+                failures.append(str(exc))
+                continue
             data = b"".join(c.data for c in chunks)
             named = chunks[0].digest
             try:
