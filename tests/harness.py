@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,8 +108,16 @@ class Process:
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM (after SIGCONT, in case it is frozen), then SIGKILL."""
+        self.terminate()
+        return self.reap(timeout)
+
+    def terminate(self) -> None:
+        """SIGTERM, after SIGCONT in case it is frozen; ``reap`` waits for it."""
         self.signal(signal.SIGCONT)
         self.signal(signal.SIGTERM)
+
+    def reap(self, timeout: float) -> int:
+        """Waits for it to exit, SIGKILLed after ``timeout`` seconds."""
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -117,6 +125,23 @@ class Process:
             return self.proc.wait(timeout=10)
         finally:
             self._log.close()
+
+
+def stop_together(processes: Iterable[Process], timeout: float = 20.0) -> None:
+    """Stops every one of ``processes``, as ``Process.stop`` does, but sends
+    them all SIGTERM first: one after the other, every worker's clean leave
+    is a view change that the ones still running go through before their
+    own. Cleanup: an error stopping one is no reason to leave the others."""
+    processes = list(processes)
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.terminate()
+    for process in processes:
+        try:
+            process.reap(timeout)
+        except Exception:  # noqa: BLE001 - cleanup must reach every process
+            with contextlib.suppress(Exception):
+                process.proc.kill()
 
 
 class ReplicaProcess(Process):
@@ -281,7 +306,8 @@ class ControlPlane:
         return json.loads(result.stdout)
 
     def close(self) -> None:
-        for process in [*self.members, *self.replicas]:
+        stop_together(self.members, timeout=5)
+        for process in self.replicas:
             try:
                 process.stop(timeout=5)
             except Exception:  # noqa: BLE001 - cleanup must reach every process
@@ -314,8 +340,13 @@ class WorkerProcess(Process):
         self.ledger = ledger
         self.member_id = ""
         if wait_joined:
-            joined = self.wait_event(lambda e: e["event"] == "joined", timeout=60)
-            self.member_id = joined["member_id"]
+            self.wait_joined()
+
+    def wait_joined(self, timeout: float = 60.0) -> str:
+        """Waits until it joined; its ``member_id``, also returned."""
+        joined = self.wait_event(lambda e: e["event"] == "joined", timeout=timeout)
+        self.member_id = joined["member_id"]
+        return self.member_id
 
     def events(self) -> list[dict[str, Any]]:
         while not self.lines.empty():
@@ -356,6 +387,24 @@ def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0, every: 
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def start_together(
+    into: list[WorkerProcess], start: Callable[[int], WorkerProcess], count: int
+) -> list[WorkerProcess]:
+    """Starts ``count`` workers at once (``start(i)``, not waiting for them
+    to join), appending each to ``into`` as it starts so that the caller's
+    cleanup reaches it, then waits until every one joined. One after the
+    other, each one's start-up (``import torch``, seconds) is sat out in
+    turn, with the ones already in training beside it on the same cores."""
+    started = []
+    for _ in range(count):
+        worker = start(len(into))
+        into.append(worker)
+        started.append(worker)
+    for worker in started:
+        worker.wait_joined()
+    return started
+
+
 @contextlib.contextmanager
 def training_team(
     etcd_endpoints: Sequence[str], tmp_path: Path, settings: Sequence[str], count: int = 3,
@@ -366,17 +415,20 @@ def training_team(
     plane = ControlPlane(list(etcd_endpoints), tmp_path, settings=tuple(settings))
     workers: list[WorkerProcess] = []
     try:
-        for index in range(count):
-            workers.append(WorkerProcess(plane, tmp_path / f"worker{index}.log", steps=1_000_000))
+        start_together(
+            workers,
+            lambda index: WorkerProcess(
+                plane, tmp_path / f"worker{index}.log", steps=1_000_000, wait_joined=False
+            ),
+            count,
+        )
         for worker in workers:
             worker.wait_event(
                 lambda e: e["event"] == "step" and e["world"] == count, timeout=patience
             )
         yield plane, workers
     finally:
-        for worker in workers:
-            with contextlib.suppress(Exception):
-                worker.stop(timeout=20)
+        stop_together(workers, timeout=20)
         plane.close()
 
 

@@ -3,24 +3,26 @@ the newest durable checkpoint (real etcd, real rendezvous, real workers)."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
 
 from rollcall.worker.ledger import Ledger, merge_ledgers
 from rollcall.worker.plan import DataPlan
-from tests.harness import ControlPlane, WorkerProcess, wait_for
+from tests.harness import ControlPlane, WorkerProcess, start_together, stop_together, wait_for
 from tests.test_worker_e2e import PATIENCE, _corpus_samples, assert_digests_agree, wait_step
 
 EVERY = 5
 
 
-def start(plane: ControlPlane, tmp_path: Path, index: int, steps: int) -> WorkerProcess:
+def start(
+    plane: ControlPlane, tmp_path: Path, index: int, steps: int, wait_joined: bool = True
+) -> WorkerProcess:
     return WorkerProcess(
         plane, tmp_path / f"worker{index}.log", steps=steps,
         ledger=tmp_path / f"ledger{index}.jsonl",
         extra=["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", str(EVERY)],
+        wait_joined=wait_joined,
     )  # fmt: skip
 
 
@@ -36,8 +38,9 @@ def test_every_worker_killed_then_new_workers_resume_from_the_newest_checkpoint(
     plane = control_plane
     workers: list[WorkerProcess] = []
     try:
-        first = [start(plane, tmp_path, i, 100_000) for i in range(3)]
-        workers += first
+        first = start_together(
+            workers, lambda i: start(plane, tmp_path, i, 100_000, wait_joined=False), 3
+        )
         for worker in first:
             wait_step(worker, lambda e: e["world"] == 3 and e["step"] >= 4 * EVERY)
         kill_everyone(plane, first)
@@ -80,9 +83,7 @@ def test_every_worker_killed_then_new_workers_resume_from_the_newest_checkpoint(
         assert first_step == newest["step"] + 1, "no step lost, none skipped"
         assert_digests_agree(second)
     finally:
-        for worker in workers:
-            with contextlib.suppress(Exception):
-                worker.stop(timeout=20)
+        stop_together(workers, timeout=20)
     # Every step of the run consumed the samples of an uninterrupted run
     # (replayed steps consumed the same ones again).
     merged = merge_ledgers(
@@ -117,6 +118,4 @@ def test_when_no_checkpoint_can_be_loaded_the_worker_says_so_and_changes_nothing
         assert plane.status_json()["checkpoints"] == manifests
         assert not workers[1].steps(), "a worker that cannot resume must not train from scratch"
     finally:
-        for worker in workers:
-            with contextlib.suppress(Exception):
-                worker.stop(timeout=20)
+        stop_together(workers, timeout=20)

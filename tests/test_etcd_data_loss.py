@@ -16,7 +16,6 @@ it (the one written on the way out), never from step 0.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 from collections.abc import Iterator
@@ -33,6 +32,8 @@ from tests.harness import (
     ReplicaProcess,
     WorkerProcess,
     last_step,
+    start_together,
+    stop_together,
     training_team,
     wait_for,
 )
@@ -128,10 +129,14 @@ def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_new_ones_resume_
     extra = ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "5"]
     workers: list[WorkerProcess] = []
     try:
-        for index in range(2):
-            workers.append(
-                WorkerProcess(plane, tmp_path / f"w{index}.log", steps=1_000_000, extra=extra)
-            )
+        start_together(
+            workers,
+            lambda index: WorkerProcess(
+                plane, tmp_path / f"w{index}.log", steps=1_000_000, extra=extra,
+                wait_joined=False,
+            ),
+            2,
+        )  # fmt: skip
         wait_for(lambda: plane.status_json()["checkpoints"], "a checkpoint", PATIENCE)
         _lose_every_replica_and_etcds_data(plane, etcd, tmp_path)
         held = []
@@ -177,11 +182,14 @@ def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_new_ones_resume_
         assert other.proc.wait(timeout=PATIENCE) == 5, other.log_tail()
         assert "global_batch is 64 but job" in other.log_tail(), other.log_tail()
         assert not other.steps(), "the differing worker trained"
-        late = [
-            WorkerProcess(plane, tmp_path / f"late{index}.log", steps=1_000_000, extra=extra)
-            for index in range(2)
-        ]
-        workers.extend(late)
+        late = start_together(
+            workers,
+            lambda index: WorkerProcess(
+                plane, tmp_path / f"late{index}.log", steps=1_000_000, extra=extra,
+                wait_joined=False,
+            ),
+            2,
+        )  # fmt: skip
         wait_for(
             lambda: all(len(w.steps()) >= 3 for w in late), "the new workers training", PATIENCE
         )
@@ -192,9 +200,7 @@ def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_new_ones_resume_
         record = plane.status_json()["checkpoints"]
         assert record and record[0]["step"] >= newest, record
     finally:
-        for worker in workers:
-            with contextlib.suppress(Exception):
-                worker.stop(timeout=20)
+        stop_together(workers, timeout=20)
         plane.close()
 
 
@@ -209,8 +215,13 @@ def test_etcd_wiped_no_replica_remembers_and_no_checkpoints_new_workers_refuse_s
     plane = ControlPlane([etcd.endpoint], tmp_path, settings=SETTINGS)
     workers: list[WorkerProcess] = []
     try:
-        for index in range(2):
-            workers.append(WorkerProcess(plane, tmp_path / f"w{index}.log", steps=1_000_000))
+        start_together(
+            workers,
+            lambda index: WorkerProcess(
+                plane, tmp_path / f"w{index}.log", steps=1_000_000, wait_joined=False
+            ),
+            2,
+        )
         wait_for(lambda: all(len(w.steps()) >= 5 for w in workers), "training", PATIENCE)
         _lose_every_replica_and_etcds_data(plane, etcd, tmp_path)
         for worker in workers:
@@ -235,7 +246,5 @@ def test_etcd_wiped_no_replica_remembers_and_no_checkpoints_new_workers_refuse_s
         assert over.steps()[0]["step"] == 0
         assert "starting over from step 0 as asked" in over.log_path.read_text()
     finally:
-        for worker in workers:
-            with contextlib.suppress(Exception):
-                worker.stop(timeout=20)
+        stop_together(workers, timeout=20)
         plane.close()

@@ -3,7 +3,6 @@ and real `rollcall worker` processes training the example LM."""
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
 import time
@@ -15,7 +14,7 @@ import pytest
 from rollcall.membership.config import Config
 from rollcall.worker.ledger import Ledger, merge_ledgers
 from rollcall.worker.plan import DataPlan
-from tests.harness import ControlPlane, Process, WorkerProcess
+from tests.harness import ControlPlane, Process, WorkerProcess, start_together, stop_together
 
 #: Generous safety bound for "training continues" waits on a loaded 2-core box.
 PATIENCE = 60.0
@@ -32,18 +31,22 @@ class Workers:
         self.all: list[WorkerProcess] = []
 
     def start(self) -> WorkerProcess:
-        index = len(self.all)
-        worker = WorkerProcess(
-            self.plane, self.tmp_path / f"worker{index}.log", steps=self.steps,
-            ledger=self.tmp_path / f"ledger{index}.jsonl",
-        )  # fmt: skip
-        self.all.append(worker)
+        (worker,) = self.start_together(1)
         return worker
 
+    def start_together(self, count: int) -> list[WorkerProcess]:
+        """``count`` workers started at once; returns once each joined."""
+
+        def start(index: int) -> WorkerProcess:
+            return WorkerProcess(
+                self.plane, self.tmp_path / f"worker{index}.log", steps=self.steps,
+                ledger=self.tmp_path / f"ledger{index}.jsonl", wait_joined=False,
+            )  # fmt: skip
+
+        return start_together(self.all, start, count)
+
     def close(self) -> None:
-        for worker in self.all:
-            with contextlib.suppress(Exception):
-                worker.stop(timeout=20)
+        stop_together(self.all, timeout=20)
 
 
 @pytest.fixture
@@ -78,7 +81,7 @@ def assert_digests_agree(workers: list[WorkerProcess]) -> int:
 
 
 def test_survivors_keep_training_without_restart_when_a_worker_is_killed(workers: Workers):
-    team = [workers.start() for _ in range(4)]
+    team = workers.start_together(4)
     for worker in team:
         wait_step(worker, lambda e: e["world"] == 4 and e["step"] >= 3)
     victim, survivors = team[1], [team[0], *team[2:]]
@@ -100,7 +103,7 @@ def test_survivors_keep_training_without_restart_when_a_worker_is_killed(workers
 
 
 def test_joiner_pulls_state_from_peers_and_all_digests_agree(workers: Workers):
-    team = [workers.start() for _ in range(4)]
+    team = workers.start_together(4)
     for worker in team:
         wait_step(worker, lambda e: e["world"] == 4 and e["step"] >= 5)
     joiner = workers.start()
@@ -120,6 +123,7 @@ def test_kills_and_joins_consume_exactly_the_samples_of_an_uninterrupted_run(
     steps = 300  # enough for the kills and joins below to land mid-run (~20 s of room)
     group = Workers(plane, tmp_path, steps=steps)
     try:
+        # One by one: what the first ones train meanwhile is not left for the final wait.
         team = [group.start() for _ in range(3)]
         for worker in team:
             wait_step(worker, lambda e: e["world"] == 3 and e["step"] >= 4)
@@ -154,7 +158,7 @@ def _corpus_samples() -> int:
 
 
 def test_frozen_worker_is_evicted_and_never_commits_in_its_old_epoch(workers: Workers):
-    team = [workers.start() for _ in range(3)]
+    team = workers.start_together(3)
     for worker in team:
         wait_step(worker, lambda e: e["world"] == 3 and e["step"] >= 3)
     frozen = team[2]
@@ -177,7 +181,7 @@ def test_frozen_worker_is_evicted_and_never_commits_in_its_old_epoch(workers: Wo
 
 
 def test_a_worker_that_finishes_leaves_without_a_timeout(workers: Workers, plane, tmp_path):
-    team = [workers.start() for _ in range(2)]
+    team = workers.start_together(2)
     for worker in team:
         wait_step(worker, lambda e: e["world"] == 2 and e["step"] >= 3)
     before = epoch_now(team)
@@ -198,7 +202,7 @@ def test_a_worker_that_finishes_leaves_without_a_timeout(workers: Workers, plane
 
 
 def test_ctrl_c_leaves_cleanly(workers: Workers):
-    team = [workers.start() for _ in range(3)]
+    team = workers.start_together(3)
     for worker in team:
         wait_step(worker, lambda e: e["world"] == 3)
     before = epoch_now(team)
@@ -212,7 +216,7 @@ def test_ctrl_c_leaves_cleanly(workers: Workers):
 
 
 def test_an_exception_in_user_code_leaves_and_the_others_continue(workers: Workers, plane):
-    team = [workers.start() for _ in range(2)]
+    team = workers.start_together(2)
     for worker in team:
         wait_step(worker, lambda e: e["world"] == 2 and e["step"] >= 3)
     before = epoch_now(team)
