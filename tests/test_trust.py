@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
+from rollcall.etcd_local import LocalEtcd
 from rollcall.membership.cause import Cause
 from rollcall.membership.config import Config
 from rollcall.membership.view import View
@@ -25,7 +26,14 @@ from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 from rollcall.protocol.client import RendezvousClient
 from rollcall.protocol.wire import token_metadata, view_from_pb
-from tests.harness import ControlPlane, MemberProcess, WorkerProcess, wait_for
+from tests.harness import (
+    ControlPlane,
+    MemberProcess,
+    WorkerProcess,
+    start_together,
+    stop_together,
+    wait_for,
+)
 
 Code = grpc.StatusCode
 
@@ -71,22 +79,47 @@ def wait_step(worker: WorkerProcess, predicate: Any, timeout: float = PATIENCE) 
     return worker.wait_event(lambda e: e["event"] == "step" and predicate(e), timeout)
 
 
-@pytest.fixture
-def workers(control_plane: ControlPlane, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
+@contextlib.contextmanager
+def two_workers(plane: ControlPlane, directory: Path) -> Iterator[list[WorkerProcess]]:
     """Two real workers training the example LM together."""
     team: list[WorkerProcess] = []
     try:
-        for index in range(2):
-            team.append(
-                WorkerProcess(control_plane, tmp_path / f"worker{index}.log", steps=100_000)
-            )
+        start_together(
+            team,
+            lambda index: WorkerProcess(
+                plane, directory / f"worker{index}.log", steps=100_000, wait_joined=False
+            ),
+            2,
+        )
         for worker in team:
             wait_step(worker, lambda e: e["world"] == 2 and e["step"] >= 5)
         yield team
     finally:
-        for worker in team:
-            with contextlib.suppress(Exception):
-                worker.stop(timeout=20)
+        stop_together(team, timeout=20)
+
+
+@pytest.fixture
+def workers(control_plane: ControlPlane, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
+    """Two real workers training the example LM together."""
+    with two_workers(control_plane, tmp_path) as team:
+        yield team
+
+
+@pytest.fixture(scope="module")
+def pulled_from(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ControlPlane, list[WorkerProcess]]]:
+    """A job of two real workers training, shared by the cases of the state
+    pull: each one only asks (and is refused), then checks that the same
+    view trains on."""
+    directory = tmp_path_factory.mktemp("pulled-from")
+    with LocalEtcd() as etcd:
+        plane = ControlPlane([etcd.endpoint], directory)
+        try:
+            with two_workers(plane, directory) as team:
+                yield plane, team
+        finally:
+            plane.close()
 
 
 # --- member ids are not credentials ---------------------------------------------------
@@ -359,13 +392,15 @@ def _state_calls(
     return asyncio.run(ask())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("secret", ["", "0" * 64, "not a secret"])
 def test_a_state_pull_naming_a_member_without_the_epoch_secret_is_refused(
-    control_plane: ControlPlane, workers: list[WorkerProcess], secret: str
+    pulled_from: tuple[ControlPlane, list[WorkerProcess]], secret: str
 ) -> None:
     """Finding 10: a token holder that is not a member pulled the full state
     from a worker by naming a member id and the epoch (both in ``Status``),
     and rank 0's ``GroupStore`` handed it the bootstrap store's port."""
+    control_plane, workers = pulled_from
     view = settled_view(control_plane, 2)
     rank0, rank1 = view.members
     asked = _state_calls(
