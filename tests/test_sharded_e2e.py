@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from rollcall.etcd_local import LocalEtcd
 from rollcall.membership.shards import ShardPlan, least_moves
 from rollcall.worker.ledger import Ledger, merge_ledgers
 from tests.harness import ControlPlane, ProgramProcess, wait_for
@@ -91,16 +92,20 @@ def epoch_of(program: ProgramProcess) -> int:
     return program.events("step")[-1]["epoch"]
 
 
-def reference(etcd, tmp_path: Path) -> tuple[dict[int, set[str]], dict[int, tuple[int, ...]]]:
-    """One replicated worker in exact mode: the parameters after each step,
-    and the samples each step consumed."""
-    with run(etcd, tmp_path, "alone") as alone:
+Reference = tuple[dict[int, set[str]], dict[int, tuple[int, ...]]]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
+    """One replicated worker in exact mode (run once for the module): the
+    parameters after each step, and the samples each step consumed."""
+    with LocalEtcd() as etcd, run(etcd, tmp_path_factory.mktemp("reference"), "alone") as alone:
         program = alone.start("--min-workers", "1")
         assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
         models = alone.models()
         [path] = alone.ledgers()
-    assert sorted(models) == list(range(STEPS))
-    return models, Ledger.load(path).steps()
+        assert sorted(models) == list(range(STEPS))
+        yield models, Ledger.load(path).steps()
 
 
 def differing(found: dict[int, set[str]], want: dict[int, set[str]]) -> dict:
@@ -112,9 +117,9 @@ SHARDED = ("--shard-redundancy", "2", "--shard-partitions", str(PARTITIONS), "--
 
 @pytest.mark.timeout(900)
 def test_two_kills_and_two_joins_reshard_without_a_checkpoint_and_keep_the_replicated_bits(
-    etcd, tmp_path: Path
+    etcd, tmp_path: Path, reference: Reference
 ) -> None:
-    want, want_ledger = reference(etcd, tmp_path)
+    want, want_ledger = reference
     with run(etcd, tmp_path, "sharded") as job:
         team = [job.start(*SHARDED) for _ in range(4)]
         changes = []  # per cycle: (the dead, tables before, after the kill, after the join)
@@ -183,9 +188,9 @@ def _plan(owners: list[set[str]]) -> ShardPlan:
 
 @pytest.mark.timeout(900)
 def test_killing_both_owners_of_a_partition_resumes_from_the_checkpoint_with_the_replay_cost(
-    etcd, tmp_path: Path
+    etcd, tmp_path: Path, reference: Reference
 ) -> None:
-    want, want_ledger = reference(etcd, tmp_path)
+    want, want_ledger = reference
     checkpoints = tmp_path / "checkpoints"
     env = {"ROLLCALL_CHECKPOINT_DIR": str(checkpoints)}
     with run(etcd, tmp_path, "lost") as job:
