@@ -1,6 +1,8 @@
 """Sharded optimizer state end to end (docs/sharding.md): four workers of the
-CNN test program in exact mode with ``shard_redundancy=2``, through a kill
-and a join, and through the kill of both owners of a partition. Real etcd, a
+CNN test program in exact mode with ``shard_redundancy=2``, through two
+kills and two joins (with a failover of the rendezvous leader between
+them: the standby reads the shard plan from etcd), and through the kill of
+both owners of a partition. Real etcd, a
 real rendezvous service, real worker processes and gloo.
 
 What each run is compared with: one replicated worker in exact mode, whose
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,10 +61,10 @@ class Run:
 
 
 @contextlib.contextmanager
-def run(etcd, tmp_path: Path, job: str) -> Iterator[Run]:
+def run(etcd, tmp_path: Path, job: str, replicas: int = 1) -> Iterator[Run]:
     directory = tmp_path / job
     directory.mkdir()
-    plane = ControlPlane([etcd.endpoint], directory, job=job)
+    plane = ControlPlane([etcd.endpoint], directory, job=job, replicas=replicas)
     group = Run(plane, directory)
     try:
         yield group
@@ -120,7 +123,7 @@ def test_two_kills_and_two_joins_reshard_without_a_checkpoint_and_keep_the_repli
     etcd, tmp_path: Path, reference: Reference
 ) -> None:
     want, want_ledger = reference
-    with run(etcd, tmp_path, "sharded") as job:
+    with run(etcd, tmp_path, "sharded", replicas=2) as job:
         team = [job.start(*SHARDED) for _ in range(4)]
         changes = []  # per cycle: (the dead, tables before, after the kill, after the join)
         kill_at = 6
@@ -130,6 +133,18 @@ def test_two_kills_and_two_joins_reshard_without_a_checkpoint_and_keep_the_repli
                 return min(step_of(p) for p in team) >= at
 
             wait_for(reached, f"step {kill_at}", PATIENCE)
+            if cycle == 1:
+                (job.directory / "hold").touch()  # the team waits out the takeover
+                old = job.plane.status_json()["leader"]
+                next(r for r in job.plane.replicas if r.address == old).kill()
+
+                def new_leader(old: str = old) -> bool:
+                    return job.plane.status_json().get("leader") not in ("", None, old)
+
+                wait_for(new_leader, "the standby to lead", PATIENCE)
+                time.sleep(4)  # past the takeover grace: every member must still be in
+                assert len(job.plane.status_json()["members"]) == 4
+                (job.directory / "hold").unlink()
             before = {member_of(p): resharded(p, epoch_of(p)) for p in team}
             victim = team.pop(cycle)  # a joiner of the first cycle dies in the second
             victim.signal(signal.SIGKILL)
