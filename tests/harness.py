@@ -368,6 +368,15 @@ class ProgramProcess(Process):
         argv = [sys.executable, str(ROOT / "tests" / "programs" / program), *args]
         super().__init__(argv, {**plane.environment(), **(env or {})}, log_path)
 
+    def last_step(self) -> int:
+        """The newest step it printed (-1 before any)."""
+        return max((e["step"] for e in self.events("step")), default=-1)
+
+    def world(self) -> int:
+        """The world size of the newest step it printed (0 before any)."""
+        steps = self.events("step")
+        return int(steps[-1]["world"]) if steps else 0
+
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         while not self.lines.empty():
             self.seen.append(self.lines.get_nowait())

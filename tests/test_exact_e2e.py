@@ -67,15 +67,6 @@ def run(etcd, tmp_path: Path, job: str) -> Iterator[Run]:
         plane.close()
 
 
-def step_of(program: ProgramProcess) -> int:
-    return max((e["step"] for e in program.events("step")), default=-1)
-
-
-def world_of(program: ProgramProcess) -> int:
-    steps = program.events("step")
-    return steps[-1]["world"] if steps else 0
-
-
 def tensors(tree: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(tree, torch.Tensor):
         yield prefix, tree
@@ -106,18 +97,18 @@ def test_one_worker_and_three_with_two_kills_and_two_joins_hold_the_same_bits_at
         for _ in range(2):
 
             def reached(at: int = kill_at) -> bool:
-                return min(step_of(p) for p in team) >= at
+                return min(p.last_step() for p in team) >= at
 
             wait_for(reached, f"step {kill_at}", PATIENCE)
             victim = team.pop(0)  # rank 0 first, then a survivor
             victim.signal(signal.SIGKILL)
-            wait_for(lambda: all(world_of(p) == 2 for p in team), "the view to shrink", PATIENCE)
+            wait_for(lambda: all(p.world() == 2 for p in team), "the view to shrink", PATIENCE)
             hold.touch()  # the survivors wait between steps until the joiner is in
             team.append(churn.start(3))  # the same settings: min_workers is checked at join
             wait_for(lambda: len(churn.plane.status_json()["members"]) == 3, "the join", PATIENCE)
             hold.unlink()
-            wait_for(lambda: all(world_of(p) == 3 for p in team), "the joiner", PATIENCE)
-            kill_at = max(step_of(p) for p in team) + 10
+            wait_for(lambda: all(p.world() == 3 for p in team), "the joiner", PATIENCE)
+            kill_at = max(p.last_step() for p in team) + 10
         for program in team:
             assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
         digests = churn.digests()

@@ -75,15 +75,6 @@ def run(etcd, tmp_path: Path, job: str, replicas: int = 1) -> Iterator[Run]:
         plane.close()
 
 
-def step_of(program: ProgramProcess) -> int:
-    return max((e["step"] for e in program.events("step")), default=-1)
-
-
-def world_of(program: ProgramProcess) -> int:
-    steps = program.events("step")
-    return steps[-1]["world"] if steps else 0
-
-
 def resharded(program: ProgramProcess, epoch: int) -> dict | None:
     for event in program.events("step"):
         if event["epoch"] == epoch and "resharded" in event:
@@ -130,7 +121,7 @@ def test_two_kills_and_two_joins_reshard_without_a_checkpoint_and_keep_the_repli
         for cycle in range(2):
 
             def reached(at: int = kill_at) -> bool:
-                return min(step_of(p) for p in team) >= at
+                return min(p.last_step() for p in team) >= at
 
             wait_for(reached, f"step {kill_at}", PATIENCE)
             if cycle == 1:
@@ -148,17 +139,17 @@ def test_two_kills_and_two_joins_reshard_without_a_checkpoint_and_keep_the_repli
             before = {member_of(p): resharded(p, epoch_of(p)) for p in team}
             victim = team.pop(cycle)  # a joiner of the first cycle dies in the second
             victim.signal(signal.SIGKILL)
-            wait_for(lambda: all(world_of(p) == 3 for p in team), "the view to shrink", PATIENCE)
+            wait_for(lambda: all(p.world() == 3 for p in team), "the view to shrink", PATIENCE)
             after_kill = {member_of(p): resharded(p, epoch_of(p)) for p in team}
             (job.directory / "hold").touch()  # the team waits between steps for the joiner
             joiner = job.start(*SHARDED)
             team.append(joiner)
             wait_for(lambda: len(job.plane.status_json()["members"]) == 4, "the join", PATIENCE)
             (job.directory / "hold").unlink()
-            wait_for(lambda: all(world_of(p) == 4 for p in team), "the joiner", PATIENCE)
+            wait_for(lambda: all(p.world() == 4 for p in team), "the joiner", PATIENCE)
             after_join = {member_of(p): resharded(p, epoch_of(p)) for p in team}
             changes.append((member_of(victim), member_of(joiner), before, after_kill, after_join))
-            kill_at = max(step_of(p) for p in team) + 6
+            kill_at = max(p.last_step() for p in team) + 6
         for program in team:
             assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
         models = job.models()
@@ -210,7 +201,7 @@ def test_killing_both_owners_of_a_partition_resumes_from_the_checkpoint_with_the
     env = {"ROLLCALL_CHECKPOINT_DIR": str(checkpoints)}
     with run(etcd, tmp_path, "lost") as job:
         team = [job.start(*SHARDED, "--checkpoint-every", "5", env=env) for _ in range(4)]
-        wait_for(lambda: min(step_of(p) for p in team) >= 12, "step 12", PATIENCE)
+        wait_for(lambda: min(p.last_step() for p in team) >= 12, "step 12", PATIENCE)
         first = epoch_of(team[0])
         table = {p.events("joined")[0]["member_id"]: resharded(p, first) for p in team}
         ids = list(table)
