@@ -42,20 +42,18 @@ class View(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., resume_step: _Optional[int] = ..., digest: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[FetchPlan, _Mapping]]] = ..., shards: _Optional[_Union[ShardedView, _Mapping]] = ...) -> None: ...
 
 class ShardedView(_message.Message):
-    __slots__ = ("redundancy", "owners", "sources", "lost", "base", "has_base")
+    __slots__ = ("redundancy", "owners", "sources", "lost", "base")
     REDUNDANCY_FIELD_NUMBER: _ClassVar[int]
     OWNERS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
-    HAS_BASE_FIELD_NUMBER: _ClassVar[int]
     redundancy: int
     owners: _containers.RepeatedCompositeFieldContainer[MemberList]
     sources: _containers.RepeatedCompositeFieldContainer[MemberList]
     lost: _containers.RepeatedScalarFieldContainer[int]
     base: _containers.RepeatedCompositeFieldContainer[MemberList]
-    has_base: bool
-    def __init__(self, redundancy: _Optional[int] = ..., owners: _Optional[_Iterable[_Union[MemberList, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[MemberList, _Mapping]]] = ..., lost: _Optional[_Iterable[int]] = ..., base: _Optional[_Iterable[_Union[MemberList, _Mapping]]] = ..., has_base: _Optional[bool] = ...) -> None: ...
+    def __init__(self, redundancy: _Optional[int] = ..., owners: _Optional[_Iterable[_Union[MemberList, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[MemberList, _Mapping]]] = ..., lost: _Optional[_Iterable[int]] = ..., base: _Optional[_Iterable[_Union[MemberList, _Mapping]]] = ...) -> None: ...
 
 class MemberList(_message.Message):
     __slots__ = ("ids",)

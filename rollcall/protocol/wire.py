@@ -124,7 +124,6 @@ def view_to_pb(view: View) -> pb.View:
             sources=[pb.MemberList(ids=list(s)) for s in shards.sources],
             lost=list(shards.lost),
             base=[pb.MemberList(ids=list(o)) for o in (shards.base.owners if shards.base else ())],
-            has_base=shards.base is not None,
         ))  # fmt: skip
     return message
 
@@ -145,7 +144,7 @@ def _shards_from_pb(message: pb.ShardedView) -> ShardedView:
     base = ShardPlan(tuple(tuple(o.ids) for o in message.base), message.redundancy)
     return ShardedView(
         plan, tuple(tuple(s.ids) for s in message.sources), tuple(message.lost),
-        base if message.has_base else None,
+        base if message.base else None,
     )  # fmt: skip
 
 
