@@ -1251,10 +1251,7 @@ class Elastic:
         snapshot = None
         landed = False
         try:
-            fenced = self._fenced()
-            if self._sharded is not None:
-                fenced = self._all_fenced(group, fenced)
-            if not fenced:
+            if not self._fenced():
                 with self._state:
                     gone = self._member.ended or self._member.leaving
                 if not gone:
@@ -1300,21 +1297,6 @@ class Elastic:
             self._incomplete = False
             return self._complete_step(step)
         return True
-
-    def _all_fenced(self, group: EpochGroup, fenced: bool) -> bool:
-        """(Sharded.) Whether every rank may apply the step: one tiny
-        all-reduce of the fence checks. A step that lands on some ranks
-        only leaves the partitions of the others one step behind, and a
-        partition none of whose owners holds the newest step is lost (the
-        job falls back to its checkpoint); a fence check fails on each rank
-        on its own (a leader failover delays acknowledgements), so the ranks
-        agree. A failed all-reduce counts as a refusal."""
-        flag = torch.tensor([1.0 if fenced else 0.0])
-        try:
-            group.allreduce([flag], ReduceOp.MIN)
-        except StepAborted:
-            return False
-        return bool(flag[0] == 1.0)
 
     def _reduction(self, step: Step) -> tuple[list[torch.Tensor], slice]:
         """What the step's one all-reduce sums: every gradient (zeros for a
