@@ -23,6 +23,11 @@ The rules (DESIGN.md, "Steps, commits and coherent state"; docs/worker.md,
 * a roll call that arrives while such a step is being applied is answered
   once it has landed, so the answer names it (and every member that
   completed the reduction answers alike);
+* a step that landed is *settling* until the loop asks for the next step
+  (or declares itself busy): the loop's own code after ``commit()`` (an
+  EMA update, a counter) is part of the step, so a roll call that arrives
+  meanwhile is answered once it settled, and the state it names is the
+  step's whole state;
 * a view is entered only if it is newer than any entered, contains this
   member, is not older than a roll call answered, and (while nobody holds
   state) has ``min_workers`` members;
@@ -95,7 +100,9 @@ class Member:
         self.step = -1
         #: The step being applied (its reduction completed), if any.
         self.applying: int | None = None
-        #: Newest roll call that waits for ``applying`` to land.
+        #: The step that landed and whose loop code after commit() runs.
+        self.settling: int | None = None
+        #: Newest roll call that waits for ``applying`` to land and settle.
         self._deferred: int | None = None
         self.ended = False
         self.leaving = False
@@ -134,9 +141,10 @@ class Member:
 
     def roll_call(self, epoch: int) -> Answer | None:
         """Roll call ``epoch`` started: abort the step in flight. The answer
-        now, or None if a step is being applied (``applied`` returns it)."""
+        now, or None if a step is being applied or settling (``applied`` or
+        ``settled`` returns it)."""
         self.answered = max(self.answered, epoch)
-        if self.applying is not None:
+        if self.applying is not None or self.settling is not None:
             self._deferred = max(self._deferred or 0, epoch)
             return None
         return Answer(epoch, self.step if self.step >= 0 else None)
@@ -163,7 +171,7 @@ class Member:
 
     def restored(self, step: int) -> None:
         """The state of committed step ``step`` was loaded (fetched from a
-        peer, or from a checkpoint)."""
+        peer, or from a checkpoint), or dropped (-1)."""
         self.step = step
 
     def reduced(self, step: int, epoch: int) -> Drop | None:
@@ -187,13 +195,28 @@ class Member:
         return Fence.EXPIRED if now - since > window else Fence.WAIT
 
     def applied(self, step: int, landed: bool) -> Answer | None:
-        """The step being applied landed (``landed``) or was dropped. Returns
-        the answer of a roll call that waited for it."""
+        """The step being applied landed (``landed``: it settles next) or was
+        dropped. Returns the answer of a roll call that waited for a dropped
+        step (one that waited for a landed step waits for ``settled``)."""
         if self.applying != step:
             raise ValueError(f"step {step} is not being applied ({self.applying})")
         self.applying = None
         if landed:
             self.step = step
+            self.settling = step
+            return None
+        return self._release()
+
+    def settled(self) -> Answer | None:
+        """The loop finished the step that landed last (it asks for the next
+        step, leaves the loop or declares itself busy). Returns the answer of
+        a roll call that waited for it."""
+        if self.settling is None:
+            return None
+        self.settling = None
+        return self._release()
+
+    def _release(self) -> Answer | None:
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return None

@@ -64,8 +64,35 @@ def test_a_roll_call_during_an_update_is_answered_once_it_landed_and_names_it() 
     assert member.reduced(7, epoch=1) is None
     assert member.roll_call(2) is None  # waits for the update
     assert member.fence(now=10.1, since=10.1) is Fence.OK
-    assert member.applied(7, landed=True) == Answer(2, 7)
+    assert member.applied(7, landed=True) is None  # and then for the loop to finish it
+    assert member.settled() == Answer(2, 7)
     assert member.step == 7
+
+
+def test_a_roll_call_after_a_step_landed_waits_until_the_loop_finished_the_step() -> None:
+    # The loop's code after commit() (an EMA update) is part of the step:
+    # the state an answer names must include it.
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    member.acked(sent_at=10.0)
+    assert member.reduced(4, epoch=1) is None
+    assert member.applied(4, landed=True) is None
+    assert member.roll_call(2) is None
+    assert member.aborting
+    assert member.settled() == Answer(2, 4)
+    assert member.settled() is None  # nothing settles twice
+    assert member.roll_call(3) == Answer(3, 4)  # settled: answered at once
+
+
+def test_a_dropped_step_answers_a_waiting_roll_call_at_once() -> None:
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    assert member.reduced(4, epoch=1) is None
+    assert member.roll_call(2) is None
+    assert member.applied(4, landed=False) == Answer(2, None)
+    assert member.settling is None
 
 
 def test_without_a_fresh_acknowledgement_the_fence_waits_then_expires() -> None:
@@ -161,8 +188,9 @@ def test_the_interleaving_that_lost_an_abort_loses_none_now() -> None:
 class MemberMachine(RuleBasedStateMachine):
     """The control thread's and the training thread's inputs, interleaved in
     any order; time moves forward only. ``log`` holds what the member did,
-    in order: ("answer", roll-call epoch, step named) and ("apply", step,
-    epoch it ran in)."""
+    in order: ("answer", roll-call epoch, step named), ("apply", step,
+    epoch it ran in) and ("settle", step, epoch): the loop finished the step
+    after its commit."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -201,7 +229,10 @@ class MemberMachine(RuleBasedStateMachine):
 
     # training thread
 
-    @precondition(lambda self: self.in_flight is None and self.reducing is None)
+    @precondition(
+        lambda self: self.in_flight is None and self.reducing is None
+        and self.member.settling is None
+    )  # fmt: skip
     @rule()
     def training_enters_the_next_view(self) -> None:
         entering = self.member.next_view()
@@ -211,7 +242,8 @@ class MemberMachine(RuleBasedStateMachine):
 
     @precondition(
         lambda self: self.in_flight is None and self.reducing is None and self.member.entered > 0
-    )
+        and self.member.settling is None
+    )  # fmt: skip
     @rule()
     def training_starts_a_reduction(self) -> None:
         if not self.member.aborting:  # else the step stops before its all-reduce
@@ -242,6 +274,13 @@ class MemberMachine(RuleBasedStateMachine):
         self._answered(answer)
         self.in_flight = None
 
+    @precondition(lambda self: self.member.settling is not None)
+    @rule()
+    def training_finishes_the_step_after_commit(self) -> None:
+        # The loop's own code after commit() changes registered state here.
+        self.log.append(("settle", self.member.step, self.member.entered))
+        self._answered(self.member.settled())
+
     # invariants
 
     @invariant()
@@ -252,7 +291,7 @@ class MemberMachine(RuleBasedStateMachine):
         for kind, a, b in self.log:
             if kind == "answer":
                 newest_answer = max(newest_answer, a)
-            else:
+            elif kind == "apply":
                 assert b >= newest_answer, (
                     f"step {a} applied in epoch {b} after answer {newest_answer}"
                 )
@@ -263,8 +302,19 @@ class MemberMachine(RuleBasedStateMachine):
         for kind, a, b in self.log:
             if kind == "apply":
                 last = a
-            else:
+            elif kind == "answer":
                 assert b == last, f"answer to roll call {a} named {b}, last landed {last}"
+
+    @invariant()
+    def no_answer_comes_between_a_step_landing_and_the_loop_finishing_it(self) -> None:
+        unsettled = False
+        for kind, a, b in self.log:
+            if kind == "apply":
+                unsettled = True
+            elif kind == "settle":
+                unsettled = False
+            elif kind == "answer":
+                assert not unsettled, f"roll call {a} answered before step {b} was finished"
 
     @invariant()
     def an_abort_is_never_lost(self) -> None:

@@ -45,12 +45,12 @@ class Programs:
         self.plane, self.tmp_path = plane, tmp_path
         self.all: list[ProgramProcess] = []
 
-    def start(self, *args: str) -> ProgramProcess:
+    def start(self, *args: str, env: dict[str, str] | None = None) -> ProgramProcess:
         index = len(self.all)
         program = ProgramProcess(
             self.plane, PROGRAM,
             [*args, "--ledger", str(self.tmp_path / f"ledger{index}.jsonl")],
-            self.tmp_path / f"program{index}.log",
+            self.tmp_path / f"program{index}.log", env=env,
         )  # fmt: skip
         self.all.append(program)
         return program
@@ -153,6 +153,36 @@ def test_an_ordinary_script_survives_a_kill_and_a_join_with_every_replica_identi
     for other in saved[1:]:
         assert other.keys() == saved[0].keys()
         assert all(torch.equal(other[k], saved[0][k]) for k in saved[0]), "replicas differ"
+
+
+def test_state_the_loop_changes_after_commit_travels_with_its_step(
+    programs: Programs, tmp_path: Path
+) -> None:
+    # The loop updates its EMA (registered state) after commit() returns, as
+    # ordinary loops do; here it pauses first, so that the joiner's roll call
+    # and the checkpoints land in between. What a peer is sent, and what a
+    # checkpoint holds, must be the step's whole state: what the loop holds
+    # when it asks for the next step, EMA update included.
+    checkpoints = tmp_path / "checkpoints"
+    common = ["--steps", "40", "--digests", "--after-commit-pause", "0.3", "--loader-workers",
+              "0", "--checkpoint-every", "4"]  # fmt: skip
+    env = {"ROLLCALL_CHECKPOINT_DIR": str(checkpoints)}
+    first = programs.start(*common, env=env)
+    wait_step(first, lambda e: e["step"] >= 3)
+    joiner = programs.start(*common, env=env)
+    for program in (first, joiner):
+        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+    assert "pulled step" in joiner.log_tail(400)
+    by_step: dict[int, set[str]] = {}
+    for program in programs.all:
+        for event in program.events("step"):
+            by_step.setdefault(event["step"], set()).add(event["digest"])
+    assert sorted(by_step) == list(range(40))
+    assert {s: d for s, d in by_step.items() if len(d) > 1} == {}, "the joiner's state differs"
+    manifests = [json.loads(p.read_text()) for p in checkpoints.glob("*.manifest.json")]
+    assert len(manifests) >= 3
+    for manifest in manifests:
+        assert {manifest["digest"]} == by_step[manifest["step"]], manifest["uri"]
 
 
 def test_a_scheduler_stepped_in_the_loop_as_well_is_refused(programs: Programs) -> None:

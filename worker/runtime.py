@@ -111,9 +111,6 @@ from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, Transf
 
 log = logging.getLogger("rollcall.worker")
 T = TypeVar("T")
-#: Exact mode's collectives by name.
-_REDUCE_OPS = {"max": ReduceOp.MAX, "sum": ReduceOp.SUM}
-
 #: ``Elastic.all_reduce`` operations.
 _REDUCE_OPS = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX,
                "min": ReduceOp.MIN, "product": ReduceOp.PRODUCT}  # fmt: skip
@@ -393,8 +390,14 @@ class Elastic:
         #: for each call to it, never longer.
         self._member = Member(self._config)
         self._state = threading.Lock()
-        #: Roll calls waiting for an update in flight to land, to name it.
+        #: Roll calls waiting for an update in flight to land and settle (the
+        #: loop's code after commit() to run), and since when (monotonic).
         self._waiting_answers: list[asyncio.Future[int | None]] = []
+        self._waiting_since: float | None = None
+        #: A checkpoint due at the step that landed last, captured once the
+        #: step settled: (step, epoch, the whole optimizer state gathered
+        #: from the shards in a sharded job, else None).
+        self._due_checkpoint: tuple[int, int, dict[str, Any] | None] | None = None
         #: Signalled when a view arrives or a roll call starts.
         self._view_changed = threading.Condition()
         self._view: View = EMPTY_VIEW
@@ -547,6 +550,9 @@ class Elastic:
                 f"busy timeout must be in (0, {self._config.busy_max:g}] seconds "
                 f"(Config.busy_max), got {timeout!r}"
             )
+        # What the loop did after commit() is done: a roll call that comes
+        # while it is busy is answered at once, with the step's state.
+        self._settle()
         reason = str(reason)[:200]
         started = time.monotonic()
         self._loop.call_soon_threadsafe(self._client.declare_busy, seconds, reason)
@@ -660,7 +666,9 @@ class Elastic:
         and the digest of the state this worker will serve. A step whose
         all-reduce completed has every member's contribution: the answer
         waits for it to land, so that it names it and every member that
-        completed the reduction answers alike."""
+        completed the reduction answers alike, and then for the loop to
+        finish it (its code after ``commit()`` may change registered state,
+        an EMA say), so that the state served is the step's whole state."""
         self._causes[epoch] = causes
         loop = asyncio.get_running_loop()
         with self._state:
@@ -669,6 +677,8 @@ class Elastic:
             if answer is None:
                 waiting = loop.create_future()
                 self._waiting_answers.append(waiting)
+                if self._waiting_since is None:
+                    self._waiting_since = time.monotonic()
         self._wake()
         step = answer.step if answer is not None else await waiting  # type: ignore[misc]
         return await loop.run_in_executor(None, self._digest_of, step)
@@ -694,6 +704,7 @@ class Elastic:
         """(Training side.) Hand the step that just landed (or not) to the
         roll calls that waited for it."""
         waiting, self._waiting_answers = self._waiting_answers, []
+        self._waiting_since = None
         for future in waiting:
             self._loop.call_soon_threadsafe(_settle, future, step)
 
@@ -823,7 +834,9 @@ class Elastic:
                 try:
                     yield step
                 finally:
-                    if not step.committed:
+                    if step.committed:
+                        self._settle()
+                    else:
                         self._discard(step)
                 if not step.committed:
                     break
@@ -856,9 +869,43 @@ class Elastic:
             "step %d landed but its parameter all-gather did not complete: waiting for the "
             "next view to complete it", step.number,
         )  # fmt: skip
+        # The roll call of that view cannot wait for the loop's code after
+        # this commit (it is the loop's next step): answered now.
+        self._settle()
         while not self._enter_next():
             pass
         return self.committed_step >= step.number
+
+    def _settle(self) -> None:
+        """(Training side.) The loop finished the step that landed last: it
+        asks for the next step, leaves the loop or declares itself busy, so
+        the registered state is the step's whole state. Answer the roll calls
+        that waited for that, and capture the checkpoint due at the step."""
+        waited = self._waiting_since
+        with self._state:
+            answer = self._member.settled()
+        if answer is not None:
+            self._answer_waiting(answer.step)
+            waited_s = time.monotonic() - waited if waited is not None else 0.0
+            if waited_s > self._config.rollcall_deadline / 2:
+                log.warning(
+                    "a roll call waited %.2f s for the loop to finish step %s (its code after "
+                    "commit()); the roll call's deadline is %.1f s: wrap long work between "
+                    "steps in job.busy(), or this worker is left out of the view",
+                    waited_s, answer.step, self._config.rollcall_deadline,
+                )  # fmt: skip
+        due, self._due_checkpoint = self._due_checkpoint, None
+        if due is None:
+            return
+        number, epoch, optimizer = due
+        assert self.checkpoints is not None and self.member_id is not None
+        with self._lock:
+            if self.committed_step != number:  # a view restored other state meanwhile
+                return
+            state = self._capture(number)
+            if optimizer is not None:
+                state.optimizer = optimizer
+        self.checkpoints.submit(state, epoch, self.member_id, self._step_seconds)
 
     def _discard(self, step: Step) -> None:
         """Throw away what an uncommitted step did to gradients and buffers."""
@@ -1141,10 +1188,11 @@ class Elastic:
         results = await asyncio.gather(*(one(p) for p in partitions))
         return {p: state for p, state, _ in results}, sum(size for _, _, size in results)
 
-    def _publish_shards(self, step: Step, group: EpochGroup) -> ReplicaState | None:
+    def _publish_shards(self, step: Step, group: EpochGroup) -> dict[str, Any] | None:
         """(Under ``_lock``, the step landed.) The all-gather of the updated
         parameters; then, at a checkpoint step, the gather of every
-        partition's state to rank 0, which returns the checkpoint's state.
+        partition's state to rank 0, which returns the whole optimizer state
+        (in ``state_dict`` form) for the checkpoint.
         A failed all-gather leaves the step landed: the next view completes
         it (``_enter_shards``)."""
         sharded, view = self._sharded, self._shard_view
@@ -1174,10 +1222,8 @@ class Elastic:
         for length, part in zip(lengths, parts, strict=True):
             for partition, segments in tree_from_bytes(part[: int(length)].numpy().tobytes()):
                 states.append(PartitionState(int(partition), tuple(segments)))
-        state = self._capture(step.number)
         with self._guarded():
-            state.optimizer = sharded.gathered_state(states)
-        return state
+            return sharded.gathered_state(states)
 
     def _patience(self, started: float) -> float:
         """How long a wait for peers that began at ``started`` may go on:
@@ -1248,7 +1294,6 @@ class Elastic:
             # Drop.ANSWERED: our answer to a roll call already named the
             # previous step; applying this one would run it twice.
             return False
-        snapshot = None
         landed = False
         try:
             if not self._fenced():
@@ -1265,9 +1310,11 @@ class Elastic:
                 self._apply(step, finish)
                 landed = True
                 if self._sharded is None and self._checkpoint_due(step):
-                    snapshot = self._capture(step.number)
+                    self._due_checkpoint = (step.number, step.epoch, None)
                 if self._sharded is not None:
-                    snapshot = self._publish_shards(step, group)
+                    optimizer = self._publish_shards(step, group)
+                    if optimizer is not None:
+                        self._due_checkpoint = (step.number, step.epoch, optimizer)
         finally:
             with self._state:
                 answer = self._member.applied(step.number, landed)
@@ -1275,9 +1322,6 @@ class Elastic:
                 self._answer_waiting(answer.step)
         self._time_step(step.epoch)
         self._account(step)
-        if snapshot is not None:
-            assert self.checkpoints is not None and self.member_id is not None
-            self.checkpoints.submit(snapshot, step.epoch, self.member_id, self._step_seconds)
         step.loss = loss / count
         self.ledger.record(
             step.number, step.epoch, step.world_size, self.plan.step_samples(step.number)

@@ -176,6 +176,7 @@ def train(args: argparse.Namespace) -> None:
             if not step.commit():
                 say(event="aborted", step=step.number, epoch=step.epoch)
                 continue
+            time.sleep(args.after_commit_pause)  # a roll call or a checkpoint lands here
             ema.update(model)
             record = {"event": "step", "step": step.number, "loss": step.loss,
                       "epoch": step.epoch, "rank": step.rank, "world": step.world_size,
@@ -277,6 +278,10 @@ def main() -> None:
     parser.add_argument("--shard-redundancy", type=int, help="Elastic(shard_redundancy=...)")
     parser.add_argument("--shard-partitions", type=int, default=64)
     parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument(
+        "--after-commit-pause", type=float, default=0.0,
+        help="seconds between commit() and the EMA update (registered state changed late)",
+    )  # fmt: skip
     parser.add_argument("--hold-while", help="before each step, wait while this file exists")
     parser.add_argument(
         "--save-state", help="every rank saves model, optimizer and scheduler state here"
