@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import matplotlib.font_manager  # noqa: F401  (see below)
 import pytest
 from click.testing import CliRunner, Result
 
@@ -32,6 +33,11 @@ from rollcall.report.run import (
     stall_stats,
 )
 from rollcall.report.text import TABLE_HEADER, table_cells
+
+# matplotlib builds its font cache on first use, running `fc-list` once: on a
+# fresh machine that is a process started by the first test that draws, which
+# the fast lane refuses. Importing the font manager here, at collection, builds
+# the cache before any test runs.
 
 T0 = 1_700_000_000.0
 GLOBAL_BATCH = 32
