@@ -46,6 +46,14 @@ class Config:
     #: within one process, and by the worker against the service's bound,
     #: which the ``Join`` answer carries.
     fence_window: float = 0.5
+    #: How long a step whose reduction completed waits for such an
+    #: acknowledgement before it is dropped. A leader failover stops them
+    #: for ``election_ttl`` and a reconnection: a member that gave up sooner
+    #: would drop a step that members whose last acknowledgement was a
+    #: little younger landed, and with sharded optimizer state the
+    #: partitions only it and such members held would be lost. An evicted
+    #: member does not wait: its session's end is an answer at once.
+    fence_patience: float = 5.0
 
     # --- collectives and busy members ---------------------------------------
     #: How long a collective, or the build of a view's group, waits for a
@@ -251,6 +259,13 @@ class Config:
             raise ValueError(
                 f"config busy_default ({self.busy_default}) must not exceed "
                 f"busy_max ({self.busy_max})"
+            )
+        if self.fence_patience < self.election_ttl + self.session_open_timeout:
+            raise ValueError(
+                f"config fence_patience ({self.fence_patience:g} s) must cover a leader "
+                f"failover (election_ttl + session_open_timeout = "
+                f"{self.election_ttl + self.session_open_timeout:g} s), or a failover drops "
+                "steps on some members that others land"
             )
         if self.fence_window >= self.earliest_suspicion():
             raise ValueError(

@@ -19,7 +19,10 @@ The rules (DESIGN.md, "Steps, commits and coherent state"; docs/worker.md,
 
 * a step whose reduction completed is applied only if no roll call newer
   than its epoch was answered (that answer named the previous step) and the
-  leader acknowledged a heartbeat sent within ``fence_window``;
+  leader acknowledged a heartbeat sent within ``fence_window``; it waits up
+  to ``fence_patience`` for such an acknowledgement (a leader failover
+  stops them for seconds: every member that completed the reduction waits
+  it out and lands the step, rather than some landing it and some not);
 * a roll call that arrives while such a step is being applied is answered
   once it has landed, so the answer names it (and every member that
   completed the reduction answers alike);
@@ -71,8 +74,9 @@ class Drop(enum.Enum):
     ANSWERED = "a newer roll call was answered"
     #: The session ended (evicted) or the member is leaving.
     GONE = "the member's session ended"
-    #: No heartbeat acknowledgement within ``fence_window``: the member may
-    #: have been evicted meanwhile; a roll call must realign the view.
+    #: No heartbeat acknowledgement sent within ``fence_window`` arrived in
+    #: ``fence_patience``: the member may have been evicted meanwhile; a
+    #: roll call must realign the view.
     NO_ACK = "no fresh heartbeat acknowledgement"
 
 
@@ -185,14 +189,14 @@ class Member:
         return None
 
     def fence(self, now: float, since: float) -> Fence:
-        """May the step being applied land? ``since``: when the fence check
-        began (it waits at most ``fence_window`` for an acknowledgement)."""
-        window = self._config.fence_window
+        """May the step being applied land? Only with an acknowledgement of
+        a heartbeat sent within ``fence_window``; ``since``: when the fence
+        check began (it waits at most ``fence_patience`` for one)."""
         if self.ended or self.leaving:
             return Fence.EXPIRED
-        if now - self.last_acked <= window:
+        if now - self.last_acked <= self._config.fence_window:
             return Fence.OK
-        return Fence.EXPIRED if now - since > window else Fence.WAIT
+        return Fence.EXPIRED if now - since > self._config.fence_patience else Fence.WAIT
 
     def applied(self, step: int, landed: bool) -> Answer | None:
         """The step being applied landed (``landed``: it settles next) or was

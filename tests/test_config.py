@@ -58,3 +58,9 @@ def test_every_new_timing_field_is_positive() -> None:
     for name in ("group_park_grace", "group_store_probe_attempt", "loader_kill_wait"):
         with pytest.raises(ValueError, match=f"{name} must be positive"):
             Config(**{name: 0.0})
+
+
+def test_a_steps_patience_for_an_acknowledgement_must_cover_a_leader_failover() -> None:
+    with pytest.raises(ValueError, match=r"fence_patience \(2.5 s\) must cover a leader failover"):
+        Config(fence_patience=2.5)
+    assert Config(fence_patience=2.5, election_ttl=2, session_open_timeout=0.5).fence_patience

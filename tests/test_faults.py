@@ -461,7 +461,7 @@ def test_corrupt_state_chunk_is_detected_and_the_state_fetched_again_elsewhere(
         raise AssertionError("the corrupter was never a source of three joiners")
     log = joiner.log_tail(200)
     assert "fails its digest: fetching it again whole" in log, log
-    assert re.search(r"pulled step \d+ .* \([12] whole refetches\)", log), log
+    assert re.search(r"pulled step \d+ .* \([12] whole refetches;", log), log
     # The joiner holds the others' state: the shared check compares digests.
     train_on(team, first["step"])
     finish(cluster, plan)

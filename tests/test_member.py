@@ -101,11 +101,40 @@ def test_without_a_fresh_acknowledgement_the_fence_waits_then_expires() -> None:
     member.enter(view(1, ME))
     member.acked(sent_at=0.0)
     assert member.reduced(3, epoch=1) is None
-    window = CONFIG.fence_window
-    assert member.fence(now=window + 0.1, since=window + 0.1) is Fence.WAIT
-    assert member.fence(now=2 * window + 0.2, since=window + 0.1) is Fence.EXPIRED
+    since = CONFIG.fence_window + 0.1
+    assert member.fence(now=since, since=since) is Fence.WAIT
+    assert member.fence(now=since + CONFIG.fence_patience + 0.1, since=since) is Fence.EXPIRED
     assert member.applied(3, landed=False) is None
     assert member.step == -1
+
+
+def test_a_step_waits_out_a_leader_failover_for_its_acknowledgement_and_lands() -> None:
+    # The leader died just after the reduction: acknowledgements stop for
+    # the election and a reconnection, much longer than fence_window. A
+    # member that gave up would drop a step that members whose last
+    # acknowledgement was a little younger landed.
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    member.acked(sent_at=10.0)
+    assert member.reduced(3, epoch=1) is None
+    since = 10.0 + CONFIG.fence_window + 0.05
+    failover = CONFIG.election_ttl + CONFIG.session_open_timeout
+    assert member.fence(now=since + failover - 0.1, since=since) is Fence.WAIT
+    member.acked(sent_at=since + failover - 0.05)  # the new leader acknowledges
+    assert member.fence(now=since + failover, since=since) is Fence.OK
+    assert member.applied(3, landed=True) is None
+    assert member.step == 3
+
+
+def test_an_evicted_member_does_not_wait_for_an_acknowledgement() -> None:
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    member.acked(sent_at=0.0)
+    assert member.reduced(3, epoch=1) is None
+    member.session_ended()
+    assert member.fence(now=CONFIG.fence_window + 0.1, since=CONFIG.fence_window) is Fence.EXPIRED
 
 
 def test_min_workers_holds_back_a_new_jobs_first_step_only() -> None:

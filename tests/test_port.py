@@ -112,7 +112,6 @@ def test_an_ordinary_script_survives_a_kill_and_a_join_with_every_replica_identi
     victim.kill()
     for program in survivors:
         wait_step(program, lambda e: e["world"] == 2)
-    fetches_before_join = [p.log_tail(400).count("pulled step") for p in survivors]
     joiner = programs.start(*common)
     for program in [*survivors, joiner]:
         wait_step(program, lambda e: e["world"] == 3, timeout=PATIENCE)
@@ -127,8 +126,10 @@ def test_an_ordinary_script_survives_a_kill_and_a_join_with_every_replica_identi
             by_step.setdefault(event["step"], set()).add(event["digest"])
     assert sorted(by_step) == list(range(steps))
     assert {s: d for s, d in by_step.items() if len(d) > 1} == {}
-    # Survivors' buffers agree, so the kill cost them no state fetch.
-    assert [p.log_tail(400).count("pulled step") for p in survivors] == fetches_before_join
+    # Survivors' buffers agree, so no view change made one fetch the state for
+    # differing from the others. (One whose step in flight was aborted while
+    # the other's completed holds the step before, and fetches: that is not it.)
+    assert not any("its state of that step differed" in p.log_tail(400) for p in survivors)
     assert "pulled step" in joiner.log_tail(400)
     # No sample lost or repeated across the kill and the join.
     ledgers = [Ledger.load(tmp_path / f"ledger{i}.jsonl").steps() for i in range(4)]

@@ -984,6 +984,7 @@ class Elastic:
             raise StepAborted(f"epoch {view.epoch}: {reason}; asked for a roll call")
         behind = view.resume_step is not None and self.committed_step != view.resume_step
         if self.member_id in view.fetch or behind:
+            held = self.committed_step
             sources = view.fetch.get(self.member_id) or tuple(
                 m.id for m in view.members if m.id != self.member_id
             )
@@ -998,9 +999,11 @@ class Elastic:
                 self._restore(state)
                 self._snapshot = Snapshot(state.step, view.digest, blob)
             fetched = report.seconds
+            why = ("new" if held < 0 else f"held step {held}" if held != state.step
+                   else "its state of that step differed")  # fmt: skip
             log.info(
-                "pulled step %d (%d bytes) from %d peers in %.3f s (%d whole refetches)",
-                state.step, report.size, len(report.sources), report.seconds, report.retries,
+                "pulled step %d (%d bytes) from %d peers in %.3f s (%d whole refetches; %s)",
+                state.step, report.size, len(report.sources), report.seconds, report.retries, why,
             )  # fmt: skip
         secret = self._client.epoch_secret(view.epoch)
         if secret is None:
@@ -1561,18 +1564,30 @@ class Elastic:
         the detector's earliest suspicion, later than that). A frozen or
         cut-off worker (a partition drops its writes silently) has no such
         acknowledgement and must not commit in its old epoch; a live one
-        gets the next within a heartbeat interval, so this waits at most
-        ``fence_window`` for it."""
+        gets the next within a heartbeat interval, or, while the service
+        fails over to a new leader, within seconds: this waits up to
+        ``fence_patience`` for it, so that every member that completed the
+        reduction lands the step alike."""
         since = time.monotonic()
+        said = False
         while True:
             with self._state:
                 self._member.acked(self._client.last_acked)
                 verdict = self._member.fence(time.monotonic(), since)
             if verdict is Fence.OK:
+                if said:
+                    log.info("acknowledged after %.2f s: applying the step",
+                             time.monotonic() - since)  # fmt: skip
                 return True
             if verdict is Fence.EXPIRED:
                 log.warning("no recent heartbeat acknowledgement: not applying the step")
                 return False
+            if not said and time.monotonic() - since > self._config.fence_window:
+                said = True
+                log.info(
+                    "waiting up to %.0f s for the rendezvous service to acknowledge a heartbeat "
+                    "before applying the step (a leader failover?)", self._config.fence_patience,
+                )  # fmt: skip
             time.sleep(self._config.abort_poll)
 
     def _note_failure(self, what: str, detail: str = "") -> None:
