@@ -8,6 +8,13 @@ step to a file, and only once the file is complete and synced does it publish
 a :class:`CheckpointManifest` through the rendezvous service, which records
 it in etcd. A job that later finds no live replica loads the newest one.
 
+In a job with sharded optimizer state, the optimizer state is not in that
+file: each partition is written by one of its owners, in a *part* file of
+its own (``part+<job>+<step>+<writer>.rcs``), and the manifest lists every
+part (:class:`CheckpointPart`: its file, size and SHA-256, the partitions it
+holds and each one's digest). It is published only once every part is
+written, and is complete only with all of them.
+
 Everything here is pure: no files, no clock (times are passed in).
 """
 
@@ -27,6 +34,9 @@ from rollcall.membership.errors import InvalidRequest
 #: sharing the directory, and two writers (or two runs of one job name)
 #: never write the same name.
 FILE_PATTERN = re.compile(r"ckpt\+(?P<job>[^+/]+)\+(?P<step>\d{12})\+(?P<writer>[^+/]+)\.rcs")
+#: A part file's name (a sharded job's partitions written by one owner):
+#: ``part+<job>+<step, 12 digits>+<writer>.rcs``; never a ``FILE_PATTERN``.
+PART_PATTERN = re.compile(r"part\+(?P<job>[^+/]+)\+(?P<step>\d{12})\+(?P<writer>[^+/]+)\.rcs")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 #: Suffix of the manifest copy kept beside each checkpoint file.
 MANIFEST_SUFFIX = ".manifest.json"
@@ -34,6 +44,11 @@ MANIFEST_SUFFIX = ".manifest.json"
 MAX_URI_LENGTH = 4096
 #: Longest failure reason kept (the service refuses longer ones).
 MAX_REASON_LENGTH = 200
+#: Longest digest of a partition a part may name.
+MAX_DIGEST_LENGTH = 128
+#: Most partitions a manifest may list: every one is named with its digest,
+#: and the manifest must fit one message of the service (64 KiB).
+MAX_PARTITIONS = 512
 
 
 def file_name(job: str, step: int, writer: str) -> str:
@@ -51,11 +66,75 @@ def manifest_file_name(name: str) -> str:
 
 def parse_file_name(name: str, job: str) -> int | None:
     """The step of one of ``job``'s checkpoint files; None for any other name
-    (another job's, a temporary file, anything else)."""
+    (another job's, a temporary file, a part file, anything else)."""
     match = FILE_PATTERN.fullmatch(name)
     if match is None or match.group("job") != job:
         return None
     return int(match.group("step"))
+
+
+def part_file_name(job: str, step: int, writer: str) -> str:
+    """The name of ``writer``'s part of the checkpoint of ``step``."""
+    return f"part+{job}+{step:012d}+{writer}.rcs"
+
+
+def parse_part_name(name: str, job: str) -> int | None:
+    """The step of one of ``job``'s part files; None for any other name."""
+    match = PART_PATTERN.fullmatch(name)
+    if match is None or match.group("job") != job:
+        return None
+    return int(match.group("step"))
+
+
+@dataclass(frozen=True)
+class CheckpointPart:
+    """One file of a sharded checkpoint's optimizer state: the partitions
+    one owner wrote, each with the digest of its state."""
+
+    uri: str
+    size: int
+    sha256: str
+    partitions: tuple[int, ...]
+    digests: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _check_location(self.uri, self.size, self.sha256, "checkpoint part")
+        if not self.partitions or len(self.partitions) != len(self.digests):
+            raise InvalidRequest("a checkpoint part names its partitions, one digest each")
+        if any(not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in self.partitions):
+            raise InvalidRequest("checkpoint part partitions must be non-negative ints")
+        if any(not isinstance(d, str) or not 0 < len(d) <= MAX_DIGEST_LENGTH for d in self.digests):
+            raise InvalidRequest(
+                f"checkpoint part digests must be strings of 1-{MAX_DIGEST_LENGTH} characters"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"uri": self.uri, "size": self.size, "sha256": self.sha256,
+                "partitions": list(self.partitions), "digests": list(self.digests)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CheckpointPart:
+        """Strict, as :meth:`CheckpointManifest.from_dict`."""
+        if not isinstance(data, Mapping):
+            raise InvalidRequest(f"a manifest part must be an object, got {type(data).__name__}")
+        uri, size, sha256 = data.get("uri"), data.get("size"), data.get("sha256")
+        partitions, digests = data.get("partitions"), data.get("digests")
+        if not isinstance(uri, str) or not isinstance(sha256, str):
+            raise InvalidRequest("manifest part uri and sha256 must be strings")
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise InvalidRequest("manifest part size must be an int")
+        if not isinstance(partitions, list) or not isinstance(digests, list):
+            raise InvalidRequest("manifest part partitions and digests must be lists")
+        return cls(uri, size, sha256, tuple(partitions), tuple(digests))
+
+
+def _check_location(uri: str, size: int, sha256: str, what: str) -> None:
+    if not uri or len(uri) > MAX_URI_LENGTH or "\x00" in uri:
+        raise InvalidRequest(f"{what} uri must be 1-{MAX_URI_LENGTH} characters without NUL")
+    if size <= 0:
+        raise InvalidRequest(f"{what} size must be positive, got {size}")
+    if not _SHA256.fullmatch(sha256):
+        raise InvalidRequest(f"{what} sha256 must be 64 lowercase hex digits")
 
 
 @dataclass(frozen=True)
@@ -71,25 +150,37 @@ class CheckpointManifest:
     writer: str
     created_unix: float
     step_seconds: float
+    #: A sharded job's parts (the optimizer state, partition by partition):
+    #: every partition ``0 .. n-1`` in exactly one of them. Empty otherwise.
+    parts: tuple[CheckpointPart, ...] = ()
 
     def __post_init__(self) -> None:
         if self.step < 0:
             raise InvalidRequest(f"checkpoint step must be >= 0, got {self.step}")
-        if not self.uri or len(self.uri) > MAX_URI_LENGTH or "\x00" in self.uri:
-            raise InvalidRequest(
-                f"checkpoint uri must be 1-{MAX_URI_LENGTH} characters without NUL"
-            )
-        if self.size <= 0:
-            raise InvalidRequest(f"checkpoint size must be positive, got {self.size}")
-        if not _SHA256.fullmatch(self.sha256):
-            raise InvalidRequest("checkpoint sha256 must be 64 lowercase hex digits")
+        _check_location(self.uri, self.size, self.sha256, "checkpoint")
         if not self.digest:
             raise InvalidRequest("checkpoint digest is empty")
         if not all(math.isfinite(t) and t >= 0 for t in (self.step_seconds, self.created_unix)):
             raise InvalidRequest("checkpoint times must be finite, non-negative numbers")
+        if self.parts:
+            listed = sorted(p for part in self.parts for p in part.partitions)
+            if listed != list(range(len(listed))) or len(listed) > MAX_PARTITIONS:
+                raise InvalidRequest(
+                    f"checkpoint parts must hold partitions 0..n-1 (n <= {MAX_PARTITIONS}) "
+                    "once each"
+                )
+            if len({part.uri for part in self.parts} | {self.uri}) != len(self.parts) + 1:
+                raise InvalidRequest("checkpoint parts must be files of their own")
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """Every file the checkpoint is made of: its own, then its parts'."""
+        return (self.uri, *(part.uri for part in self.parts))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        record = asdict(self)
+        record["parts"] = [part.to_dict() for part in self.parts]
+        return record
 
     @classmethod
     def from_dict(cls, data: Any) -> CheckpointManifest:
@@ -100,6 +191,13 @@ class CheckpointManifest:
             raise InvalidRequest(f"a manifest must be an object, got {type(data).__name__}")
         values: dict[str, Any] = {}
         for field in fields(cls):
+            if field.name == "parts":
+                # Absent in manifests of replicated jobs written before parts.
+                parts = data.get("parts", [])
+                if not isinstance(parts, list):
+                    raise InvalidRequest(f"manifest parts is a {type(parts).__name__}")
+                values["parts"] = tuple(CheckpointPart.from_dict(part) for part in parts)
+                continue
             if field.name not in data:
                 raise InvalidRequest(f"manifest has no {field.name}")
             value = data[field.name]
@@ -152,18 +250,19 @@ def superseded(
 ) -> list[str]:
     """Which of a writer's ``files`` (location -> step) a prune may delete.
 
-    Only those no kept manifest names and older than the newest kept
-    checkpoint that counts: its file was verified (``verified`` holds the
-    locations of the kept manifests whose files exist with their recorded
-    size and SHA-256) and its step is not beyond the step the writer has
-    just written (a manifest claiming more is not believed, even if it
-    names a real file). If none counts, nothing is deleted: the newest
+    Only those no kept manifest names (its own file or a part) and older
+    than the newest kept checkpoint that counts: its files were verified
+    (``verified`` holds the locations of the kept manifests whose files,
+    parts included, exist with their recorded size and SHA-256) and its
+    step is not beyond the step the writer has just written (a manifest
+    claiming more is not believed, even if it names a real file). If none
+    counts, nothing is deleted: the newest
     complete checkpoint is never among the deleted."""
     counting = [m.step for m in kept if m.uri in verified and m.step <= written_step]
     if not counting:
         return []
     newest = max(counting)
-    named = {m.uri for m in kept}
+    named = {uri for m in kept for uri in m.files}
     return sorted(uri for uri, step in files.items() if uri not in named and step < newest)
 
 

@@ -242,6 +242,7 @@ def check_manifest(entry: Any, config: Config) -> CheckpointManifest:
         manifest = CheckpointManifest.from_dict(entry)
     except (InvalidRequest, KeyError, TypeError, ValueError) as exc:
         raise MalformedRecord(str(exc)[:120]) from None
-    _checked(check_digest, manifest.digest, config)
+    for digest in (manifest.digest, *(d for part in manifest.parts for d in part.digests)):
+        _checked(check_digest, digest, config)
     _checked(check_id, manifest.writer, "checkpoint writer", config)
     return manifest

@@ -31,9 +31,11 @@ import click
 
 from rollcall.membership.checkpoint import (
     CheckpointManifest,
+    CheckpointPart,
     Durability,
     manifest_file_name,
     parse_file_name,
+    parse_part_name,
 )
 from rollcall.membership.config import Config
 
@@ -72,8 +74,19 @@ def durability_json(durability: Durability) -> dict[str, Any]:
     }
 
 
-def file_state(manifest: CheckpointManifest) -> str:
-    """What this machine sees of the file a manifest names, without reading it."""
+def file_state(manifest: CheckpointManifest | CheckpointPart) -> str:
+    """What this machine sees of the file a manifest (or a part) names,
+    without reading it; for a sharded checkpoint, of its parts too."""
+    own = _one_file_state(manifest)
+    if own != "present" or not isinstance(manifest, CheckpointManifest) or not manifest.parts:
+        return own
+    missing = [part for part in manifest.parts if _one_file_state(part) != "present"]
+    if missing:
+        return f"{len(missing)} of {len(manifest.parts)} parts: {_one_file_state(missing[0])}"
+    return f"present, with its {len(manifest.parts)} parts"
+
+
+def _one_file_state(manifest: CheckpointManifest | CheckpointPart) -> str:
     try:
         info = os.stat(manifest.uri)
     except OSError as exc:
@@ -228,19 +241,35 @@ def build(resolve: Resolve, target_options: Decorator, token_option: Decorator) 
 
 def _delete(manifest: CheckpointManifest, job: str) -> str:
     """Delete a forgotten checkpoint's file, if it is one: a regular file
-    named as ``job``'s checkpoint of the manifest's step. A forged manifest
-    may name any file; this never deletes one that is not a checkpoint."""
+    named as ``job``'s checkpoint of the manifest's step; and its parts, each
+    only if named as ``job``'s part of that step. A forged manifest may name
+    any file; this never deletes one that is not a checkpoint."""
     path = Path(manifest.uri)
     if parse_file_name(path.name, job) != manifest.step:
         return f"file kept: not named as job {job}'s checkpoint of step {manifest.step}"
+    outcome = _unlink(path)
+    if outcome is not None:
+        return outcome
+    path.with_name(manifest_file_name(path.name)).unlink(missing_ok=True)
+    kept = 0
+    for part in manifest.parts:
+        named = Path(part.uri)
+        if parse_part_name(named.name, job) != manifest.step or _unlink(named) is not None:
+            kept += 1
+    if kept:
+        return f"file deleted, {kept} of its {len(manifest.parts)} parts kept"
+    return "file deleted" + (f" with its {len(manifest.parts)} parts" if manifest.parts else "")
+
+
+def _unlink(path: Path) -> str | None:
+    """Delete a regular file; why not, or None once deleted."""
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return "file kept: not a regular file"
         path.unlink()
-        path.with_name(manifest_file_name(path.name)).unlink(missing_ok=True)
     except OSError as exc:
         return f"file not deleted ({exc.strerror or exc})"
-    return "file deleted"
+    return None
 
 
 __all__ = ["build", "durability_json", "durability_line"]

@@ -971,6 +971,22 @@ CASES = {
     "checkpoint with an empty digest": Case(
         "PublishCheckpoint", publish(digest=""), Code.INVALID_ARGUMENT, "digest is empty"
     ),
+    "checkpoint parts missing a partition": Case(
+        "PublishCheckpoint",
+        publish(parts=[pb.CheckpointPart(uri="/p1", size=1, sha256="0" * 64, partitions=[0],
+                                         digests=["sha256:a"]),
+                       pb.CheckpointPart(uri="/p2", size=1, sha256="0" * 64, partitions=[2],
+                                         digests=["sha256:b"])]),
+        Code.INVALID_ARGUMENT,
+        "parts must hold partitions 0..n-1",
+    ),  # fmt: skip
+    "checkpoint part digest with bad characters": Case(
+        "PublishCheckpoint",
+        publish(parts=[pb.CheckpointPart(uri="/p1", size=1, sha256="0" * 64, partitions=[0],
+                                         digests=["sha256 <bad>"])]),
+        Code.INVALID_ARGUMENT,
+        "digest has characters outside",
+    ),  # fmt: skip
     "checkpoint writer with bad characters": Case(
         "PublishCheckpoint",
         publish(writer="w 1"),

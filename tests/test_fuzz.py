@@ -131,7 +131,29 @@ def might_publish(t: Target, request: pb.PublishCheckpointRequest) -> bool:
         and is_id(c.writer)
         and is_time(c.created_unix)
         and is_time(c.step_seconds)
+        and well_formed_parts(c)
     )
+
+
+def well_formed_parts(c: pb.Checkpoint) -> bool:
+    """No parts, or parts that hold partitions 0..n-1 once each, in files of
+    their own, each part well-formed."""
+    if not c.parts:
+        return True
+    listed = sorted(p for part in c.parts for p in part.partitions)
+    files = {part.uri for part in c.parts} | {c.uri}
+    return (
+        listed == list(range(len(listed)))
+        and len(listed) <= 512
+        and len(files) == len(c.parts) + 1
+        and all(
+            0 < len(part.uri) <= MAX_URI and "\x00" not in part.uri and part.size > 0
+            and SHA256_HEX.fullmatch(part.sha256) is not None
+            and part.partitions and len(part.partitions) == len(part.digests)
+            and all(d and STRICT_DIGEST.fullmatch(d) is not None for d in part.digests)
+            for part in c.parts
+        )
+    )  # fmt: skip
 
 
 class Fate(enum.Enum):
@@ -251,6 +273,16 @@ digests = st.one_of(
     st.text(max_size=140),
     st.sampled_from(["", "sha256:ab", SNAPSHOT.digest, "a" * 128, "a" * 129, "sha256 ab"]),
 )
+#: A sharded checkpoint's parts: none, well-formed ones, and any mix.
+checkpoint_parts = st.lists(
+    st.builds(
+        pb.CheckpointPart, uri=texts, size=counters,
+        sha256=st.one_of(st.just("1" * 64), st.text(max_size=70)),
+        partitions=st.lists(st.integers(0, 2**32 - 1), max_size=4),
+        digests=st.lists(st.one_of(st.just("sha256:ab"), st.text(max_size=140)), max_size=4),
+    ),
+    max_size=3,
+)  # fmt: skip
 sha256s = st.one_of(
     st.text(max_size=70),
     st.just("0" * 64),
@@ -520,7 +552,7 @@ def test_arbitrary_checkpoint_is_refused_with_a_documented_code(
         "member_secret": member_secrets(target),
         "step": counters, "digest": digests, "uri": texts, "size": counters, "sha256": sha256s,
         "checkpoint_epoch": epochs(target.epoch), "writer": ids(target),
-        "created_unix": numbers, "step_seconds": numbers,
+        "created_unix": numbers, "step_seconds": numbers, "parts": checkpoint_parts,
     }  # fmt: skip
     fields = fuzzed_fields(data, valid, strategies)
     who, epoch, name = fields.pop("member_id"), fields.pop("epoch"), fields.pop("job")

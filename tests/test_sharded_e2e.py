@@ -12,6 +12,7 @@ makes the result independent of the membership, docs/exactness.md)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -234,6 +235,15 @@ def test_killing_both_owners_of_a_partition_resumes_from_the_checkpoint_with_the
         assert all(str(p) in lines[0] for p in lost) and all(m in lines[0] for m in pair)
         assert "replay cost" in text
     assert resumed, "the survivors must resume from the checkpoint"
+    # Every checkpoint is written by the owners: its manifest names one part
+    # per rank that sends partitions, together holding every partition.
+    copies = [json.loads(p.read_text()) for p in checkpoints.glob("ckpt+*.manifest.json")]
+    assert copies and all(len(c["parts"]) >= 2 for c in copies)
+    for copy in copies:
+        assert sorted(p for part in copy["parts"] for p in part["partitions"]) == list(
+            range(PARTITIONS)
+        )
+        assert all(Path(part["uri"]).is_file() for part in copy["parts"])
     assert all(r["s_ckpt"] % 5 == 4 and r["s_ckpt"] <= r["s_done"] for r in resumed)
     assert all(r["seconds"] > 0 for r in resumed)
     assert sorted(models) == list(range(STEPS))

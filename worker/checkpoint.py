@@ -22,6 +22,17 @@ reported (``on_failure``) and tried again at the next due step.
 The directory must be one the whole job can read (shared storage) for a new
 set of workers on other hosts to resume from it; a manifest whose file is
 not readable is skipped like a corrupt one, with the reason logged.
+
+A sharded job's checkpoint is several files: every rank that sends
+partitions in the job's parameter all-gather writes their optimizer state
+to a part file (``submit_part``), and rank 0 writes the rest of the state
+with a manifest listing every part, which it publishes only once every
+part is there (``submit`` with ``parts``): so the directory must be shared
+by the job's workers for a sharded job to write checkpoints at all. A
+reader checks every part as it checks the file, and puts the optimizer
+state back together in the optimizer's own ``state_dict`` form
+(``rollcall.worker.sharded.assemble_state``), which loads at any world
+size.
 """
 
 from __future__ import annotations
@@ -46,16 +57,20 @@ import psutil
 from rollcall.membership.checkpoint import (
     MAX_REASON_LENGTH,
     CheckpointManifest,
+    CheckpointPart,
     file_name,
     manifest_file_name,
     parse_file_name,
+    parse_part_name,
+    part_file_name,
     superseded,
 )
 from rollcall.membership.errors import CannotResume, InvalidRequest
 from rollcall.membership.fingerprint import JobFingerprint
-from rollcall.worker.digest import digest
+from rollcall.worker.digest import digest, tree_digest
+from rollcall.worker.sharded import LAYOUT_KEY, PartitionState, ShardLayout, assemble_state
 from rollcall.worker.state import CorruptState, ReplicaState
-from rollcall.worker.state_bytes import from_bytes, to_bytes
+from rollcall.worker.state_bytes import from_bytes, to_bytes, tree_from_bytes, tree_to_bytes
 
 __all__ = [
     "CheckpointUnusable",
@@ -71,6 +86,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("rollcall.checkpoint")
+#: How often a sharded checkpoint looks for the other ranks' parts.
+PART_POLL = 0.05
 
 #: Publishes a complete checkpoint; returns (accepted, manifests kept).
 Publish = Callable[[CheckpointManifest], tuple[bool, Sequence[CheckpointManifest]]]
@@ -108,10 +125,13 @@ class Loaded:
     skipped: tuple[str, ...]
 
 
-def file_problem(manifest: CheckpointManifest, blob: bytes | None = None) -> str | None:
-    """What is wrong with the file ``manifest`` names (unreadable, another
-    size, another SHA-256), or None if it is the file that was published.
-    ``blob``: its bytes, if already read."""
+def file_problem(
+    manifest: CheckpointManifest | CheckpointPart, blob: bytes | None = None
+) -> str | None:
+    """What is wrong with the file ``manifest`` (or a part) names
+    (unreadable, another size, another SHA-256), or None if it is the file
+    that was published. ``blob``: its bytes, if already read. A manifest's
+    parts are not looked at (``parts_problem``)."""
     if blob is None:
         try:
             blob = Path(manifest.uri).read_bytes()
@@ -121,6 +141,54 @@ def file_problem(manifest: CheckpointManifest, blob: bytes | None = None) -> str
         return f"{len(blob)} bytes, manifest says {manifest.size} (torn or replaced)"
     if hashlib.sha256(blob).hexdigest() != manifest.sha256:
         return "SHA-256 differs from the manifest (corrupt)"
+    return None
+
+
+def part_bytes(partitions: Sequence[PartitionState]) -> bytes:
+    """The content of a part file: each partition's number and its state,
+    decoded without running code (``tree_from_bytes``)."""
+    return tree_to_bytes([[part.partition, list(part.segments)] for part in partitions])
+
+
+def describe_part(uri: str, blob: bytes, partitions: Sequence[PartitionState]) -> CheckpointPart:
+    """The manifest's entry for a part file of ``blob`` at ``uri``."""
+    return CheckpointPart(
+        uri=uri, size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
+        partitions=tuple(part.partition for part in partitions),
+        digests=tuple(tree_digest(list(part.segments)) for part in partitions),
+    )  # fmt: skip
+
+
+def _part_states(part: CheckpointPart) -> tuple[list[PartitionState] | None, str | None]:
+    """A part's partitions, checked as a resuming worker checks them (the
+    file's size and SHA-256, then each partition's number and digest)."""
+    try:
+        blob = Path(part.uri).read_bytes()
+    except OSError as exc:
+        return None, f"part {part.uri} unreadable ({exc.strerror or exc})"
+    problem = file_problem(part, blob)
+    if problem is not None:
+        return None, f"part {part.uri}: {problem}"
+    try:
+        entries = tree_from_bytes(blob)
+        found = [PartitionState(int(p), tuple(segments)) for p, segments in entries]
+    except (CorruptState, TypeError, ValueError) as exc:
+        return None, f"part {part.uri} does not decode ({exc})"
+    if tuple(state.partition for state in found) != part.partitions:
+        return None, f"part {part.uri} holds other partitions than its manifest says"
+    for state, want in zip(found, part.digests, strict=True):
+        if tree_digest(list(state.segments)) != want:
+            return None, f"partition {state.partition} in {part.uri} fails its digest"
+    return found, None
+
+
+def parts_problem(manifest: CheckpointManifest) -> str | None:
+    """The first part of ``manifest`` that is not the file published (None:
+    every one is, or it has none)."""
+    for part in manifest.parts:
+        problem = file_problem(part)
+        if problem is not None:
+            return f"part {part.uri}: {problem}"
     return None
 
 
@@ -141,6 +209,22 @@ def state_problem(manifest: CheckpointManifest) -> tuple[ReplicaState | None, st
         return None, str(exc)
     if state.step != manifest.step:
         return None, f"holds step {state.step}, manifest says {manifest.step}"
+    layout = state.optimizer.get(LAYOUT_KEY) if isinstance(state.optimizer, dict) else None
+    if (layout is None) != (not manifest.parts):
+        return None, "its optimizer state and its manifest's parts do not go together"
+    if layout is not None:
+        partitions: list[PartitionState] = []
+        for part in manifest.parts:
+            found, problem = _part_states(part)
+            if found is None:
+                return None, problem
+            partitions.extend(found)
+        try:
+            state.optimizer = assemble_state(
+                ShardLayout.from_tree(layout), partitions, state.optimizer["param_groups"]
+            )
+        except (KeyError, ValueError) as exc:
+            return None, f"its parts do not make up the optimizer state ({exc})"
     return state, None
 
 
@@ -281,6 +365,7 @@ class CheckpointWriter:
         on_failure: OnFailure | None = None,
         on_durable: OnDurable | None = None,
         fingerprint: JobFingerprint | None = None,
+        part_wait: float = 30.0,
     ) -> None:
         # 0700 when created here; the parents rollcall creates get the umask.
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -292,6 +377,9 @@ class CheckpointWriter:
         #: The job's fingerprint, kept in each manifest copy: a file etcd no
         #: longer names is resumed from only by a job of the same settings.
         self._fingerprint = fingerprint
+        #: How long a sharded checkpoint waits for the other ranks' parts
+        #: to appear before it gives up (and is not published).
+        self._part_wait = part_wait
         self._thread: threading.Thread | None = None
         #: Files this writer may delete once superseded, by location.
         self._owned: dict[str, _Owned] = {}
@@ -318,21 +406,47 @@ class CheckpointWriter:
         previous one is still being written), it is skipped and counted."""
         if not self.busy:
             return True
-        self.skipped += 1
-        log.info("checkpoint of step %d skipped: the previous one is still being written", step)
+        self.skip(step, "the previous one is still being written")
         return False
 
-    def submit(self, state: ReplicaState, epoch: int, writer: str, step_seconds: float) -> bool:
+    def skip(self, step: int, why: str) -> None:
+        """Count the checkpoint of ``step`` as skipped, saying ``why``."""
+        self.skipped += 1
+        log.info("checkpoint of step %d skipped: %s", step, why)
+
+    def part_path(self, step: int, writer: str) -> Path:
+        """Where ``writer`` writes its part of the checkpoint of ``step``."""
+        return self.directory / part_file_name(self.job, step, writer)
+
+    def submit(
+        self, state: ReplicaState, epoch: int, writer: str, step_seconds: float,
+        parts: Sequence[CheckpointPart] = (), own_part: bytes | None = None,
+    ) -> bool:  # fmt: skip
         """Write ``state`` (a capture the caller no longer touches) and
-        publish it. False if a previous write is still in flight."""
+        publish it. In a sharded job, ``parts`` lists every part of it, and
+        ``own_part`` is this writer's (written here, at ``part_path``); the
+        manifest is published once every other part is there. False if a
+        previous write is still in flight."""
         if not self.ready(state.step):
             return False
         self._thread = threading.Thread(
             target=self._write,
-            args=(state, epoch, writer, step_seconds),
+            args=(state, epoch, writer, step_seconds, tuple(parts), own_part),
             name=f"rollcall-checkpoint-{state.step}",
             daemon=True,
         )
+        self._thread.start()
+        return True
+
+    def submit_part(self, step: int, writer: str, blob: bytes) -> bool:
+        """Write this writer's part of a sharded checkpoint of ``step``
+        (another rank publishes it). False if a write is still in flight."""
+        if not self.ready(step):
+            return False
+        self._thread = threading.Thread(
+            target=self._write_part, args=(step, writer, blob),
+            name=f"rollcall-checkpoint-part-{step}", daemon=True,
+        )  # fmt: skip
         self._thread.start()
         return True
 
@@ -345,11 +459,17 @@ class CheckpointWriter:
 
     # --- the writer thread ---------------------------------------------------------
 
-    def _write(self, state: ReplicaState, epoch: int, writer: str, step_seconds: float) -> None:
+    def _write(
+        self, state: ReplicaState, epoch: int, writer: str, step_seconds: float,
+        parts: tuple[CheckpointPart, ...] = (), own_part: bytes | None = None,
+    ) -> None:  # fmt: skip
         """The thread's body: nothing it meets ends it unreported."""
         started = time.perf_counter()
         try:
-            manifest = self._write_file(state, epoch, writer, step_seconds)
+            if own_part is not None:
+                self._write_part_file(state.step, writer, own_part)
+            manifest = self._write_file(state, epoch, writer, step_seconds, parts)
+            self._await_parts(manifest)
             try:
                 accepted, kept = self._publish(manifest)
             except Exception as exc:
@@ -367,9 +487,50 @@ class CheckpointWriter:
         except Exception:  # a bug here must not end the writer either
             log.exception("checkpoint of step %d: checking the record failed", state.step)
 
+    def _write_part(self, step: int, writer: str, blob: bytes) -> None:
+        """The thread's body for a part: nothing it meets ends it unreported."""
+        try:
+            self._write_part_file(step, writer, blob)
+        except Exception as exc:  # reported, never lost: the next due step tries again
+            self._failed(step, f"part not written: {describe_failure(exc)}")
+
+    def _write_part_file(self, step: int, writer: str, blob: bytes) -> None:
+        path = self.part_path(step, writer)
+        _write_atomically(path, blob)
+        _fsync_directory(self.directory)
+        self._owned[str(path)] = _Owned(step, len(blob), os.lstat(path).st_ino)
+
+    def _await_parts(self, manifest: CheckpointManifest) -> None:
+        """Wait until every part of ``manifest`` is there with its size
+        (each is renamed into place only once written and synced, so one
+        that is there is complete); OSError naming the first one missing
+        after ``part_wait``. The parts become this writer's to prune with
+        the checkpoint."""
+        deadline = time.monotonic() + self._part_wait
+        for part in manifest.parts:
+            while True:
+                with contextlib.suppress(FileNotFoundError):
+                    info = os.lstat(part.uri)
+                    if stat.S_ISREG(info.st_mode) and info.st_size == part.size:
+                        self._owned.setdefault(
+                            part.uri, _Owned(manifest.step, part.size, info.st_ino)
+                        )
+                        break
+                if time.monotonic() > deadline:
+                    raise OSError(
+                        errno.ETIMEDOUT,
+                        f"part {Path(part.uri).name} was not written within "
+                        f"{self._part_wait:g} s: a sharded job's checkpoint directory must be "
+                        "storage every worker writes and reads (shared), and every worker "
+                        "must be able to write it",
+                        part.uri,
+                    )
+                time.sleep(PART_POLL)
+
     def _write_file(
-        self, state: ReplicaState, epoch: int, writer: str, step_seconds: float
-    ) -> CheckpointManifest:
+        self, state: ReplicaState, epoch: int, writer: str, step_seconds: float,
+        parts: tuple[CheckpointPart, ...] = (),
+    ) -> CheckpointManifest:  # fmt: skip
         """Write the file and the copy of its manifest beside it (each 0600,
         under a temporary name, synced, renamed; then the directory synced);
         returns the manifest."""
@@ -383,6 +544,7 @@ class CheckpointWriter:
         manifest = CheckpointManifest(
             step=state.step, digest=digest(state), uri=uri, size=len(blob), sha256=sha256,
             epoch=epoch, writer=writer, created_unix=time.time(), step_seconds=step_seconds,
+            parts=parts,
         )  # fmt: skip
         record: dict[str, Any] = manifest.to_dict()
         if self._fingerprint is not None:
@@ -476,8 +638,10 @@ class CheckpointWriter:
                 )
         for m in kept:
             if m.uri in verified and self._may_own(m) and m.uri not in self._owned:
-                key = (m.uri, m.size, m.sha256)
-                self._owned[m.uri] = _Owned(m.step, m.size, self._checked[key][0][0])
+                named: list[CheckpointManifest | CheckpointPart] = [m, *m.parts]
+                for file in named:
+                    key = (file.uri, file.size, file.sha256)
+                    self._owned[file.uri] = _Owned(m.step, file.size, self._checked[key][0][0])
         files = {uri: owned.step for uri, owned in self._owned.items()}
         for uri in superseded(files, kept, verified, manifest.step):
             self._delete(uri)
@@ -495,21 +659,29 @@ class CheckpointWriter:
                 log.warning("could not report the recorded checkpoint: %s", exc)
 
     def _may_own(self, manifest: CheckpointManifest) -> bool:
-        """A manifest of this job names a file in this directory, under this
-        job's name pattern for its step: this writer may prune it later."""
+        """A manifest of this job names files in this directory, under this
+        job's name patterns for its step: this writer may prune them later."""
         path = Path(manifest.uri)
-        return path.parent == self.directory and parse_file_name(path.name, self.job) == (
-            manifest.step
+        parts = [Path(part.uri) for part in manifest.parts]
+        return (
+            path.parent == self.directory
+            and parse_file_name(path.name, self.job) == manifest.step
+            and all(p.parent == self.directory for p in parts)
+            and all(parse_part_name(p.name, self.job) == manifest.step for p in parts)
         )
 
     def _verify(self, manifest: CheckpointManifest) -> str | None:
-        """The problem of the file ``manifest`` names (None: it is the file
-        published), read once per file version; a problem is logged once."""
+        """The problem of the files ``manifest`` names, parts included
+        (None: they are the files published), each read once per file
+        version; a problem is logged once."""
         problem = self._step_problem(manifest)
-        if problem is None:
-            key = (manifest.uri, manifest.size, manifest.sha256)
+        files: list[CheckpointManifest | CheckpointPart] = [manifest, *manifest.parts]
+        for file in files:
+            if problem is not None:
+                break
+            key = (file.uri, file.size, file.sha256)
             try:
-                info = os.lstat(manifest.uri)
+                info = os.lstat(file.uri)
             except OSError as exc:
                 problem = f"unreadable ({exc.strerror or exc})"
             else:
@@ -518,8 +690,10 @@ class CheckpointWriter:
                     problem = cached[1]
                 else:
                     regular = stat.S_ISREG(info.st_mode)
-                    problem = file_problem(manifest) if regular else "not a regular file"
+                    problem = file_problem(file) if regular else "not a regular file"
                     self._checked[key] = (_identity(info), problem)
+            if problem is not None and file is not manifest:
+                problem = f"part {file.uri}: {problem}"
         if problem is not None and (manifest.uri, problem) not in self._warned:
             self._warned.add((manifest.uri, problem))
             log.warning(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -35,7 +36,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,7 +46,9 @@ from torch.distributed import ReduceOp
 
 from rollcall.membership.cause import Cause
 from rollcall.membership.checkpoint import (
+    MAX_PARTITIONS,
     CheckpointManifest,
+    CheckpointPart,
     ReplayCost,
 )
 from rollcall.membership.config import Config
@@ -75,6 +78,8 @@ from rollcall.worker.checkpoint import (
     CheckpointUnusable,
     CheckpointWriter,
     describe_failure,
+    describe_part,
+    part_bytes,
     process_age,
 )
 from rollcall.worker.contract import (
@@ -106,7 +111,7 @@ from rollcall.worker.report import SupervisorReport
 from rollcall.worker.resume import choose, what_restarting_does
 from rollcall.worker.sharded import PartitionState, ShardedOptimizer, check_shardable
 from rollcall.worker.state import CorruptState, ReplicaState, capture, restore
-from rollcall.worker.state_bytes import to_bytes, tree_from_bytes, tree_to_bytes
+from rollcall.worker.state_bytes import to_bytes, tree_to_bytes
 from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
 log = logging.getLogger("rollcall.worker")
@@ -348,6 +353,11 @@ class Elastic:
         if self._sharding is not None:
             # Every rank takes part in gathering a checkpoint's state.
             writes = checkpoint_dir is not None or bool(os.environ.get(ENV_CHECKPOINT_DIR))
+            if writes and self._sharding.count > MAX_PARTITIONS:
+                raise UsageError(
+                    f"shard_partitions={self._sharding.count} with checkpoints: a sharded "
+                    f"checkpoint's manifest names every partition, at most {MAX_PARTITIONS}"
+                )
             flags.update(self._sharding.fields(), checkpoint_every=str(checkpoint_every),
                          checkpoints="on" if writes else "off")  # fmt: skip
         self.fingerprint = job_fingerprint(
@@ -395,9 +405,8 @@ class Elastic:
         self._waiting_answers: list[asyncio.Future[int | None]] = []
         self._waiting_since: float | None = None
         #: A checkpoint due at the step that landed last, captured once the
-        #: step settled: (step, epoch, the whole optimizer state gathered
-        #: from the shards in a sharded job, else None).
-        self._due_checkpoint: tuple[int, int, dict[str, Any] | None] | None = None
+        #: step settled.
+        self._due_checkpoint: _DueCheckpoint | None = None
         #: Signalled when a view arrives or a roll call starts.
         self._view_changed = threading.Condition()
         self._view: View = EMPTY_VIEW
@@ -450,6 +459,7 @@ class Elastic:
                 on_failure=self._checkpoint_failed,
                 on_durable=self._checkpoint_durable,
                 fingerprint=self.fingerprint,
+                part_wait=self._config.collective_timeout,
             )  # fmt: skip
             if checkpoint_dir is not None
             else None
@@ -897,15 +907,17 @@ class Elastic:
         due, self._due_checkpoint = self._due_checkpoint, None
         if due is None:
             return
-        number, epoch, optimizer = due
         assert self.checkpoints is not None and self.member_id is not None
         with self._lock:
-            if self.committed_step != number:  # a view restored other state meanwhile
+            if self.committed_step != due.step:  # a view restored other state meanwhile
                 return
-            state = self._capture(number)
-            if optimizer is not None:
-                state.optimizer = optimizer
-        self.checkpoints.submit(state, epoch, self.member_id, self._step_seconds)
+            state = self._capture(due.step)
+            if due.optimizer is not None:
+                state.optimizer = due.optimizer
+        self.checkpoints.submit(
+            state, due.epoch, self.member_id, self._step_seconds, parts=due.parts,
+            own_part=due.own_part,
+        )  # fmt: skip
 
     def _discard(self, step: Step) -> None:
         """Throw away what an uncommitted step did to gradients and buffers."""
@@ -1191,13 +1203,11 @@ class Elastic:
         results = await asyncio.gather(*(one(p) for p in partitions))
         return {p: state for p, state, _ in results}, sum(size for _, _, size in results)
 
-    def _publish_shards(self, step: Step, group: EpochGroup) -> dict[str, Any] | None:
+    def _publish_shards(self, step: Step, group: EpochGroup) -> _DueCheckpoint | None:
         """(Under ``_lock``, the step landed.) The all-gather of the updated
-        parameters; then, at a checkpoint step, the gather of every
-        partition's state to rank 0, which returns the whole optimizer state
-        (in ``state_dict`` form) for the checkpoint.
-        A failed all-gather leaves the step landed: the next view completes
-        it (``_enter_shards``)."""
+        parameters; then, at a checkpoint step, this rank's part of the
+        checkpoint (``_checkpoint_parts``). A failed all-gather leaves the
+        step landed: the next view completes it (``_enter_shards``)."""
         sharded, view = self._sharded, self._shard_view
         assert sharded is not None and view is not None
         try:
@@ -1209,24 +1219,55 @@ class Elastic:
             return None
         if self.checkpoints is None or (step.number + 1) % self._checkpoint_every != 0:
             return None
+        return self._checkpoint_parts(step, group, sharded, view)
+
+    def _checkpoint_parts(
+        self, step: Step, group: EpochGroup, sharded: ShardedOptimizer, view: View
+    ) -> _DueCheckpoint | None:
+        """(Under ``_lock``.) A sharded checkpoint: every rank that sends
+        partitions in the all-gather writes their state to a part file of
+        its own; one all-gather of the parts' descriptions (where, size,
+        SHA-256, partitions and their digests) tells every rank whether all
+        are ready to write (else every one skips the checkpoint alike) and
+        rank 0 the manifest's parts. Rank 0 gets the checkpoint, which it
+        captures once the step settled and publishes once every part is
+        written; the others write their part now."""
+        checkpoints, me = self.checkpoints, self.member_id
+        assert checkpoints is not None and me is not None
         mine = [sharded.export(p) for p in sharded.sent_by_me(view.ids)]
-        blob = tree_to_bytes([[part.partition, list(part.segments)] for part in mine])
+        blob = part_bytes(mine) if mine else b""
+        path = str(checkpoints.part_path(step.number, me))
+        part = describe_part(path, blob, mine).to_dict() if mine else None
+        text = json.dumps({"ready": not checkpoints.busy, "part": part}).encode()
         try:
-            lengths = group.allgather(torch.tensor([len(blob)], dtype=torch.int64))
+            lengths = group.allgather(torch.tensor([len(text)], dtype=torch.int64))
             padded = torch.zeros(max(int(n) for n in lengths), dtype=torch.uint8)
-            padded[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            parts = group.gather(padded, dst=0)
+            padded[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+            gathered = group.allgather(padded)
         except StepAborted as exc:
-            log.info("step %d: no checkpoint, its state's gather failed (%s)", step.number, exc)
+            log.info("step %d: no checkpoint, its parts' descriptions did not reach every rank "
+                     "(%s)", step.number, exc)  # fmt: skip
             return None
-        if parts is None or not self.checkpoints.ready(step.number):
+        try:
+            said = [
+                json.loads(t[: int(n)].numpy().tobytes())
+                for n, t in zip(lengths, gathered, strict=True)
+            ]
+            parts = tuple(CheckpointPart.from_dict(d["part"]) for d in said if d["part"])
+        except (InvalidRequest, ValueError, KeyError, TypeError) as exc:
+            log.warning("step %d: no checkpoint, a rank's part description is malformed: %s",
+                        step.number, exc)  # fmt: skip
             return None
-        states = []
-        for length, part in zip(lengths, parts, strict=True):
-            for partition, segments in tree_from_bytes(part[: int(length)].numpy().tobytes()):
-                states.append(PartitionState(int(partition), tuple(segments)))
+        if not all(d["ready"] for d in said):
+            checkpoints.skip(step.number, "a rank is still writing its part of the previous one")
+            return None
+        if group.rank != 0:
+            if blob:
+                checkpoints.submit_part(step.number, me, blob)
+            return None
         with self._guarded():
-            return sharded.gathered_state(states)
+            entry = sharded.checkpoint_entry()
+        return _DueCheckpoint(step.number, step.epoch, entry, parts, blob or None)
 
     def _patience(self, started: float) -> float:
         """How long a wait for peers that began at ``started`` may go on:
@@ -1313,11 +1354,9 @@ class Elastic:
                 self._apply(step, finish)
                 landed = True
                 if self._sharded is None and self._checkpoint_due(step):
-                    self._due_checkpoint = (step.number, step.epoch, None)
+                    self._due_checkpoint = _DueCheckpoint(step.number, step.epoch)
                 if self._sharded is not None:
-                    optimizer = self._publish_shards(step, group)
-                    if optimizer is not None:
-                        self._due_checkpoint = (step.number, step.epoch, optimizer)
+                    self._due_checkpoint = self._publish_shards(step, group)
         finally:
             with self._state:
                 answer = self._member.applied(step.number, landed)
@@ -1659,6 +1698,19 @@ class Elastic:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class _DueCheckpoint:
+    """A checkpoint due at a step, captured once the step settled. In a
+    sharded job: the optimizer entry (``param_groups`` and layout), every
+    part of the checkpoint, and this rank's own part's bytes."""
+
+    step: int
+    epoch: int
+    optimizer: dict[str, Any] | None = None
+    parts: tuple[CheckpointPart, ...] = ()
+    own_part: bytes | None = None
 
 
 def _settle(future: asyncio.Future[int | None], step: int | None) -> None:

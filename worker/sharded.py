@@ -39,13 +39,21 @@ from rollcall.membership.shards import ShardPlan, partition_bounds
 
 __all__ = [
     "ELEMENTWISE",
+    "LAYOUT_KEY",
     "PartitionState",
     "Segment",
+    "ShardLayout",
     "ShardLost",
     "ShardedOptimizer",
+    "assemble_state",
     "check_shardable",
     "state_bytes",
 ]
+
+#: The key of a sharded checkpoint's layout in its optimizer entry, which
+#: holds no state (its parts do): ``{"state": {}, "param_groups": ...,
+#: LAYOUT_KEY: ...}``.
+LAYOUT_KEY = "rollcall_shard_layout"
 
 #: Optimizers whose update of one element depends on that element's
 #: parameter, gradient and state alone.
@@ -69,6 +77,122 @@ class Segment:
     group: int
     start: int
     stop: int
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where the partitions lie: their count and the shape of every
+    parameter, group by group, in the optimizer's order. The state space is
+    the flat concatenation of those parameters; partition ``p`` is the range
+    ``partition_bounds(numel, count)[p]`` of it, cut at group boundaries into
+    segments. A sharded checkpoint records it, so that its parts can be put
+    together into the optimizer's own ``state_dict`` without the model."""
+
+    count: int
+    shapes: tuple[tuple[tuple[int, ...], ...], ...]
+
+    @classmethod
+    def of(cls, groups: Sequence[Sequence[torch.Tensor]], count: int) -> ShardLayout:
+        return cls(count, tuple(tuple(tuple(p.shape) for p in group) for group in groups))
+
+    @property
+    def sizes(self) -> list[int]:
+        """Elements per group."""
+        return [sum(_numel(shape) for shape in group) for group in self.shapes]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def bounds(self) -> tuple[tuple[int, int], ...]:
+        return partition_bounds(self.numel, self.count)
+
+    def segments(self) -> tuple[Segment, ...]:
+        """Every partition's segments, cut at group boundaries."""
+        sizes = self.sizes
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        segments = []
+        for p, (start, stop) in enumerate(self.bounds):
+            for g, size in enumerate(sizes):
+                a, b = max(start, starts[g]), min(stop, starts[g] + size)
+                if a < b:
+                    segments.append(Segment(p, g, a, b))
+        return tuple(segments)
+
+    def to_tree(self) -> dict[str, Any]:
+        """As plain ints and lists (a replica state's tree)."""
+        return {"count": self.count, "shapes": [[list(s) for s in g] for g in self.shapes]}
+
+    @classmethod
+    def from_tree(cls, tree: Any) -> ShardLayout:
+        """ValueError if ``tree`` is not a layout."""
+        try:
+            count = tree["count"]
+            shapes = tuple(tuple(tuple(int(d) for d in s) for s in g) for g in tree["shapes"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a shard layout: {exc}") from None
+        if not isinstance(count, int) or count < 1 or not shapes:
+            raise ValueError("not a shard layout: no partitions or no parameters")
+        return cls(count, shapes)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
+
+
+def assemble_state(
+    layout: ShardLayout, parts: Sequence[PartitionState], param_groups: Any
+) -> dict[str, Any]:
+    """The optimizer's ``state_dict`` (replicated form: what a replicated
+    optimizer, or a sharded one at any world size, loads) from the state of
+    every partition (``parts``, one per partition) and the optimizer's
+    ``param_groups``. ValueError if a partition is missing or not of its
+    shape."""
+    by_partition = {part.partition: part for part in parts}
+    missing = sorted(set(range(layout.count)) - set(by_partition))
+    if missing:
+        raise ValueError(f"partitions {missing} are missing from the optimizer state")
+    segments = layout.segments()
+    flat: dict[str, torch.Tensor] = {}
+    #: (group, key) -> a scalar entry, or None for an element-wise one.
+    kinds: dict[tuple[int, str], torch.Tensor | None] = {}
+    for p in range(layout.count):
+        mine = [s for s in segments if s.partition == p]
+        if len(mine) != len(by_partition[p].segments):
+            raise ValueError(f"partition {p} has {len(by_partition[p].segments)} segments, "
+                             f"the layout {len(mine)}")  # fmt: skip
+        for segment, state in zip(mine, by_partition[p].segments, strict=True):
+            _check_entries(p, segment, state)
+            for key, value in state.items():
+                if value.dim() == 0:
+                    kinds.setdefault((segment.group, key), value)
+                    continue
+                kinds[(segment.group, key)] = None
+                if key not in flat:
+                    flat[key] = torch.zeros(layout.numel, dtype=value.dtype)
+                flat[key][segment.start : segment.stop] = value
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    index, offset = 0, 0
+    for g, group in enumerate(layout.shapes):
+        keys = sorted(k for (gg, k) in kinds if gg == g)
+        for shape in group:
+            size = _numel(shape)
+            entry: dict[str, torch.Tensor] = {}
+            for key in keys:
+                scalar = kinds[(g, key)]
+                if scalar is not None:
+                    entry[key] = scalar.clone()
+                else:
+                    entry[key] = flat[key][offset : offset + size].clone().view(shape)
+            if entry:
+                states[index] = entry
+            index += 1
+            offset += size
+    return {"state": states, "param_groups": param_groups}
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -150,11 +274,10 @@ class ShardedOptimizer:
         self._me = me
         first = self._groups[0][0]
         self._dtype, self._device = first.dtype, first.device
-        sizes = [sum(p.numel() for p in group) for group in self._groups]
-        self.numel = sum(sizes)
-        self._group_starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        self._bounds = partition_bounds(self.numel, plan.count)
-        self.segments = self._cut(sizes)
+        self.layout = ShardLayout.of(self._groups, plan.count)
+        self.numel = self.layout.numel
+        self._bounds = self.layout.bounds
+        self.segments = self.layout.segments()
         self._owned = set(plan.owned_by(me))
         self._leaves: dict[Segment, torch.Tensor] = {}
         #: Copies kept after a move to a plan that no longer gives them to
@@ -165,17 +288,6 @@ class ShardedOptimizer:
         #: Local param group index -> the user's group it was built from.
         self._group_of: list[int] = []
         self._build({})
-
-    def _cut(self, sizes: Sequence[int]) -> tuple[Segment, ...]:
-        """Every partition's segments, cut at group boundaries."""
-        segments = []
-        for p, (start, stop) in enumerate(self._bounds):
-            for g, size in enumerate(sizes):
-                lo, hi = self._group_starts[g], self._group_starts[g] + size
-                a, b = max(start, lo), min(stop, hi)
-                if a < b:
-                    segments.append(Segment(p, g, a, b))
-        return tuple(segments)
 
     def _build(self, states: dict[Segment, dict[str, torch.Tensor]]) -> None:
         """This rank's optimizer over its owned segments, each leaf made from
@@ -443,42 +555,13 @@ class ShardedOptimizer:
         """The user's optimizer's ``state_dict`` (replicated form: what a
         checkpoint holds, loadable at any world size and in replicated mode)
         from every partition's state (``parts``, one per partition)."""
-        by_partition = {part.partition: part for part in parts}
-        missing = sorted(set(range(self._plan.count)) - set(by_partition))
-        if missing:
-            raise ValueError(f"partitions {missing} are missing from the gathered state")
-        flat: dict[str, torch.Tensor] = {}
-        #: (group, key) -> a scalar entry, or None for an element-wise one.
-        kinds: dict[tuple[int, str], torch.Tensor | None] = {}
-        for p in range(self._plan.count):
-            for segment, state in zip(self._of(p), by_partition[p].segments, strict=True):
-                _check_entries(p, segment, state)
-                for key, value in state.items():
-                    if value.dim() == 0:
-                        kinds.setdefault((segment.group, key), value)
-                        continue
-                    kinds[(segment.group, key)] = None
-                    if key not in flat:
-                        flat[key] = torch.zeros(self.numel, dtype=value.dtype)
-                    flat[key][segment.start : segment.stop] = value
-        states: dict[int, dict[str, torch.Tensor]] = {}
-        index, offset = 0, 0
-        for g, group in enumerate(self._groups):
-            keys = sorted(k for (gg, k) in kinds if gg == g)
-            for param in group:
-                entry: dict[str, torch.Tensor] = {}
-                for key in keys:
-                    scalar = kinds[(g, key)]
-                    if scalar is not None:
-                        entry[key] = scalar.clone()
-                    else:
-                        piece = flat[key][offset : offset + param.numel()]
-                        entry[key] = piece.clone().view_as(param)
-                if entry:
-                    states[index] = entry
-                index += 1
-                offset += param.numel()
-        return {"state": states, "param_groups": self._template.state_dict()["param_groups"]}
+        return assemble_state(self.layout, parts, self._template.state_dict()["param_groups"])
+
+    def checkpoint_entry(self) -> dict[str, Any]:
+        """A sharded checkpoint's optimizer entry: a ``state_dict`` with no
+        state (it is in the checkpoint's parts) and the layout."""
+        return {"state": {}, "param_groups": self._template.state_dict()["param_groups"],
+                LAYOUT_KEY: self.layout.to_tree()}  # fmt: skip
 
     def load_state(self, state_dict: Mapping[str, Any]) -> None:
         """Take this rank's partitions from a replicated-form optimizer

@@ -45,7 +45,8 @@ class CheckpointCalls(LeaderActions):
             self._check_job(request.job)
             check.check_id(request.member_id, "member_id", self._config)
             manifest = manifest_from_pb(request.checkpoint)
-            check.check_digest(manifest.digest, self._config)
+            for digest in (manifest.digest, *(d for part in manifest.parts for d in part.digests)):
+                check.check_digest(digest, self._config)
             check.check_id(manifest.writer, "checkpoint writer", self._config)
             check.check_counter(manifest.step, "checkpoint step")
             lead = self._acting_for(request.member_id, request.epoch, request.member_secret)

@@ -309,7 +309,7 @@ class Durability(_message.Message):
     def __init__(self, durable_step: _Optional[int] = ..., failures: _Optional[int] = ..., failed_step: _Optional[int] = ..., reason: _Optional[str] = ..., failing_since_unix: _Optional[float] = ..., writer: _Optional[str] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("step", "digest", "uri", "size", "sha256", "epoch", "writer", "created_unix", "step_seconds")
+    __slots__ = ("step", "digest", "uri", "size", "sha256", "epoch", "writer", "created_unix", "step_seconds", "parts")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,7 @@ class Checkpoint(_message.Message):
     WRITER_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     digest: str
     uri: str
@@ -328,7 +329,22 @@ class Checkpoint(_message.Message):
     writer: str
     created_unix: float
     step_seconds: float
-    def __init__(self, step: _Optional[int] = ..., digest: _Optional[str] = ..., uri: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., epoch: _Optional[int] = ..., writer: _Optional[str] = ..., created_unix: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[CheckpointPart]
+    def __init__(self, step: _Optional[int] = ..., digest: _Optional[str] = ..., uri: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., epoch: _Optional[int] = ..., writer: _Optional[str] = ..., created_unix: _Optional[float] = ..., step_seconds: _Optional[float] = ..., parts: _Optional[_Iterable[_Union[CheckpointPart, _Mapping]]] = ...) -> None: ...
+
+class CheckpointPart(_message.Message):
+    __slots__ = ("uri", "size", "sha256", "partitions", "digests")
+    URI_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    uri: str
+    size: int
+    sha256: str
+    partitions: _containers.RepeatedScalarFieldContainer[int]
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, uri: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., partitions: _Optional[_Iterable[int]] = ..., digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishCheckpointRequest(_message.Message):
     __slots__ = ("job", "member_id", "epoch", "checkpoint", "member_secret")

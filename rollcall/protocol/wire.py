@@ -16,7 +16,12 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from rollcall.membership.cause import Cause
-from rollcall.membership.checkpoint import CheckpointFailure, CheckpointManifest, Durability
+from rollcall.membership.checkpoint import (
+    CheckpointFailure,
+    CheckpointManifest,
+    CheckpointPart,
+    Durability,
+)
 from rollcall.membership.errors import (
     ConfigurationMismatch,
     ControlPlaneUnavailable,
@@ -156,14 +161,19 @@ def causes_from_pb(texts: Iterable[str]) -> tuple[Cause, ...]:
 
 
 def manifest_to_pb(manifest: CheckpointManifest) -> pb.Checkpoint:
-    return pb.Checkpoint(**manifest.to_dict())
+    record = manifest.to_dict()
+    parts = [pb.CheckpointPart(**part) for part in record.pop("parts")]
+    return pb.Checkpoint(**record, parts=parts)
 
 
 def manifest_from_pb(message: pb.Checkpoint) -> CheckpointManifest:
     """Raises ``InvalidRequest`` for a malformed manifest."""
-    return CheckpointManifest(
-        **{f.name: getattr(message, f.name) for f in dataclasses.fields(CheckpointManifest)}
+    parts = tuple(
+        CheckpointPart(p.uri, p.size, p.sha256, tuple(p.partitions), tuple(p.digests))
+        for p in message.parts
     )
+    fields = (f.name for f in dataclasses.fields(CheckpointManifest) if f.name != "parts")
+    return CheckpointManifest(**{name: getattr(message, name) for name in fields}, parts=parts)
 
 
 def durability_to_pb(durability: Durability) -> pb.Durability:
