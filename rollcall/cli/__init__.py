@@ -6,6 +6,8 @@ modules here by concern.
 - ``control_plane``: ``etcd``, ``etcd-auth``, ``rendezvous``;
 - ``status``; ``up`` (a local cluster); ``operate``: ``add``, ``kill``,
   ``chaos``; ``worker`` (the built-in example job);
+- ``plan`` (a job's detector timeout and checkpoint interval, from the
+  simulator in ``rollcall.planning``);
 - ``rollcall.report.command`` (``report``) and ``rollcall.checkpoints``
   (``checkpoints``).
 
@@ -24,6 +26,7 @@ from rollcall.cli.control_plane import etcd, etcd_auth, rendezvous
 from rollcall.cli.group import RollcallGroup
 from rollcall.cli.operate import add, chaos, kill
 from rollcall.cli.options import resolve_target, target_options, token_option
+from rollcall.cli.plan import plan
 from rollcall.cli.status import status
 from rollcall.cli.up import up
 from rollcall.cli.worker import worker
@@ -40,6 +43,6 @@ def main() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-for _command in (etcd, etcd_auth, rendezvous, status, up, add, kill, chaos, worker, report):
+for _command in (etcd, etcd_auth, rendezvous, status, up, add, kill, chaos, worker, report, plan):
     main.add_command(_command)
 main.add_command(build_checkpoints(resolve_target, target_options, token_option))
