@@ -43,6 +43,10 @@ class Answer:
     member_id: str
     step: int | None
     digest: str
+    #: In a sharded job, the epoch of the view whose shard plan the member
+    #: moved to (the copies it took there count though no step committed
+    #: since); None if it does not say.
+    shard_epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,10 @@ def decide_view(
         advanced = plan.step is not None and (
             previous.resume_step is None or plan.step > previous.resume_step
         )
-        shards = decide_shards(sharding, previous.shards, advanced, ids, hosts, holders)
+        moved = [i for i in plan.holders if rollcall.answers[i].shard_epoch == previous.epoch]
+        shards = decide_shards(
+            sharding, previous.shards, advanced, ids, hosts, holders, moved=moved
+        )
         if shards.lost:
             view = View(epoch=rollcall.epoch, members=members, shards=shards)
         else:
@@ -406,7 +413,10 @@ class Coordinator:
         # its group for it, so a report needs no roll call of its own.
         return self._rollcall is None and self._proposal is None
 
-    def answer(self, member_id: str, epoch: int, step: int | None, digest: str, now: float) -> None:
+    def answer(
+        self, member_id: str, epoch: int, step: int | None, digest: str, now: float,
+        shard_epoch: int | None = None,
+    ) -> None:  # fmt: skip
         """A candidate answers roll call ``epoch``."""
         rollcall = self._rollcall
         if rollcall is None or epoch < rollcall.epoch:
@@ -421,7 +431,7 @@ class Coordinator:
             raise NotAMember(f"member {member_id!r} is not called in roll call {epoch}")
         if step is not None and step < 0:
             raise InvalidRequest(f"step must be >= 0, got {step}")
-        rollcall.answers[member_id] = Answer(member_id, step, digest)
+        rollcall.answers[member_id] = Answer(member_id, step, digest, shard_epoch)
         self.tick(now)
 
     def progress(self, member_id: str, epoch: int, step: int) -> None:

@@ -285,12 +285,15 @@ class Leader:
 
     # --- the roll call ---------------------------------------------------------
 
-    def answer(self, member_id: str, epoch: int, step: int | None, digest: str, now: float) -> None:
+    def answer(
+        self, member_id: str, epoch: int, step: int | None, digest: str, now: float,
+        shard_epoch: int | None = None,
+    ) -> None:  # fmt: skip
         """A candidate answers roll call ``epoch`` (``Coordinator.answer``'s
         errors pass through: the answer changed nothing)."""
         self.heard(member_id, now)
         try:
-            self.coordinator.answer(member_id, epoch, step, digest, now)
+            self.coordinator.answer(member_id, epoch, step, digest, now, shard_epoch)
         finally:
             self._pull()
 

@@ -381,17 +381,21 @@ def decide_shards(
     members: Sequence[str],
     hosts: Mapping[str, str],
     holders: Collection[str] | None,
+    moved: Collection[str] = (),
 ) -> ShardedView:
     """The sharded part of a new view of ``members`` (rank order).
 
     ``holders``: the members whose state of the view's resume step is
     believed (None: nobody holds state, the view starts from step 0 or a
     checkpoint). ``advanced``: a step committed in the previous view, so
-    its holders hold the previous view's plan (else they still hold its
-    ``base``). Copies held by a member that is not a holder (behind by a
-    step, or new) do not count. A partition none of the holders holds is
-    lost: every partition is then placed afresh and the view must resume
-    from a checkpoint (``lost`` says which were lost)."""
+    its holders hold the previous view's plan. Else they still hold its
+    ``base`` (a member keeps the copies it gives up until a step commits),
+    and those of them that say they moved to the previous view's plan
+    (``moved``: they entered it and took their copies) hold its copies
+    too. Copies held by a member that is not a holder (behind by a step,
+    or new) do not count. A partition none of the holders holds is lost:
+    every partition is then placed afresh and the view must resume from a
+    checkpoint (``lost`` says which were lost)."""
     if holders is None:
         return ShardedView(place(members, hosts, sharding.count, sharding.redundancy))
     if previous is None or previous.count != sharding.count:
@@ -400,6 +404,16 @@ def decide_shards(
         fresh = place(members, hosts, sharding.count, sharding.redundancy)
         return ShardedView(fresh, lost=tuple(range(sharding.count)))
     held_plan = previous.plan if advanced or previous.base is None else previous.base
+    if held_plan is previous.base and set(moved) & set(holders):
+        # Those that moved hold the previous plan's copies besides the base's.
+        took = set(moved) & set(holders)
+        held_plan = ShardPlan(
+            tuple(
+                (*(m for m in new if m in took), *(m for m in old if m not in new or m not in took))
+                for new, old in zip(previous.plan.owners, held_plan.owners, strict=True)
+            ),
+            held_plan.redundancy,
+        )
     held = set(holders) & set(members)
     lost = held_plan.uncovered(held)
     if lost:

@@ -120,15 +120,18 @@ def test_bad_plans_are_refused() -> None:
 
 
 def _decide(
-    previous: View, members: list[str], steps: dict[str, int | None], sharding: Sharding
-) -> View:
-    """The view a roll call over ``members`` (answering ``steps``) decides
-    after ``previous``."""
+    previous: View, members: list[str], steps: dict[str, int | None], sharding: Sharding,
+    shard_epochs: dict[str, int] | None = None,
+) -> View:  # fmt: skip
+    """The view a roll call over ``members`` (answering ``steps``, and the
+    epoch of the shard plan each holds, ``shard_epochs``) decides after
+    ``previous``."""
     candidates = tuple(ViewMember(m, f"10.0.0.{i}:1") for i, m in enumerate(members))
     rollcall = RollCall(previous.epoch + 1, candidates, deadline=0.0, started_at=0.0, causes=())
     for m in members:
         step = steps[m]
-        rollcall.answers[m] = Answer(m, step, "" if step is None else f"d{step}")
+        held = (shard_epochs or {}).get(m)
+        rollcall.answers[m] = Answer(m, step, "" if step is None else f"d{step}", held)
     view, _ = decide_view(rollcall, previous, {}, sharding)
     return view
 
@@ -193,6 +196,34 @@ def test_until_a_step_commits_in_a_view_its_members_are_taken_to_hold_the_earlie
         ["a", "c", "d", "e"], dict.fromkeys("acde", 7), sharding,
     )  # fmt: skip
     assert after_step.shards is not None and after_step.shards.base == again.shards.plan
+
+
+def test_copies_taken_in_a_view_where_no_step_committed_count_for_the_members_that_took_them():
+    # d leaves after step 5; the others enter that view and take d's copies,
+    # then c is killed before any step commits in it. The partitions c and d
+    # held together under the first plan are held by whoever took d's copy:
+    # the members say they moved to the view's plan (the epoch of the plan
+    # they hold), and that is not a loss.
+    sharding = Sharding(8, 2)
+    start = _decide(EMPTY_VIEW, ["a", "b", "c", "d"], dict.fromkeys("abcd"), sharding)
+    assert start.shards is not None
+    shared = tuple(p for p, o in enumerate(start.shards.plan.owners) if set(o) == {"c", "d"})
+    assert shared, "c and d share a partition in the first plan"
+    trained = View(start.epoch, start.members, 5, "d5", {}, start.shards)
+    left = _decide(trained, ["a", "b", "c"], dict.fromkeys("abc", 5), sharding)
+    assert left.shards is not None and left.shards.lost == ()
+    took = {p: {m for m in left.shards.plan.owners[p] if m != "c"} for p in shared}
+    assert all(took.values())
+    moved = {"a": left.epoch, "b": left.epoch}
+    after = _decide(left, ["a", "b"], dict.fromkeys("ab", 5), sharding, moved)
+    assert after.shards is not None and after.shards.lost == ()
+    assert after.resume_step == 5
+    for p in shared:
+        assert set(after.shards.sources[p]) == took[p]
+    # Members that did not say so (an older worker, or one whose move was
+    # aborted) hold only the first plan's copies: those partitions are lost.
+    unmoved = _decide(left, ["a", "b"], dict.fromkeys("ab", 5), sharding)
+    assert unmoved.shards is not None and unmoved.shards.lost == shared
 
 
 def test_a_sharded_view_travels_through_json_and_protobuf_unchanged() -> None:

@@ -24,7 +24,7 @@ from rollcall.membership.config import Config
 from rollcall.membership.view import View
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
-from rollcall.protocol.client import RendezvousClient
+from rollcall.protocol.client import RendezvousClient, RollCallAnswer
 from rollcall.protocol.wire import token_metadata, view_from_pb
 from tests.harness import (
     ControlPlane,
@@ -274,9 +274,9 @@ def test_a_joiners_inflated_answer_is_refused_and_training_goes_on_unaffected(
     async def poison() -> View:
         client = RendezvousClient(control_plane.addresses, control_plane.job, control_plane.token)
 
-        async def answer(epoch: int, causes: tuple[Cause, ...]) -> tuple[int | None, str]:
+        async def answer(epoch: int, causes: tuple[Cause, ...]) -> RollCallAnswer:
             reached = (await client.status()).step or 0
-            return reached + 5000, forged
+            return RollCallAnswer(reached + 5000, forged)
 
         try:
             await client.join("127.0.0.1:1", name="evil", on_roll_call=answer)

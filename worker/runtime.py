@@ -67,7 +67,7 @@ from rollcall.membership.member import Fence, Member
 from rollcall.membership.shards import Sharding, ShardPlan, moves
 from rollcall.membership.view import EMPTY_VIEW, View
 from rollcall.pb import rendezvous_pb2, state_pb2_grpc
-from rollcall.protocol.client import ClientTLS, RendezvousClient
+from rollcall.protocol.client import ClientTLS, RendezvousClient, RollCallAnswer
 from rollcall.protocol.serving import serve
 from rollcall.protocol.serving import stop as stop_metrics
 from rollcall.protocol.wire import TokenInterceptor, read_token
@@ -671,7 +671,7 @@ class Elastic:
         if seconds > 0:
             log.info("%s is busy (%s) for up to %.0f s: waiting for it", member_id, reason, seconds)
 
-    async def _on_roll_call(self, epoch: int, causes: tuple[Cause, ...]) -> tuple[int | None, str]:
+    async def _on_roll_call(self, epoch: int, causes: tuple[Cause, ...]) -> RollCallAnswer:
         """Abort the step in flight, then answer with the last committed step
         and the digest of the state this worker will serve. A step whose
         all-reduce completed has every member's contribution: the answer
@@ -697,18 +697,22 @@ class Elastic:
         with self._view_changed:
             self._view_changed.notify_all()
 
-    def _digest_of(self, step: int | None) -> tuple[int | None, str]:
-        """(Control side, in a worker thread.) The answer: ``step`` and the
-        digest of the state served for it, captured once. No update lands
+    def _digest_of(self, step: int | None) -> RollCallAnswer:
+        """(Control side, in a worker thread.) The answer: ``step``, the
+        digest of the state served for it, captured once, and in a sharded
+        job the epoch of the shard plan this rank moved to. No update lands
         once an answer is decided (the machine's ``answered`` is ahead)."""
         if step is None:
-            return None, ""
+            return RollCallAnswer(None, "")
         with self._lock:
             assert step == self.committed_step, (step, self.committed_step)
             if self._snapshot is None or self._snapshot.step != step:
                 state = self._capture(step, with_rng=False)
                 self._snapshot = Snapshot(step, digest(state), to_bytes(state))
-            return step, self._snapshot.digest
+            moved = self._shard_view if self._sharded is not None else None
+            return RollCallAnswer(
+                step, self._snapshot.digest, None if moved is None else moved.epoch
+            )
 
     def _answer_waiting(self, step: int | None) -> None:
         """(Training side.) Hand the step that just landed (or not) to the
@@ -848,7 +852,9 @@ class Elastic:
                         self._settle()
                     else:
                         self._discard(step)
-                if not step.committed:
+                if not step.committed and self._entered[0] is view:
+                    # Otherwise the step's commit entered a newer view that
+                    # undid it (_complete_step): it is handed out again there.
                     break
             self._raise_if_interrupted()
         self._report.done(self.committed_step)

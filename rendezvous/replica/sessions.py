@@ -142,8 +142,11 @@ class Sessions(CheckpointCalls):
             if held is not None:
                 check.check_counter(held, "step")
             check.check_digest(answer.digest, self._config)
+            shards = answer.shard_epoch if answer.HasField("shard_epoch") else None
+            if shards is not None:
+                check.check_counter(shards, "shard_epoch")
             try:
-                lead.leader.answer(member_id, answer.epoch, held, answer.digest, now)
+                lead.leader.answer(member_id, answer.epoch, held, answer.digest, now, shards)
             except (StaleEpoch, NotAMember) as late:
                 # A known member answering a roll call that already closed:
                 # harmless, the view it missed will evict or include it.

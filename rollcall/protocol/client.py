@@ -54,8 +54,17 @@ from rollcall.protocol.wire import (
 log = logging.getLogger("rollcall.client")
 T = TypeVar("T")
 
-#: What a member answers at a roll call: (last committed step or None, state digest).
-RollCallAnswer = tuple[int | None, str]
+@dataclass(frozen=True)
+class RollCallAnswer:
+    """What a member answers at a roll call: its last committed step (None:
+    none), the digest of its state, and in a sharded job the epoch of the
+    view whose shard plan it moved to (None: not sharded, nothing held)."""
+
+    step: int | None
+    digest: str
+    shard_epoch: int | None = None
+
+
 #: Called with the roll call's epoch and its causes (``Cause`` values, for
 #: messages); may be a coroutine function. Must abort the step in flight
 #: before it returns.
@@ -616,19 +625,22 @@ class RendezvousClient:
 
     async def _answer(self, epoch: int, causes: tuple[Cause, ...]) -> None:
         if self._on_roll_call is None:
-            step, digest = self._step, ""
+            reply = RollCallAnswer(self._step, "")
         else:
             result = self._on_roll_call(epoch, causes)
-            step, digest = await result if inspect.isawaitable(result) else result
+            reply = await result if inspect.isawaitable(result) else result
+        step = reply.step
         if step is not None and step != self._step and self.member_id in self._view:
             # The leader checks an answer against the progress reported in
             # the view (docs/protocol.md, "A roll call"): report the step
             # the answer names first, which progress reports (at most one
             # per heartbeat interval) may not have named yet.
             self.report_progress(step)
-        answer = pb.RollCallAnswer(epoch=epoch, digest=digest)
+        answer = pb.RollCallAnswer(epoch=epoch, digest=reply.digest)
         if step is not None:
             answer.step = step
+        if reply.shard_epoch is not None:
+            answer.shard_epoch = reply.shard_epoch
         self._outbox.put_nowait(pb.SessionRequest(answer=answer))
 
     async def _write_session(self, call: Any) -> None:
