@@ -103,7 +103,13 @@ from rollcall.worker.faults import Faults
 from rollcall.worker.fingerprint import job_fingerprint
 from rollcall.worker.group import EpochGroup
 from rollcall.worker.ledger import Ledger
-from rollcall.worker.loader import Batch, LoaderOptions, MicrobatchLoader, default_collate
+from rollcall.worker.loader import (
+    Batch,
+    LoaderOptions,
+    MicrobatchLoader,
+    default_collate,
+    seed_torch,
+)
 from rollcall.worker.messages import describe_transport, install_default_handler, view_change
 from rollcall.worker.metrics import WorkerMetrics
 from rollcall.worker.parking import wait_parked
@@ -162,7 +168,7 @@ class Step:
             data = job._loader.get(mb.step, mb.index)
             if job._exact is not None:
                 job._exact.start()
-            torch.manual_seed(mb.seed)
+            seed_torch(mb.seed)
             self._microbatches += 1
             self._index = mb.index
             yield Batch(mb, data)
@@ -439,7 +445,7 @@ class Elastic:
             else None
         )
         self._last_commit: tuple[int, float] | None = None  # (epoch, monotonic time)
-        self._progress_sent = (0, 0.0)  # (epoch, monotonic time) of the last report
+        self._progress_epoch = 0  # the view whose first commit was reported
         self._signals: dict[int, Any] = {}
         self._joined = False
 
@@ -1375,14 +1381,12 @@ class Elastic:
             step.number, step.epoch, step.world_size, self.plan.step_samples(step.number)
         )
         self._loader.step_committed(step.number)
-        now = time.monotonic()
-        if step.epoch != self._progress_sent[0] or now - self._progress_sent[1] >= (
-            self._config.heartbeat_interval
-        ):
-            # Waking the control thread costs the training thread a GIL
-            # hand-off: report the first step of a view, then at most once
-            # per heartbeat interval.
-            self._progress_sent = (step.epoch, now)
+        # Reported with the next heartbeat: waking the control thread at
+        # every commit costs the training thread a GIL hand-off. The first
+        # step of a view is reported at once.
+        self._client.note_progress(step.number)
+        if step.epoch != self._progress_epoch:
+            self._progress_epoch = step.epoch
             self._loop.call_soon_threadsafe(self._client.report_progress, step.number)
         self._report.step(step, self.plan.global_batch)
         if self._incomplete:

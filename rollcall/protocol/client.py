@@ -197,6 +197,11 @@ class RendezvousClient:
         self._on_view: Callable[[View], None] | None = None
         self._on_busy: BusyHandler | None = None
         self._step: int | None = None
+        #: The newest step the member committed, set by its training thread
+        #: without waking this loop (a plain attribute: one int written
+        #: under the GIL); the session's writer reports it with the next
+        #: heartbeat (``note_progress``).
+        self._committed: int | None = None
         self._ended: RollcallError | None = None
         self._on_end: Callable[[RollcallError], None] | None = None
         #: Monotonic send time of the newest heartbeat the leader acknowledged:
@@ -405,9 +410,15 @@ class RendezvousClient:
         return await self.wait_view(lambda v: self.member_id in v, timeout)
 
     def report_progress(self, step: int) -> None:
-        """This member committed ``step`` in the current view."""
+        """This member committed ``step`` in the current view (reported now)."""
         self._step = step
         self._send(pb.SessionRequest(progress=pb.Progress(epoch=self._view.epoch, step=step)))
+
+    def note_progress(self, step: int) -> None:
+        """This member committed ``step``: reported with the next heartbeat,
+        at most ``heartbeat_interval`` later. Safe from any thread, and it
+        wakes nothing: the training thread calls it at every commit."""
+        self._committed = step
 
     def report_failure(self, peer_id: str, reason: str) -> None:
         """This member saw ``peer_id`` fail."""
@@ -658,6 +669,11 @@ class RendezvousClient:
             try:
                 if now >= next_beat:
                     next_beat = now + self._heartbeat_interval
+                    committed = self._committed
+                    if committed is not None and committed != self._step:
+                        self._step = committed
+                        progress = pb.Progress(epoch=self._view.epoch, step=committed)
+                        await call.write(pb.SessionRequest(progress=progress))
                     beat = pb.Heartbeat(epoch=self._view.epoch, sent_at=now)
                     await call.write(pb.SessionRequest(heartbeat=beat))
                 if request is not None:
