@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from rollcall.etcd_local import LocalEtcd
 from tests.harness import ControlPlane, ProgramProcess, wait_for
 
 pytestmark = pytest.mark.integration
@@ -32,10 +34,10 @@ class Run:
         self.states.mkdir()
         self.all: list[ProgramProcess] = []
 
-    def start(self, min_workers: int) -> ProgramProcess:
+    def start(self, min_workers: int, *extra: str) -> ProgramProcess:
         args = ["--steps", str(STEPS), "--digests", "--exact", "--save-state", str(self.states),
                 "--min-workers", str(min_workers), "--loader-workers", "0",
-                "--hold-while", str(self.directory / "hold")]  # fmt: skip
+                "--hold-while", str(self.directory / "hold"), *extra]  # fmt: skip
         index = len(self.all)
         program = ProgramProcess(self.plane, PROGRAM, args, self.directory / f"program{index}.log")
         self.all.append(program)
@@ -78,17 +80,28 @@ def tensors(tree: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]
             yield from tensors(item, f"{prefix}/{index}")
 
 
-@pytest.mark.timeout(600)
-def test_one_worker_and_three_with_two_kills_and_two_joins_hold_the_same_bits_at_every_step(
-    etcd, tmp_path: Path
-) -> None:
-    with run(etcd, tmp_path, "alone") as alone:
+Reference = tuple[dict[int, set[str]], dict]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
+    """One worker in exact mode (run once for the module): the digest of
+    its state after each step, and its final state."""
+    with LocalEtcd() as etcd, run(etcd, tmp_path_factory.mktemp("reference"), "alone") as alone:
         program = alone.start(1)
         assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
-        reference = alone.digests()
-        [reference_state] = alone.saved()
-    assert sorted(reference) == list(range(STEPS))
-    assert all(len(d) == 1 for d in reference.values())
+        digests = alone.digests()
+        [state] = alone.saved()
+    assert sorted(digests) == list(range(STEPS))
+    assert all(len(d) == 1 for d in digests.values())
+    yield digests, state
+
+
+@pytest.mark.timeout(600)
+def test_one_worker_and_three_with_two_kills_and_two_joins_hold_the_same_bits_at_every_step(
+    etcd, tmp_path: Path, reference: Reference
+) -> None:
+    reference_digests, reference_state = reference
 
     with run(etcd, tmp_path, "churn") as churn:
         team = [churn.start(3) for _ in range(3)]
@@ -118,9 +131,9 @@ def test_one_worker_and_three_with_two_kills_and_two_joins_hold_the_same_bits_at
     assert seen_worlds == {2, 3}, seen_worlds
     assert sorted(digests) == list(range(STEPS))
     differing = {
-        step: (sorted(found), sorted(reference[step]))
+        step: (sorted(found), sorted(reference_digests[step]))
         for step, found in digests.items()
-        if found != reference[step]
+        if found != reference_digests[step]
     }
     assert differing == {}, f"steps whose state differs from the single worker's: {differing}"
     assert len(saved) == 3  # the two that were killed saved nothing
@@ -131,3 +144,34 @@ def test_one_worker_and_three_with_two_kills_and_two_joins_hold_the_same_bits_at
         assert got.keys() == want.keys()
         unequal = [name for name in want if not torch.equal(got[name], want[name])]
         assert unequal == [], unequal
+
+
+@pytest.mark.timeout(600)
+def test_a_kill_mid_step_keeps_the_microbatches_the_survivors_finished_and_the_bits(
+    etcd, tmp_path: Path, reference: Reference
+) -> None:
+    # Each microbatch's backward is followed by a pause until step 12, so the
+    # kill lands while the survivors are half way through their share. The
+    # microbatches a survivor finished that the new split still gives it are
+    # not computed again; the state is still the single worker's, bit for bit.
+    reference_digests, _ = reference
+    with run(etcd, tmp_path, "midstep") as job:
+        slow = ("--microbatch-pause", "0.2", "--slow-until", "12")
+        team = [job.start(3, *slow) for _ in range(3)]
+        wait_for(lambda: min(p.last_step() for p in team) >= 4, "step 4", PATIENCE)
+        first = team[0]
+        seen = first.last_step()
+        wait_for(lambda: first.last_step() > seen, "the next step", PATIENCE)
+        time.sleep(0.3)  # rank 0 finished its first microbatch and is in its second
+        victim = team.pop()  # the last rank: rank 0 keeps its block in the split of two
+        victim.signal(signal.SIGKILL)
+        for program in team:
+            assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+        digests = job.digests()
+        logs = [p.log_path.read_text() for p in team]
+
+    kept = [line for text in logs for line in text.splitlines()
+            if "finished before it was aborted are kept" in line]  # fmt: skip
+    assert kept, "no survivor kept the microbatches it had finished"
+    assert sorted(digests) == list(range(STEPS))
+    assert {s: d for s, d in digests.items() if d != reference_digests[s]} == {}

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -177,9 +177,11 @@ class ExactStep:
         #: Whether some microbatch gradient of the step being reduced is not finite.
         self._nonfinite = False
 
-    def begin(self) -> None:
-        """A new step (or the same step again after an abort)."""
-        self._taken.clear()
+    def begin(self, keep: Collection[int] = ()) -> None:
+        """A new step, or the same step again after an abort, keeping the
+        microbatches ``keep`` of that attempt (each is kept apart, so any of
+        them is exactly what running it again would give)."""
+        self._taken = {i: taken for i, taken in self._taken.items() if i in keep}
 
     def start(self) -> None:
         """Before each microbatch: it runs from the step's buffers (those of

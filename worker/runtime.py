@@ -149,19 +149,30 @@ class Step:
         self._microbatches = 0
         #: Index (within the step) of the microbatch handed out last.
         self._index = -1
+        #: Microbatches whose loop body finished (in this attempt or kept
+        #: from an aborted one), by index.
+        self.done: list[int] = []
+        #: The step's all-reduce completed (its result is in the gradients).
+        self._reduced = False
         self.aborted = False
         self.committed = False
         #: Mean loss over the global batch, known after a successful commit.
         self.loss: float | None = None
+        kept = job._take_carry(self)
         if job._exact is not None:
-            job._exact.begin()
+            job._exact.begin(keep=kept)
 
     def microbatches(self) -> Iterator[Batch]:
         """This rank's microbatches of the step (loaded ahead when there are
         loader workers), each handed out with the torch RNG seeded from
-        (seed, step, microbatch index) only. Stops early on an abort."""
+        (seed, step, microbatch index) only. Those it finished before an
+        abort of the same step are not handed out again. Stops early on an
+        abort."""
         job = self._job
+        finished = set(self.done)
         for mb in job.plan.for_rank(self.number, self.rank, self.world_size):
+            if mb.index in finished:
+                continue
             if job._aborting():
                 self.aborted = True
                 return
@@ -172,6 +183,7 @@ class Step:
             self._microbatches += 1
             self._index = mb.index
             yield Batch(mb, data)
+            self.done.append(mb.index)  # its loop body finished
 
     def backward(self, loss_sum: torch.Tensor, count: int) -> None:
         """Accumulate gradients of a loss *summed* over ``count`` samples or
@@ -390,6 +402,8 @@ class Elastic:
         self._shard_view: View | None = None
         #: A sharded step landed without its all-gather (``_complete_step``).
         self._incomplete = False
+        #: What this rank finished of an aborted step (``_set_aside``).
+        self._carry: _Carry | None = None
         #: The view entered last and this rank in it.
         self._entered: tuple[View, int] = (EMPTY_VIEW, 0)
         #: A checkpoint's whole optimizer state, until the shards take it.
@@ -857,7 +871,7 @@ class Elastic:
                     if step.committed:
                         self._settle()
                     else:
-                        self._discard(step)
+                        self._set_aside(step)
                 if not step.committed and self._entered[0] is view:
                     # Otherwise the step's commit entered a newer view that
                     # undid it (_complete_step): it is handed out again there.
@@ -931,15 +945,64 @@ class Elastic:
             own_part=due.own_part,
         )  # fmt: skip
 
-    def _discard(self, step: Step) -> None:
-        """Throw away what an uncommitted step did to gradients and buffers."""
+    def _set_aside(self, step: Step) -> None:
+        """A step that did not commit: keep what this rank finished of it
+        (the gradients and buffer changes of its finished microbatches) for
+        the same step's next attempt, unless its all-reduce completed (the
+        gradients then hold the sum, not this rank's part) or it finished
+        nothing; else throw it away."""
+        if self.metrics is not None:
+            self.metrics.aborted.inc()
+        seconds = time.monotonic() - step.started
+        if step._reduced or not step.done:
+            self._discard(seconds)
+            return
+        self._carry = _Carry(
+            step.number, tuple(step.done), step._count, step._loss, step._microbatches,
+            self._param_versions(), seconds,
+        )  # fmt: skip
+
+    def _take_carry(self, step: Step) -> tuple[int, ...]:
+        """(Step creation.) The microbatches of ``step`` this rank finished in
+        an aborted attempt of it that it can keep: the step is the same, the
+        parameters have not changed since (no state was loaded or completed
+        meanwhile), and the microbatches are this rank's in the new split;
+        in default mode all of them must be (their gradients are summed in
+        ``.grad`` and cannot be taken apart), in exact mode each one is kept
+        apart. Whatever cannot be kept is thrown away here."""
+        carry, self._carry = self._carry, None
+        if carry is None:
+            return ()
+        assigned = {mb.index for mb in self.plan.for_rank(step.number, step.rank,
+                                                          step.world_size)}  # fmt: skip
+        kept = tuple(i for i in carry.done if i in assigned)
+        usable = carry.step == step.number and carry.params == self._param_versions() and (
+            self._exact is not None or len(kept) == len(carry.done)
+        )
+        if not usable or not kept:
+            self._discard(carry.seconds)
+            return ()
+        step.done = list(kept)
+        step._count, step._loss, step._microbatches = carry.count, carry.loss, carry.microbatches
+        log.info(
+            "step %d: %d microbatches finished before it was aborted are kept (%s), %d to run",
+            step.number, len(kept), ", ".join(map(str, kept)), len(assigned) - len(kept),
+        )  # fmt: skip
+        return kept
+
+    def _param_versions(self) -> tuple[int, ...]:
+        """The parameters' version counters: any in-place change (an update,
+        a state loaded, an all-gather) moves one."""
+        return tuple(p._version for p in self._params)
+
+    def _discard(self, seconds: float) -> None:
+        """Throw away what an uncommitted step did to gradients and buffers
+        (``seconds``: the work lost)."""
         self._optimizer.zero_grad(set_to_none=True)
         self._gradients.forget()
         if self._buffers is not None:
             self._buffers.rollback()
-        self._lost_work += time.monotonic() - step.started
-        if self.metrics is not None:
-            self.metrics.aborted.inc()
+        self._lost_work += seconds
 
     def _wait_for_view(self) -> View:
         """The newest committed view that contains this worker, that it has
@@ -1339,6 +1402,7 @@ class Elastic:
             return False
         except StepAborted:
             return False
+        step._reduced = True  # the gradients hold the sum now, not this rank's part
         if count <= 0:
             raise UsageError(
                 f"step {step.number}: the global sample count is {count:g}: step.backward "
@@ -1708,6 +1772,23 @@ class Elastic:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class _Carry:
+    """What a rank finished of an aborted step, kept for its next attempt:
+    the microbatches (their gradients stay in ``.grad``, or in exact mode
+    in ``ExactStep``, and their buffer changes in the buffers), the step's
+    count, loss and microbatches run so far, the parameters' versions when
+    it was set aside, and the seconds the attempt took."""
+
+    step: int
+    done: tuple[int, ...]
+    count: int
+    loss: float
+    microbatches: int
+    params: tuple[int, ...]
+    seconds: float
 
 
 @dataclass(frozen=True)

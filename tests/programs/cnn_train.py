@@ -173,6 +173,8 @@ def train(args: argparse.Namespace) -> None:
                 step.backward(loss, count)
                 if args.misuse_scheduler:
                     scheduler.step()
+                if step.number < args.slow_until:
+                    time.sleep(args.microbatch_pause)  # a kill lands mid-step
             if not step.commit():
                 say(event="aborted", step=step.number, epoch=step.epoch)
                 continue
@@ -283,6 +285,11 @@ def main() -> None:
         help="seconds between commit() and the EMA update (registered state changed late)",
     )  # fmt: skip
     parser.add_argument("--hold-while", help="before each step, wait while this file exists")
+    parser.add_argument(
+        "--microbatch-pause", type=float, default=0.0,
+        help="seconds after each microbatch's backward, in steps before --slow-until",
+    )  # fmt: skip
+    parser.add_argument("--slow-until", type=int, default=0, help="see --microbatch-pause")
     parser.add_argument(
         "--save-state", help="every rank saves model, optimizer and scheduler state here"
     )
