@@ -119,14 +119,8 @@ def _check_outage(
         assert _epochs(worker, start_steps[0]) <= {epoch, epoch + 1}
 
 
-@pytest.mark.timeout(180)
-def test_etcd_stopped_15_s_evicts_nobody_and_training_goes_on(team, etcd: LocalEtcd) -> None:
-    plane, workers = team
-    _check_outage(plane, workers, 15.0, restart=False, etcd=etcd)
-
-
 @pytest.mark.timeout(240)
-def test_etcd_stopped_60_s_evicts_nobody_and_training_goes_on(team, etcd: LocalEtcd) -> None:
+def test_etcd_stopped_60_s_evicts_nobody_and_training_goes_on(  # outlives every lease (6 s)team, etcd: LocalEtcd) -> None:
     plane, workers = team
     _check_outage(plane, workers, 60.0, restart=False, etcd=etcd)
 
