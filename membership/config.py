@@ -222,6 +222,11 @@ class Config:
     #: it had to kill (one stuck in user code) to end.
     loader_kill_wait: float = 1.0
 
+    #: ``Elastic(overlap=True)``: the most bytes of gradients reduced as one
+    #: bucket (``rollcall.worker.overlap``). Smaller buckets start sooner
+    #: during the backward pass; each costs a collective of its own.
+    overlap_bucket_bytes: int = 25 * 1024 * 1024
+
     # --- the gloo group (``rollcall.worker.group``) --------------------------
     #: A blocked wait of the group (its bootstrap store, its build, a
     #: collective) looks at the abort this often: the bound on how late an

@@ -64,6 +64,9 @@ FIELDS: tuple[FingerprintField, ...] = (
         "sync_buffers", "whether buffers are kept identical across replicas (true, false)"
     ),
     FingerprintField("exact", "whether the job runs in bit-exact mode"),
+    FingerprintField(
+        "overlap", "whether gradients are reduced in buckets during the backward pass (true)"
+    ),
     FingerprintField("shard_partitions", "partitions of the sharded optimizer state"),
     FingerprintField("shard_redundancy", "copies kept of each partition of the optimizer state"),
     FingerprintField(

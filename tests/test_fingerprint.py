@@ -41,6 +41,7 @@ JOB = JobFingerprint.of(
         "min_workers": "1",
         "sync_buffers": "true",
         "exact": "false",
+        "overlap": "true",
         "shard_partitions": "64",
         "shard_redundancy": "2",
         "checkpoint_every": "100",

@@ -96,14 +96,15 @@ def view_changes(plane: ControlPlane) -> list[dict]:
     return [r for r in records if r.get("kind") == "view_change"]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["reduce-after-backward", "overlapped"])
 def test_an_ordinary_script_survives_a_kill_and_a_join_with_every_replica_identical(
-    programs: Programs, tmp_path: Path
+    programs: Programs, tmp_path: Path, overlap: bool
 ) -> None:
     steps = 400  # the survivors must still be training when the joiner arrives
     (tmp_path / "models").mkdir()
     models = tmp_path / "models"
     common = ["--steps", str(steps), "--digests", "--eval-every", "40", "--save-all", str(models),
-              "--min-workers", "3"]  # fmt: skip
+              "--min-workers", "3", *(["--overlap"] if overlap else [])]  # fmt: skip
     team = [programs.start(*common) for _ in range(3)]
     for program in team:
         wait_step(program, lambda e: e["step"] >= 25)

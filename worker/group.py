@@ -145,7 +145,8 @@ def _publish_listeners(
 class EpochGroup:
     """A gloo process group for one committed view (epoch), built directly with
     torch.distributed.ProcessGroupGloo (no global default group, no
-    init_process_group). One collective at a time."""
+    init_process_group). Its calls block until the collective is done, but for
+    ``start_allreduce_sum``, which several may have in flight (``finish``)."""
 
     def __init__(
         self,
@@ -400,6 +401,46 @@ class EpochGroup:
         """Release the group and the store it hosts. Safe to call twice."""
         self._release([], [])
 
+    def start_allreduce_sum(self, buffer: torch.Tensor) -> Pending:
+        """Start summing ``buffer`` (contiguous) in place across the group
+        and return at once; :meth:`finish` waits for it. Several may be in
+        flight; every rank must start them in the same order. Raises
+        StepAborted if the group is unusable or the abort is set."""
+        def start(pg: _Gloo) -> list[Work]:
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
+            opts.timeout = _delta(self.hard_timeout)
+            return [pg.allreduce([buffer], opts)]
+
+        works = self._start("all-reduce", start)
+        if isinstance(works, StepAborted):
+            raise works
+        return Pending(works, [buffer], time.monotonic())
+
+    def finish(self, pending: Sequence[Pending]) -> None:
+        """Wait for collectives started with ``start_*`` (same abort and
+        patience rules as :meth:`allreduce`). On StepAborted or PeerFailed
+        every one of them is abandoned and the group with them: their
+        buffers are then unspecified, and may still be written while the
+        group is parked (never reuse them)."""
+        works = [w for p in pending for w in p.works]
+        buffers = [b for p in pending for b in p.buffers]
+        started = min((p.started for p in pending), default=time.monotonic())
+        failed = self._wait("all-reduce", works, buffers, started)
+        if failed is not None:
+            raise failed
+
+    def _start(
+        self, what: str, start: Callable[[_Gloo], list[Work]]
+    ) -> list[Work] | StepAborted:
+        if self._pg is None or self._broken is not None:
+            reason = self._broken or "closed"
+            return StepAborted(f"epoch {self.epoch}: group unusable ({reason})")
+        if self._abort.is_set():
+            return StepAborted(f"epoch {self.epoch}: aborted before the {what}")
+        sweep()
+        return start(self._pg)
+
     def _collective(
         self,
         what: str,
@@ -409,14 +450,15 @@ class EpochGroup:
         """Run the works ``start`` issues; None once all succeeded. Otherwise
         the group is released (or parked while a work still runs) and the
         reason returned."""
-        if self._pg is None or self._broken is not None:
-            reason = self._broken or "closed"
-            return StepAborted(f"epoch {self.epoch}: group unusable ({reason})")
-        if self._abort.is_set():
-            return StepAborted(f"epoch {self.epoch}: aborted before the {what}")
-        sweep()
         started = time.monotonic()
-        works = start(self._pg)
+        works = self._start(what, start)
+        if isinstance(works, StepAborted):
+            return works
+        return self._wait(what, works, buffers, started)
+
+    def _wait(
+        self, what: str, works: list[Work], buffers: list[torch.Tensor], started: float
+    ) -> StepAborted | None:
         poll = _delta(self._config.group_abort_poll)
         for work in works:
             while True:
@@ -494,6 +536,13 @@ class EpochGroup:
                 pending,
                 list(buffers),
             )
+
+
+class Pending:
+    """Collectives started and not waited for yet (:meth:`EpochGroup.finish`)."""
+
+    def __init__(self, works: list[Work], buffers: list[torch.Tensor], started: float) -> None:
+        self.works, self.buffers, self.started = works, buffers, started
 
 
 def _failure_of(work: Work) -> str | None:

@@ -112,6 +112,7 @@ from rollcall.worker.loader import (
 )
 from rollcall.worker.messages import describe_transport, install_default_handler, view_change
 from rollcall.worker.metrics import WorkerMetrics
+from rollcall.worker.overlap import Buckets
 from rollcall.worker.parking import wait_parked
 from rollcall.worker.report import SupervisorReport
 from rollcall.worker.resume import choose, what_restarting_does
@@ -154,6 +155,11 @@ class Step:
         self.done: list[int] = []
         #: The step's all-reduce completed (its result is in the gradients).
         self._reduced = False
+        #: overlap=True: the microbatch handed out is the rank's last of the
+        #: step, whose backward pass starts the buckets' all-reduces; their
+        #: handles (None for one that could not start: an abort).
+        self._final = False
+        self._pending: list[Any] = []
         self.aborted = False
         self.committed = False
         #: Mean loss over the global batch, known after a successful commit.
@@ -161,6 +167,10 @@ class Step:
         kept = job._take_carry(self)
         if job._exact is not None:
             job._exact.begin(keep=kept)
+        if job._buckets is not None:
+            job._buckets.attach(zero=not kept)
+            if not kept:
+                job._gradients.mark()  # the zeroed views are where backward starts
 
     def microbatches(self) -> Iterator[Batch]:
         """This rank's microbatches of the step (loaded ahead when there are
@@ -170,9 +180,9 @@ class Step:
         abort."""
         job = self._job
         finished = set(self.done)
-        for mb in job.plan.for_rank(self.number, self.rank, self.world_size):
-            if mb.index in finished:
-                continue
+        todo = [mb for mb in job.plan.for_rank(self.number, self.rank, self.world_size)
+                if mb.index not in finished]  # fmt: skip
+        for mb in todo:
             if job._aborting():
                 self.aborted = True
                 return
@@ -182,6 +192,7 @@ class Step:
             seed_torch(mb.seed)
             self._microbatches += 1
             self._index = mb.index
+            self._final = mb is todo[-1]
             yield Batch(mb, data)
             self.done.append(mb.index)  # its loop body finished
 
@@ -190,10 +201,15 @@ class Step:
         tokens (not averaged: the runtime divides by the step's global count)."""
         count = _check_count(count)
         job = self._job
+        buckets = job._buckets if self._final else None
+        if buckets is not None:
+            buckets.arm(job._launcher(self))
         if job._scaler is not None:
             job._scaler.scale(loss_sum).backward()
         else:
             loss_sum.backward()
+        if buckets is not None:
+            self._pending = buckets.flush(job._launcher(self))
         loss = float(loss_sum.detach())
         if job._exact is not None:
             job._exact.took(self._index, loss, count)
@@ -287,6 +303,7 @@ class Elastic:
         before_update: Callable[[Step], Any] | None = None,
         sync_buffers: bool = True,
         exact: bool = False,
+        overlap: bool = False,
         min_workers: int = 1,
         start_over: bool = False,
         rendezvous: Sequence[str] | str | None = None,
@@ -332,6 +349,11 @@ class Elastic:
                 "exact=True keeps the buffers identical on every replica: it cannot be combined "
                 "with sync_buffers=False"
             )
+        if exact and overlap:
+            raise ValueError(
+                "exact=True reduces every microbatch's gradients as integers at commit: it "
+                "cannot be combined with overlap=True"
+            )
         check_scheduler(scheduler, optimizer)
         self._sharding = _check_sharding(shard_redundancy, shard_partitions, optimizer, grad_scaler)
         self._extras = check_extras(state or {})
@@ -368,6 +390,9 @@ class Elastic:
         # before anything trains the model (and before loader processes exist).
         flags = {"min_workers": str(min_workers), "sync_buffers": str(sync_buffers).lower(),
                  "exact": exact_fingerprint(exact)}  # fmt: skip
+        if overlap:
+            # Absent otherwise: a job of workers from before the option matches.
+            flags["overlap"] = "true"
         if self._sharding is not None:
             # Every rank takes part in gathering a checkpoint's state.
             writes = checkpoint_dir is not None or bool(os.environ.get(ENV_CHECKPOINT_DIR))
@@ -396,6 +421,11 @@ class Elastic:
             else None
         )
         self._gradients = GradientWatch(self._params)
+        #: overlap=True: the gradients as views into buckets whose
+        #: all-reduces start during the last backward pass of a step.
+        self._buckets = (
+            Buckets(self._params, self._config.overlap_bucket_bytes) if overlap else None
+        )
         #: This rank's part of the optimizer state in a sharded job (built
         #: on entering the first view) and the view it was last moved to.
         self._sharded: ShardedOptimizer | None = None
@@ -954,6 +984,11 @@ class Elastic:
         if self.metrics is not None:
             self.metrics.aborted.inc()
         seconds = time.monotonic() - step.started
+        if self._buckets is not None and self._buckets.started:
+            # Its gradients are under reduction, or were abandoned with a
+            # group that may still write into them: fresh buckets.
+            self._buckets.replace()
+            step._reduced = True
         if step._reduced or not step.done:
             self._discard(seconds)
             return
@@ -1389,6 +1424,8 @@ class Elastic:
                 )
                 count, loss = float(reduced.count), reduced.loss
                 finish = reduced.apply
+            elif self._buckets is not None:
+                count, loss, finish = self._reduce_buckets(step, group)
             else:
                 tensors, buffer_slots = self._reduction(step)
                 group.allreduce_sum(tensors)
@@ -1457,6 +1494,62 @@ class Elastic:
             self._incomplete = False
             return self._complete_step(step)
         return True
+
+    def _launcher(self, step: Step) -> Callable[[torch.Tensor], Any]:
+        """(overlap=True) Starts a bucket's all-reduce in the view's group;
+        one that cannot start (the abort is set, the group broke) is None:
+        the step is then aborted at commit. Runs inside autograd's hooks,
+        so it must not raise."""
+        group = self._group
+
+        def launch(buffer: torch.Tensor) -> Any:
+            if group is None:
+                return None
+            try:
+                return group.start_allreduce_sum(buffer)
+            except StepAborted:
+                return None
+
+        return launch
+
+    def _reduce_buckets(
+        self, step: Step, group: EpochGroup
+    ) -> tuple[float, float, Callable[[], None]]:
+        """(overlap=True) Start what the last backward pass did not, sum the
+        buffers' changes and (count, loss), wait for the buckets; the
+        gradients are the buckets' views, divided in place by ``finish``."""
+        buckets = self._buckets
+        assert buckets is not None
+        pending = buckets.flush(self._launcher(step))
+        if any(p is None for p in pending):
+            raise StepAborted(f"epoch {step.epoch}: a gradient bucket's all-reduce did not start")
+        buckets.check_views()
+        small = self._buffers.contributions(step._microbatches, torch.float32) if (
+            self._buffers is not None
+        ) else []  # fmt: skip
+        totals = torch.tensor([float(step._count), step._loss], dtype=torch.float64)
+        # Started after the buckets, as on every rank, and waited for with
+        # them: an abandoned wait parks every buffer with the group.
+        pending.append(group.start_allreduce_sum(totals))
+        changes = torch.cat([c.reshape(-1) for c in small]) if small else None
+        if changes is not None:
+            pending.append(group.start_allreduce_sum(changes))
+        group.finish(pending)
+        step._reduced = True
+        count = float(totals[0])
+
+        def finish() -> None:
+            for param in self._params:
+                assert param.grad is not None
+                param.grad.div_(count)
+            if self._buffers is not None and changes is not None:
+                offset = 0
+                for change in small:
+                    change.copy_(changes[offset : offset + change.numel()].view_as(change))
+                    offset += change.numel()
+                self._buffers.apply(small, self.plan.num_microbatches)
+
+        return count, float(totals[1]), finish
 
     def _reduction(self, step: Step) -> tuple[list[torch.Tensor], slice]:
         """What the step's one all-reduce sums: every gradient (zeros for a

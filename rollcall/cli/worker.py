@@ -117,6 +117,13 @@ from rollcall.cli.options import (
     "world size or membership history (docs/exactness.md). Every worker of a job must agree.",
 )
 @click.option(
+    "--overlap",
+    is_flag=True,
+    help="Reduce the gradients bucket by bucket while the last backward pass of a step runs "
+    "(docs/worker.md, \"Overlapped reduction\"); not with --exact. Every worker of a job must "
+    "agree.",
+)
+@click.option(
     "--shard-redundancy",
     type=click.IntRange(min=1),
     default=None,
@@ -146,7 +153,7 @@ def worker(
     global_batch: int, micro_batch: int, seed: int, context: int, d_model: int, layers: int,
     host: str, name: str | None, ledger: Path | None, digest_every: int,
     checkpoint_dir: Path | None, checkpoint_every: int, metrics_port: int | None,
-    min_workers: int, start_over: bool, exact: bool, shard_redundancy: int | None,
+    min_workers: int, start_over: bool, exact: bool, overlap: bool, shard_redundancy: int | None,
     shard_partitions: int, as_json: bool, threads: int, log_level: str, overrides: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Run a training worker of the built-in example job.
@@ -211,7 +218,7 @@ def worker(
             run, say, rendezvous=split_list(addresses), job=job, token=token, host=host,
             name=name, ledger=ledger, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, metrics_port=metrics_port, config=config,
-            min_workers=min_workers, start_over=start_over, exact=exact,
+            min_workers=min_workers, start_over=start_over, exact=exact, overlap=overlap,
             shard_redundancy=shard_redundancy, shard_partitions=shard_partitions,
         )  # fmt: skip
     except Evicted as exc:

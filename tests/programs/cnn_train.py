@@ -161,6 +161,7 @@ def train(args: argparse.Namespace) -> None:
         global_batch=args.global_batch, micro_batch=args.micro_batch, seed=args.seed,
         scheduler=scheduler, grad_scaler=scaler, state={"ema": ema}, before_update=clip,
         min_workers=args.min_workers, ledger=args.ledger, config=config, exact=args.exact,
+        overlap=args.overlap,
         shard_redundancy=args.shard_redundancy, shard_partitions=args.shard_partitions,
         checkpoint_every=args.checkpoint_every,
     ) as job:  # fmt: skip
@@ -277,6 +278,7 @@ def main() -> None:
         "--collective-timeout", type=float, help="Config.collective_timeout (default: its default)"
     )
     parser.add_argument("--exact", action="store_true", help="Elastic(exact=True)")
+    parser.add_argument("--overlap", action="store_true", help="Elastic(overlap=True)")
     parser.add_argument("--shard-redundancy", type=int, help="Elastic(shard_redundancy=...)")
     parser.add_argument("--shard-partitions", type=int, default=64)
     parser.add_argument("--checkpoint-every", type=int, default=100)
