@@ -16,6 +16,7 @@ version's records can be read by an older one.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 
 from rollcall.membership.checkpoint import CheckpointManifest
@@ -103,9 +104,10 @@ def check_view(value: bytes, config: Config) -> View:
         if raw.get("rank", rank) != rank:
             raise MalformedRecord(f"member {members[-1].id} has rank {raw['rank']!r}, not {rank}")
     ids = [m.id for m in members]
-    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    duplicates = sorted(i for i, n in Counter(ids).items() if n > 1)
     if duplicates:
         raise MalformedRecord(f"duplicate member ids {', '.join(duplicates)}")
+    known = set(ids)
     digest = data.get("digest", "")
     if not isinstance(digest, str):
         raise MalformedRecord("digest is not a string")
@@ -113,14 +115,28 @@ def check_view(value: bytes, config: Config) -> View:
     fetch = data.get("fetch", {})
     if not isinstance(fetch, dict):
         raise MalformedRecord("fetch is not an object")
+    groups = data.get("fetch_groups", [])
+    if not isinstance(groups, list):
+        raise MalformedRecord("fetch_groups is not a list")
     plan: dict[str, tuple[str, ...]] = {}
-    for fetcher, sources in fetch.items():
-        if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
-            raise MalformedRecord(f"fetch sources of {fetcher[:40]!r} are not a list of ids")
-        strangers = sorted({fetcher, *sources} - set(ids))
+    # Views written before the groups hold a plan per member ("fetch").
+    entries: list[tuple[Any, Any]] = [([fetcher], sources) for fetcher, sources in fetch.items()]
+    for group in groups:
+        if not isinstance(group, dict):
+            raise MalformedRecord("a fetch group is not an object")
+        entries.append((group.get("members"), group.get("sources")))
+    for fetchers, sources in entries:
+        for what in (fetchers, sources):
+            if not isinstance(what, list) or not all(isinstance(s, str) for s in what):
+                raise MalformedRecord("a fetch plan's members and sources are not lists of ids")
+        strangers = sorted({*fetchers, *sources} - known)
         if strangers:
             raise MalformedRecord(f"fetch plan names non-members {', '.join(strangers)[:80]}")
-        plan[fetcher] = tuple(sources)
+        shared = tuple(sources)
+        for fetcher in fetchers:
+            if fetcher in plan:
+                raise MalformedRecord(f"fetch plan names {fetcher[:40]!r} twice")
+            plan[fetcher] = shared
     assert epoch is not None
     shards = None if data.get("shards") is None else _check_shards(data["shards"], ids, config)
     return View(epoch, tuple(members), _counter(data, "resume_step", optional=True), digest, plan,

@@ -119,3 +119,33 @@ def views(draw: st.DrawFn) -> View:
 @given(views())
 def test_any_view_survives_a_json_round_trip(view: View) -> None:
     assert View.from_json(view.to_json()) == view
+
+
+def test_the_fetch_plan_is_written_once_per_set_of_sources_and_old_records_still_read() -> None:
+    view = View(epoch=2, members=(A, B, C), resume_step=4, digest="d",
+                fetch={"b": ("a",), "c": ("a",)})  # fmt: skip
+    data = json.loads(view.to_json())
+    assert data["fetch_groups"] == [{"sources": ["a"], "members": ["b", "c"]}]
+    assert "fetch" not in data
+    assert View.from_json(view.to_json()) == view
+    written_before = {**data, "fetch": {"b": ["a"], "c": ["a"]}}
+    del written_before["fetch_groups"]
+    assert View.from_dict(written_before) == view
+
+
+def test_on_the_wire_too_the_plan_goes_as_groups_and_per_member_plans_are_still_read() -> None:
+    from rollcall.pb import rendezvous_pb2 as pb
+    from rollcall.protocol.wire import view_from_pb, view_to_pb
+
+    view = View(epoch=2, members=(A, B, C), resume_step=4, digest="d",
+                fetch={"b": ("a",), "c": ("a",)})  # fmt: skip
+    message = view_to_pb(view)
+    assert [(list(g.sources), list(g.members)) for g in message.fetch_groups] == [
+        (["a"], ["b", "c"])
+    ]
+    assert len(message.fetch) == 0
+    assert view_from_pb(message) == view
+    del message.fetch_groups[:]
+    message.fetch.extend([pb.FetchPlan(member_id="b", sources=["a"]),
+                          pb.FetchPlan(member_id="c", sources=["a"])])  # fmt: skip
+    assert view_from_pb(message) == view

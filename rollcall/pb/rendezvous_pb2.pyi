@@ -25,21 +25,31 @@ class FetchPlan(_message.Message):
     sources: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, member_id: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class FetchGroup(_message.Message):
+    __slots__ = ("sources", "members")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sources: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class View(_message.Message):
-    __slots__ = ("epoch", "members", "resume_step", "digest", "fetch", "shards")
+    __slots__ = ("epoch", "members", "resume_step", "digest", "fetch", "shards", "fetch_groups")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     FETCH_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_GROUPS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     resume_step: int
     digest: str
     fetch: _containers.RepeatedCompositeFieldContainer[FetchPlan]
     shards: ShardedView
-    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., resume_step: _Optional[int] = ..., digest: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[FetchPlan, _Mapping]]] = ..., shards: _Optional[_Union[ShardedView, _Mapping]] = ...) -> None: ...
+    fetch_groups: _containers.RepeatedCompositeFieldContainer[FetchGroup]
+    def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., resume_step: _Optional[int] = ..., digest: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[FetchPlan, _Mapping]]] = ..., shards: _Optional[_Union[ShardedView, _Mapping]] = ..., fetch_groups: _Optional[_Iterable[_Union[FetchGroup, _Mapping]]] = ...) -> None: ...
 
 class ShardedView(_message.Message):
     __slots__ = ("redundancy", "owners", "sources", "lost", "base")

@@ -117,7 +117,10 @@ def view_to_pb(view: View) -> pb.View:
         epoch=view.epoch,
         members=[pb.Member(id=m.id, address=m.address, rank=r) for r, m in enumerate(view.members)],
         digest=view.digest,
-        fetch=[pb.FetchPlan(member_id=k, sources=list(v)) for k, v in sorted(view.fetch.items())],
+        fetch_groups=[
+            pb.FetchGroup(sources=list(sources), members=list(fetchers))
+            for sources, fetchers in view.fetch_groups()
+        ],
     )
     if view.resume_step is not None:
         message.resume_step = view.resume_step
@@ -133,13 +136,21 @@ def view_to_pb(view: View) -> pb.View:
     return message
 
 
+def _fetch_from_pb(message: pb.View) -> dict[str, tuple[str, ...]]:
+    fetch = {f.member_id: tuple(f.sources) for f in message.fetch}
+    for group in message.fetch_groups:
+        sources = tuple(group.sources)
+        fetch.update(dict.fromkeys(group.members, sources))
+    return fetch
+
+
 def view_from_pb(message: pb.View) -> View:
     return View(
         epoch=message.epoch,
         members=tuple(Member(m.id, m.address) for m in message.members),
         resume_step=message.resume_step if message.HasField("resume_step") else None,
         digest=message.digest,
-        fetch={f.member_id: tuple(f.sources) for f in message.fetch},
+        fetch=_fetch_from_pb(message),
         shards=_shards_from_pb(message.shards) if message.HasField("shards") else None,
     )
 
