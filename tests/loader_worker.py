@@ -2,7 +2,8 @@
 end-to-end loader test): python -m tests.loader_worker RENDEZVOUS JOB LEDGER.
 Token from $ROLLCALL_TOKEN. Prints JSON lines: "joined" (with the pids of
 its loader workers) and, for every committed step, the sample ids of each
-microbatch it trained on, as read from the batches themselves. Ctrl-C
+microbatch it trained on, as read from the batches themselves (including
+those finished before an abort of the step and kept). Ctrl-C
 (SIGINT) leaves the job cleanly and exits with 130."""
 
 from __future__ import annotations
@@ -45,8 +46,14 @@ def main() -> None:
         ) as elastic:  # fmt: skip
             loader_pids = [child.pid for child in multiprocessing.active_children()]
             say(event="joined", member_id=elastic.member_id, loader_pids=loader_pids)
+            last: tuple[int, dict[int, list[int]]] = (-1, {})
             for step in elastic.steps(1_000_000):
-                seen = {}
+                # Microbatches finished before an abort of this same step and
+                # kept for it (step.done) are not handed out again: carry
+                # their ids over from the aborted attempt.
+                earlier = last[1] if last[0] == step.number else {}
+                seen = {index: earlier[index] for index in step.done}
+                last = (step.number, seen)
                 for batch in step.microbatches():
                     features, ids = batch.inputs, batch.targets
                     seen[batch.microbatch.index] = ids.tolist()
