@@ -218,6 +218,21 @@ class Config:
     #: transfer's deadline is nearer (a call with no time at all would fail
     #: without asking the peer).
     transfer_min_call_timeout: float = 0.1
+    #: A state fetch keeps this many data connections open at once, spread
+    #: over its sources (at least one each), each asking for one unit of
+    #: about ``transfer_unit_bytes`` at a time; a faster source takes more
+    #: units. Four connections moved state fastest here (2 cores, loopback).
+    transfer_streams: int = 4
+    transfer_unit_bytes: int = 4 << 20
+    #: A data connection that moves no byte for this long is given up (its
+    #: unit goes to another source); also the bound on each of its steps
+    #: (connect, handshake) at either end.
+    transfer_stall_timeout: float = 5.0
+    #: A state server closes its data listener after this long without a
+    #: connection, and opens it again (on another port) when asked again.
+    transfer_listener_idle: float = 60.0
+    #: Data connections a state server serves at once; more are refused.
+    transfer_max_connections: int = 32
     #: Closing a microbatch loader waits this long for each loader process
     #: it had to kill (one stuck in user code) to end.
     loader_kill_wait: float = 1.0

@@ -1264,6 +1264,7 @@ async def served(channel: grpc.aio.Channel, worker: Worker) -> Served:
     stub = state_pb_grpc.StateTransferStub(channel)
     md = token_metadata(STATE_TOKEN)
     info = await stub.Describe(state_request(), metadata=md, timeout=CALL_TIMEOUT)
+    info.ClearField("data_port")  # where its data channel listens: not its state
     chunks = stub.Fetch(fetch_request(), metadata=md, timeout=CALL_TIMEOUT)
     data = b"".join([chunk.data async for chunk in chunks])
     return Served(info, data, tuple(worker.hosted))
@@ -1285,14 +1286,12 @@ def assert_state_refused(
 
     async def exchange() -> tuple[grpc.aio.AioRpcError | None, Served]:
         server = grpc.aio.server(interceptors=[TokenInterceptor(STATE_TOKEN)])
-        state_pb_grpc.add_StateTransferServicer_to_server(
-            StateServer(
-                STATE_JOB, Config(), lambda: worker.own_id, lambda: STATE_VIEW,
-                lambda: SNAPSHOT, worker.store_port,
-                epoch_secret=lambda e: STATE_SECRET if e == STATE_VIEW.epoch else None,
-            ),
-            server,
+        servicer = StateServer(
+            STATE_JOB, Config(), lambda: worker.own_id, lambda: STATE_VIEW,
+            lambda: SNAPSHOT, worker.store_port,
+            epoch_secret=lambda e: STATE_SECRET if e == STATE_VIEW.epoch else None,
         )  # fmt: skip
+        state_pb_grpc.add_StateTransferServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -1304,6 +1303,7 @@ def assert_state_refused(
                     error = rpc_error
                 return error, await served(channel, worker)
         finally:
+            servicer.close()
             await server.stop(0)
 
     error, after = asyncio.run(exchange())

@@ -188,7 +188,7 @@ def test_capture_names_an_extra_that_cannot_be_transferred():
 def test_digest_has_the_documented_format():
     value = digest(capture_replica(trained(steps=1), step=0))
 
-    assert re.fullmatch(r"sha256:[0-9a-f]{64}", value)
+    assert re.fullmatch(r"sha256-pieces:[0-9a-f]{64}", value)
     assert re.fullmatch(r"[A-Za-z0-9:+/=_-]{1,128}", value)
 
 

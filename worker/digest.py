@@ -1,33 +1,61 @@
 """The canonical content digest of a replica state (and of any state tree):
 equal state, equal digest, whatever the dict order, memory layout or device.
 
-Replicas compare their digests at a roll call, and a joiner checks a
-transfer against the digest its sender announced.
+Replicas compare their digests at a roll call, and a member that fetches
+state checks what it received against the digest agreed there. A replica
+state's digest sees each tensor's bytes through the SHA-256 of each of
+their pieces (``PIECE_BYTES`` each), so a fetcher checks every piece on
+its own, as it arrives and in any order, and then the whole with one walk
+over the state's structure (``digest_of_pieces``), without a pass over the
+bytes at the end.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rollcall.worker.state import FORMAT, VERSION, ReplicaState
 
-__all__ = ["digest", "tensor_bytes", "tree_digest"]
+__all__ = [
+    "PIECE_BYTES",
+    "digest",
+    "digest_like",
+    "digest_of_pieces",
+    "piece_bounds",
+    "piece_hash",
+    "tensor_bytes",
+    "tree_digest",
+]
 
-DIGEST_ALGORITHM = "sha256"
+#: A replica state's digest: "sha256-pieces:<64 hex digits>".
+DIGEST_FORM = "sha256-pieces"
+#: The form before (one SHA-256 over the walk with every tensor's raw
+#: bytes), still checked where such a digest was recorded (checkpoint
+#: manifests written by earlier versions); ``tree_digest`` keeps it.
+WHOLE_FORM = "sha256"
+#: Bytes per piece of a tensor's bytes (the last piece of a tensor may be
+#: shorter). Part of the digest's definition: another value, other digests.
+PIECE_BYTES = 1 << 20
+
+#: A tensor's part of the walk, after its dtype and shape.
+TensorLeaf = Callable[[Any, torch.Tensor], None]
 
 
 def digest(state: ReplicaState) -> str:
-    """Canonical content digest, "sha256:<64 hex digits>".
+    """Canonical content digest, "sha256-pieces:<64 hex digits>".
 
     Two replicas holding equal state get the same digest whatever the pickle
     details, dict insertion order, memory layout or device: the hash runs over
     a canonical, length-framed walk (dict entries sorted by their encoded key;
-    tensors as dtype, shape and raw contiguous CPU bytes; scalars type-tagged,
-    so 1, 1.0, True and "1" differ; lists and tuples alike, in order).
+    tensors as dtype, shape, byte count and the SHA-256 of each
+    ``PIECE_BYTES`` piece of their raw contiguous CPU bytes; scalars
+    type-tagged, so 1, 1.0, True and "1" differ; lists and tuples alike, in
+    order).
 
     Covered: step, model, optimizer (state and param_groups), scheduler, grad
     scaler, data position and extras. The RNG states are deliberately left
@@ -35,8 +63,50 @@ def digest(state: ReplicaState) -> str:
     the process generators are not part of what replicas must agree on, and
     they legitimately differ between ranks that ran different microbatches.
     """
+    return _state_digest(state, DIGEST_FORM, _pieces_leaf(None))
+
+
+def digest_like(state: ReplicaState, recorded: str) -> str:
+    """The digest of ``state`` in the form of ``recorded`` (a digest of the
+    earlier whole-walk form "sha256:..." is computed that way), to compare
+    with it."""
+    if recorded.startswith(f"{WHOLE_FORM}:"):
+        return _state_digest(state, WHOLE_FORM, _feed_whole_tensor)
+    return digest(state)
+
+
+def digest_of_pieces(state: ReplicaState, pieces: Mapping[int, Sequence[bytes]]) -> str:
+    """``digest(state)`` from the pieces' SHA-256 digests already known:
+    ``pieces[id(tensor)]`` lists each tensor's, in order (a tensor without
+    bytes may be missing). Costs a walk over the structure only. KeyError
+    if a tensor with bytes has no entry."""
+    return _state_digest(state, DIGEST_FORM, _pieces_leaf(pieces))
+
+
+def tree_digest(tree: Any) -> str:
+    """Canonical content digest of one state tree (a ``state_dict``, say),
+    "sha256:<64 hex digits>", by the walk of :func:`digest` with each
+    tensor's raw bytes hashed whole."""
     sink = hashlib.sha256()
-    sink.update(f"{FORMAT}/{VERSION}\0".encode())
+    sink.update(f"{FORMAT}.tree/{VERSION}\0".encode())
+    _feed(sink, tree, _feed_whole_tensor)
+    return f"{WHOLE_FORM}:{sink.hexdigest()}"
+
+
+def piece_bounds(nbytes: int) -> list[tuple[int, int]]:
+    """The (start, end) of each piece of ``nbytes`` bytes of one tensor."""
+    return [(start, min(start + PIECE_BYTES, nbytes)) for start in range(0, nbytes, PIECE_BYTES)]
+
+
+def piece_hash(data: Any) -> bytes:
+    """The SHA-256 digest (32 bytes) of one piece (any buffer)."""
+    return hashlib.sha256(data).digest()
+
+
+def _state_digest(state: ReplicaState, form: str, leaf: TensorLeaf) -> str:
+    sink = hashlib.sha256()
+    prefix = f"{FORMAT}/{VERSION}" if form == WHOLE_FORM else f"{FORMAT}/{VERSION}/{form}"
+    sink.update(f"{prefix}\0".encode())
     _feed(
         sink,
         {
@@ -48,17 +118,9 @@ def digest(state: ReplicaState) -> str:
             "data_position": state.data_position,
             "extras": state.extras,
         },
+        leaf,
     )
-    return f"{DIGEST_ALGORITHM}:{sink.hexdigest()}"
-
-
-def tree_digest(tree: Any) -> str:
-    """Canonical content digest of one state tree (a ``state_dict``, say),
-    "sha256:<64 hex digits>", by the same walk as :func:`digest`."""
-    sink = hashlib.sha256()
-    sink.update(f"{FORMAT}.tree/{VERSION}\0".encode())
-    _feed(sink, tree)
-    return f"{DIGEST_ALGORITHM}:{sink.hexdigest()}"
+    return f"{form}:{sink.hexdigest()}"
 
 
 def _frame(tag: bytes, payload: bytes) -> bytes:
@@ -80,9 +142,11 @@ def _scalar_bytes(obj: Any) -> bytes:
     raise TypeError(f"a {type(obj).__name__} cannot be part of a replica state")
 
 
-def _feed(sink: Any, obj: Any) -> None:
+def _feed(sink: Any, obj: Any, leaf: TensorLeaf) -> None:
     if isinstance(obj, torch.Tensor):
-        _feed_tensor(sink, obj)
+        sink.update(_frame(b"t", str(obj.dtype).encode()))
+        sink.update(struct.pack(f"<Q{obj.dim()}Q", obj.dim(), *obj.shape))
+        leaf(sink, obj)
     elif isinstance(obj, dict):
         entries = sorted(
             ((_scalar_bytes(key), value) for key, value in obj.items()), key=lambda e: e[0]
@@ -90,21 +154,36 @@ def _feed(sink: Any, obj: Any) -> None:
         sink.update(b"d" + struct.pack("<Q", len(entries)))
         for key, value in entries:
             sink.update(key)
-            _feed(sink, value)
+            _feed(sink, value, leaf)
     elif isinstance(obj, (list, tuple)):
         sink.update(b"l" + struct.pack("<Q", len(obj)))
         for item in obj:
-            _feed(sink, item)
+            _feed(sink, item, leaf)
     else:
         sink.update(_scalar_bytes(obj))
 
 
-def _feed_tensor(sink: Any, tensor: torch.Tensor) -> None:
+def _feed_whole_tensor(sink: Any, tensor: torch.Tensor) -> None:
     raw = tensor_bytes(tensor)
-    sink.update(_frame(b"t", str(tensor.dtype).encode()))
-    sink.update(struct.pack(f"<Q{tensor.dim()}Q", tensor.dim(), *tensor.shape))
     sink.update(struct.pack("<Q", raw.nbytes))
     sink.update(raw)
+
+
+def _pieces_leaf(known: Mapping[int, Sequence[bytes]] | None) -> TensorLeaf:
+    def leaf(sink: Any, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        sink.update(struct.pack("<Q", nbytes))
+        if known is None:
+            raw = tensor_bytes(tensor)
+            for start, end in piece_bounds(nbytes):
+                sink.update(piece_hash(raw[start:end]))
+        elif nbytes:
+            hashes = known[id(tensor)]
+            if len(hashes) != len(piece_bounds(nbytes)):
+                raise KeyError(f"{len(hashes)} piece digests for a tensor of {nbytes} bytes")
+            sink.update(b"".join(hashes))
+
+    return leaf
 
 
 def tensor_bytes(tensor: torch.Tensor) -> Any:

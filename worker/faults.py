@@ -5,10 +5,11 @@ faults named there into its own behaviour, so that a test can reach code
 paths no outside action produces reliably. The value is a comma-separated
 list of ``name=count`` items:
 
-- ``corrupt_serves=N``: the state server flips one byte in the first chunk
-  of each of its next N ``Fetch`` answers (a peer whose memory or disk
-  corrupted the state it serves). The fetching worker must detect it by the
-  digest and take the state from another source.
+- ``corrupt_serves=N``: the state server flips one byte in each of its next
+  N answers of state bytes (a peer whose memory or disk corrupted the state
+  it serves): the first byte of a range asked over its data channel, the
+  middle byte of the first chunk of a ``Fetch`` answer. The fetching worker
+  must detect it by the digest and take the bytes from another source.
 
 Every injected fault is logged at WARNING. An unknown name or a malformed
 count is an error at start: a misspelt fault must not pass silently as "no
@@ -52,12 +53,13 @@ class Faults:
     def from_env(cls) -> Faults:
         return cls.parse(os.environ.get(ENV, ""))
 
-    def corrupt(self, data: bytes) -> bytes:
-        """``data`` with one byte flipped if a ``corrupt_serves`` fault is
-        left (using it up), else ``data`` itself."""
+    def corrupt(self, data: bytes, at: int | None = None) -> bytes:
+        """``data`` with one byte flipped (the one at ``at``, default the
+        middle one) if a ``corrupt_serves`` fault is left (using it up),
+        else ``data`` itself."""
         if self.corrupt_serves <= 0 or not data:
             return data
         self.corrupt_serves -= 1
         log.warning("fault injection: corrupting a state chunk (%d more)", self.corrupt_serves)
-        middle = len(data) // 2
-        return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
+        index = len(data) // 2 if at is None else at
+        return data[:index] + bytes([data[index] ^ 0xFF]) + data[index + 1 :]

@@ -499,6 +499,7 @@ class Elastic:
         self._client = RendezvousClient(addresses, self.job_name, self._token, self._config, tls)
         self._fetcher: StateFetcher | None = None
         self._server: grpc.aio.Server | None = None
+        self._servicer: StateServer | None = None
         if checkpoint_dir is None and os.environ.get(ENV_CHECKPOINT_DIR):
             checkpoint_dir = Path(os.environ[ENV_CHECKPOINT_DIR])
         self.checkpoints = (
@@ -635,20 +636,18 @@ class Elastic:
 
     async def _start(self, name: str) -> None:
         server = grpc.aio.server(interceptors=[TokenInterceptor(self._token)])
-        state_pb2_grpc.add_StateTransferServicer_to_server(
-            StateServer(
-                self.job_name,
-                self._config,
-                own_id=lambda: self.member_id,
-                current_view=lambda: self._view,
-                snapshot=lambda: self._snapshot,
-                store_port=self._store_port,
-                epoch_secret=self._client.epoch_secret,
-                faults=self._faults,
-                partition=self._serve_partition if self._sharding is not None else None,
-            ),
-            server,
+        self._servicer = StateServer(
+            self.job_name,
+            self._config,
+            own_id=lambda: self.member_id,
+            current_view=lambda: self._view,
+            snapshot=lambda: self._snapshot,
+            store_port=self._store_port,
+            epoch_secret=self._client.epoch_secret,
+            faults=self._faults,
+            partition=self._serve_partition if self._sharding is not None else None,
         )
+        state_pb2_grpc.add_StateTransferServicer_to_server(self._servicer, server)
         port = server.add_insecure_port(f"{self._host}:0")
         await server.start()
         self._server = server
@@ -1853,6 +1852,8 @@ class Elastic:
                 await self._fetcher.close()
             if self._server is not None:
                 await self._server.stop(0.5)
+            if self._servicer is not None:
+                self._servicer.close()  # its data channel, and the fetches it serves
 
         try:
             self._call(shutdown(), timeout=10)

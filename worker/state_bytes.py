@@ -7,15 +7,28 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rollcall.worker.digest import digest, tensor_bytes
+from rollcall.worker.digest import digest_like, tensor_bytes
 from rollcall.worker.state import FORMAT, VERSION, CorruptState, ReplicaState
 
-__all__ = ["from_bytes", "to_bytes", "tree_from_bytes", "tree_to_bytes"]
+__all__ = [
+    "Decoded",
+    "PREFIX_BYTES",
+    "decode",
+    "from_bytes",
+    "header_size",
+    "layout_of",
+    "to_bytes",
+    "tree_from_bytes",
+    "tree_to_bytes",
+    "validated",
+]
 
 # Layout: MAGIC, the header's length (u64, little endian), the header (JSON,
 # UTF-8), then, from the next multiple of ALIGN on, every tensor's raw bytes,
@@ -35,6 +48,8 @@ __all__ = ["from_bytes", "to_bytes", "tree_from_bytes", "tree_to_bytes"]
 MAGIC = b"rollcall.state.2"
 ALIGN = 64
 _HEADER_LENGTH = struct.Struct("<Q")
+#: The bytes that say how long the header is: MAGIC and the length.
+PREFIX_BYTES = len(MAGIC) + _HEADER_LENGTH.size
 _DTYPES: dict[str, torch.dtype] = {
     str(value): value for value in vars(torch).values() if isinstance(value, torch.dtype)
 }
@@ -79,16 +94,63 @@ def tree_to_bytes(tree: Any) -> bytes:
     return b"".join(parts)
 
 
-def tree_from_bytes(data: bytes | bytearray) -> Any:
+@dataclass(frozen=True)
+class Decoded:
+    """A blob decoded: its tree, whose tensors are views into the blob, and
+    where each tensor's bytes lie."""
+
+    tree: Any
+    #: The tensors of the table, in its order (``spans`` says where each lies).
+    tensors: tuple[torch.Tensor, ...]
+    #: (offset in the blob, byte count) of each tensor's bytes, table order.
+    spans: tuple[tuple[int, int], ...]
+    #: Where the tensor bytes start: the header and its padding come before.
+    data_start: int
+
+
+def tree_from_bytes(data: bytes | bytearray | mmap.mmap) -> Any:
     """The tree ``tree_to_bytes`` wrote, without running code; CorruptState
     if the bytes do not decode. The tensors share ``data`` (as
     ``from_bytes``)."""
-    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    return decode(data if isinstance(data, (bytearray, mmap.mmap)) else bytearray(data)).tree
+
+
+def decode(buffer: Any) -> Decoded:
+    """Decode the header at the start of ``buffer`` (a writable buffer the
+    size of the whole blob) without running code: the tree, with one
+    ``torch.frombuffer`` view per tensor, valid even while the tensor bytes
+    have not arrived yet. CorruptState if the header does not decode."""
     try:
         return _decode(buffer)
     except CorruptState:
         raise
     except Exception as exc:  # malformed input fails in many ways; all mean "corrupt"
+        raise CorruptState(f"serialized state does not load ({len(buffer)} bytes): {exc}") from exc
+
+
+def header_size(prefix: Any) -> int:
+    """Bytes before the tensor bytes (MAGIC, the header's length, the header,
+    its padding), read from the first ``PREFIX_BYTES`` of a blob.
+    CorruptState if they are not a blob's."""
+    if len(prefix) < PREFIX_BYTES or bytes(prefix[: len(MAGIC)]) != MAGIC:
+        raise CorruptState("not a rollcall replica state")
+    (length,) = _HEADER_LENGTH.unpack_from(prefix, len(MAGIC))
+    return _aligned(PREFIX_BYTES + length)
+
+
+def layout_of(data: Any, size: int | None = None) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """(data_start, spans) of the blob ``data`` (any buffer): where its
+    tensor bytes start and lie, as ``Decoded``, from its header alone,
+    without a view of any tensor (so ``data`` may be read-only, or only
+    the blob's first bytes, the header, when ``size`` says how long the
+    whole blob is)."""
+    size = len(data) if size is None else size
+    try:
+        start, table = _header(data)
+        return start, tuple(_span(size, entry, start) for entry in table)
+    except CorruptState:
+        raise
+    except Exception as exc:  # as in decode()
         raise CorruptState(f"serialized state does not load ({len(data)} bytes): {exc}") from exc
 
 
@@ -114,55 +176,81 @@ def _encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
     raise TypeError(f"a {type(obj).__name__} cannot be part of a replica state")
 
 
-def from_bytes(data: bytes | bytearray, expect_digest: str | None = None) -> ReplicaState:
+def from_bytes(
+    data: bytes | bytearray | mmap.mmap, expect_digest: str | None = None
+) -> ReplicaState:
     """Load a state written by `to_bytes`, onto the CPU, without running code.
 
     Raises CorruptState on any failure: bytes that do not decode, a structure
     that is not a replica state, or (when `expect_digest` is given) content
-    whose digest differs. The layout carries no checksum of its own, so a
-    flipped byte inside tensor data is only caught by the digest; pass the one
-    the sender announced.
+    whose digest differs (a digest of the earlier whole-walk form, recorded
+    by an earlier version, is checked in that form). The layout carries no
+    checksum of its own, so a flipped byte inside tensor data is only caught
+    by the digest; pass the one the sender announced.
 
-    The tensors share one private copy of ``data`` (a ``bytearray`` passed in
-    is used as it is, and must not be changed afterwards).
+    The tensors share one private copy of ``data`` (a ``bytearray`` or an
+    ``mmap`` passed in is used as it is, and must not be changed afterwards).
     """
-    state = _validated(tree_from_bytes(data))
+    state = validated(tree_from_bytes(data))
     if expect_digest is not None:
-        actual = digest(state)
+        actual = digest_like(state, expect_digest)
         if actual != expect_digest:
             raise CorruptState(f"replica state digest is {actual}, expected {expect_digest}")
     return state
 
 
-def _decode(buffer: bytearray) -> Any:
+def _header(buffer: Any) -> tuple[int, list[Any]]:
+    """(data_start, the tensor table) of a blob's header; the header's
+    ``state`` is left out."""
+    data_start, header = _parse_header(buffer)
+    return data_start, header["tensors"]
+
+
+def _parse_header(buffer: Any) -> tuple[int, dict[str, Any]]:
     def fail(why: str) -> CorruptState:
         return CorruptState(f"replica state does not load ({len(buffer)} bytes): {why}")
 
-    start = len(MAGIC) + _HEADER_LENGTH.size
-    if len(buffer) < start or buffer[: len(MAGIC)] != MAGIC:
+    start = PREFIX_BYTES
+    if len(buffer) < start or bytes(buffer[: len(MAGIC)]) != MAGIC:
         raise fail("not a rollcall replica state")
     (length,) = _HEADER_LENGTH.unpack_from(buffer, len(MAGIC))
     if length > len(buffer) - start:
         raise fail(f"header of {length} bytes runs past the end")
-    header = json.loads(buffer[start : start + length].decode())
+    header = json.loads(bytes(buffer[start : start + length]).decode())
     if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
         raise fail("header is not a dict with a tensor table")
-    data_start = _aligned(start + length)
-    tensors = [_tensor_at(buffer, entry, data_start) for entry in header["tensors"]]
-    return _decode_tree(header.get("state"), tensors)
+    return _aligned(start + length), header
 
 
-def _tensor_at(buffer: bytearray, entry: Any, data_start: int) -> torch.Tensor:
+def _decode(buffer: Any) -> Decoded:
+    data_start, header = _parse_header(buffer)
+    spans = tuple(_span(len(buffer), entry, data_start) for entry in header["tensors"])
+    entries = zip(header["tensors"], spans, strict=True)
+    tensors = tuple(_tensor_at(buffer, entry, span) for entry, span in entries)
+    return Decoded(_decode_tree(header.get("state"), list(tensors)), tensors, spans, data_start)
+
+
+def _span(size: int, entry: Any, data_start: int) -> tuple[int, int]:
+    """(offset in a blob of ``size`` bytes, byte count) of a tensor table
+    entry, checked."""
     dtype_name, shape, offset = entry
     dtype = _DTYPES[dtype_name]
     if not all(type(n) is int and n >= 0 for n in shape) or type(offset) is not int or offset < 0:
         raise CorruptState(f"tensor entry {entry!r} is malformed")
-    count = math.prod(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
     offset += data_start
-    if offset % ALIGN or offset + count * dtype.itemsize > len(buffer):
+    if offset % ALIGN or offset + nbytes > size:
         raise CorruptState(f"tensor entry {entry!r} lies outside the data")
-    if count == 0:
+    return offset, nbytes
+
+
+def _tensor_at(buffer: Any, entry: Any, span: tuple[int, int]) -> torch.Tensor:
+    dtype_name, shape, _ = entry
+    dtype = _DTYPES[dtype_name]
+    offset, nbytes = span
+    if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    count = nbytes // dtype.itemsize
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
 
 
@@ -188,7 +276,9 @@ def _scalar_key(key: Any) -> Any:
     return key
 
 
-def _validated(payload: Any) -> ReplicaState:
+def validated(payload: Any) -> ReplicaState:
+    """The replica state a decoded tree holds; CorruptState if it is not one."""
+
     def fail(why: str) -> CorruptState:
         return CorruptState(f"not a replica state: {why}")
 

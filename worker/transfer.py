@@ -1,29 +1,39 @@
-"""State transfer between live workers, over gRPC.
+"""State transfer between live workers: control over gRPC, bytes over the
+state data channel.
 
 Every worker runs a ``StateServer``: it serves the serialized replica state it
 captured at its last roll call, and, on the view's rank 0, the port of the
-process group's bootstrap store. A joiner or a member that is behind calls
-``fetch_state``: the blob is striped across every source in parallel (one
-byte range per source), a range that fails is fetched again from another
-source, and the result is checked against the digest agreed at the roll
-call; a corrupt result is fetched again, one source at a time.
+process group's bootstrap store. ``Describe`` names the state held and the
+port of the worker's data channel (``rollcall.worker.data_channel``), opened
+on demand on the host of its address in the view. A joiner or a member that
+is behind calls ``StateFetcher.fetch``: the bytes come over data channels,
+striped across every source and checked piece by piece as they arrive
+against the digest agreed at the roll call (``rollcall.worker.piece_fetch``);
+from sources that name no data channel they come over gRPC (``Fetch``), one
+byte range per source, checked once complete, a corrupt result fetched
+again whole, one source at a time.
 
-Every call proves that its caller is a member of the server's current view
-by carrying that view's epoch secret (``rollcall.membership.credentials``), which
-the leader sends on the sessions of the view's members only: the job token
-and a member id read from ``Status`` are not enough (PERMISSION_DENIED).
+Every call, and every data connection, proves that its caller is a member
+of the server's current view with that view's epoch secret
+(``rollcall.membership.credentials``), which the leader sends on the
+sessions of the view's members only: the job token and a member id read
+from ``Status`` are not enough (PERMISSION_DENIED).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import mmap
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+import psutil
 
 from rollcall.membership.backoff import Backoff
 from rollcall.membership.config import Config
@@ -35,10 +45,14 @@ from rollcall.pb import state_pb2_grpc as pb_grpc
 from rollcall.protocol import validation as check
 from rollcall.protocol.client import ClientTLS, open_channel
 from rollcall.protocol.wire import status_of, token_metadata
+from rollcall.worker.data_channel import DataServer
+from rollcall.worker.data_wire import Hello, Kind, Request
 from rollcall.worker.digest import tree_digest
 from rollcall.worker.faults import Faults
+from rollcall.worker.piece_fetch import DataSource, PieceFetch, PieceFetchFailed
+from rollcall.worker.pieces import piece_hashes
 from rollcall.worker.state import CorruptState, ReplicaState
-from rollcall.worker.state_bytes import from_bytes, tree_from_bytes
+from rollcall.worker.state_bytes import PREFIX_BYTES, from_bytes, header_size, tree_from_bytes
 from rollcall.worker.stripes import Assembler, ranges
 
 log = logging.getLogger("rollcall.transfer")
@@ -51,6 +65,10 @@ T = TypeVar("T")
 CHUNK_BYTES = 1 << 18
 
 
+#: A serialized state: as serialized, or the buffer a fetch received it in.
+Blob = bytes | bytearray | mmap.mmap
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """The state a worker serves: captured at a safe point, serialized once."""
@@ -58,7 +76,7 @@ class Snapshot:
     step: int
     digest: str
     #: A fetched state is served from the buffer it was assembled in.
-    data: bytes | bytearray
+    data: Blob
 
 
 class TransferFailed(RollcallError):
@@ -68,7 +86,8 @@ class TransferFailed(RollcallError):
 class StateServer(pb_grpc.StateTransferServicer):
     """Serves this worker's snapshot to members of its current view, who
     prove it with the view's epoch secret (``epoch_secret(epoch)``: the one
-    this worker received, None if none)."""
+    this worker received, None if none), over gRPC and over its data
+    channel, which ``close`` ends (it also closes by itself when unused)."""
 
     def __init__(
         self,
@@ -91,8 +110,18 @@ class StateServer(pb_grpc.StateTransferServicer):
         self._current_view = current_view
         self._snapshot = snapshot
         self._store_port = store_port
+        self._data = DataServer(self, config)
+        self._faults_lock = threading.Lock()
+        #: (digest, the piece digests of that snapshot), computed when asked.
+        self._listed: tuple[str, bytes] | None = None
+        self._listing = threading.Lock()
 
-    def _admit(self, job: str, member_id: str, epoch: int, secret: str) -> View:
+    def close(self) -> None:
+        """End the data channel and its connections now."""
+        self._data.close()
+
+    def _member_of_view(self, job: str, member_id: str, epoch: int) -> View:
+        """The current view, if ``member_id`` in ``epoch`` is one of its members."""
         check.check_id(job, "job", self._config)
         check.check_id(member_id, "member_id", self._config)
         if job != self._job:
@@ -102,6 +131,10 @@ class StateServer(pb_grpc.StateTransferServicer):
             raise StaleEpoch(
                 f"member {member_id} in epoch {epoch} is not in this worker's view {view.epoch}"
             )
+        return view
+
+    def _admit(self, job: str, member_id: str, epoch: int, secret: str) -> View:
+        view = self._member_of_view(job, member_id, epoch)
         if not secrets_equal(secret, self._epoch_secret(epoch)):
             raise PermissionDenied(
                 f"the request naming member {member_id} does not carry view {epoch}'s epoch "
@@ -109,26 +142,86 @@ class StateServer(pb_grpc.StateTransferServicer):
             )
         return view
 
+    def admit_data(self, job: str, member_id: str, epoch: int) -> str | None:
+        """(Data channel.) The secret a caller must prove, if it is a member."""
+        self._member_of_view(job, member_id, epoch)
+        return self._epoch_secret(epoch)
+
+    def answer_data(self, caller: Hello, request: Request) -> Sequence[Any]:
+        """(Data channel, in its connection's thread.) The snapshot's bytes
+        [offset, offset + length), or its piece digests; the caller must
+        still be a member of the current view."""
+        self._member_of_view(caller.job, caller.member_id, caller.epoch)
+        snap = self._held(request.digest)
+        if request.kind == Kind.PIECES:
+            return [self._piece_list(snap)]
+        end = request.offset + request.length
+        if request.length == 0 or end > len(snap.data):
+            raise InvalidRequest(
+                f"range {request.offset}+{request.length} is outside 0..{len(snap.data)}"
+            )
+        data = memoryview(snap.data)[request.offset : end]
+        with self._faults_lock:
+            if self._faults.corrupt_serves <= 0:
+                return [data]
+            # The range's first byte: never padding, always bytes a fetcher uses.
+            first = self._faults.corrupt(bytes(data[:1]), at=0)
+        return [first, data[1:]]
+
+    def _held(self, digest: str) -> Snapshot:
+        """The snapshot, if it has ``digest``; StaleEpoch if not."""
+        check.check_digest(digest, self._config)  # it is echoed below
+        snap = self._snapshot()
+        if snap is None or snap.digest != digest:
+            raise StaleEpoch(f"this worker does not hold state {digest}")
+        return snap
+
+    def _piece_list(self, snap: Snapshot) -> bytes:
+        with self._listing:
+            if self._listed is None or self._listed[0] != snap.digest:
+                try:
+                    self._listed = (snap.digest, piece_hashes(snap.data))
+                except CorruptState as exc:
+                    raise InvalidRequest(f"this worker's state does not decode: {exc}") from exc
+            return self._listed[1]
+
+    def _data_port(self, view: View) -> int:
+        """The data channel's port, on the host of this worker's address in
+        ``view`` (0 if it is not in it or the channel cannot be opened)."""
+        own = self._own_id()
+        address = next((m.address for m in view.members if m.id == own), None)
+        if address is None:
+            return 0
+        try:
+            return self._data.port(address.rpartition(":")[0].strip("[]"))
+        except OSError as exc:
+            log.warning("no state data channel on %s: %s; serving over gRPC only", address, exc)
+            return 0
+
     async def _fail(self, context: grpc.aio.ServicerContext, error: RollcallError) -> None:
         await context.abort(status_of(error), str(error))
 
     async def Describe(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
-            self._admit(request.job, request.member_id, request.epoch, request.epoch_secret)
+            view = self._admit(request.job, request.member_id, request.epoch, request.epoch_secret)
         except RollcallError as error:
             await self._fail(context, error)
         snap = self._snapshot()
         if snap is None:
             return pb.StateInfo(step=-1, digest="", size=0)
-        return pb.StateInfo(step=snap.step, digest=snap.digest, size=len(snap.data))
+        try:
+            header = header_size(snap.data[:PREFIX_BYTES])
+        except CorruptState:
+            header = 0
+        return pb.StateInfo(
+            step=snap.step, digest=snap.digest, size=len(snap.data),
+            data_port=self._data_port(view), header_size=header,
+        )  # fmt: skip
 
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
             self._admit(request.job, request.member_id, request.epoch, request.epoch_secret)
-            check.check_digest(request.digest, self._config)  # it is echoed below
-            snap = self._snapshot()
-            if snap is None or snap.digest != request.digest:
-                raise StaleEpoch(f"this worker does not hold state {request.digest}")
+            snap = self._held(request.digest)
             end = request.offset + request.length
             if request.length == 0 or end > len(snap.data):
                 raise InvalidRequest(
@@ -141,7 +234,8 @@ class StateServer(pb_grpc.StateTransferServicer):
         for offset in range(request.offset, end, CHUNK_BYTES):
             chunk = bytes(data[offset : min(offset + CHUNK_BYTES, end)])
             if offset == request.offset:
-                chunk = self._faults.corrupt(chunk)
+                with self._faults_lock:
+                    chunk = self._faults.corrupt(chunk)
             yield pb.Chunk(offset=offset, data=chunk)
 
     async def FetchPartition(
@@ -183,7 +277,12 @@ class FetchReport:
     size: int
     seconds: float
     sources: tuple[str, ...]
+    #: Times the whole state was fetched again (gRPC path).
     retries: int
+    #: Pieces fetched again after they failed the agreed digest (data channel).
+    refetched_pieces: int = 0
+    #: Sources given up on, with why.
+    failed: tuple[str, ...] = ()
 
 
 class StateFetcher:
@@ -342,25 +441,90 @@ class StateFetcher:
 
     async def fetch(
         self, sources: Sequence[str], epoch: int, expected: str, timeout: float
-    ) -> tuple[bytearray, ReplicaState, FetchReport]:
+    ) -> tuple[Blob, ReplicaState, FetchReport]:
         """The state with digest ``expected`` (blob and decoded), striped
         across ``sources`` (addresses). Raises ``TransferFailed`` if none can
         deliver it. The decoded state's tensors are views into the blob
-        (``rollcall.worker.state_bytes.from_bytes``): neither may be changed
-        in place."""
+        (``rollcall.worker.state_bytes.decode``): neither may be changed in
+        place. ``progress(done, size)``, if given, is called from the
+        fetch's threads."""
         started = time.perf_counter()
         deadline = time.monotonic() + timeout
-        sizes = await asyncio.gather(
+        answers = await asyncio.gather(
             *(self._describe(a, epoch, deadline) for a in sources), return_exceptions=True
         )
         holders = [
-            (a, s) for a, s in zip(sources, sizes, strict=True) if isinstance(s, pb.StateInfo)
+            (a, s)
+            for a, s in zip(sources, answers, strict=True)
+            if isinstance(s, pb.StateInfo) and s.digest == expected and s.size > 0
         ]
-        holders = [(a, s) for a, s in holders if s.digest == expected and s.size > 0]
         if not holders:
-            raise TransferFailed(f"no source holds state {expected}: {sizes}")
-        size = holders[0][1].size
-        addresses = [a for a, s in holders if s.size == size]
+            raise TransferFailed(f"no source holds state {expected}: {answers}")
+        size = self._agreed_size(holders)
+        holders = [(a, s) for a, s in holders if s.size == size]
+        channels = [
+            DataSource(a, a.rpartition(":")[0].strip("[]"), s.data_port, s.header_size)
+            for a, s in holders
+            if s.data_port
+        ]
+        if channels:
+            blob, state, report = await self._over_data_channels(
+                channels, epoch, expected, size, deadline
+            )
+        else:
+            addresses = [a for a, _ in holders]
+            blob, state, retries = await self._over_grpc(addresses, epoch, expected, size, deadline)
+            report = FetchReport(size, 0.0, tuple(addresses), retries)
+        report.seconds = time.perf_counter() - started
+        return blob, state, report
+
+    @staticmethod
+    def _agreed_size(holders: Sequence[tuple[str, pb.StateInfo]]) -> int:
+        """The size most holders name (the first named, on a tie), if this
+        machine has the memory for it: a holder cannot make the fetch
+        allocate more."""
+        named = collections.Counter(s.size for _, s in holders)
+        most = max(named.values())
+        size = next(s.size for _, s in holders if named[s.size] == most)
+        available = psutil.virtual_memory().available
+        if size > available:
+            raise TransferFailed(
+                f"the holders name a state of {size} bytes, more than the {available} bytes "
+                "of memory available here"
+            )
+        return size
+
+    async def _over_data_channels(
+        self, channels: Sequence[DataSource], epoch: int, expected: str, size: int,
+        deadline: float,
+    ) -> tuple[Blob, ReplicaState, FetchReport]:  # fmt: skip
+        """The state over the data channels of ``channels``, from a thread
+        of its own (the streams have theirs); cancelling ends it."""
+        hello = Hello(self._job, self._member_id, epoch, b"", b"")
+        fetch = PieceFetch(
+            channels, size, expected, hello, self._secret(epoch), self._config, deadline,
+            self._progress,
+        )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        try:
+            state, outcome = await loop.run_in_executor(None, fetch.run)
+        except asyncio.CancelledError:
+            fetch.cancel()
+            raise
+        except PieceFetchFailed as exc:
+            raise TransferFailed(str(exc)) from exc
+        report = FetchReport(
+            size, 0.0, tuple(c.address for c in channels), 0, outcome.refetched_pieces,
+            tuple(f"{a}: {why}" for a, why in outcome.failed.items()),
+        )  # fmt: skip
+        assert fetch.buffer is not None  # run() returned
+        return fetch.buffer, state, report
+
+    async def _over_grpc(
+        self, addresses: Sequence[str], epoch: int, expected: str, size: int, deadline: float
+    ) -> tuple[bytearray, ReplicaState, int]:
+        """The state over gRPC ``Fetch`` calls, and how many times it was
+        fetched again whole."""
         retries = 0
         blob = await self._striped(addresses, epoch, expected, size, deadline)
         state = self._verified(blob, expected)
@@ -384,8 +548,7 @@ class StateFetcher:
                 log.warning("state %s from %s alone fails its digest", expected, address)
             if state is None:
                 raise TransferFailed(f"every source delivered state that fails digest {expected}")
-        report = FetchReport(size, time.perf_counter() - started, tuple(addresses), retries)
-        return blob, state, report
+        return blob, state, retries
 
     async def _describe(self, address: str, epoch: int, deadline: float) -> pb.StateInfo:
         return await self._retrying(
@@ -440,8 +603,10 @@ class StateFetcher:
 
     @staticmethod
     def _verified(blob: bytearray, expected: str) -> ReplicaState | None:
-        """The decoded state if ``blob`` decodes and has digest ``expected``."""
+        """The decoded state if ``blob`` decodes, has digest ``expected`` and
+        carries no RNG states (which the digest does not cover)."""
         try:
-            return from_bytes(blob, expect_digest=expected)
+            state = from_bytes(blob, expect_digest=expected)
         except CorruptState:
             return None
+        return None if state.rng else state

@@ -18,14 +18,18 @@ class StateRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., epoch_secret: _Optional[str] = ...) -> None: ...
 
 class StateInfo(_message.Message):
-    __slots__ = ("step", "digest", "size")
+    __slots__ = ("step", "digest", "size", "data_port", "header_size")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    HEADER_SIZE_FIELD_NUMBER: _ClassVar[int]
     step: int
     digest: str
     size: int
-    def __init__(self, step: _Optional[int] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    data_port: int
+    header_size: int
+    def __init__(self, step: _Optional[int] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., data_port: _Optional[int] = ..., header_size: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("job", "member_id", "epoch", "digest", "offset", "length", "epoch_secret")

@@ -61,14 +61,16 @@ class StateTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Describe(self, request, context):
-        """What state this worker holds: step, digest and serialized size.
+        """What state this worker holds: step, digest and serialized size, and
+        where its data channel listens (docs/protocol.md, "State data channel").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Fetch(self, request, context):
-        """A byte range of the serialized state, as a stream of chunks.
+        """A byte range of the serialized state, as a stream of chunks: the path
+        a fetcher takes from a worker that names no data channel.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
