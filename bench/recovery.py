@@ -16,9 +16,16 @@ arrives; logs (--log-level info) are parsed for their own timestamps
    *every* survivor (max over survivors). Breakdown from the logs: detect
    (kill -> replica "suspect <victim>"), roll call + commit (suspect ->
    replica "committed epoch N"), group rebuild (commit -> last survivor's
-   "entered view N"), first step (-> last survivor's first step event).
+   "view N: ..." line, logged once its group is built), first step (-> last
+   survivor's first step event).
    A replacement is started after each repeat (its state fetch is also a
-   throughput sample).
+   throughput sample). Each part is printed next to its floor, measured in
+   the same run once no worker runs: detect, SIGKILL of a process holding
+   a loopback TCP connection -> this process's recv sees it end; commit,
+   one etcd transaction like a view commit on a fresh etcd; rebuild, a gloo
+   group of 3 ranks over a fresh TCPStore with one all-reduce (processes
+   already up); first step, a whole step in the new view (what is left when
+   no microbatch of the aborted step is kept).
 2. hot-add: a 5th worker joins while 4 train. stall = largest gap between
    consecutive step events of an existing worker around the join minus that
    worker's median step interval before the join (max over workers). Also the
@@ -77,7 +84,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +274,14 @@ def crash_once(workers: list[Worker], replica: Proc, index: int) -> dict[str, fl
         firsts.append(first[0][0])
     t_step = max(firsts)
     result = {"stall_s": t_step - t_kill}
+    # One whole step in the new view, for the first step's floor: the median
+    # gap between a survivor's next steps there.
+    after = workers[0].wait_for(
+        lambda: (s := workers[0].steps_in(WORKERS - 1, t_kill, epoch))[4:] and s,
+        "survivor steps in the new view",
+    )
+    gaps = [b[0] - a[0] for a, b in zip(after[1:], after[2:], strict=False)]
+    result["step_s"] = statistics.median(gaps)
     # Breakdown from the logs (ms timestamps).
     rlog = log_lines(replica.log_path)
     suspect = next((t for t, line in rlog if t >= t_kill - 0.002 and
@@ -283,7 +298,7 @@ def crash_once(workers: list[Worker], replica: Proc, index: int) -> dict[str, fl
     if new_epoch is not None:
         for w in workers:
             te = next((t for t, line in log_lines(w.log_path)
-                       if f"entered view {new_epoch} " in line), None)  # fmt: skip
+                       if f"rollcall.worker INFO view {new_epoch}: " in line), None)  # fmt: skip
             if te is not None:
                 entered.append(te)
     if suspect is not None:
@@ -561,12 +576,15 @@ def recovery(repeats: int) -> dict[str, Any]:
                     for m in PULLED.finditer((tmp / f"joiner{i}.log").read_text(errors="replace"))
                 ]  # fmt: skip
 
-    # Nothing of rollcall runs from here on: the raw TCP reference runs alone.
+    # Nothing of rollcall runs from here on: the raw TCP reference and the
+    # floors run alone.
     nbytes = int(statistics.median([p["bytes"] for p in pulled]))
     raw = raw_tcp(nbytes)
+    floor = floors(max(10, repeats))
     fetch_mbs = [p["bytes"] / p["seconds"] / 1e6 for p in pulled if p["seconds"] > 0]
     raw_mbs = [nbytes / s / 1e6 for s in raw]
-    keys = ("stall_s", "detect_s", "rollcall_commit_s", "group_rebuild_s", "first_step_s")
+    keys = ("stall_s", "detect_s", "rollcall_commit_s", "group_rebuild_s", "first_step_s",
+            "step_s")  # fmt: skip
     return {
         "crash": {
             "samples": crashes,
@@ -575,6 +593,7 @@ def recovery(repeats: int) -> dict[str, Any]:
                 for k in keys
                 if any(k in c for c in crashes)
             },
+            "floors": floor,
         },  # fmt: skip
         "hot_add": {
             "samples": adds,
@@ -592,6 +611,140 @@ def recovery(repeats: int) -> dict[str, Any]:
             "raw_tcp_MBps": summary(raw_mbs),
             "ratio": statistics.median(fetch_mbs) / statistics.median(raw_mbs),
         },
+    }
+
+
+# ------------------------------------------------------------- floors of the crash stall
+
+
+def floor_detect(repeats: int, megabytes: int = 0) -> list[float]:
+    """Seconds from SIGKILL of a process holding a loopback TCP connection
+    to this process's blocked ``recv`` seeing the connection end: the floor
+    of detecting a killed peer by its socket (the leader's session stream,
+    a gloo neighbour). With ``megabytes``, the process has imported torch
+    and touched that much memory first, as a worker has: the kernel frees a
+    killed process's memory before it closes its sockets."""
+    holder = "import socket, sys, time\n" \
+        "if int(sys.argv[2]):\n" \
+        "    import torch; ballast = torch.ones(int(sys.argv[2]) << 18)\n" \
+        "s = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n" \
+        "s.sendall(b'x'); time.sleep(120)\n"
+    took = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(30)
+        for _ in range(repeats):
+            port = str(server.getsockname()[1])
+            proc = subprocess.Popen([sys.executable, "-c", holder, port, str(megabytes)])
+            try:
+                conn, _ = server.accept()
+                with conn:
+                    conn.settimeout(30)
+                    assert conn.recv(1) == b"x"
+                    started = time.perf_counter()
+                    proc.kill()
+                    try:
+                        end = conn.recv(1)
+                    except ConnectionResetError:
+                        end = b""
+                    took.append(time.perf_counter() - started)
+                    assert end == b""
+            finally:
+                proc.kill()
+                proc.wait(timeout=10)
+    return took
+
+
+def floor_commit(repeats: int) -> list[float]:
+    """Seconds of one etcd transaction like a view commit (compare a key's
+    revision, put a 2 KiB record), on a fresh local etcd: the floor of the
+    roll call's commit (the roll call adds one round trip over the members'
+    session streams)."""
+    import grpc
+    from pyetcd import etcdrpc
+
+    took = []
+    with tempfile.TemporaryDirectory(prefix="rollcall-floor-") as tmp:
+        etcd = LocalEtcd(data_dir=Path(tmp) / "etcd", client_port=free_port(),
+                         peer_port=free_port())  # fmt: skip
+        etcd.start()
+        try:
+            with grpc.insecure_channel(etcd.endpoint.removeprefix("http://")) as channel:
+                kv = etcdrpc.KVStub(channel)
+                key, record = b"/floor/view", os.urandom(2048)
+                revision = kv.Put(etcdrpc.PutRequest(key=key, value=record)).header.revision
+                for _ in range(repeats + 3):  # three to warm up
+                    compare = etcdrpc.Compare(
+                        key=key, result=etcdrpc.Compare.EQUAL,
+                        target=etcdrpc.Compare.MOD, mod_revision=revision,
+                    )  # fmt: skip
+                    put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key, value=record))
+                    started = time.perf_counter()
+                    answer = kv.Txn(etcdrpc.TxnRequest(compare=[compare], success=[put]))
+                    took.append(time.perf_counter() - started)
+                    assert answer.succeeded
+                    revision = answer.header.revision
+        finally:
+            etcd.stop()
+    return took[3:]
+
+
+def rebuild_rank(rank: int, world: int, ports: list[int], start: Any, out: Any) -> None:
+    """(Child process.) Build a fresh gloo group over a fresh TCPStore on
+    each of ``ports`` in turn (rank 0 hosts it, as a rollcall rebuild), one
+    1-element all-reduce each; the seconds each build took."""
+    import torch
+    from torch.distributed import ProcessGroupGloo, TCPStore
+
+    torch.set_num_threads(1)
+    took = []
+    for port in ports:
+        start.wait(timeout=60)
+        started = time.perf_counter()
+        store = TCPStore("127.0.0.1", port, world, rank == 0, wait_for_workers=True,
+                         timeout=timedelta(seconds=30))  # fmt: skip
+        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        group = ProcessGroupGloo(store, rank, world, options)
+        group.allreduce([torch.zeros(1)]).wait()
+        took.append(time.perf_counter() - started)
+        start.wait(timeout=60)  # every rank done before the store goes
+        del group, store
+    out.put((rank, took))
+
+
+def floor_rebuild(world: int, repeats: int) -> list[float]:
+    """Seconds to build a gloo group of ``world`` ranks over a fresh TCPStore
+    and complete one all-reduce (the slowest rank, each time), the ranks
+    already started and torch imported: the floor of the group rebuild."""
+    ctx = mp.get_context("spawn")
+    out, start = ctx.Queue(), ctx.Barrier(world)
+    ports = [free_port() for _ in range(repeats)]
+    procs = [ctx.Process(target=rebuild_rank, args=(r, world, ports, start, out), daemon=True)
+             for r in range(world)]  # fmt: skip
+    try:
+        for p in procs:
+            p.start()
+        ranks = [out.get(timeout=120 + 30 * repeats)[1] for _ in range(world)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [max(times) for times in zip(*ranks, strict=True)]
+
+
+#: Memory a worker of the default example holds (its RSS here, ~380 MB).
+WORKER_MEGABYTES = 384
+
+
+def floors(repeats: int) -> dict[str, Any]:
+    """The floors of the crash stall's parts, measured alone (nothing of
+    rollcall running)."""
+    return {
+        "detect_s": summary(floor_detect(repeats)),
+        "detect_worker_sized_s": summary(floor_detect(repeats, WORKER_MEGABYTES)),
+        "commit_s": summary(floor_commit(repeats)),
+        "group_rebuild_s": summary(floor_rebuild(WORKERS - 1, repeats)),
     }
 
 
@@ -887,15 +1040,24 @@ def print_table(r: dict[str, Any]) -> None:
                         f"; per repeat {spread['min']:.2f}-{spread['max']:.2f}")))  # fmt: skip
         return rows
 
+    def floor(c: dict[str, Any], key: str) -> str:
+        return ms(c["floors"], key) if key in c.get("floors", {}) else "not measured"
+
     rows: list[tuple[str, str]] = []
     if "crash" in r:
         c, a = r["crash"], r["hot_add"]
         rows += [
             ("crash: stall (kill -> step on every survivor)", ms(c, "stall_s")),
             ("  detect (kill -> replica 'suspect')", ms(c, "detect_s")),
+            ("    floor: kill -> peer's recv sees the socket end", floor(c, "detect_s")),
+            (f"    same, the process holding {WORKER_MEGABYTES} MB",
+             floor(c, "detect_worker_sized_s")),
             ("  roll call + commit (-> 'committed epoch')", ms(c, "rollcall_commit_s")),
+            ("    floor: one etcd transaction (commit alone)", floor(c, "commit_s")),
             ("  group rebuild (-> last 'entered view')", ms(c, "group_rebuild_s")),
+            ("    floor: gloo group of 3 on a fresh TCPStore", floor(c, "group_rebuild_s")),
             ("  first step (-> last survivor's step)", ms(c, "first_step_s")),
+            ("    floor: a whole step in the new view (nothing kept)", ms(c, "step_s")),
             ("hot-add: stall of existing workers", ms(a, "stall_s")),
             ("  joiner start -> its first step", ms(a, "join_to_first_step_s")),
             ("  joiner state fetch", ms(a, "fetch_s") + f", {a['bytes']} bytes"),
