@@ -1104,59 +1104,32 @@ class Elastic:
             self._ask_for_rollcall(reason)
             raise StepAborted(f"epoch {view.epoch}: {reason}; asked for a roll call")
         behind = view.resume_step is not None and self.committed_step != view.resume_step
+        fetching: Future[Any] | None = None
         if self.member_id in view.fetch or behind:
-            held = self.committed_step
+            # The fetch runs on the control loop while this thread builds the
+            # group: the others wait for this rank's group build and fetch
+            # together, not one after the other. The state is restored once
+            # both are done, before any collective of the view.
             sources = view.fetch.get(self.member_id) or tuple(
                 m.id for m in view.members if m.id != self.member_id
             )
             addresses = [m.address for m in view.members if m.id in sources]
-            blob, state, report = self._remote(
+            fetching = asyncio.run_coroutine_threadsafe(
                 self._fetcher.fetch(
                     addresses, view.epoch, view.digest, self._config.collective_timeout
                 ),
-                f"epoch {view.epoch}: state fetch",
+                self._loop,
             )
-            with self._lock:
-                self._restore(state)
-                self._snapshot = Snapshot(state.step, view.digest, blob)
-            fetched = report.seconds
-            why = ("new" if held < 0 else f"held step {held}" if held != state.step
-                   else "its state of that step differed")  # fmt: skip
-            log.info(
-                "pulled step %d (%d bytes) from %d peers in %.3f s (%d whole refetches; %s)",
-                state.step, report.size, len(report.sources), report.seconds, report.retries, why,
-            )  # fmt: skip
-        secret = self._client.epoch_secret(view.epoch)
-        if secret is None:
-            # Sent just before the view on the same session: not expected.
-            reason = f"no epoch secret was received for view {view.epoch}"
-            self._ask_for_rollcall(reason)
-            raise StepAborted(f"epoch {view.epoch}: {reason}; asked for a roll call")
-        built = time.perf_counter()
-        old, self._group = self._group, None
-        if old is not None:
-            old.close()
-        timeout = self._config.collective_timeout
-        if rank == 0:
-            _, port = host_store(timeout, host=self._host)  # the group owns it
-            self._loop.call_soon_threadsafe(self._publish_store_port, view.epoch, port)
-            host = self._host
-        else:
-            leader = view.members[0]
-            port = self._remote(
-                self._fetcher.group_store_port(leader.address, view.epoch, timeout),
-                f"epoch {view.epoch}: asking rank 0 for the group store",
-            )
-            host = leader.address.rpartition(":")[0]
-        abort = _Abort(self)
-        self._group = EpochGroup.build(
-            view.epoch, rank, view.size, host, port, rank == 0, timeout, abort,
-            listen_host=self._host, patience=self._patience,
-            hard_timeout=self._config.collective_backstop(), secret=secret, config=self._config,
-        )  # fmt: skip
+        try:
+            built, ready = self._build_group(view, rank)
+        except BaseException:
+            if fetching is not None:
+                fetching.cancel()
+            raise
+        if fetching is not None:
+            fetched = self._restore_fetched(view, fetching)
         if self._sharding is not None:
             self._enter_shards(view)
-        ready = time.perf_counter()
         self._loader.enter_view(rank, view.size, self.committed_step + 1)
         self._entering = (view.epoch, fetched, ready - built, time.monotonic())
         if self.metrics is not None:
@@ -1389,11 +1362,64 @@ class Elastic:
                 latest = max(latest, until)
         return latest + self._config.collective_timeout
 
+    def _build_group(self, view: View, rank: int) -> tuple[float, float]:
+        """Build this rank's group for ``view`` (closing the last one): when
+        it began and ended (``time.perf_counter``)."""
+        assert self._fetcher is not None
+        secret = self._client.epoch_secret(view.epoch)
+        if secret is None:
+            # Sent just before the view on the same session: not expected.
+            reason = f"no epoch secret was received for view {view.epoch}"
+            self._ask_for_rollcall(reason)
+            raise StepAborted(f"epoch {view.epoch}: {reason}; asked for a roll call")
+        built = time.perf_counter()
+        old, self._group = self._group, None
+        if old is not None:
+            old.close()
+        timeout = self._config.collective_timeout
+        if rank == 0:
+            _, port = host_store(timeout, host=self._host)  # the group owns it
+            self._loop.call_soon_threadsafe(self._publish_store_port, view.epoch, port)
+            host = self._host
+        else:
+            leader = view.members[0]
+            port = self._remote(
+                self._fetcher.group_store_port(leader.address, view.epoch, timeout),
+                f"epoch {view.epoch}: asking rank 0 for the group store",
+            )
+            host = leader.address.rpartition(":")[0]
+        abort = _Abort(self)
+        self._group = EpochGroup.build(
+            view.epoch, rank, view.size, host, port, rank == 0, timeout, abort,
+            listen_host=self._host, patience=self._patience,
+            hard_timeout=self._config.collective_backstop(), secret=secret, config=self._config,
+        )  # fmt: skip
+        return built, time.perf_counter()
+
+    def _restore_fetched(self, view: View, fetching: Future[Any]) -> float:
+        """Wait for the state fetch of ``view`` and restore it; its seconds."""
+        held = self.committed_step
+        blob, state, report = self._await(fetching, f"epoch {view.epoch}: state fetch")
+        with self._lock:
+            self._restore(state)
+            self._snapshot = Snapshot(state.step, view.digest, blob)
+        why = ("new" if held < 0 else f"held step {held}" if held != state.step
+               else "its state of that step differed")  # fmt: skip
+        log.info(
+            "pulled step %d (%d bytes) from %d peers in %.3f s (%d whole refetches; %s)",
+            state.step, report.size, len(report.sources), report.seconds, report.retries, why,
+        )  # fmt: skip
+        return float(report.seconds)
+
     def _remote(self, coro: Any, what: str) -> Any:
         """Run a peer call on the control loop; give up (``StepAborted``) as
         soon as a newer roll call aborts this view, or when the call fails:
         a failed peer means a new view is coming anyway."""
-        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return self._await(asyncio.run_coroutine_threadsafe(coro, self._loop), what)
+
+    def _await(self, future: Future[Any], what: str) -> Any:
+        """The result of a peer call running on the control loop (as
+        ``_remote``)."""
         while True:
             try:
                 return future.result(timeout=self._config.abort_poll)
