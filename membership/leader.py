@@ -353,7 +353,7 @@ class Leader:
             if now >= deadline and member_id not in self._sessions:
                 self.suspect(member_id, Evidence.NO_SESSION, now)
         if self._next_suspicion is None:
-            self._next_suspicion = self.detector.next_check(now)
+            self._next_suspicion = self.detector.next_scan(now)
         self._pull()
 
     def woke(self, now: float, planned: float | None) -> float | None:
