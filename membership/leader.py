@@ -128,6 +128,7 @@ class Leader:
         self._config = config
         self.coordinator = Coordinator(config, view, now, joiners, awaiting=view.ids)
         self.detector = FailureDetector(config)
+        self.detector.set_interval(config.heartbeat_interval_for(view.size))
         #: Until when members of the inherited view keep their leases unasked.
         self.grace_until = now + config.takeover_grace if view.members else now
         self._join_deadlines = {j.id: now + config.join_session_timeout for j in joiners}
@@ -173,6 +174,12 @@ class Leader:
     def busy(self) -> Mapping[str, tuple[float, str]]:
         """Busy members: member id -> (until, reason)."""
         return self._busy
+
+    @property
+    def pace(self) -> float:
+        """The heartbeat interval for the view in force
+        (``Config.heartbeat_interval_for`` its size): what members are told."""
+        return self.detector.interval
 
     @property
     def lagging(self) -> bool:
@@ -328,6 +335,7 @@ class Leader:
             self._emit(WriteProgress(old.epoch, step))
         self._step = view.resume_step
         self._trained = self._trained or self._step is not None
+        self.detector.set_interval(self._config.heartbeat_interval_for(view.size))
         for member_id in proposal.removed if proposal is not None else ():
             self._remove(Evict(member_id, None, view.epoch))
         self._pull()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,6 +53,15 @@ class View:
     @cached_property
     def _id_set(self) -> frozenset[str]:
         return frozenset(self.ids)
+
+    @cached_property
+    def members_sha256(self) -> bytes:
+        """SHA-256 of the member list: each member's id and address,
+        NUL-terminated, in rank order. A member that rebuilt a view from a
+        change of the previous one (``rollcall.membership.delta``) checks
+        its list against it."""
+        text = "".join(f"{member.id}\0{member.address}\0" for member in self.members)
+        return hashlib.sha256(text.encode()).digest()
 
     @property
     def size(self) -> int:

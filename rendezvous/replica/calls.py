@@ -63,7 +63,7 @@ class MemberCalls(LeaderActions):
             return pb.JoinResponse(
                 member_id=member.id,
                 view=view_to_pb(lead.coordinator.view),
-                heartbeat_interval_ms=round(self._config.heartbeat_interval * 1000),
+                heartbeat_interval_ms=round(lead.leader.pace * 1000),
                 earliest_suspicion_s=self._config.earliest_suspicion(),
                 member_secret=secret,
             )
