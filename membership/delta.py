@@ -16,6 +16,7 @@ wrong member list.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 from rollcall.membership.view import Member, View
 
@@ -81,11 +82,13 @@ def apply_delta(base: View, delta: ViewDelta) -> View | None:
         if not previous < rank < base.size:
             return None
         previous = rank
-    removed = frozenset(delta.removed)
-    members = (
-        *(member for rank, member in enumerate(base.members) if rank not in removed),
-        *delta.added,
-    )
+    kept = []
+    start = 0
+    for rank in delta.removed:
+        kept.append(base.members[start:rank])
+        start = rank + 1
+    kept.append(base.members[start:])
+    members = tuple(chain(*kept, delta.added))
     fetch: dict[str, tuple[str, ...]] = {}
     for sources, fetchers in delta.fetch_groups:
         if any(not 0 <= rank < len(members) for rank in (*sources, *fetchers)):

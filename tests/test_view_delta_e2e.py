@@ -67,6 +67,9 @@ def test_a_member_that_missed_a_change_fetches_the_whole_view_and_acts_on_no_wro
         await d.join("127.0.0.1:20004", name="d")
         final = await a.wait_view(lambda v, m=d.member_id: m in v, TIMEOUT)
         await b.wait_view(lambda v: v.epoch >= final.epoch, TIMEOUT)
+        # The epoch secret came inside a's change, and with b's whole view.
+        secrets = {client.epoch_secret(final.epoch) for client in (a, b, d)}
+        assert len(secrets) == 1 and None not in secrets
         for client in (a, b, d):
             await client.leave()
             await client.close()

@@ -7,6 +7,7 @@ progress writes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from rollcall.membership.backoff import Backoff
@@ -206,36 +207,50 @@ class LeaderActions(ReplicaBase):
             return known
         secret = epoch_secret(lead.epoch_key, self._job, view)
         delta = delta_between(base, view) if base is not None else None
+        message = (
+            known.message if known is not None and known.view == view else view_to_pb(view)
+        )
         announcement = Announcement(
             view=view,
+            message=message,
             secret=pb.SessionEvent(
                 epoch_secret=pb.EpochSecret(epoch=view.epoch, secret=secret)
             ).SerializeToString(),
-            whole=pb.SessionEvent(view=view_to_pb(view)).SerializeToString(),
-            delta=None
-            if delta is None
-            else pb.SessionEvent(view_delta=delta_to_pb(delta)).SerializeToString(),
+            whole=pb.SessionEvent(view=message).SerializeToString(),
+            delta=None,
+            delta_with_secret=None,
             base_epoch=delta.base_epoch if delta is not None else 0,
         )
+        if delta is not None:
+            change = delta_to_pb(delta)
+            plain = pb.SessionEvent(view_delta=change).SerializeToString()
+            change.epoch_secret = secret
+            announcement = dataclasses.replace(
+                announcement,
+                delta=plain,
+                delta_with_secret=pb.SessionEvent(view_delta=change).SerializeToString(),
+            )
         lead.announcing = announcement
         return announcement
 
     @staticmethod
     def _send_view(session: MemberSession, announcement: Announcement) -> None:
-        """Send a view on ``session``, preceded by its epoch secret if the
-        session's member is in it (never to anyone else): as a change of
-        the view the session carried last when its member applies changes,
-        else whole."""
+        """Send a view on ``session`` with its epoch secret if the session's
+        member is in it (never to anyone else): as a change of the view the
+        session carried last when its member applies changes (the secret in
+        it), else whole (preceded by the secret)."""
         view = announcement.view
-        if session.member_id in view:
-            session.send(announcement.secret)
+        member = session.member_id in view
         if (
             announcement.delta is not None
+            and announcement.delta_with_secret is not None
             and session.deltas
             and session.announced == announcement.base_epoch
         ):
-            session.send(announcement.delta)
+            session.send(announcement.delta_with_secret if member else announcement.delta)
         else:
+            if member:
+                session.send(announcement.secret)
             session.send(announcement.whole)
         session.announced = view.epoch
 

@@ -62,7 +62,9 @@ class MemberCalls(LeaderActions):
             log.info("join %s at %s", member.id, request.address)
             return pb.JoinResponse(
                 member_id=member.id,
-                view=view_to_pb(lead.coordinator.view),
+                # Encoded once per view, not once per joiner (a burst of
+                # 2,048 joins answered views of up to 2,000 members).
+                view=self._view_events(lead, lead.coordinator.view).message,
                 heartbeat_interval_ms=round(lead.leader.pace * 1000),
                 earliest_suspicion_s=self._config.earliest_suspicion(),
                 member_secret=secret,

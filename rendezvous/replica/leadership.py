@@ -48,14 +48,19 @@ class MemberSession:
 
 @dataclass(frozen=True)
 class Announcement:
-    """The events announcing one view, each encoded once: its epoch secret
+    """The events announcing one view, each encoded once: the view as a
+    message, its epoch secret
     (for the view's members only), the whole view, and the view as a change
     of view ``base_epoch`` (None when it cannot be said as one)."""
 
     view: View
+    #: The view as a message (a ``JoinResponse`` copies it).
+    message: pb.View
     secret: bytes
     whole: bytes
     delta: bytes | None
+    #: The change with the epoch secret in it, for the view's members.
+    delta_with_secret: bytes | None
     base_epoch: int
 
 

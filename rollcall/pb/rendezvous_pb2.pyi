@@ -243,7 +243,7 @@ class SessionEvent(_message.Message):
     def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., busy: _Optional[_Union[PeerBusy, _Mapping]] = ..., epoch_secret: _Optional[_Union[EpochSecret, _Mapping]] = ..., view_delta: _Optional[_Union[ViewDelta, _Mapping]] = ..., pace: _Optional[_Union[Pace, _Mapping]] = ...) -> None: ...
 
 class ViewDelta(_message.Message):
-    __slots__ = ("epoch", "base_epoch", "removed", "added", "members_sha256", "resume_step", "digest", "fetch_groups")
+    __slots__ = ("epoch", "base_epoch", "removed", "added", "members_sha256", "resume_step", "digest", "fetch_groups", "epoch_secret")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class ViewDelta(_message.Message):
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     FETCH_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_SECRET_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     base_epoch: int
     removed: _containers.RepeatedScalarFieldContainer[int]
@@ -260,7 +261,8 @@ class ViewDelta(_message.Message):
     resume_step: int
     digest: str
     fetch_groups: _containers.RepeatedCompositeFieldContainer[RankGroup]
-    def __init__(self, epoch: _Optional[int] = ..., base_epoch: _Optional[int] = ..., removed: _Optional[_Iterable[int]] = ..., added: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., members_sha256: _Optional[bytes] = ..., resume_step: _Optional[int] = ..., digest: _Optional[str] = ..., fetch_groups: _Optional[_Iterable[_Union[RankGroup, _Mapping]]] = ...) -> None: ...
+    epoch_secret: str
+    def __init__(self, epoch: _Optional[int] = ..., base_epoch: _Optional[int] = ..., removed: _Optional[_Iterable[int]] = ..., added: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., members_sha256: _Optional[bytes] = ..., resume_step: _Optional[int] = ..., digest: _Optional[str] = ..., fetch_groups: _Optional[_Iterable[_Union[RankGroup, _Mapping]]] = ..., epoch_secret: _Optional[str] = ...) -> None: ...
 
 class RankGroup(_message.Message):
     __slots__ = ("sources", "members")

@@ -644,7 +644,10 @@ class RendezvousClient:
                 elif kind == "view":
                     self._set_view(view_from_pb(event.view))
                 elif kind == "view_delta":
-                    self._apply_delta(delta_from_pb(event.view_delta))
+                    change = event.view_delta
+                    if change.epoch_secret:
+                        self._keep_epoch_secret(change.epoch, change.epoch_secret)
+                    self._apply_delta(delta_from_pb(change))
                 elif kind == "pace":
                     self._pace(event.pace.heartbeat_interval_ms)
                 elif kind == "roll_call":
