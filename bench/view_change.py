@@ -25,6 +25,10 @@ computes the latencies from them:
 - join: one member joins; latency = Join call -> the view with it (includes
   the `join_settle` batching window, 50 ms by default).
 
+Beside each, the time from the trigger to the commit in etcd as the
+service logged it (the leader's own part: roll call and commit; the rest
+is announcing and the members taking the view in).
+
 "first" is the first member to receive the new view, "last" the last one.
 Every event must produce exactly one view change that removes or adds the
 member concerned; anything else is counted as an anomaly and printed.
@@ -47,6 +51,7 @@ import json
 import multiprocessing
 import os
 import platform
+import re
 import secrets
 import statistics
 import subprocess
@@ -82,6 +87,8 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 #: when its loop woke up late (suspicions deferred).
 DETECTOR_SUSPICION = ": heartbeat detector"
 LAG_WARNING = "replica lagging"
+#: The service's log line of a commit (its default format starts with asctime).
+COMMITTED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .* committed epoch (\d+):")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -366,6 +373,20 @@ class Service:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return sum(needle in line for line in lines)
 
+    def committed_at(self) -> dict[int, float]:
+        """Epoch -> when the service logged its commit, on this machine's
+        monotonic clock (the log's wall-clock stamps have millisecond
+        resolution)."""
+        self._log.flush()
+        offset = time.time() - time.monotonic()
+        found = {}
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            match = COMMITTED.match(line)
+            if match:
+                wall = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                found[int(match[2])] = wall - offset
+        return found
+
     def stop(self) -> None:
         if self.replica is not None:
             self.replica.terminate()
@@ -390,6 +411,8 @@ class Run:
         self.service, self.fleet, self.size = service, fleet, size
         self.first: dict[str, list[float]] = {"leave": [], "crash": [], "join": []}
         self.last: dict[str, list[float]] = {"leave": [], "crash": [], "join": []}
+        #: Trigger -> the service logged the commit in etcd (the leader's part).
+        self.commit: dict[str, list[float]] = {"leave": [], "crash": [], "join": []}
         self.anomalies: list[str] = []
         self.epoch = 0
 
@@ -476,6 +499,9 @@ class Run:
         times = [t for _, t in arrivals]
         self.first[kind].append(min(times) - started["t0"])
         self.last[kind].append(max(times) - started["t0"])
+        committed = self.service.committed_at().get(before + 1)
+        if committed is not None:
+            self.commit[kind].append(committed - started["t0"])
         return str(started["id"])
 
     def events(self, repeats: int) -> None:
@@ -504,6 +530,7 @@ def run_size(args: argparse.Namespace, size: int) -> dict[str, Any]:
         row.update(
             {f"{kind}_first": summary(v) for kind, v in run.first.items()},
             **{f"{kind}_all": summary(v) for kind, v in run.last.items()},
+            **{f"{kind}_commit": summary(v) for kind, v in run.commit.items()},
             anomalies=run.anomalies,
             detector_suspicions=service.log_count(DETECTOR_SUSPICION),
             lag_warnings=service.log_count(LAG_WARNING),
@@ -622,6 +649,14 @@ def main() -> int:
                   f"leader CPU {check['leader_cpu_per_s']:.3f} s/s)", flush=True)  # fmt: skip
         else:
             print(format_row(row), flush=True)
+            commits = ", ".join(
+                f"{kind} {row[f'{kind}_commit'].get('p50_ms', float('nan')):.0f} "
+                f"({row[f'{kind}_commit'].get('p90_ms', float('nan')):.0f})"
+                for kind in ("leave", "crash", "join")
+            )
+            harness = row["harness_cpu_per_s"]
+            print(f"  trigger -> committed in etcd (service log), p50 (p90) ms: {commits}; "
+                  f"harness CPU at idle {harness:.2f} s/s", flush=True)  # fmt: skip
             for anomaly in row["anomalies"]:
                 print(f"  anomaly: {anomaly}", flush=True)
             if row["detector_suspicions"] or row["lag_warnings"]:
