@@ -188,3 +188,21 @@ def test_a_member_heartbeats_as_told_but_within_its_fence_window() -> None:
     assert client.heartbeat_interval == 0.3
     client._pace(0)  # a service that does not say
     assert client.heartbeat_interval == 0.3
+
+
+def test_members_of_one_process_share_the_rebuild_of_a_change_to_the_same_view() -> None:
+    from rollcall.protocol.client import RendezvousClient
+
+    first = base_view(6)
+    second = View(first.epoch + 1, first.members[2:])
+    one, two, three = (RendezvousClient(["127.0.0.1:1"], "job", "token") for _ in range(3))
+    one._set_view(first)
+    two._set_view(first)
+    three._set_view(dataclasses.replace(first))  # equal, but its own object
+    change = delta_between(first, second)
+
+    for client in (one, two, three):
+        client._apply_delta(change)
+
+    assert one.view is two.view and one.view == second
+    assert three.view == second

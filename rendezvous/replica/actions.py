@@ -43,7 +43,10 @@ class LeaderActions(ReplicaBase):
             timeout = min(max(0.0, (wakeup if wakeup is not None else now + 1.0) - now), 1.0)
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                # Not wait_for: that makes a task per wake-up, and every
+                # roll-call answer wakes this loop.
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
                 leader.woke(self._clock(), None)
             except TimeoutError:
                 late = leader.woke(self._clock(), now + timeout)

@@ -143,6 +143,24 @@ class Status:
     lost_epoch: int = 0
 
 
+#: The last views rebuilt from a change in this process: (base, change,
+#: result). ``apply_delta`` is pure, so members of one process (lightweight
+#: members, tests) that hold the same view object and receive the same
+#: change share its rebuild instead of each repeating it.
+_REBUILT: list[tuple[View, ViewDelta, View | None]] = []
+_REBUILT_KEPT = 4
+
+
+def _rebuild(base: View, delta: ViewDelta) -> View | None:
+    for known_base, known_delta, result in _REBUILT:
+        if known_base is base and known_delta == delta:
+            return result
+    result = apply_delta(base, delta)
+    _REBUILT.insert(0, (base, delta, result))
+    del _REBUILT[_REBUILT_KEPT:]
+    return result
+
+
 def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
     """The named error a gRPC status stands for (see the .proto)."""
     code, message = error.code(), error.details() or ""
@@ -670,7 +688,7 @@ class RendezvousClient:
         on: the member asks for the whole view instead."""
         if delta.epoch <= self._view.epoch:
             return  # already known
-        view = apply_delta(self._view, delta)
+        view = _rebuild(self._view, delta)
         if view is None:
             log.info(
                 "view %d came as a change of view %d, which this member does not hold "
@@ -709,8 +727,9 @@ class RendezvousClient:
         while True:
             request: pb.SessionRequest | None
             try:
-                wait = max(0.0, next_beat - time.monotonic())
-                request = await asyncio.wait_for(self._outbox.get(), wait)
+                # Not wait_for, which makes a task for every message.
+                async with asyncio.timeout(max(0.0, next_beat - time.monotonic())):
+                    request = await self._outbox.get()
             except TimeoutError:
                 request = None
             now = time.monotonic()
