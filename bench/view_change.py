@@ -33,6 +33,10 @@ is announcing and the members taking the view in).
 Every event must produce exactly one view change that removes or adds the
 member concerned; anything else is counted as an anomaly and printed.
 
+``--profile DIR`` samples the service with py-spy (only samples holding
+the GIL: its Python CPU) during the idle window and during the events, and
+prints the share of samples per function of interest (``PROFILE_KEYS``).
+
 ``--idle-check SECONDS`` holds the members (of the first size, 2048 by
 default in this mode) idle for that long after the burst and fails (exit 1)
 if any view change happened or any member's session ended meanwhile: no
@@ -53,6 +57,7 @@ import os
 import platform
 import re
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -82,6 +87,8 @@ BURST_TIMEOUT = 300.0
 START_TIMEOUT = 30.0
 MAX_SIZE = 8192
 MAX_IDLE_CHECK = 900.0
+#: Longest a profile records (a safety bound; each is stopped after its phase).
+MAX_PROFILE_S = 900.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 #: What the service logs when the heartbeat detector suspects a member, and
 #: when its loop woke up late (suspicions deferred).
@@ -400,6 +407,93 @@ class Service:
         self._tmp.cleanup()
 
 
+#: Where the leader spends its time, by the functions a sample passes
+#: through (a sample counts for every one it passes through; py-spy names
+#: methods Class.name).
+PROFILE_KEYS = {
+    "session message handled (_on_message)": "_on_message",
+    "  of which the detector (heard)": "heard",
+    "session send loop (Session)": "Session",
+    "session read loop (_read_session)": "_read_session",
+    "session opened (_open)": "_open",
+    "leader's loop (_drive)": "_drive",
+    "roll-call requests (_ask)": "_ask",
+    "view commit (_commit)": "_commit",
+    "announcement (_announce)": "_announce",
+    "join (Join)": "Join",
+    "etcd keep-alive round (_keep_alive)": "_keep_alive",
+    "  of which member leases (_keep_members)": "_keep_members",
+    "view guard poll (_poll_view_forever)": "_poll_view_forever",
+    "logging (emit)": "emit",
+}
+
+
+class Profile:
+    """py-spy sampling the service (only samples holding the GIL: the
+    Python CPU) into collapsed stacks, while a phase runs."""
+
+    def __init__(self, pid: int, path: Path) -> None:
+        self.path = path
+        spy = Path(sys.executable).with_name("py-spy")
+        if not spy.exists():
+            raise SystemExit(f"--profile needs py-spy beside {sys.executable}: pip install py-spy")
+        self._proc = subprocess.Popen(
+            [str(spy), "record", "-p", str(pid), "-f", "raw", "-o", str(path), "--gil",
+             "--nolineno", "--nonblocking", "-r", "200", "-d", str(int(MAX_PROFILE_S))],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self._started = time.monotonic()
+
+    def stop(self) -> dict[str, Any]:
+        """End the recording; the share of samples per ``PROFILE_KEYS`` entry
+        and the functions most often on top of the stack."""
+        elapsed = time.monotonic() - self._started
+        self._proc.send_signal(signal.SIGINT)
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+        stacks: list[tuple[list[str], int]] = []
+        if self.path.exists():
+            for line in self.path.read_text(errors="replace").splitlines():
+                frames, _, count = line.rpartition(" ")
+                if frames and count.isdigit():
+                    names = [f.split(" (")[0] for f in frames.split(";")]
+                    stacks.append((names, int(count)))
+        total = sum(count for _, count in stacks) or 1
+        def passes(names: list[str], key: str) -> bool:
+            return any(n == key or n.endswith("." + key) for n in names)
+
+        shares = {
+            label: sum(c for names, c in stacks if passes(names, key)) / total
+            for label, key in PROFILE_KEYS.items()
+        }
+        tops: dict[str, int] = {}
+        for names, count in stacks:
+            frame = names[-1] if names else "?"
+            tops[frame] = tops.get(frame, 0) + count
+        top = sorted(tops.items(), key=lambda item: -item[1])[:12]
+        return {
+            "seconds": elapsed,
+            "samples": total,
+            "gil_share": total / (elapsed * 200),
+            "shares": shares,
+            "top_self": [(name, count / total) for name, count in top],
+            "file": str(self.path),
+        }
+
+
+def print_profile(title: str, profile: dict[str, Any]) -> None:
+    print(f"  profile {title}: {profile['samples']} samples holding the GIL in "
+          f"{profile['seconds']:.0f} s ({profile['gil_share']:.0%} of the time)")  # fmt: skip
+    for label, share in profile["shares"].items():
+        if share >= 0.005:
+            print(f"    {share:6.1%}  {label}")
+    print("    on top of the stack: " + ", ".join(
+        f"{name} {share:.0%}" for name, share in profile["top_self"][:8]))  # fmt: skip
+
+
 def split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
@@ -525,8 +619,21 @@ def run_size(args: argparse.Namespace, size: int) -> dict[str, Any]:
         if args.idle_check:
             row["idle_check"] = idle_check(run, args.idle_check)
             return row
+        profile_dir: Path | None = args.profile
+        if profile_dir is not None:
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            spy = Profile(service.pid, profile_dir / f"leader-{size}-idle.txt")
         row.update(run.idle(args.idle_window))
+        if profile_dir is not None:
+            row["profile_idle"] = spy.stop()
+            spy = Profile(service.pid, profile_dir / f"leader-{size}-events.txt")
+            cpu0, t0 = cpu_seconds(service.pid), time.monotonic()
         run.events(args.repeats)
+        if profile_dir is not None:
+            row["profile_events"] = spy.stop()
+            row["profile_events"]["leader_cpu_per_s"] = (cpu_seconds(service.pid) - cpu0) / (
+                time.monotonic() - t0
+            )
         row.update(
             {f"{kind}_first": summary(v) for kind, v in run.first.items()},
             **{f"{kind}_all": summary(v) for kind, v in run.last.items()},
@@ -618,6 +725,10 @@ def main() -> int:
         "--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
         help="config override for the service (as `rollcall rendezvous --set`)",
     )  # fmt: skip
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="sample the service with py-spy (in the venv) during the idle "
+                             "window and during the events; collapsed stacks into DIR, shares "
+                             "by function in the table and the JSON")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None,
                         help="default bench/results/view_change.json "
                              "(view_change-idle.json with --idle-check)")  # fmt: skip
@@ -659,6 +770,9 @@ def main() -> int:
                   f"harness CPU at idle {harness:.2f} s/s", flush=True)  # fmt: skip
             for anomaly in row["anomalies"]:
                 print(f"  anomaly: {anomaly}", flush=True)
+            if "profile_idle" in row:
+                print_profile("at idle", row["profile_idle"])
+                print_profile("during the events", row["profile_events"])
             if row["detector_suspicions"] or row["lag_warnings"]:
                 print(f"  the service logged {row['detector_suspicions']} detector suspicions "
                       f"and {row['lag_warnings']} lag warnings", flush=True)  # fmt: skip
