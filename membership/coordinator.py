@@ -328,6 +328,10 @@ class Coordinator:
         """Members of the view not heard from since the leader took over."""
         return frozenset(self._awaiting)
 
+    def is_awaited(self, member_id: str) -> bool:
+        """Whether ``member_id`` is in ``awaiting`` (without copying it)."""
+        return member_id in self._awaiting
+
     def knows(self, member_id: str) -> bool:
         """True for members of the view, pending joiners and roll-call candidates."""
         return (

@@ -229,7 +229,7 @@ class Leader:
         self._sessions.add(member_id)
         self._join_deadlines.pop(member_id, None)
         self.detector.watch(member_id, now)
-        if member_id in self.coordinator.awaiting:
+        if self.coordinator.is_awaited(member_id):
             self._held_elsewhere.discard(member_id)
             self.coordinator.reconnected(member_id, now)
             self._pull()
@@ -276,7 +276,7 @@ class Leader:
                 return False
             self._held_elsewhere.add(member.id)
             return True
-        if member.id in self.coordinator.awaiting and member.id not in self._sessions:
+        if self.coordinator.is_awaited(member.id) and member.id not in self._sessions:
             self.suspect(member.id, Evidence.ABSENT, now, member.address)
         return False
 
@@ -413,7 +413,7 @@ class Leader:
             return member_id in self._busy or not self.detector.suspected(member_id, now)
         if member_id in self._join_deadlines:
             return now < self._join_deadlines[member_id]
-        return now < self.grace_until or member_id in self.coordinator.awaiting
+        return now < self.grace_until or self.coordinator.is_awaited(member_id)
 
     def _busy_for(
         self, member_id: str, seconds: float, reason: str, now: float, *, overran: bool

@@ -26,6 +26,9 @@ from rollcall.rendezvous.store import MemberRecord
 
 log = logging.getLogger("rollcall.rendezvous")
 
+#: The most causes a roll-call request names (members leaving or failing).
+ROLLCALL_CAUSES_TOLD = 64
+
 
 class LeaderActions(ReplicaBase):
     """The leader's actions, carried out on etcd and the sessions."""
@@ -101,7 +104,12 @@ class LeaderActions(ReplicaBase):
         if lead is not None and lead.asking is not None and lead.asking[:2] == (epoch, causes):
             session.send(lead.asking[2])
             return
-        request = pb.RollCallRequest(epoch=epoch, causes=[str(c) for c in causes])
+        # Members learn who joins from the view itself: the request names
+        # the members leaving or failing only, the first few (the events
+        # file has them all). A burst of 2,000 joins made every request
+        # 60 kB, parsed by every member.
+        told = [str(c) for c in causes if c.kind is not CauseKind.JOIN][:ROLLCALL_CAUSES_TOLD]
+        request = pb.RollCallRequest(epoch=epoch, causes=told)
         encoded = pb.SessionEvent(roll_call=request).SerializeToString()
         if lead is not None:
             lead.asking = (epoch, causes, encoded)

@@ -92,7 +92,7 @@ class Sessions(CheckpointCalls):
             old.close()  # replaced by a reconnect
         session = MemberSession(request.member_id, deltas=request.view_deltas)
         lead.sessions[request.member_id] = session
-        awaited = request.member_id in lead.coordinator.awaiting
+        awaited = lead.coordinator.is_awaited(request.member_id)
         lead.leader.session_opened(request.member_id, now)
         if awaited:
             self._drain(lead)
