@@ -43,7 +43,10 @@ if any view change happened or any member's session ended meanwhile: no
 healthy member may be suspected.
 
 Prints a table and writes JSON (default bench/results/view_change.json, or
-bench/results/view_change-idle.json for --idle-check). Every loop is bounded
+bench/results/view_change-idle.json for --idle-check). A size that fails (a
+burst that does not complete, a view that does not reach every member in
+time) is said, listed under "failed" and the next size runs; the exit
+status is then 1. Every loop is bounded
 in count and time (--repeats, timeouts per event and per size).
 """
 
@@ -749,8 +752,15 @@ def main() -> int:
     if not args.idle_check:
         print(HEADER, flush=True)
     rows = []
+    failed = []
     for size in sizes:
-        row = run_size(args, size)
+        try:
+            row = run_size(args, size)
+        except (RuntimeError, TimeoutError, EOFError, OSError) as exc:
+            # Said and recorded; the next size still runs.
+            print(f"{size:>7} | failed: {exc}", flush=True)
+            failed.append({"members": size, "error": str(exc)})
+            continue
         rows.append(row)
         if args.idle_check:
             check = row["idle_check"]
@@ -778,6 +788,7 @@ def main() -> int:
                       f"and {row['lag_warnings']} lag warnings", flush=True)  # fmt: skip
     result = {
         "rows": rows,
+        "failed": failed,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},  # fmt: skip
@@ -791,8 +802,8 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     if args.idle_check:
-        return 0 if all(r["idle_check"]["passed"] for r in rows) else 1
-    return 0
+        return 0 if rows and not failed and all(r["idle_check"]["passed"] for r in rows) else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
