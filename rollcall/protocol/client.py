@@ -660,7 +660,10 @@ class RendezvousClient:
                 elif kind == "epoch_secret":
                     self._keep_epoch_secret(event.epoch_secret.epoch, event.epoch_secret.secret)
                 elif kind == "view":
-                    self._set_view(view_from_pb(event.view))
+                    if event.view.epoch > self._view.epoch or self._view is EMPTY_VIEW:
+                        # (decoded only if new: a session that opens is sent
+                        # the view in force, which the member mostly holds)
+                        self._set_view(view_from_pb(event.view))
                 elif kind == "view_delta":
                     change = event.view_delta
                     if change.epoch_secret:
