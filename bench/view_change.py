@@ -8,10 +8,11 @@ For each size N: a fresh real etcd and one rendezvous replica (the
 `rollcall` CLI, its own process) on loopback, and N lightweight members
 (``RendezvousClient``, no torch) spread over ``--processes`` child processes
 (multiprocessing, spawn), so that no single harness process has to carry
-every session. Each member stamps the arrival of every view with
-``time.monotonic()`` (CLOCK_MONOTONIC is system-wide on Linux, so stamps of
-different processes compare) and the parent, which triggers the events,
-computes the latencies from them:
+every session. Once in a view, each member holds step 1 (as a worker that
+trained would, so that roll calls check every member's claim). Each member
+stamps the arrival of every view with ``time.monotonic()`` (CLOCK_MONOTONIC
+is system-wide on Linux, so stamps of different processes compare) and the
+parent, which triggers the events, computes the latencies from them:
 
 - join burst: N members join at once; throughput = N / (time until every
   member holds a view with all N);
@@ -151,6 +152,11 @@ class Host:
 
         def on_view(view: View) -> None:
             hosted.views.append((view.epoch, view.size, time.monotonic()))
+            if client.step is None and client.member_id in view:
+                # Holds step 1 from now on (reported with its next
+                # heartbeat), as a worker that trained would: roll calls
+                # then check every member's claim, as in a real job.
+                client.note_progress(1)
 
         self._port += 1
         await client.join(f"127.0.0.1:{self._port}", name=f"h{self.index}", on_view=on_view)
@@ -644,6 +650,7 @@ def run_size(args: argparse.Namespace, size: int) -> dict[str, Any]:
             anomalies=run.anomalies,
             detector_suspicions=service.log_count(DETECTOR_SUSPICION),
             lag_warnings=service.log_count(LAG_WARNING),
+            claims_refused=service.log_count("claims step"),
         )
         return row
     except BaseException:
