@@ -35,7 +35,8 @@ Every event must produce exactly one view change that removes or adds the
 member concerned; anything else is counted as an anomaly and printed.
 
 ``--profile DIR`` samples the service with py-spy (only samples holding
-the GIL: its Python CPU) during the idle window and during the events, and
+the GIL: its Python CPU) during the join burst, the idle window and the
+events, and
 prints the share of samples per function of interest (``PROFILE_KEYS``).
 
 ``--idle-check SECONDS`` holds the members (of the first size, 2048 by
@@ -430,6 +431,10 @@ PROFILE_KEYS = {
     "view commit (_commit)": "_commit",
     "announcement (_announce)": "_announce",
     "join (Join)": "Join",
+    "  of which recording the member (_enrol)": "_enrol",
+    "etcd requests, in the etcd threads (EtcdClient.call)": "EtcdClient.call",
+    "view to protobuf (view_to_pb)": "view_to_pb",
+    "view to JSON (View.to_json)": "View.to_json",
     "etcd keep-alive round (_keep_alive)": "_keep_alive",
     "  of which member leases (_keep_members)": "_keep_members",
     "view guard poll (_poll_view_forever)": "_poll_view_forever",
@@ -624,13 +629,17 @@ def run_size(args: argparse.Namespace, size: int) -> dict[str, Any]:
         fleet.ask_all({"op": "state"}, START_TIMEOUT)  # every host started
         run = Run(service, fleet, size)
         row: dict[str, Any] = {"members": size, "processes": args.processes}
-        row.update(run.burst())
-        if args.idle_check:
-            row["idle_check"] = idle_check(run, args.idle_check)
-            return row
         profile_dir: Path | None = args.profile
         if profile_dir is not None:
             profile_dir.mkdir(parents=True, exist_ok=True)
+            spy = Profile(service.pid, profile_dir / f"leader-{size}-burst.txt")
+        row.update(run.burst())
+        if profile_dir is not None:
+            row["profile_burst"] = spy.stop()
+        if args.idle_check:
+            row["idle_check"] = idle_check(run, args.idle_check)
+            return row
+        if profile_dir is not None:
             spy = Profile(service.pid, profile_dir / f"leader-{size}-idle.txt")
         row.update(run.idle(args.idle_window))
         if profile_dir is not None:
@@ -736,8 +745,8 @@ def main() -> int:
         help="config override for the service (as `rollcall rendezvous --set`)",
     )  # fmt: skip
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                        help="sample the service with py-spy (in the venv) during the idle "
-                             "window and during the events; collapsed stacks into DIR, shares "
+                        help="sample the service with py-spy (in the venv) during the burst, "
+                             "the idle window and the events; collapsed stacks into DIR, shares "
                              "by function in the table and the JSON")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None,
                         help="default bench/results/view_change.json "
@@ -788,6 +797,7 @@ def main() -> int:
             for anomaly in row["anomalies"]:
                 print(f"  anomaly: {anomaly}", flush=True)
             if "profile_idle" in row:
+                print_profile("during the join burst", row["profile_burst"])
                 print_profile("at idle", row["profile_idle"])
                 print_profile("during the events", row["profile_events"])
             if row["detector_suspicions"] or row["lag_warnings"]:
