@@ -633,7 +633,11 @@ def run_size(args: argparse.Namespace, size: int) -> dict[str, Any]:
         if profile_dir is not None:
             profile_dir.mkdir(parents=True, exist_ok=True)
             spy = Profile(service.pid, profile_dir / f"leader-{size}-burst.txt")
+        cpu0, t0 = cpu_seconds(service.pid), time.monotonic()
         row.update(run.burst())
+        row["burst_leader_cpu_per_s"] = (cpu_seconds(service.pid) - cpu0) / (
+            time.monotonic() - t0
+        )
         if profile_dir is not None:
             row["profile_burst"] = spy.stop()
         if args.idle_check:
@@ -793,7 +797,8 @@ def main() -> int:
             )
             harness = row["harness_cpu_per_s"]
             print(f"  trigger -> committed in etcd (service log), p50 (p90) ms: {commits}; "
-                  f"harness CPU at idle {harness:.2f} s/s", flush=True)  # fmt: skip
+                  f"harness CPU at idle {harness:.2f} s/s; leader CPU in the burst "
+                  f"{row['burst_leader_cpu_per_s']:.2f} s/s", flush=True)  # fmt: skip
             for anomaly in row["anomalies"]:
                 print(f"  anomaly: {anomaly}", flush=True)
             if "profile_idle" in row:
