@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from rollcall.membership.cause import Cause
 from rollcall.membership.coordinator import Coordinator
 from rollcall.membership.errors import RollcallError
+from rollcall.membership.fingerprint import JobFingerprint
 from rollcall.membership.leader import Leader
-from rollcall.membership.view import View
+from rollcall.membership.view import Member, View
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.rendezvous.store import LeaderInfo, MemberRecord
 
@@ -95,6 +96,20 @@ class Leadership:
     asking: tuple[int, tuple[Cause, ...], bytes] | None = None
     #: The heartbeat interval last told to the members, and its event encoded.
     pace: tuple[float, bytes] | None = None
+    #: Joiners waiting for their etcd record, written in batches
+    #: (``MemberCalls._record_members``), and the task writing them.
+    enrolling: list[tuple[Member, str, asyncio.Future[MemberRecord]]] = field(
+        default_factory=list
+    )
+    enroller: asyncio.Task[None] | None = None
+    #: The job's fingerprint as this leader last confirmed it in etcd (read
+    #: or written while admitting a joiner): a joiner with exactly this one
+    #: is admitted without reading etcd again, and without waiting for
+    #: other admissions.
+    admitted: JobFingerprint | None = None
+    #: Joiners admitted so whose records are being written: they count as
+    #: joiners when another fingerprint is judged (the job is not empty).
+    admitted_joining: int = 0
 
     @property
     def coordinator(self) -> Coordinator:
