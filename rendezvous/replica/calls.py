@@ -57,21 +57,15 @@ class MemberCalls(LeaderActions):
             lead = self._leader()
             if fingerprint is None:  # not checked: operator tools, lightweight members
                 await self._enrol(lead, member, secret)
-            elif fingerprint == lead.admitted:
-                # The job's own, as this leader confirmed it in etcd: only
-                # an admission of another fingerprint could change the
-                # job's, and it counts this joiner as one (the job is not
-                # empty), so joiners of one run are recorded together
-                # instead of one at a time.
-                lead.admitted_joining += 1
+            else:
+                await self._admitted(lead, fingerprint, request.address)
+                # Admitted: from here this joiner counts as one when another
+                # fingerprint is judged (the job is not empty), so it need
+                # not hold the others up while its record is written.
                 try:
                     await self._enrol(lead, member, secret)
                 finally:
                     lead.admitted_joining -= 1
-            else:
-                async with self._admitting:
-                    await self._admit(lead, fingerprint, request.address)
-                    await self._enrol(lead, member, secret)
             log.info("join %s at %s", member.id, request.address)
             return pb.JoinResponse(
                 member_id=member.id,
@@ -96,6 +90,21 @@ class MemberCalls(LeaderActions):
         lead.leader.joined(record.member, now)
         self._events.cause(now, "join")
         self._drain(lead)
+
+    async def _admitted(self, lead: Leadership, fingerprint: JobFingerprint, address: str) -> None:
+        """Admit a fingerprinted joiner (``_admit``), or raise; counted in
+        ``admitted_joining`` once admitted. A joiner with the fingerprint
+        this leader last confirmed in etcd is admitted at once; any other
+        is judged one at a time, and while one is, nobody is admitted at
+        once (it may replace the job's fingerprint)."""
+        if fingerprint != lead.admitted:
+            async with self._admitting:
+                if fingerprint != lead.admitted:
+                    lead.admitted = None
+                    await self._admit(lead, fingerprint, address)
+                lead.admitted_joining += 1
+        else:
+            lead.admitted_joining += 1
 
     async def _record_member(self, lead: Leadership, member: Member, hashed: str) -> MemberRecord:
         """The joiner's etcd record, written with those of the other joiners

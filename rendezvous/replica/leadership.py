@@ -107,8 +107,9 @@ class Leadership:
     #: is admitted without reading etcd again, and without waiting for
     #: other admissions.
     admitted: JobFingerprint | None = None
-    #: Joiners admitted so whose records are being written: they count as
-    #: joiners when another fingerprint is judged (the job is not empty).
+    #: Fingerprinted joiners admitted whose records are being written: they
+    #: count as joiners when another fingerprint is judged (the job is not
+    #: empty).
     admitted_joining: int = 0
 
     @property
