@@ -177,8 +177,9 @@ class Leader:
 
     @property
     def pace(self) -> float:
-        """The heartbeat interval for the view in force
-        (``Config.heartbeat_interval_for`` its size): what members are told."""
+        """The heartbeat interval members are told: ``Config.
+        heartbeat_interval_for`` the view in force's size, or the sessions
+        open at its commit if they were more (joiners)."""
         return self.detector.interval
 
     @property
@@ -335,7 +336,10 @@ class Leader:
             self._emit(WriteProgress(old.epoch, step))
         self._step = view.resume_step
         self._trained = self._trained or self._step is not None
-        self.detector.set_interval(self._config.heartbeat_interval_for(view.size))
+        # Paced by everyone heartbeating: the view, and joiners already in
+        # session (in a burst of joins they outnumber the view).
+        heartbeating = max(view.size, len(self._sessions))
+        self.detector.set_interval(self._config.heartbeat_interval_for(heartbeating))
         for member_id in proposal.removed if proposal is not None else ():
             self._remove(Evict(member_id, None, view.epoch))
         self._pull()
