@@ -128,9 +128,9 @@ class MemberCalls(LeaderActions):
             entries = [(member, hashed) for member, hashed, _ in batch]
             try:
                 leases = await asyncio.gather(
-                    *(self._etcd(self._store.grant_member_lease) for _ in batch)
+                    *(self._etcd_for_joins(self._store.grant_member_lease) for _ in batch)
                 )
-                records = await self._etcd(self._store.add_members, entries, leases)
+                records = await self._etcd_for_joins(self._store.add_members, entries, leases)
             except Exception as error:  # each joiner's call raises it
                 for _, _, written in batch:
                     if not written.done():
