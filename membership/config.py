@@ -33,6 +33,23 @@ class Config:
     #: 0.1 evicted ~4x more healthy workers and lost more goodput on each
     #: of 4 seeds (docs/faults.md, bench/results/detector-min-std/).
     phi_min_std: float = 0.25
+    #: Heartbeats per second that the leader takes from all members
+    #: together before it lengthens their interval: a view of more than
+    #: ``heartbeat_interval x heartbeat_rate_max`` members is told to
+    #: heartbeat every ``members / heartbeat_rate_max`` seconds, rounded up
+    #: to half a ``heartbeat_interval``, up to ``heartbeat_interval_max``
+    #: (``heartbeat_interval_for``). Each heartbeat costs the leader a read,
+    #: the detector's update and an acknowledgement (docs/protocol.md,
+    #: "Scaling").
+    heartbeat_rate_max: float = 4000.0
+    #: The longest interval the leader tells members to heartbeat at, and
+    #: never more than a quarter of the detector's earliest suspicion. A
+    #: worker applies a step only with the acknowledgement of a heartbeat
+    #: sent within its ``fence_window``, so a member heartbeats at most every
+    #: 0.6 x its own ``fence_window`` whatever it is told (the rest is the
+    #: acknowledgement's way back). Below ``heartbeat_interval``: the interval
+    #: never grows.
+    heartbeat_interval_max: float = 0.3
     #: Heartbeat intervals remembered per member.
     phi_window: int = 100
     #: Silence after which a member is suspected whatever phi says. This is
@@ -325,6 +342,21 @@ class Config:
         whatever its heartbeat history (``rollcall.membership.detector``): about
         5.6 x ``phi_min_std``, at most ``max_silence``."""
         return earliest_suspicion(self.phi_threshold, self.phi_min_std, self.max_silence)
+
+    def heartbeat_interval_for(self, members: int) -> float:
+        """The heartbeat interval for a view of ``members``: ``heartbeat_interval``
+        until the heartbeats of all of them would exceed
+        ``heartbeat_rate_max`` per second, then longer, in steps of half a
+        ``heartbeat_interval`` (so that a view growing or shrinking by a few
+        members does not change it), up to ``heartbeat_interval_max`` and a
+        quarter of the earliest suspicion, never below ``heartbeat_interval``."""
+        needed = members / self.heartbeat_rate_max
+        if needed <= self.heartbeat_interval:
+            return self.heartbeat_interval
+        step = self.heartbeat_interval / 2
+        stepped = round(step * math.ceil(needed / step - 1e-9), 6)
+        longest = min(self.heartbeat_interval_max, self.earliest_suspicion() / 4)
+        return max(self.heartbeat_interval, min(stepped, longest))
 
     def detection_bound(self) -> float:
         """Longest time from a member's last heartbeat to its suspicion."""

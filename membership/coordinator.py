@@ -169,6 +169,36 @@ def progress_bound(
     return max(known, default=None)
 
 
+class _ProgressBounds:
+    """``progress_bound`` of every survivor at once, in linear time: the
+    highest step of the *other* survivors is the highest step, unless the
+    member is its only holder (then the second highest). Calling
+    ``progress_bound`` per member took 0.34 s for 2,048 members holding a
+    step, on the leader's path of every view change."""
+
+    def __init__(
+        self, survivor_steps: Mapping[str, int], resume: int | None, reports: Mapping[str, int]
+    ) -> None:
+        self._steps = survivor_steps
+        self._resume = resume
+        self._reported = max(reports.values(), default=None)
+        steps = sorted(set(survivor_steps.values()), reverse=True)
+        self._top = steps[0] if steps else None
+        self._second = steps[1] if len(steps) > 1 else None
+        self._top_holders = sum(1 for step in survivor_steps.values() if step == self._top)
+
+    def of(self, member_id: str) -> int | None:
+        """``progress_bound(member_id, survivor_steps, resume, reports)``."""
+        if len(self._steps) == 1 and member_id in self._steps:
+            others = self._reported  # nobody else vouches: the reports do
+        elif self._steps.get(member_id) == self._top and self._top_holders == 1:
+            others = self._second
+        else:
+            others = self._top
+        known = [step for step in (self._resume, others) if step is not None]
+        return max(known, default=None)
+
+
 def plan_resume(
     order: Sequence[str],
     answers: Mapping[str, Answer],
@@ -197,15 +227,17 @@ def plan_resume(
     sources, and every other member fetches from them.
     """
     reported = reports or {}
+    survivor_set = frozenset(survivors)
     claims = {i: step for i in order if (step := answers[i].step) is not None}
-    survivor_steps = {i: step for i, step in claims.items() if i in survivors}
+    survivor_steps = {i: step for i, step in claims.items() if i in survivor_set}
+    bounds = _ProgressBounds(survivor_steps, resume, reported)
     believed: dict[str, int] = {}
     refused: list[RefusedClaim] = []
     for member_id, step in claims.items():
-        if member_id not in survivors:
+        if member_id not in survivor_set:
             refused.append(RefusedClaim(member_id, step, Refusal.JOINER))
             continue
-        bound = progress_bound(member_id, survivor_steps, resume, reported)
+        bound = bounds.of(member_id)
         if bound is not None and step > bound + 1:
             refused.append(RefusedClaim(member_id, step, Refusal.AHEAD, bound))
             continue
@@ -218,7 +250,8 @@ def plan_resume(
     best = max(counts.values())
     digest = next(answers[i].digest for i in holders if counts[answers[i].digest] == best)
     sources = tuple(i for i in holders if answers[i].digest == digest)
-    fetch = {i: sources for i in order if i not in sources}
+    source_set = frozenset(sources)
+    fetch = {i: sources for i in order if i not in source_set}
     return ResumePlan(step, digest, fetch, tuple(refused), tuple(holders))
 
 
@@ -327,6 +360,10 @@ class Coordinator:
     def awaiting(self) -> frozenset[str]:
         """Members of the view not heard from since the leader took over."""
         return frozenset(self._awaiting)
+
+    def is_awaited(self, member_id: str) -> bool:
+        """Whether ``member_id`` is in ``awaiting`` (without copying it)."""
+        return member_id in self._awaiting
 
     def knows(self, member_id: str) -> bool:
         """True for members of the view, pending joiners and roll-call candidates."""

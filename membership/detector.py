@@ -44,13 +44,29 @@ class PhiAccrualDetector:
     ``CLOCK_NOISE``, which is clamped).
     """
 
-    def __init__(self, config: Config, now: float) -> None:
+    def __init__(
+        self,
+        config: Config,
+        now: float,
+        interval: float | None = None,
+        earliest: float | None = None,
+    ) -> None:
+        """``interval``: the synthetic first interval (default
+        ``config.heartbeat_interval``: the interval the member was told);
+        ``earliest``: ``config.earliest_suspicion()``, if the caller has it."""
         _check_finite(now)
         self._config = config
-        self._intervals: deque[float] = deque([config.heartbeat_interval], maxlen=config.phi_window)
+        first = config.heartbeat_interval if interval is None else interval
+        self._intervals: deque[float] = deque([first], maxlen=config.phi_window)
         self._last = now
-        self._mean = config.heartbeat_interval
+        self._mean = first
         self._std = 0.0
+        #: Whether mean and deviation are behind the window (computed when
+        #: asked: heartbeats arrive far more often than phi is needed).
+        self._stale = False
+        #: No silence shorter than this is suspected, whatever the history
+        #: (``Config.earliest_suspicion``): phi is not computed below it.
+        self._earliest = config.earliest_suspicion() if earliest is None else earliest
         self._suspicion_time: float | None = None
 
     @property
@@ -61,12 +77,14 @@ class PhiAccrualDetector:
     @property
     def mean_interval(self) -> float:
         """Mean of the intervals in the window."""
+        self._update()
         return self._mean
 
     @property
     def std_interval(self) -> float:
         """Observed (population) standard deviation of the intervals in the
         window; phi uses it floored at ``config.phi_min_std``."""
+        self._update()
         return self._std
 
     @property
@@ -79,10 +97,16 @@ class PhiAccrualDetector:
         now = self._checked(now)
         self._intervals.append(now - self._last)
         self._last = now
+        self._stale = True
+        self._suspicion_time = None
+
+    def _update(self) -> None:
+        if not self._stale:
+            return
         n = len(self._intervals)
         self._mean = math.fsum(self._intervals) / n
         self._std = math.sqrt(math.fsum((x - self._mean) ** 2 for x in self._intervals) / n)
-        self._suspicion_time = None
+        self._stale = False
 
     def phi(self, now: float) -> float:
         """Suspicion level at ``now``: -log10 of the probability that the
@@ -121,14 +145,19 @@ class PhiAccrualDetector:
         return now
 
     def _phi_at(self, now: float) -> float:
+        self._update()
         std = max(self._std, self._config.phi_min_std)
         return phi(now - self._last, self._mean, std)
 
     def _suspected_at(self, now: float) -> bool:
-        return (
-            now - self._last > self._config.max_silence
-            or self._phi_at(now) > self._config.phi_threshold
-        )
+        silence = now - self._last
+        if silence < self._earliest:
+            # Never suspected yet, whatever phi would say: the mean is at
+            # least 0 and the deviation at least phi_min_std, the case
+            # earliest_suspicion computes. Spares computing phi for every
+            # member at every look.
+            return False
+        return silence > self._config.max_silence or self._phi_at(now) > self._config.phi_threshold
 
     def _find_suspicion_time(self) -> float:
         # suspected() is monotone in time, so its switch point can be found
@@ -160,11 +189,24 @@ class FailureDetector:
     def __init__(self, config: Config) -> None:
         self._config = config
         self._detectors: dict[str, PhiAccrualDetector] = {}
+        self._earliest = config.earliest_suspicion()
+        #: The heartbeat interval the members were told (``set_interval``).
+        self.interval = config.heartbeat_interval
+
+    def set_interval(self, interval: float) -> None:
+        """The members were told to heartbeat every ``interval`` seconds:
+        members watched from now on start with it as their first interval
+        (those watched already learn it from their heartbeats)."""
+        if not math.isfinite(interval) or interval <= 0:
+            raise ValueError(f"heartbeat interval must be positive, got {interval!r}")
+        self.interval = interval
 
     def watch(self, member_id: str, now: float) -> None:
         """Start monitoring ``member_id``, taking ``now`` as its first
         heartbeat; a member already watched starts over with no history."""
-        self._detectors[member_id] = PhiAccrualDetector(self._config, now)
+        self._detectors[member_id] = PhiAccrualDetector(
+            self._config, now, self.interval, self._earliest
+        )
 
     def forget(self, member_id: str) -> None:
         """Stop monitoring ``member_id``; unknown ids are ignored."""
@@ -204,6 +246,26 @@ class FailureDetector:
         if not self._detectors:
             return None
         return now + min(d.time_to_suspicion(now) for d in self._detectors.values())
+
+    def next_scan(self, now: float) -> float | None:
+        """A time, never before ``now``, at or before which to look for
+        suspects again (``suspects``) if no more heartbeats arrive: no
+        member becomes suspect earlier. Cheaper than ``next_check``, which
+        it equals when a member is already silent for the detector's
+        earliest suspicion: for the others it takes their last heartbeat
+        plus that earliest suspicion, which costs no phi. ``None`` if no
+        member is watched."""
+        _check_finite(now)
+        if not self._detectors:
+            return None
+        earliest = self._earliest
+        soonest = math.inf
+        for detector in self._detectors.values():
+            bound = detector.last_heartbeat + earliest
+            if bound <= now:
+                bound = now + detector.time_to_suspicion(now)
+            soonest = min(soonest, bound)
+        return max(now, soonest)
 
     def watched(self) -> list[str]:
         """Ids of the watched members, sorted."""

@@ -128,6 +128,7 @@ class Leader:
         self._config = config
         self.coordinator = Coordinator(config, view, now, joiners, awaiting=view.ids)
         self.detector = FailureDetector(config)
+        self.detector.set_interval(config.heartbeat_interval_for(view.size))
         #: Until when members of the inherited view keep their leases unasked.
         self.grace_until = now + config.takeover_grace if view.members else now
         self._join_deadlines = {j.id: now + config.join_session_timeout for j in joiners}
@@ -173,6 +174,13 @@ class Leader:
     def busy(self) -> Mapping[str, tuple[float, str]]:
         """Busy members: member id -> (until, reason)."""
         return self._busy
+
+    @property
+    def pace(self) -> float:
+        """The heartbeat interval members are told: ``Config.
+        heartbeat_interval_for`` the view in force's size, or the sessions
+        open at its commit if they were more (joiners)."""
+        return self.detector.interval
 
     @property
     def lagging(self) -> bool:
@@ -222,7 +230,7 @@ class Leader:
         self._sessions.add(member_id)
         self._join_deadlines.pop(member_id, None)
         self.detector.watch(member_id, now)
-        if member_id in self.coordinator.awaiting:
+        if self.coordinator.is_awaited(member_id):
             self._held_elsewhere.discard(member_id)
             self.coordinator.reconnected(member_id, now)
             self._pull()
@@ -269,7 +277,7 @@ class Leader:
                 return False
             self._held_elsewhere.add(member.id)
             return True
-        if member.id in self.coordinator.awaiting and member.id not in self._sessions:
+        if self.coordinator.is_awaited(member.id) and member.id not in self._sessions:
             self.suspect(member.id, Evidence.ABSENT, now, member.address)
         return False
 
@@ -328,6 +336,10 @@ class Leader:
             self._emit(WriteProgress(old.epoch, step))
         self._step = view.resume_step
         self._trained = self._trained or self._step is not None
+        # Paced by everyone heartbeating: the view, and joiners already in
+        # session (in a burst of joins they outnumber the view).
+        heartbeating = max(view.size, len(self._sessions))
+        self.detector.set_interval(self._config.heartbeat_interval_for(heartbeating))
         for member_id in proposal.removed if proposal is not None else ():
             self._remove(Evict(member_id, None, view.epoch))
         self._pull()
@@ -353,7 +365,7 @@ class Leader:
             if now >= deadline and member_id not in self._sessions:
                 self.suspect(member_id, Evidence.NO_SESSION, now)
         if self._next_suspicion is None:
-            self._next_suspicion = self.detector.next_check(now)
+            self._next_suspicion = self.detector.next_scan(now)
         self._pull()
 
     def woke(self, now: float, planned: float | None) -> float | None:
@@ -405,7 +417,7 @@ class Leader:
             return member_id in self._busy or not self.detector.suspected(member_id, now)
         if member_id in self._join_deadlines:
             return now < self._join_deadlines[member_id]
-        return now < self.grace_until or member_id in self.coordinator.awaiting
+        return now < self.grace_until or self.coordinator.is_awaited(member_id)
 
     def _busy_for(
         self, member_id: str, seconds: float, reason: str, now: float, *, overran: bool

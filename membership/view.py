@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,9 +42,10 @@ class View:
     def __post_init__(self) -> None:
         if self.epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {self.epoch}")
-        ids = [m.id for m in self.members]
+        ids = tuple([m.id for m in self.members])
         if len(set(ids)) != len(ids):
-            raise ValueError(f"duplicate member ids in view {self.epoch}: {ids}")
+            raise ValueError(f"duplicate member ids in view {self.epoch}: {list(ids)}")
+        self.__dict__["ids"] = ids  # the cached property, computed once
 
     @cached_property
     def ids(self) -> tuple[str, ...]:
@@ -52,6 +54,18 @@ class View:
     @cached_property
     def _id_set(self) -> frozenset[str]:
         return frozenset(self.ids)
+
+    @cached_property
+    def members_sha256(self) -> bytes:
+        """SHA-256 of the member list: the ids in rank order joined by NUL,
+        two NULs, then the addresses in rank order joined by NUL (neither
+        holds a NUL, and an id is never empty, so this says the list and
+        nothing else). A member that rebuilt a view from a change of the
+        previous one (``rollcall.membership.delta``) checks its list
+        against it."""
+        ids = "\0".join(self.ids)
+        addresses = "\0".join([member.address for member in self.members])
+        return hashlib.sha256(f"{ids}\0\0{addresses}".encode()).digest()
 
     @property
     def size(self) -> int:

@@ -61,3 +61,4 @@ class Replica(Election, Sessions, MemberCalls, pb_grpc.RendezvousServicer):
         for cancel in self._cancel_watches:
             cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._join_pool.shutdown(wait=False, cancel_futures=True)

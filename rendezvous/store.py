@@ -129,6 +129,11 @@ class LeaderInfo:
     lease_id: int
 
 
+#: Most members ``EtcdStore.add_members`` records in one transaction: two
+#: puts each within etcd's default --max-txn-ops (128).
+MEMBERS_PER_TXN = 64
+
+
 def _dumps(data: Any) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
@@ -380,6 +385,58 @@ class EtcdStore:
             self.etcd.revoke(lease_id)
             raise InvalidRequest(f"member {member.id!r} already has a record in job {self.job!r}")
         return MemberRecord(member, lease_id, int(kv.create_revision), secret_hash)
+
+    def grant_member_lease(self) -> int:
+        """A new lease of ``config.member_lease_ttl`` for ``add_members``
+        (unused, it holds no key and expires by itself)."""
+        return self.etcd.grant(self._config.member_lease_ttl)
+
+    def add_members(
+        self, members: Sequence[tuple[Member, str]], lease_ids: Sequence[int]
+    ) -> list[MemberRecord]:
+        """Record several members (each with the hash of its secret) in one
+        transaction, each under its own lease (``grant_member_lease``): one
+        etcd write for a batch of joiners instead of one each. At most
+        ``MEMBERS_PER_TXN`` (etcd's default --max-txn-ops is 128, and each
+        member is two puts). If any id already has a record, none is written
+        and :class:`InvalidRequest` is raised."""
+        if len(members) != len(lease_ids) or not 0 < len(members) <= MEMBERS_PER_TXN:
+            raise ValueError(f"add_members takes 1 to {MEMBERS_PER_TXN} members with a lease each")
+        keys = []
+        success = []
+        for (member, secret_hash), lease_id in zip(members, lease_ids, strict=True):
+            _check_name("member id", member.id)
+            key = self._member_key(member.id)
+            value = {"address": member.address, "id": member.id, "secret_sha256": secret_hash}
+            keys.append(key)
+            success.append(put_op(key, _dumps(value), lease_id))
+            success.append(put_op(self._secret_key(member.id),
+                                  _dumps({"secret_sha256": secret_hash})))  # fmt: skip
+        request = etcdrpc.TxnRequest(
+            compare=[key_compare(key, "CREATE", 0) for key in keys],
+            success=success,
+            failure=[range_op(range_request(key)) for key in keys],
+        )
+
+        def attempt(channel: grpc.Channel, timeout: float, retried: bool) -> int | None:
+            response = self.etcd.txn(request, channel, timeout)
+            if response.succeeded:
+                return int(response.header.revision)
+            found = [first_kv(response, i) for i in range(len(keys))]
+            if retried and all(
+                kv is not None and kv.lease == lease_id
+                for kv, lease_id in zip(found, lease_ids, strict=True)
+            ):
+                return int(found[0].create_revision)  # an earlier attempt wrote them
+            return None
+
+        revision = self.etcd.call(attempt)
+        if revision is None:
+            raise InvalidRequest(f"a member of this batch already has a record in job {self.job!r}")
+        return [
+            MemberRecord(member, lease_id, revision, secret_hash)
+            for (member, secret_hash), lease_id in zip(members, lease_ids, strict=True)
+        ]
 
     def list_members(self) -> list[MemberRecord]:
         """Every member record, oldest first (by create_revision)."""

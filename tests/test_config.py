@@ -64,3 +64,27 @@ def test_a_steps_patience_for_an_acknowledgement_must_cover_a_leader_failover() 
     with pytest.raises(ValueError, match=r"fence_patience \(2.5 s\) must cover a leader failover"):
         Config(fence_patience=2.5)
     assert Config(fence_patience=2.5, election_ttl=2, session_open_timeout=0.5).fence_patience
+
+
+def test_the_heartbeat_interval_stays_until_the_rate_is_reached_then_grows_in_steps() -> None:
+    config = Config(heartbeat_rate_max=1000.0)
+    assert config.heartbeat_interval_for(0) == config.heartbeat_interval
+    assert config.heartbeat_interval_for(100) == config.heartbeat_interval
+    assert config.heartbeat_interval_for(101) == 0.15
+    assert config.heartbeat_interval_for(150) == 0.15
+    assert config.heartbeat_interval_for(151) == 0.2
+    assert config.heartbeat_interval_for(10**6) == config.heartbeat_interval_max
+    sizes = range(0, 5000, 37)
+    intervals = [config.heartbeat_interval_for(n) for n in sizes]
+    assert intervals == sorted(intervals)
+    # Heartbeats of all members stay within the rate until the longest interval.
+    for n, interval in zip(sizes, intervals, strict=True):
+        assert n / interval <= config.heartbeat_rate_max or interval == 0.3
+
+
+def test_the_heartbeat_interval_never_exceeds_a_quarter_of_the_earliest_suspicion() -> None:
+    config = Config(phi_min_std=0.05, fence_window=0.2)
+    assert config.earliest_suspicion() < 0.3
+    assert config.heartbeat_interval_for(10**6) == config.heartbeat_interval  # 0.07 < 0.1
+    tight = Config(phi_min_std=0.1, fence_window=0.3)
+    assert tight.heartbeat_interval_for(10**6) == tight.earliest_suspicion() / 4

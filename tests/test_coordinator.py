@@ -1352,3 +1352,19 @@ RollCallMachine.TestCase.settings = settings(
     max_examples=300, stateful_step_count=50, deadline=None
 )
 test_rollcall_machine = RollCallMachine.TestCase
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.dictionaries(st.sampled_from("abcdefgh"), st.integers(0, 6), min_size=1),
+    resume=st.none() | st.integers(0, 6),
+    reports=st.dictionaries(st.sampled_from("abcdefgh"), st.integers(0, 6)),
+)
+def test_every_survivors_bound_at_once_is_progress_bound_of_each(
+    steps: dict[str, int], resume: int | None, reports: dict[str, int]
+) -> None:
+    from rollcall.membership.coordinator import _ProgressBounds, progress_bound
+
+    bounds = _ProgressBounds(steps, resume, reports)
+    for member_id in steps:
+        assert bounds.of(member_id) == progress_bound(member_id, steps, resume, reports)

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from statistics import NormalDist
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollcall.membership.config import Config
@@ -454,3 +454,35 @@ def test_next_check_is_when_the_first_suspect_appears(
     if check > now:
         assert fd.suspects(check - EPS) == []
     assert fd.suspects(check + EPS) != []
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lasts=st.lists(st.floats(0.0, 3.0), min_size=1, max_size=8),
+    now=st.floats(0.0, 6.0),
+)
+def test_the_next_scan_is_never_after_the_first_suspicion_nor_before_now(
+    lasts: list[float], now: float
+) -> None:
+    fd = FailureDetector(DEFAULT)
+    for n, last in enumerate(lasts):
+        fd.watch(f"m{n}", 0.0)
+        if last > 0:
+            fd.heartbeat(f"m{n}", last / 2)
+            fd.heartbeat(f"m{n}", last)
+    now = max(now, max(lasts))
+    scan = fd.next_scan(now)
+    assert scan is not None and scan >= now
+    assert scan <= fd.next_check(now) + 1e-9
+
+
+def test_a_member_silent_for_less_than_the_earliest_suspicion_costs_no_phi() -> None:
+    fd = FailureDetector(DEFAULT)
+    fd.watch("a", 0.0)
+    for n in range(1, 50):
+        fd.heartbeat("a", n * 0.1)
+    detector = fd._detectors["a"]
+    assert detector._stale  # statistics not computed for the heartbeats
+    assert fd.suspects(4.9 + DEFAULT.earliest_suspicion() * 0.99) == []
+    assert detector._stale
+    assert fd.suspects(4.9 + 1.6) == ["a"]

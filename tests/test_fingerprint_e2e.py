@@ -341,3 +341,39 @@ def test_a_worker_whose_fence_window_is_not_below_the_services_bound_leaves_and_
     # It left cleanly: its record is gone at once, not when its lease expires.
     assert member_records(plane) == []
     assert "leave " in replica_log(plane)
+
+
+def test_joiners_of_the_jobs_run_are_admitted_together_and_another_run_still_refused(
+    control_plane: ControlPlane,
+) -> None:
+    """After the first joiner, joiners with the job's fingerprint are
+    recorded side by side (in batches); one of another run arriving among
+    them is refused all the same."""
+    plane = control_plane
+
+    async def scenario() -> tuple[list[str], BaseException | str, int]:
+        clients = [RendezvousClient(plane.addresses, plane.job, plane.token, Config())
+                   for _ in range(25)]  # fmt: skip
+        other = RendezvousClient(plane.addresses, plane.job, plane.token, Config())
+        try:
+            await clients[0].join("127.0.0.1:1", name="first", fingerprint=RUN1)
+            await clients[0].wait_member(PATIENCE)
+            outcomes = await asyncio.gather(
+                *(c.join(f"127.0.0.1:{10 + n}", name="same", fingerprint=RUN1)
+                  for n, c in enumerate(clients[1:])),
+                other.join("127.0.0.1:9", name="other", fingerprint=RUN2),
+                return_exceptions=True,
+            )  # fmt: skip
+            ids = {c.member_id for c in clients}
+            view = await clients[0].wait_view(lambda v: ids <= set(v.ids), PATIENCE)
+            refusal = outcomes[-1]
+            return list(view.ids), refusal, len(member_records(plane))
+        finally:
+            for client in (*clients, other):
+                await client.close()
+
+    members, refusal, records = asyncio.run(scenario())
+
+    assert isinstance(refusal, ConfigurationMismatch), refusal
+    assert len(members) == 25 and records >= 25
+    assert json.loads(stored(plane, "fingerprint") or b"") == RUN1.as_dict()

@@ -483,3 +483,30 @@ class LeaderMachine(RuleBasedStateMachine):
 
 LeaderMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_leader_machine = LeaderMachine.TestCase
+
+
+# --- the heartbeat pace -----------------------------------------------------------
+
+
+def test_the_heartbeat_interval_grows_with_the_view_and_new_detectors_start_with_it() -> None:
+    config = CONFIG.replace(heartbeat_rate_max=40.0)  # 4 members at 0.1 s
+    ids = tuple(f"m{n}" for n in range(4))
+    leader = Leader(config, view_of(*ids), 0.0)
+    assert leader.pace == config.heartbeat_interval
+    for member_id in ids:
+        leader.session_opened(member_id, 0.0)
+    leader.take_actions()
+    for n in range(8):  # four more join: 12 members need 0.3 s
+        leader.joined(worker(f"j{n}"), 0.0)
+        leader.session_opened(f"j{n}", 0.0)
+    leader.tick(config.join_settle)
+    (request,) = [a for a in leader.take_actions() if isinstance(a, RequestAnswers)]
+    for member_id in request.member_ids:
+        leader.answer(member_id, request.epoch, None, "", 0.1)
+    (proposal,) = [a for a in leader.take_actions() if isinstance(a, CommitView)]
+
+    leader.committed(proposal.view, 0.2)
+
+    assert leader.pace == config.heartbeat_interval_for(12) == 0.3
+    leader.session_opened("m0", 0.3)  # a reconnect starts over with the new interval
+    assert leader.detector._detectors["m0"].mean_interval == 0.3

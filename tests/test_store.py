@@ -321,6 +321,40 @@ def test_keep_alive_refreshes_512_leases_in_one_call(store: EtcdStore, config: C
     assert elapsed < config.etcd_timeout
 
 
+def test_a_batch_of_members_is_recorded_in_one_transaction_each_under_its_own_lease(
+    store: EtcdStore,
+) -> None:
+    members = [(Member(f"b{i}", f"127.0.0.1:{3000 + i}"), f"{i:064x}") for i in range(64)]
+    leases = [store.grant_member_lease() for _ in members]
+
+    records = store.add_members(members, leases)
+
+    assert [(r.member, r.lease_id, r.secret_hash) for r in records] == [
+        (member, lease, hashed) for (member, hashed), lease in zip(members, leases, strict=True)
+    ]
+    assert len({r.create_revision for r in records}) == 1  # one write
+    listed = {r.member.id: r for r in store.list_members()}
+    pairs = zip(members, leases, strict=True)
+    assert all(listed[member.id].lease_id == lease for (member, _), lease in pairs)
+    assert store.list_secret_hashes() == {m.id: hashed for m, hashed in members}
+    # Each record goes with its own lease.
+    store.remove_member("b0", leases[0])
+    assert "b0" not in {r.member.id for r in store.list_members()}
+    assert len(store.list_members()) == 63
+
+
+def test_a_batch_with_a_taken_id_writes_none_of_its_members(store: EtcdStore) -> None:
+    store.add_member(Member("taken", "127.0.0.1:1"))
+    batch = [(Member("fresh", "127.0.0.1:2"), ""), (Member("taken", "127.0.0.1:3"), "")]
+
+    with pytest.raises(InvalidRequest, match="already has a record"):
+        store.add_members(batch, [store.grant_member_lease() for _ in batch])
+
+    assert [r.member.id for r in store.list_members()] == ["taken"]
+    with pytest.raises(ValueError):
+        store.add_members([], [])
+
+
 def test_keep_alive_of_nothing_is_empty(store: EtcdStore) -> None:
     assert store.keep_alive([]) == {}
 

@@ -7,22 +7,27 @@ progress writes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from rollcall.membership.backoff import Backoff
 from rollcall.membership.cause import CauseKind
 from rollcall.membership.coordinator import CommitView, Refusal, RefusedClaim, RequestAnswers
 from rollcall.membership.credentials import epoch_secret
+from rollcall.membership.delta import delta_between
 from rollcall.membership.errors import ControlPlaneUnavailable, Evicted, RollcallError
 from rollcall.membership.leader import Evict, Evidence, PeerBusy, WriteProgress
 from rollcall.membership.view import View
 from rollcall.pb import rendezvous_pb2 as pb
-from rollcall.protocol.wire import view_to_pb
+from rollcall.protocol.wire import delta_to_pb, view_to_pb
 from rollcall.rendezvous.replica.base import ReplicaBase
-from rollcall.rendezvous.replica.leadership import Leadership, MemberSession
+from rollcall.rendezvous.replica.leadership import Announcement, Leadership, MemberSession
 from rollcall.rendezvous.store import MemberRecord
 
 log = logging.getLogger("rollcall.rendezvous")
+
+#: The most causes a roll-call request names (members leaving or failing).
+ROLLCALL_CAUSES_TOLD = 64
 
 
 class LeaderActions(ReplicaBase):
@@ -41,7 +46,10 @@ class LeaderActions(ReplicaBase):
             timeout = min(max(0.0, (wakeup if wakeup is not None else now + 1.0) - now), 1.0)
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+                # Not wait_for: that makes a task per wake-up, and every
+                # roll-call answer wakes this loop.
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
                 leader.woke(self._clock(), None)
             except TimeoutError:
                 late = leader.woke(self._clock(), now + timeout)
@@ -93,8 +101,19 @@ class LeaderActions(ReplicaBase):
         session.asked_epoch = epoch
         lead = self._lead
         causes = lead.coordinator.rollcall.causes if lead and lead.coordinator.rollcall else ()
-        request = pb.RollCallRequest(epoch=epoch, causes=[str(c) for c in causes])
-        session.send(pb.SessionEvent(roll_call=request))
+        if lead is not None and lead.asking is not None and lead.asking[:2] == (epoch, causes):
+            session.send(lead.asking[2])
+            return
+        # Members learn who joins from the view itself: the request names
+        # the members leaving or failing only, the first few (the events
+        # file has them all). A burst of 2,000 joins made every request
+        # 60 kB, parsed by every member.
+        told = [str(c) for c in causes if c.kind is not CauseKind.JOIN][:ROLLCALL_CAUSES_TOLD]
+        request = pb.RollCallRequest(epoch=epoch, causes=told)
+        encoded = pb.SessionEvent(roll_call=request).SerializeToString()
+        if lead is not None:
+            lead.asking = (epoch, causes, encoded)
+        session.send(encoded)
 
     async def _counted_commit(self, lead: Leadership, action: CommitView) -> None:
         lead.committing += 1
@@ -151,7 +170,7 @@ class LeaderActions(ReplicaBase):
             self._metrics.epoch.set(action.view.epoch)
             self._metrics.members.set(action.view.size)
         self._observe_view(action.view)
-        self._announce(lead, action.view)
+        self._announce(lead, action.view, action.previous)
         self._drain(lead)
 
     async def _written_behind_our_back(
@@ -191,36 +210,95 @@ class LeaderActions(ReplicaBase):
         if restored is not None and not lead.committing:
             lead.view_revision = restored
 
-    def _view_events(self, lead: Leadership, view: View) -> tuple[pb.SessionEvent, pb.SessionEvent]:
-        """The events announcing ``view``: its epoch secret (for its members
-        only) and the view itself."""
-        if lead.announcing is not None and lead.announcing[0] == view:
-            return lead.announcing[1]
+    def _view_events(self, lead: Leadership, view: View, base: View | None = None) -> Announcement:
+        """The events announcing ``view`` (as a change of ``base`` where it
+        can be one), encoded once however many sessions receive them."""
+        known = lead.announcing
+        if known is not None and known.view == view and (base is None or known.delta is not None):
+            return known
         secret = epoch_secret(lead.epoch_key, self._job, view)
-        events = (
-            pb.SessionEvent(epoch_secret=pb.EpochSecret(epoch=view.epoch, secret=secret)),
-            pb.SessionEvent(view=view_to_pb(view)),
+        delta = delta_between(base, view) if base is not None else None
+        message = (
+            known.message if known is not None and known.view == view else view_to_pb(view)
         )
-        lead.announcing = (view, events)
-        return events
+        announcement = Announcement(
+            view=view,
+            message=message,
+            secret=pb.SessionEvent(
+                epoch_secret=pb.EpochSecret(epoch=view.epoch, secret=secret)
+            ).SerializeToString(),
+            whole=pb.SessionEvent(view=message).SerializeToString(),
+            delta=None,
+            delta_with_secret=None,
+            base_epoch=delta.base_epoch if delta is not None else 0,
+        )
+        if delta is not None:
+            change = delta_to_pb(delta)
+            plain = pb.SessionEvent(view_delta=change).SerializeToString()
+            change.epoch_secret = secret
+            announcement = dataclasses.replace(
+                announcement,
+                delta=plain,
+                delta_with_secret=pb.SessionEvent(view_delta=change).SerializeToString(),
+            )
+        lead.announcing = announcement
+        return announcement
 
     @staticmethod
-    def _send_view(
-        session: MemberSession, view: View, events: tuple[pb.SessionEvent, pb.SessionEvent]
-    ) -> None:
-        """Send a view on ``session``, preceded by its epoch secret if the
-        session's member is in it (never to anyone else)."""
-        secret, announcement = events
-        if session.member_id in view:
-            session.send(secret)
-        session.send(announcement)
+    def _send_view(session: MemberSession, announcement: Announcement) -> None:
+        """Send a view on ``session`` with its epoch secret if the session's
+        member is in it (never to anyone else): as a change of the view the
+        session carried last when its member applies changes (the secret in
+        it), else whole (preceded by the secret)."""
+        view = announcement.view
+        member = session.member_id in view
+        if (
+            announcement.delta is not None
+            and announcement.delta_with_secret is not None
+            and session.deltas
+            and session.announced == announcement.base_epoch
+        ):
+            session.send(announcement.delta_with_secret if member else announcement.delta)
+        else:
+            if member:
+                session.send(announcement.secret)
+            session.send(announcement.whole)
+        session.announced = view.epoch
 
-    def _announce(self, lead: Leadership, view: View) -> None:
+    def _announce(self, lead: Leadership, view: View, previous: View) -> None:
         """Send a committed view on every session (members it removes are
-        evicted after it: ``Evict`` actions)."""
-        events = self._view_events(lead, view)
+        evicted after it: ``Evict`` actions), as a change of ``previous``
+        to those that carried it."""
+        announcement = self._view_events(lead, view, previous)
         for session in list(lead.sessions.values()):
-            self._send_view(session, view, events)
+            self._send_view(session, announcement)
+        self._tell_pace(lead)
+
+    def _tell_pace(self, lead: Leadership, session: MemberSession | None = None) -> None:
+        """Tell the members the heartbeat interval for the view's size
+        (``Leader.pace``): every session when it changed, or ``session``
+        (one that opened) when it differs from the configured one."""
+        interval = lead.leader.pace
+        if session is not None:
+            if interval != self._config.heartbeat_interval:
+                session.send(self._pace_event(lead, interval))
+            return
+        if lead.pace is not None and lead.pace[0] == interval:
+            return
+        if lead.pace is None and interval == self._config.heartbeat_interval:
+            return
+        event = self._pace_event(lead, interval)
+        log.info("heartbeat interval %.0f ms for %d members", interval * 1000,
+                 lead.coordinator.view.size)  # fmt: skip
+        for other in list(lead.sessions.values()):
+            other.send(event)
+
+    @staticmethod
+    def _pace_event(lead: Leadership, interval: float) -> bytes:
+        if lead.pace is None or lead.pace[0] != interval:
+            pace = pb.Pace(heartbeat_interval_ms=round(interval * 1000))
+            lead.pace = (interval, pb.SessionEvent(pace=pace).SerializeToString())
+        return lead.pace[1]
 
     def _evict(self, lead: Leadership, action: Evict) -> None:
         """The one way a member leaves the leader's books (it left, was

@@ -3,6 +3,7 @@ fingerprint's admission), ``Leave``, ``Status`` and ``Watch``."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import AsyncIterator, Mapping
@@ -32,6 +33,7 @@ from rollcall.protocol import validation as check
 from rollcall.protocol.wire import durability_to_pb, manifest_to_pb, view_to_pb
 from rollcall.rendezvous.replica.actions import LeaderActions
 from rollcall.rendezvous.replica.leadership import Leadership
+from rollcall.rendezvous.store import MEMBERS_PER_TXN, MemberRecord
 
 log = logging.getLogger("rollcall.rendezvous")
 
@@ -56,14 +58,21 @@ class MemberCalls(LeaderActions):
             if fingerprint is None:  # not checked: operator tools, lightweight members
                 await self._enrol(lead, member, secret)
             else:
-                async with self._admitting:
-                    await self._admit(lead, fingerprint, request.address)
+                await self._admitted(lead, fingerprint, request.address)
+                # Admitted: from here this joiner counts as one when another
+                # fingerprint is judged (the job is not empty), so it need
+                # not hold the others up while its record is written.
+                try:
                     await self._enrol(lead, member, secret)
+                finally:
+                    lead.admitted_joining -= 1
             log.info("join %s at %s", member.id, request.address)
             return pb.JoinResponse(
                 member_id=member.id,
-                view=view_to_pb(lead.coordinator.view),
-                heartbeat_interval_ms=round(self._config.heartbeat_interval * 1000),
+                # Encoded once per view, not once per joiner (a burst of
+                # 2,048 joins answered views of up to 2,000 members).
+                view=self._view_events(lead, lead.coordinator.view).message,
+                heartbeat_interval_ms=round(lead.leader.pace * 1000),
                 earliest_suspicion_s=self._config.earliest_suspicion(),
                 member_secret=secret,
             )
@@ -73,7 +82,7 @@ class MemberCalls(LeaderActions):
     async def _enrol(self, lead: Leadership, member: Member, secret: str) -> None:
         """Record a joiner (with the hash of its secret) in etcd and hand it
         to the coordinator."""
-        record = await self._etcd(self._store.add_member, member, secret_hash(secret))
+        record = await self._record_member(lead, member, secret_hash(secret))
         if lead.lost.is_set():
             raise NotLeader("replica lost leadership during the join")
         now = self._clock()
@@ -81,6 +90,55 @@ class MemberCalls(LeaderActions):
         lead.leader.joined(record.member, now)
         self._events.cause(now, "join")
         self._drain(lead)
+
+    async def _admitted(self, lead: Leadership, fingerprint: JobFingerprint, address: str) -> None:
+        """Admit a fingerprinted joiner (``_admit``), or raise; counted in
+        ``admitted_joining`` once admitted. A joiner with the fingerprint
+        this leader last confirmed in etcd is admitted at once; any other
+        is judged one at a time, and while one is, nobody is admitted at
+        once (it may replace the job's fingerprint)."""
+        if fingerprint != lead.admitted:
+            async with self._admitting:
+                if fingerprint != lead.admitted:
+                    lead.admitted = None
+                    await self._admit(lead, fingerprint, address)
+                lead.admitted_joining += 1
+        else:
+            lead.admitted_joining += 1
+
+    async def _record_member(self, lead: Leadership, member: Member, hashed: str) -> MemberRecord:
+        """The joiner's etcd record, written with those of the other joiners
+        waiting meanwhile (``_record_members``)."""
+        written: asyncio.Future[MemberRecord] = asyncio.get_running_loop().create_future()
+        lead.enrolling.append((member, hashed, written))
+        if lead.enroller is None or lead.enroller.done():
+            lead.enroller = asyncio.create_task(self._record_members(lead), name="enrol")
+        return await written
+
+    async def _record_members(self, lead: Leadership) -> None:
+        """Write the waiting joiners' records, a batch at a time: their
+        leases granted side by side, then one transaction for the batch
+        (``EtcdStore.add_members``). A lone joiner is written at once; a
+        burst of joiners waits for the batch ahead of it and goes in the
+        next one. Should a batch not be written (an id taken: never, ids
+        are random; etcd unavailable), its joiners are told so, each."""
+        while lead.enrolling:
+            batch = lead.enrolling[:MEMBERS_PER_TXN]
+            del lead.enrolling[:MEMBERS_PER_TXN]
+            entries = [(member, hashed) for member, hashed, _ in batch]
+            try:
+                leases = await asyncio.gather(
+                    *(self._etcd_for_joins(self._store.grant_member_lease) for _ in batch)
+                )
+                records = await self._etcd_for_joins(self._store.add_members, entries, leases)
+            except Exception as error:  # each joiner's call raises it
+                for _, _, written in batch:
+                    if not written.done():
+                        written.set_exception(error)
+                continue
+            for record, (_, _, written) in zip(records, batch, strict=True):
+                if not written.done():
+                    written.set_result(record)
 
     async def _admit(self, lead: Leadership, fingerprint: JobFingerprint, address: str) -> None:
         """Check a joiner's fingerprint against the job's (``membership.
@@ -97,7 +155,8 @@ class MemberCalls(LeaderActions):
             view = lead.coordinator.view
             activity = JobActivity(
                 members=view.size,
-                joiners=sum(1 for member_id in lead.records if member_id not in view),
+                joiners=sum(1 for member_id in lead.records if member_id not in view)
+                + lead.admitted_joining,
                 progress=stored.progress or lead.leader.trained,
                 checkpoints=stored.checkpoints,
             )
@@ -105,6 +164,7 @@ class MemberCalls(LeaderActions):
             if admission.verdict is Verdict.MATCHES:
                 self._remember(fingerprint=fingerprint.as_dict())
                 self._learn_sharding(lead, fingerprint.as_dict())
+                lead.admitted = fingerprint
                 return
             if admission.verdict is Verdict.REFUSE:
                 refusal = describe_mismatch(self._job, admission.differences)
@@ -114,6 +174,7 @@ class MemberCalls(LeaderActions):
                 continue  # another writer got in between: decide again
             self._remember(fingerprint=fingerprint.as_dict())
             self._learn_sharding(lead, fingerprint.as_dict())
+            lead.admitted = fingerprint
             if admission.verdict is Verdict.REPLACE:
                 changes = (f"{d.name} {d.job} -> {d.joiner}" for d in admission.differences)
                 changed = ", ".join(changes)

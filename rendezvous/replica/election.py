@@ -142,15 +142,24 @@ class Election(LeaderActions):
 
     async def _keep_alive(self, lead: Leadership) -> None:
         """Every third of the shortest TTL: check that etcd still holds the
-        job's history, hold the election, keep the members' leases alive.
+        job's history, hold the election, and every third of the members'
+        TTL keep their leases alive.
         While etcd does not answer, nothing is decided: sessions stay open,
         heartbeats are acknowledged and training goes on."""
         period = min(self._config.election_ttl, self._config.member_lease_ttl) / 3
+        # The members' leases are refreshed every third of their own TTL,
+        # not every round: at thousands of members that is thousands of
+        # keep-alives each round, and their TTL is five times the election's.
+        # Right after etcd answers again, they are looked at at once.
+        members_due = -float("inf")
         while True:
             try:
                 if not await self._hold_leadership(lead):
                     return
-                await self._keep_members(lead)
+                now = self._clock()
+                if now >= members_due or lead.unreachable_since is not None:
+                    await self._keep_members(lead)
+                    members_due = now + self._config.member_lease_ttl / 3
                 await self._forget_secrets(lead, set())
                 self._answered_again(lead)
                 self._emit(self._events.tick(self._clock()))

@@ -7,12 +7,21 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from rollcall.membership.cause import Cause
 from rollcall.membership.coordinator import Coordinator
 from rollcall.membership.errors import RollcallError
+from rollcall.membership.fingerprint import JobFingerprint
 from rollcall.membership.leader import Leader
-from rollcall.membership.view import View
+from rollcall.membership.view import Member, View
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.rendezvous.store import LeaderInfo, MemberRecord
+
+
+class ReaderEnded:
+    """Outbox item: the session's reading side ended (``READER_ENDED``)."""
+
+
+READER_ENDED = ReaderEnded()
 
 
 @dataclass
@@ -20,17 +29,40 @@ class MemberSession:
     """An open session stream of one member on the leader."""
 
     member_id: str
-    outbox: asyncio.Queue[pb.SessionEvent | RollcallError | None] = field(
+    #: Whether the member applies views sent as changes (``Open.view_deltas``).
+    deltas: bool = False
+    outbox: asyncio.Queue[pb.SessionEvent | bytes | RollcallError | ReaderEnded | None] = field(
         default_factory=asyncio.Queue
     )
     asked_epoch: int = 0  # last roll call sent on this session
+    #: Epoch of the last view sent on this session (whole or as a change).
+    announced: int = 0
 
-    def send(self, event: pb.SessionEvent) -> None:
+    def send(self, event: pb.SessionEvent | bytes) -> None:
+        """Queue an event, or one already encoded (sent as it is)."""
         self.outbox.put_nowait(event)
 
     def close(self, error: RollcallError | None = None) -> None:
         """End the stream: cleanly (None) or with the error's status."""
         self.outbox.put_nowait(error)
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """The events announcing one view, each encoded once: the view as a
+    message, its epoch secret
+    (for the view's members only), the whole view, and the view as a change
+    of view ``base_epoch`` (None when it cannot be said as one)."""
+
+    view: View
+    #: The view as a message (a ``JoinResponse`` copies it).
+    message: pb.View
+    secret: bytes
+    whole: bytes
+    delta: bytes | None
+    #: The change with the epoch secret in it, for the view's members.
+    delta_with_secret: bytes | None
+    base_epoch: int
 
 
 @dataclass
@@ -58,8 +90,27 @@ class Leadership:
     #: without a lease) are deleted once it does (``Election._keep_alive``).
     unremoved: set[str] = field(default_factory=set)
     #: The events announcing the last view announced (``_view_events``),
-    #: made once however many sessions receive them.
-    announcing: tuple[View, tuple[pb.SessionEvent, pb.SessionEvent]] | None = None
+    #: encoded once however many sessions receive them.
+    announcing: Announcement | None = None
+    #: The roll-call request last sent, encoded: (epoch, causes, bytes).
+    asking: tuple[int, tuple[Cause, ...], bytes] | None = None
+    #: The heartbeat interval last told to the members, and its event encoded.
+    pace: tuple[float, bytes] | None = None
+    #: Joiners waiting for their etcd record, written in batches
+    #: (``MemberCalls._record_members``), and the task writing them.
+    enrolling: list[tuple[Member, str, asyncio.Future[MemberRecord]]] = field(
+        default_factory=list
+    )
+    enroller: asyncio.Task[None] | None = None
+    #: The job's fingerprint as this leader last confirmed it in etcd (read
+    #: or written while admitting a joiner): a joiner with exactly this one
+    #: is admitted without reading etcd again, and without waiting for
+    #: other admissions.
+    admitted: JobFingerprint | None = None
+    #: Fingerprinted joiners admitted whose records are being written: they
+    #: count as joiners when another fingerprint is judged (the job is not
+    #: empty).
+    admitted_joining: int = 0
 
     @property
     def coordinator(self) -> Coordinator:

@@ -1,7 +1,7 @@
 """Members' session streams on the leader: opening one (fenced and
 authenticated), the messages a member sends on it (heartbeats, progress,
 roll-call answers, failure reports, view reports, busy periods, checkpoint
-failures), and what a broken stream means."""
+failures, requests for the whole view), and what a broken stream means."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from rollcall.protocol import validation as check
 from rollcall.rendezvous.events import MemberReport
 from rollcall.rendezvous.replica.base import MAX_REASON
 from rollcall.rendezvous.replica.checkpoints import CheckpointCalls
-from rollcall.rendezvous.replica.leadership import Leadership, MemberSession
+from rollcall.rendezvous.replica.leadership import READER_ENDED, Leadership, MemberSession
 
 log = logging.getLogger("rollcall.rendezvous")
 
@@ -31,7 +31,9 @@ class Sessions(CheckpointCalls):
 
     async def Session(
         self, request_iterator: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.SessionEvent]:
+    ) -> AsyncIterator[pb.SessionEvent | bytes]:
+        """The member's session: events, or events encoded once for many
+        sessions (``bytes``, sent as they are: ``rollcall.protocol.wire``)."""
         try:
             # The first message may not even decode (wire.Undecodable).
             lead, session = self._open(await anext(request_iterator))
@@ -42,21 +44,22 @@ class Sessions(CheckpointCalls):
             return
         member_id = session.member_id
         reader = asyncio.create_task(self._read_session(lead, session, request_iterator))
+        # The reader's end is one more item in the outbox: each event sent
+        # costs one wait on one queue, not a task and a wait on two (every
+        # heartbeat's acknowledgement is such an event).
+        reader.add_done_callback(lambda _: session.outbox.put_nowait(READER_ENDED))
         ended = False
         try:
             while True:
-                getter = asyncio.ensure_future(session.outbox.get())
-                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    item = getter.result()
-                    if isinstance(item, pb.SessionEvent):
-                        yield item
-                        continue
+                item = await session.outbox.get()
+                if isinstance(item, (pb.SessionEvent, bytes)):
+                    yield item
+                    continue
+                if item is not READER_ENDED:
                     ended = True
-                    if item is not None:
+                    if isinstance(item, RollcallError):
                         await self._abort(context, item)
                     return
-                getter.cancel()
                 failure = None if reader.cancelled() else reader.exception()
                 if isinstance(failure, RollcallError):
                     # A rejected message ends the stream and changes nothing
@@ -87,20 +90,25 @@ class Sessions(CheckpointCalls):
         old = lead.sessions.pop(request.member_id, None)
         if old is not None:
             old.close()  # replaced by a reconnect
-        session = MemberSession(request.member_id)
+        session = MemberSession(request.member_id, deltas=request.view_deltas)
         lead.sessions[request.member_id] = session
-        awaited = request.member_id in lead.coordinator.awaiting
+        awaited = lead.coordinator.is_awaited(request.member_id)
         lead.leader.session_opened(request.member_id, now)
         if awaited:
             self._drain(lead)
         view = lead.coordinator.view
-        self._send_view(session, view, self._view_events(lead, view))
+        self._send_view(session, self._view_events(lead, view))
+        self._tell_pace(lead, session)
         for other, (until, reason) in lead.leader.busy.items():
             if other != request.member_id and until > now:
                 busy = pb.PeerBusy(member_id=other, seconds=until - now, reason=reason)
                 session.send(pb.SessionEvent(busy=busy))
         rollcall = lead.coordinator.rollcall
-        if rollcall is not None and request.member_id in rollcall.missing:
+        if (
+            rollcall is not None
+            and rollcall.is_candidate(request.member_id)
+            and request.member_id not in rollcall.answers
+        ):
             self._ask(session, rollcall.epoch)
         log.info("session open: %s (epoch %d)", request.member_id, request.epoch)
         return lead, session
@@ -182,6 +190,14 @@ class Sessions(CheckpointCalls):
             self._drain(lead)
         elif kind == "checkpoint_failure":
             self._checkpoint_failed(lead, member_id, request.checkpoint_failure)
+        elif kind == "view_request":
+            # A view sent as a change did not apply to the member's view:
+            # the whole view in force, whatever the member holds.
+            check.check_counter(request.view_request.epoch, "epoch")
+            session = lead.sessions.get(member_id)
+            if session is not None:
+                session.announced = 0
+                self._send_view(session, self._view_events(lead, lead.coordinator.view))
         elif kind == "open":
             raise InvalidRequest("Open sent twice on one session")
         else:

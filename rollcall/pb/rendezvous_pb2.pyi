@@ -105,7 +105,7 @@ class JoinResponse(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., earliest_suspicion_s: _Optional[float] = ..., member_secret: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("open", "heartbeat", "progress", "answer", "failure", "view_report", "busy", "checkpoint_failure")
+    __slots__ = ("open", "heartbeat", "progress", "answer", "failure", "view_report", "busy", "checkpoint_failure", "view_request")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class SessionRequest(_message.Message):
     VIEW_REPORT_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    VIEW_REQUEST_FIELD_NUMBER: _ClassVar[int]
     open: Open
     heartbeat: Heartbeat
     progress: Progress
@@ -122,19 +123,28 @@ class SessionRequest(_message.Message):
     view_report: ViewReport
     busy: Busy
     checkpoint_failure: CheckpointFailure
-    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., answer: _Optional[_Union[RollCallAnswer, _Mapping]] = ..., failure: _Optional[_Union[FailureReport, _Mapping]] = ..., view_report: _Optional[_Union[ViewReport, _Mapping]] = ..., busy: _Optional[_Union[Busy, _Mapping]] = ..., checkpoint_failure: _Optional[_Union[CheckpointFailure, _Mapping]] = ...) -> None: ...
+    view_request: ViewRequest
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., answer: _Optional[_Union[RollCallAnswer, _Mapping]] = ..., failure: _Optional[_Union[FailureReport, _Mapping]] = ..., view_report: _Optional[_Union[ViewReport, _Mapping]] = ..., busy: _Optional[_Union[Busy, _Mapping]] = ..., checkpoint_failure: _Optional[_Union[CheckpointFailure, _Mapping]] = ..., view_request: _Optional[_Union[ViewRequest, _Mapping]] = ...) -> None: ...
+
+class ViewRequest(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("job", "member_id", "epoch", "member_secret")
+    __slots__ = ("job", "member_id", "epoch", "member_secret", "view_deltas")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    VIEW_DELTAS_FIELD_NUMBER: _ClassVar[int]
     job: str
     member_id: str
     epoch: int
     member_secret: str
-    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., member_secret: _Optional[str] = ...) -> None: ...
+    view_deltas: bool
+    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., member_secret: _Optional[str] = ..., view_deltas: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("epoch", "sent_at")
@@ -215,18 +225,58 @@ class ViewReport(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., fetch_s: _Optional[float] = ..., rebuild_s: _Optional[float] = ..., first_step_s: _Optional[float] = ..., lost_work_s: _Optional[float] = ..., step_s: _Optional[float] = ..., launch_s: _Optional[float] = ..., global_batch: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("roll_call", "view", "ack", "busy", "epoch_secret")
+    __slots__ = ("roll_call", "view", "ack", "busy", "epoch_secret", "view_delta", "pace")
     ROLL_CALL_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     EPOCH_SECRET_FIELD_NUMBER: _ClassVar[int]
+    VIEW_DELTA_FIELD_NUMBER: _ClassVar[int]
+    PACE_FIELD_NUMBER: _ClassVar[int]
     roll_call: RollCallRequest
     view: View
     ack: HeartbeatAck
     busy: PeerBusy
     epoch_secret: EpochSecret
-    def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., busy: _Optional[_Union[PeerBusy, _Mapping]] = ..., epoch_secret: _Optional[_Union[EpochSecret, _Mapping]] = ...) -> None: ...
+    view_delta: ViewDelta
+    pace: Pace
+    def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., busy: _Optional[_Union[PeerBusy, _Mapping]] = ..., epoch_secret: _Optional[_Union[EpochSecret, _Mapping]] = ..., view_delta: _Optional[_Union[ViewDelta, _Mapping]] = ..., pace: _Optional[_Union[Pace, _Mapping]] = ...) -> None: ...
+
+class ViewDelta(_message.Message):
+    __slots__ = ("epoch", "base_epoch", "removed", "added", "members_sha256", "resume_step", "digest", "fetch_groups", "epoch_secret")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FETCH_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_SECRET_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    base_epoch: int
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    added: _containers.RepeatedCompositeFieldContainer[Member]
+    members_sha256: bytes
+    resume_step: int
+    digest: str
+    fetch_groups: _containers.RepeatedCompositeFieldContainer[RankGroup]
+    epoch_secret: str
+    def __init__(self, epoch: _Optional[int] = ..., base_epoch: _Optional[int] = ..., removed: _Optional[_Iterable[int]] = ..., added: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., members_sha256: _Optional[bytes] = ..., resume_step: _Optional[int] = ..., digest: _Optional[str] = ..., fetch_groups: _Optional[_Iterable[_Union[RankGroup, _Mapping]]] = ..., epoch_secret: _Optional[str] = ...) -> None: ...
+
+class RankGroup(_message.Message):
+    __slots__ = ("sources", "members")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedScalarFieldContainer[int]
+    members: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sources: _Optional[_Iterable[int]] = ..., members: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Pace(_message.Message):
+    __slots__ = ("heartbeat_interval_ms",)
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_ms: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class EpochSecret(_message.Message):
     __slots__ = ("epoch", "secret")

@@ -22,6 +22,7 @@ from rollcall.membership.backoff import Backoff
 from rollcall.membership.cause import Cause
 from rollcall.membership.checkpoint import CheckpointManifest, Durability
 from rollcall.membership.config import Config
+from rollcall.membership.delta import ViewDelta, apply_delta
 from rollcall.membership.errors import (
     ControlPlaneUnavailable,
     Evicted,
@@ -44,6 +45,7 @@ from rollcall.protocol.wire import (
     LEADER_METADATA,
     NAMED_BY_METADATA,
     causes_from_pb,
+    delta_from_pb,
     durability_from_pb,
     manifest_from_pb,
     manifest_to_pb,
@@ -71,6 +73,10 @@ class RollCallAnswer:
 RollCallHandler = Callable[[int, tuple[Cause, ...]], RollCallAnswer | Awaitable[RollCallAnswer]]
 #: Called when a peer declares itself busy: (member id, seconds from now, reason).
 BusyHandler = Callable[[str, float, str], None]
+
+#: The longest heartbeat interval, as a share of ``fence_window``: the
+#: rest of the window is the acknowledgement's way back.
+_FENCE_SHARE = 0.6
 
 #: Epoch secrets kept for views before the newest one received (a state
 #: server answers for the view it is in, which may lag by a view or two).
@@ -135,6 +141,24 @@ class Status:
     #: etcd lost the job's data: the highest epoch a member was refused at
     #: for it (0: never).
     lost_epoch: int = 0
+
+
+#: The last views rebuilt from a change in this process: (base, change,
+#: result). ``apply_delta`` is pure, so members of one process (lightweight
+#: members, tests) that hold the same view object and receive the same
+#: change share its rebuild instead of each repeating it.
+_REBUILT: list[tuple[View, ViewDelta, View | None]] = []
+_REBUILT_KEPT = 4
+
+
+def _rebuild(base: View, delta: ViewDelta) -> View | None:
+    for known_base, known_delta, result in _REBUILT:
+        if known_base is base and known_delta == delta:
+            return result
+    result = apply_delta(base, delta)
+    _REBUILT.insert(0, (base, delta, result))
+    del _REBUILT[_REBUILT_KEPT:]
+    return result
 
 
 def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
@@ -377,7 +401,7 @@ class RendezvousClient:
             except RollcallError as exc:  # the record goes with its lease then
                 log.warning("could not leave after refusing the service's bound: %s", exc)
             raise UnsafeFenceWindow(self._config.fence_window, bound)
-        self._heartbeat_interval = response.heartbeat_interval_ms / 1000 or self._heartbeat_interval
+        self._pace(response.heartbeat_interval_ms)
         self._on_roll_call = on_roll_call
         self._on_view = on_view
         self._on_end = on_end
@@ -385,6 +409,21 @@ class RendezvousClient:
         self._set_view(view_from_pb(response.view))
         self._session_task = asyncio.create_task(self._session_forever(), name="session")
         return response.member_id
+
+    def _pace(self, interval_ms: int) -> None:
+        """Heartbeat every ``interval_ms`` as the leader says (0: it does not
+        say), but at most every 0.6 x ``fence_window`` (never below the
+        configured interval): a step applies only with the acknowledgement
+        of a heartbeat sent within the fence window."""
+        if not interval_ms:
+            return
+        cap = max(self._config.heartbeat_interval, _FENCE_SHARE * self._config.fence_window)
+        self._heartbeat_interval = min(interval_ms / 1000, cap)
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """How often this member heartbeats (as the leader said, capped)."""
+        return self._heartbeat_interval
 
     async def wait_view(self, predicate: Callable[[View], bool], timeout: float) -> View:
         """Wait until a received view satisfies ``predicate``. Raises the
@@ -604,6 +643,7 @@ class RendezvousClient:
                             member_id=self.member_id,
                             epoch=self._view.epoch,
                             member_secret=self._member_secret,
+                            view_deltas=True,
                         )  # fmt: skip
                     )
                 )
@@ -620,7 +660,17 @@ class RendezvousClient:
                 elif kind == "epoch_secret":
                     self._keep_epoch_secret(event.epoch_secret.epoch, event.epoch_secret.secret)
                 elif kind == "view":
-                    self._set_view(view_from_pb(event.view))
+                    if event.view.epoch > self._view.epoch or self._view is EMPTY_VIEW:
+                        # (decoded only if new: a session that opens is sent
+                        # the view in force, which the member mostly holds)
+                        self._set_view(view_from_pb(event.view))
+                elif kind == "view_delta":
+                    change = event.view_delta
+                    if change.epoch_secret:
+                        self._keep_epoch_secret(change.epoch, change.epoch_secret)
+                    self._apply_delta(delta_from_pb(change))
+                elif kind == "pace":
+                    self._pace(event.pace.heartbeat_interval_ms)
                 elif kind == "roll_call":
                     causes = causes_from_pb(event.roll_call.causes)
                     await self._answer(event.roll_call.epoch, causes)
@@ -633,6 +683,25 @@ class RendezvousClient:
             if writer is not None:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
+
+    def _apply_delta(self, delta: ViewDelta) -> None:
+        """A view sent as a change of the one the session carried before.
+        One that does not apply to the view this member holds (it missed
+        one) or does not rebuild the list the leader hashed is never acted
+        on: the member asks for the whole view instead."""
+        if delta.epoch <= self._view.epoch:
+            return  # already known
+        view = _rebuild(self._view, delta)
+        if view is None:
+            log.info(
+                "view %d came as a change of view %d, which this member does not hold "
+                "(it holds %d) or which did not check out: asking for the whole view",
+                delta.epoch, delta.base_epoch, self._view.epoch,
+            )  # fmt: skip
+            request = pb.ViewRequest(epoch=self._view.epoch)
+            self._outbox.put_nowait(pb.SessionRequest(view_request=request))
+            return
+        self._set_view(view)
 
     async def _answer(self, epoch: int, causes: tuple[Cause, ...]) -> None:
         if self._on_roll_call is None:
@@ -661,8 +730,9 @@ class RendezvousClient:
         while True:
             request: pb.SessionRequest | None
             try:
-                wait = max(0.0, next_beat - time.monotonic())
-                request = await asyncio.wait_for(self._outbox.get(), wait)
+                # Not wait_for, which makes a task for every message.
+                async with asyncio.timeout(max(0.0, next_beat - time.monotonic())):
+                    request = await self._outbox.get()
             except TimeoutError:
                 request = None
             now = time.monotonic()

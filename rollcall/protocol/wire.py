@@ -22,6 +22,7 @@ from rollcall.membership.checkpoint import (
     CheckpointPart,
     Durability,
 )
+from rollcall.membership.delta import ViewDelta
 from rollcall.membership.errors import (
     ConfigurationMismatch,
     ControlPlaneUnavailable,
@@ -155,6 +156,37 @@ def view_from_pb(message: pb.View) -> View:
     )
 
 
+def delta_to_pb(delta: ViewDelta) -> pb.ViewDelta:
+    message = pb.ViewDelta(
+        epoch=delta.epoch,
+        base_epoch=delta.base_epoch,
+        removed=delta.removed,
+        added=[pb.Member(id=m.id, address=m.address) for m in delta.added],
+        members_sha256=delta.members_sha256,
+        digest=delta.digest,
+        fetch_groups=[
+            pb.RankGroup(sources=sources, members=fetchers)
+            for sources, fetchers in delta.fetch_groups
+        ],
+    )
+    if delta.resume_step is not None:
+        message.resume_step = delta.resume_step
+    return message
+
+
+def delta_from_pb(message: pb.ViewDelta) -> ViewDelta:
+    return ViewDelta(
+        epoch=message.epoch,
+        base_epoch=message.base_epoch,
+        removed=tuple(message.removed),
+        added=tuple(Member(m.id, m.address) for m in message.added),
+        members_sha256=message.members_sha256,
+        resume_step=message.resume_step if message.HasField("resume_step") else None,
+        digest=message.digest,
+        fetch_groups=tuple((tuple(g.sources), tuple(g.members)) for g in message.fetch_groups),
+    )
+
+
 def _shards_from_pb(message: pb.ShardedView) -> ShardedView:
     plan = ShardPlan(tuple(tuple(o.ids) for o in message.owners), message.redundancy)
     base = ShardPlan(tuple(tuple(o.ids) for o in message.base), message.redundancy)
@@ -278,7 +310,9 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     handler (and so any state) is reached, and refuses a request whose bytes
     do not decode (``INVALID_ARGUMENT``) or, with ``max_request_bytes``, are
     more than that (``RESOURCE_EXHAUSTED``) as an ordinary malformed request.
-    Serves every gRPC service of the project (rendezvous, state transfer)."""
+    Serves every gRPC service of the project (rendezvous, state transfer).
+    A handler may yield responses it encoded already (``bytes``): they are
+    sent as they are."""
 
     def __init__(self, token: str, max_request_bytes: int | None = None) -> None:
         self._digest = token_digest(token)
@@ -334,7 +368,7 @@ def _refusing_malformed(
                 raise request
             yield request
 
-    serialize = handler.response_serializer
+    serialize = _sending_encoded(handler.response_serializer)
     if handler.request_streaming and handler.response_streaming:
         bidi = handler.stream_stream
 
@@ -368,6 +402,20 @@ def _refusing_malformed(
         return await unary(request, context)
 
     return grpc.unary_unary_rpc_method_handler(checked_unary, deserialize, serialize)
+
+
+def _sending_encoded(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """``serialize``, except that a response already encoded (``bytes``)
+    is sent as it is: an event sent on thousands of sessions (a view, a roll
+    call) is encoded once (``rollcall.rendezvous.replica.leadership``)."""
+    if serialize is None:
+        return None
+    encode = serialize
+
+    def serialize_or_pass(response: Any) -> bytes:
+        return response if isinstance(response, bytes) else encode(response)
+
+    return serialize_or_pass
 
 
 def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
