@@ -381,19 +381,27 @@ def raw_tcp(nbytes: int, repeats: int = 5) -> list[float]:
     return results
 
 
+def plain_group(rank: int, world: int, port: int) -> Any:
+    """(Child process.) A plain gloo group over a TCPStore on loopback that
+    rank 0 hosts on ``port``."""
+    from torch.distributed import ProcessGroupGloo, TCPStore
+
+    store = TCPStore("127.0.0.1", port, world, rank == 0, wait_for_workers=True,
+                     timeout=timedelta(seconds=30))  # fmt: skip
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return ProcessGroupGloo(store, rank, world, options)
+
+
 def plain_rank(rank: int, world: int, port: int, duration: float, out: Any) -> None:
     import torch
-    from torch.distributed import ProcessGroupGloo, TCPStore
 
     from rollcall.worker.examples.lm import LMConfig, build, loss_sum
 
     torch.set_num_threads(1)
     model, optimizer, corpus = build(LMConfig(), 0)
     params = [p for p in model.parameters() if p.requires_grad]
-    store = TCPStore("127.0.0.1", port, world, rank == 0, wait_for_workers=True)
-    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    group = ProcessGroupGloo(store, rank, world, options)
+    group = plain_group(rank, world, port)
     global_batch, micro = 32, 8
     n_micro = global_batch // micro
     mine = [i for i in range(n_micro) if i % world == rank]
@@ -693,22 +701,17 @@ def rebuild_rank(rank: int, world: int, ports: list[int], start: Any, out: Any) 
     each of ``ports`` in turn (rank 0 hosts it, as a rollcall rebuild), one
     1-element all-reduce each; the seconds each build took."""
     import torch
-    from torch.distributed import ProcessGroupGloo, TCPStore
 
     torch.set_num_threads(1)
     took = []
     for port in ports:
         start.wait(timeout=60)
         started = time.perf_counter()
-        store = TCPStore("127.0.0.1", port, world, rank == 0, wait_for_workers=True,
-                         timeout=timedelta(seconds=30))  # fmt: skip
-        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        options._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        group = ProcessGroupGloo(store, rank, world, options)
+        group = plain_group(rank, world, port)
         group.allreduce([torch.zeros(1)]).wait()
         took.append(time.perf_counter() - started)
         start.wait(timeout=60)  # every rank done before the store goes
-        del group, store
+        del group
     out.put((rank, took))
 
 
@@ -718,7 +721,7 @@ def floor_rebuild(world: int, repeats: int) -> list[float]:
     already started and torch imported: the floor of the group rebuild."""
     ctx = mp.get_context("spawn")
     out, start = ctx.Queue(), ctx.Barrier(world)
-    ports = [free_port() for _ in range(repeats)]
+    ports = [free_port() for _ in range(repeats + 1)]  # the first one warms up
     procs = [ctx.Process(target=rebuild_rank, args=(r, world, ports, start, out), daemon=True)
              for r in range(world)]  # fmt: skip
     try:
@@ -730,7 +733,7 @@ def floor_rebuild(world: int, repeats: int) -> list[float]:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return [max(times) for times in zip(*ranks, strict=True)]
+    return [max(times) for times in zip(*ranks, strict=True)][1:]
 
 
 #: Memory a worker of the default example holds (its RSS here, ~380 MB).
