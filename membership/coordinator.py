@@ -10,7 +10,9 @@ One roll call at a time:
 1. a trigger (a join, after ``join_settle`` so a burst of joins becomes one
    view change; a leave or a suspicion, at once) starts roll call N+1 over the
    candidates: the members of view N still believed live, in view order,
-   then the pending joiners in arrival order;
+   then the pending joiners that are ready (their session is open: they can
+   be asked) in arrival order; a joiner that is not ready yet waits for a
+   later roll call instead of being called and dropped as silent;
 2. ``RequestAnswers`` asks each candidate to abort its step and answer with
    its last committed step and state digest;
 3. when every candidate answered, or at the deadline, the new view is decided
@@ -317,6 +319,8 @@ class Coordinator:
         self._view = view
         self._awaiting = {m for m in awaiting if m in view}
         self._joiners: dict[str, Member] = {}  # in arrival order
+        #: Joiners that cannot be asked yet (no session open): not called.
+        self._unready: set[str] = set()
         self._departed: dict[str, Cause] = {}  # view member id -> cause
         self._causes: list[Cause] = []
         self._trigger_at: float | None = None
@@ -354,7 +358,12 @@ class Coordinator:
 
     @property
     def pending_joiners(self) -> tuple[Member, ...]:
+        """Joiners not in a roll call yet, ready or not, in arrival order."""
         return tuple(self._joiners.values())
+
+    def is_unready(self, member_id: str) -> bool:
+        """Whether ``member_id`` is a pending joiner that cannot be asked yet."""
+        return member_id in self._unready
 
     @property
     def awaiting(self) -> frozenset[str]:
@@ -389,12 +398,31 @@ class Coordinator:
 
     # --- events --------------------------------------------------------------
 
-    def join(self, member: Member, now: float) -> None:
-        """A new member asks to join; it enters with the next roll call."""
+    def join(self, member: Member, now: float, ready: bool = True) -> None:
+        """A new member asks to join; it enters with the next roll call.
+        One that is not ``ready`` (it cannot be asked yet: its session is
+        not open) waits, without starting a roll call, until
+        ``joiner_ready``: calling it now would drop it as silent (seen: a
+        burst of 512 joiners, most of whom had not opened their sessions
+        within the first roll call's deadline, evicted)."""
         if self.knows(member.id):
             raise InvalidRequest(f"member id {member.id!r} is already known")
         self._joiners[member.id] = member
+        if not ready:
+            self._unready.add(member.id)
+            return
         self._causes.append(Cause.join(member.id))
+        self._schedule(now + self._config.join_settle)
+        self.tick(now)
+
+    def joiner_ready(self, member_id: str, now: float) -> None:
+        """Pending joiner ``member_id`` can be asked now (its session
+        opened): it enters with the next roll call, after ``join_settle``
+        like any join. Nothing for anyone else."""
+        if member_id not in self._unready:
+            return
+        self._unready.discard(member_id)
+        self._causes.append(Cause.join(member_id))
         self._schedule(now + self._config.join_settle)
         self.tick(now)
 
@@ -519,6 +547,9 @@ class Coordinator:
             rollcall.causes = (*rollcall.causes, cause)
         elif member_id in self._joiners:
             del self._joiners[member_id]
+            if member_id in self._unready:
+                self._unready.discard(member_id)  # it never caused a roll call
+                return True
             # A withdrawn join is no reason for a roll call any more: without
             # another cause it would abort every member's step for nothing.
             self._causes.remove(Cause.join(member_id))
@@ -542,9 +573,8 @@ class Coordinator:
 
     def _start(self, now: float) -> None:
         base = self._view
-        candidates = tuple(m for m in base.members if m.id not in self._departed) + tuple(
-            self._joiners.values()
-        )
+        ready = tuple(m for i, m in self._joiners.items() if i not in self._unready)
+        candidates = tuple(m for m in base.members if m.id not in self._departed) + ready
         self._rollcall = RollCall(
             epoch=base.epoch + 1,
             candidates=candidates,
@@ -552,7 +582,7 @@ class Coordinator:
             started_at=now,
             causes=tuple(self._causes),
         )
-        self._joiners = {}
+        self._joiners = {i: m for i, m in self._joiners.items() if i in self._unready}
         self._departed = {}
         self._causes = []
         self._trigger_at = None

@@ -126,7 +126,9 @@ class Leader:
         it (records expire whenever etcd cannot keep their leases alive):
         every member of the view gets the takeover grace to reconnect."""
         self._config = config
-        self.coordinator = Coordinator(config, view, now, joiners, awaiting=view.ids)
+        self.coordinator = Coordinator(config, view, now, awaiting=view.ids)
+        for member in joiners:  # asked once they reconnect
+            self.coordinator.join(member, now, ready=False)
         self.detector = FailureDetector(config)
         self.detector.set_interval(config.heartbeat_interval_for(view.size))
         #: Until when members of the inherited view keep their leases unasked.
@@ -218,10 +220,11 @@ class Leader:
     # --- members and their sessions --------------------------------------------
 
     def joined(self, member: Member, now: float) -> None:
-        """A new member was recorded in etcd: it enters with the next roll
-        call, if it opens its session within ``join_session_timeout``."""
+        """A new member was recorded in etcd: it enters with the first roll
+        call after it opened its session, if it does so within
+        ``join_session_timeout``."""
         self._join_deadlines[member.id] = now + self._config.join_session_timeout
-        self.coordinator.join(member, now)
+        self.coordinator.join(member, now, ready=False)
         self._pull()
 
     def session_opened(self, member_id: str, now: float) -> None:
@@ -233,6 +236,9 @@ class Leader:
         if self.coordinator.is_awaited(member_id):
             self._held_elsewhere.discard(member_id)
             self.coordinator.reconnected(member_id, now)
+            self._pull()
+        elif self.coordinator.is_unready(member_id):
+            self.coordinator.joiner_ready(member_id, now)
             self._pull()
 
     def session_rejected(self, member_id: str) -> None:

@@ -280,6 +280,47 @@ def test_pending_joiner_that_leaves_is_not_called() -> None:
     assert coordinator.take_actions() == [RequestAnswers(2, ("a", "c"))]
 
 
+def test_a_joiner_that_cannot_be_asked_yet_starts_no_roll_call_and_is_not_called() -> None:
+    coordinator = established("a", "b")
+    coordinator.join(worker("j"), 0.0, ready=False)
+    coordinator.tick(SETTLE)
+    assert coordinator.take_actions() == []
+
+    coordinator.leave("b", 0.1)  # a roll call for another cause
+    assert coordinator.take_actions() == [RequestAnswers(2, ("a",))]
+    answer_missing(coordinator, 0.1)
+    view = commit(coordinator, 0.1)
+
+    assert view.ids == ("a",)
+    assert coordinator.is_unready("j") and coordinator.knows("j")
+
+
+def test_a_joiner_enters_the_first_roll_call_after_it_is_ready() -> None:
+    coordinator = established("a")
+    coordinator.join(worker("j"), 0.0, ready=False)
+    coordinator.join(worker("k"), 0.0, ready=False)
+
+    coordinator.joiner_ready("k", 5.0)
+    coordinator.tick(5.0 + SETTLE)
+
+    assert coordinator.take_actions() == [RequestAnswers(2, ("a", "k"))]
+    assert coordinator.rollcall is not None
+    assert coordinator.rollcall.causes == (Cause.join("k"),)
+    assert coordinator.is_unready("j")
+
+
+def test_a_joiner_that_leaves_before_it_is_ready_starts_no_roll_call() -> None:
+    coordinator = established("a")
+    coordinator.join(worker("j"), 0.0, ready=False)
+
+    assert coordinator.leave("j", 1.0) is True
+    coordinator.joiner_ready("j", 1.0)
+    coordinator.tick(1.0 + SETTLE)
+
+    assert coordinator.take_actions() == []
+    assert not coordinator.knows("j")
+
+
 def test_join_withdrawn_before_settle_starts_no_rollcall() -> None:
     coordinator = established("a")
     coordinator.join(worker("b"), 0.0)

@@ -146,6 +146,24 @@ def test_a_joiner_that_never_opens_a_session_is_suspected_at_its_deadline() -> N
     assert evict.member_id == "j" and evict.evidence is Evidence.NO_SESSION
 
 
+def test_a_joiner_is_called_only_once_its_session_is_open() -> None:
+    leader = connected("a", "b")
+    leader.joined(worker("j"), 0.0)
+    leader.leave("b", 0.01)  # a roll call before j opened its session
+    (request,) = [a for a in leader.take_actions() if isinstance(a, RequestAnswers)]
+    assert request.member_ids == ("a",)
+    leader.answer("a", request.epoch, None, "", 0.02)
+    (proposal,) = [a for a in leader.take_actions() if isinstance(a, CommitView)]
+    leader.committed(proposal.view, 0.03)
+    assert "j" not in [e.member_id for e in evictions(leader.take_actions())]
+
+    leader.session_opened("j", 0.5)
+    leader.tick(0.5 + CONFIG.join_settle)
+
+    (request,) = [a for a in leader.take_actions() if isinstance(a, RequestAnswers)]
+    assert request.member_ids == ("a", "j")
+
+
 def test_an_absent_member_whose_process_answers_is_kept_and_said_once() -> None:
     leader = Leader(CONFIG, view_of("a", "b"), 0.0)
     leader.session_opened("a", 0.0)
