@@ -81,6 +81,7 @@ sys.path.insert(0, str(ROOT))
 from rollcall.etcd_local import LocalEtcd, free_port  # noqa: E402
 from rollcall.membership.config import Config  # noqa: E402
 from rollcall.membership.view import View  # noqa: E402
+from rollcall.protocol.carrier import SessionCarrier  # noqa: E402
 from rollcall.protocol.client import RendezvousClient  # noqa: E402
 
 JOB = "bench"
@@ -142,13 +143,19 @@ class Hosted:
 class Host:
     """The members of one child process, driven by commands from the parent."""
 
-    def __init__(self, address: str, token: str, index: int) -> None:
+    def __init__(self, address: str, token: str, index: int, shared: bool) -> None:
         self.address, self.token, self.index = address, token, index
         self.members: list[Hosted] = []
         self._port = 20000 + index * 1000
+        #: The host's shared session stream (``--sessions shared``), made
+        #: inside the event loop on first use.
+        self._shared = shared
+        self._carrier: SessionCarrier | None = None
 
     async def join_one(self) -> Hosted:
-        client = RendezvousClient([self.address], JOB, self.token, Config())
+        if self._shared and self._carrier is None:
+            self._carrier = SessionCarrier([self.address], JOB, self.token, Config())
+        client = RendezvousClient([self.address], JOB, self.token, Config(), carrier=self._carrier)
         hosted = Hosted(client)
 
         def on_view(view: View) -> None:
@@ -230,15 +237,17 @@ class Host:
         if op == "close":
             await asyncio.gather(*(m.client.close() for m in self.members))
             self.members.clear()
+            if self._carrier is not None:
+                await self._carrier.close()
             return {}
         raise ValueError(f"unknown command {op!r}")
 
 
-def host_main(conn: Connection, address: str, token: str, index: int) -> None:
+def host_main(conn: Connection, address: str, token: str, index: int, shared: bool) -> None:
     """Entry point of a child process: run its members until told to close."""
 
     async def serve() -> None:
-        host = Host(address, token, index)
+        host = Host(address, token, index, shared)
         loop = asyncio.get_running_loop()
         commands: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
@@ -275,14 +284,14 @@ def host_main(conn: Connection, address: str, token: str, index: int) -> None:
 class Fleet:
     """The child processes and the commands sent to them."""
 
-    def __init__(self, address: str, token: str, processes: int) -> None:
+    def __init__(self, address: str, token: str, processes: int, shared: bool) -> None:
         context = multiprocessing.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs = []
         for index in range(processes):
             parent, child = context.Pipe()
             proc = context.Process(
-                target=host_main, args=(child, address, token, index), daemon=True
+                target=host_main, args=(child, address, token, index, shared), daemon=True
             )
             proc.start()
             self.conns.append(parent)
@@ -625,10 +634,11 @@ def run_size(args: argparse.Namespace, size: int) -> dict[str, Any]:
     fleet: Fleet | None = None
     try:
         service.start()
-        fleet = Fleet(service.address, service.token, args.processes)
+        fleet = Fleet(service.address, service.token, args.processes, args.sessions == "shared")
         fleet.ask_all({"op": "state"}, START_TIMEOUT)  # every host started
         run = Run(service, fleet, size)
-        row: dict[str, Any] = {"members": size, "processes": args.processes}
+        row: dict[str, Any] = {"members": size, "processes": args.processes,
+                               "sessions": args.sessions}  # fmt: skip
         profile_dir: Path | None = args.profile
         if profile_dir is not None:
             profile_dir.mkdir(parents=True, exist_ok=True)
@@ -739,6 +749,9 @@ def main() -> int:
                         help="rounds per size, each a leave, a join, a crash and a join")
     parser.add_argument("--processes", type=int, default=8,
                         help="child processes hosting the members")
+    parser.add_argument("--sessions", choices=("shared", "own"), default="shared",
+                        help="each host process's members on one shared session stream "
+                             "(default), or each on a stream of its own")  # fmt: skip
     parser.add_argument("--idle-window", type=float, default=10.0,
                         help="seconds of idle members over which the leader's CPU is measured")
     parser.add_argument("--idle-check", type=float, default=0.0, metavar="SECONDS",
@@ -816,6 +829,7 @@ def main() -> int:
                     "python": platform.python_version()},  # fmt: skip
         "parameters": {
             "sizes": sizes, "repeats": args.repeats, "processes": args.processes,
+            "sessions": args.sessions,
             "idle_window_s": args.idle_window, "idle_check_s": args.idle_check,
             "overrides": args.settings, "config": Config().__dict__,
         },  # fmt: skip

@@ -48,6 +48,9 @@ class Evidence(enum.Enum):
     DETECTOR = "heartbeat detector"
     #: Joined but opened no session within ``join_session_timeout``.
     NO_SESSION = "joined but never opened a session"
+    #: On a shared session, its holder heard nothing from it for longer
+    #: than the earliest suspicion (a host agent's own detector).
+    SILENT_ON_CARRIER = "silent, as the holder of its shared session saw it"
     #: A member of the inherited view that did not reconnect within the
     #: takeover grace, and whose process does not answer at its address.
     ABSENT = "did not reconnect after leader failover, and nothing answers at"
@@ -135,6 +138,11 @@ class Leader:
         self.grace_until = now + config.takeover_grace if view.members else now
         self._join_deadlines = {j.id: now + config.join_session_timeout for j in joiners}
         self._sessions: set[str] = set()
+        #: Members whose session is on a shared stream, and that stream's
+        #: key (``session_opened(carrier=...)``); the members on each
+        #: stream open here. The detector watches such a stream, not them.
+        self._carrier_of: dict[str, str] = {}
+        self._riders: dict[str, set[str]] = {}
         #: Members that declared themselves busy: member id -> (until, reason).
         self._busy: dict[str, tuple[float, str]] = {}
         #: Members of the inherited view that did not reconnect within the
@@ -227,12 +235,19 @@ class Leader:
         self.coordinator.join(member, now, ready=False)
         self._pull()
 
-    def session_opened(self, member_id: str, now: float) -> None:
+    def session_opened(self, member_id: str, now: float, carrier: str | None = None) -> None:
         """A member opened its session (or reconnected); its silence is
-        counted from now."""
+        counted from now. On a shared stream (``carrier``, opened with
+        ``carrier_opened``) the stream's heartbeats stand for it."""
+        self._unride(member_id)
         self._sessions.add(member_id)
         self._join_deadlines.pop(member_id, None)
-        self.detector.watch(member_id, now)
+        if carrier is None:
+            self.detector.watch(member_id, now)
+        else:
+            self.detector.forget(member_id)
+            self._carrier_of[member_id] = carrier
+            self._riders[carrier].add(member_id)
         if self.coordinator.is_awaited(member_id):
             self._held_elsewhere.discard(member_id)
             self.coordinator.reconnected(member_id, now)
@@ -241,19 +256,62 @@ class Leader:
             self.coordinator.joiner_ready(member_id, now)
             self._pull()
 
-    def session_rejected(self, member_id: str) -> None:
+    def session_rejected(self, member_id: str, now: float) -> None:
         """A member's session ended on a message this leader refused: that
         changes nothing else (it may reconnect; if it stays silent the
-        detector, still watching it, suspects it)."""
+        detector, still watching it, suspects it). A member of a shared
+        stream is watched on its own from then on, silent since the
+        stream's last heartbeat."""
         self._sessions.discard(member_id)
+        carrier = self._unride(member_id)
+        if carrier is not None and carrier in self.detector:
+            self.detector.watch(member_id, now - self.detector.silence(carrier, now))
+
+    # --- shared sessions ---------------------------------------------------------
+
+    def carrier_opened(self, key: str, now: float) -> None:
+        """A shared session stream opened (docs/protocol.md, "Shared
+        sessions"): the detector watches it under ``key`` (which no member
+        id can be), and its heartbeats stand for every member on it."""
+        self._riders[key] = set()
+        self.detector.watch(key, now)
+
+    def carrier_heard(self, key: str, now: float) -> None:
+        """A heartbeat of shared stream ``key``."""
+        self.detector.heartbeat(key, now)
+
+    def carrier_ended(self, key: str, now: float, broken: bool) -> None:
+        """Shared stream ``key`` ended: it broke (``broken``: every member
+        still on it is suspected, as its own stream breaking would be), or
+        on a message this leader refused (each member's session was
+        rejected: ``session_rejected``)."""
+        riders = sorted(self._riders.get(key, ()))
+        for member_id in riders:
+            if broken:
+                self.suspect(member_id, Evidence.STREAM_BROKEN, now)
+            else:
+                self.session_rejected(member_id, now)
+        self._riders.pop(key, None)
+        self.detector.forget(key)
+
+    def carried_closed(self, member_id: str, silent: bool, now: float) -> None:
+        """The holder of a shared stream took ``member_id`` off it
+        (``Close``): its process ended (as if its own stream broke) or the
+        holder heard nothing from it (``silent``). Either way it is
+        suspected if it is still in the job."""
+        if silent:
+            self.suspect(member_id, Evidence.SILENT_ON_CARRIER, now)
+        else:
+            self.suspect(member_id, Evidence.STREAM_BROKEN, now)
 
     def session_broken(self, member_id: str, now: float) -> None:
         """A member's session stream broke."""
         self.suspect(member_id, Evidence.STREAM_BROKEN, now)
 
     def heard(self, member_id: str, now: float) -> None:
-        """Any message from ``member_id`` counts as a heartbeat."""
-        self.detector.heartbeat(member_id, now)
+        """Any message from ``member_id`` counts as a heartbeat (of its
+        shared stream, if it is on one)."""
+        self.detector.heartbeat(self._carrier_of.get(member_id, member_id), now)
 
     def leave(self, member_id: str, now: float) -> None:
         """A member leaves cleanly."""
@@ -264,7 +322,7 @@ class Leader:
     def suspect(self, member_id: str, evidence: Evidence, now: float, address: str = "") -> None:
         """Remove ``member_id`` from the roll for ``evidence``."""
         counted = self.coordinator.suspect(member_id, now)
-        silence = self.detector.silence(member_id, now)
+        silence = self.detector.silence(self._carrier_of.get(member_id, member_id), now)
         self._remove(
             Evict(member_id, Cause.suspect(member_id), self.view.epoch, evidence, address,
                   silence, counted)
@@ -342,10 +400,7 @@ class Leader:
             self._emit(WriteProgress(old.epoch, step))
         self._step = view.resume_step
         self._trained = self._trained or self._step is not None
-        # Paced by everyone heartbeating: the view, and joiners already in
-        # session (in a burst of joins they outnumber the view).
-        heartbeating = max(view.size, len(self._sessions))
-        self.detector.set_interval(self._config.heartbeat_interval_for(heartbeating))
+        self.detector.set_interval(self._config.heartbeat_interval_for(self.heartbeating()))
         for member_id in proposal.removed if proposal is not None else ():
             self._remove(Evict(member_id, None, view.epoch))
         self._pull()
@@ -363,9 +418,19 @@ class Leader:
             if now >= until:
                 self._busy_for(member_id, 0.0, "", now, overran=True)
         if not self._lagging and self._next_suspicion is not None and now >= self._next_suspicion:
-            for member_id in self.detector.suspects(now):
-                if member_id not in self._busy:
-                    self.suspect(member_id, Evidence.DETECTOR, now)
+            for watched in self.detector.suspects(now):
+                riders = self._riders.get(watched)
+                if riders is None:
+                    if watched not in self._busy:
+                        self.suspect(watched, Evidence.DETECTOR, now)
+                    continue
+                # A silent shared stream: every member on it is silent.
+                for member_id in sorted(riders):
+                    if member_id not in self._busy:
+                        self.suspect(member_id, Evidence.DETECTOR, now)
+                # What is left on it is busy (or nothing): its silence is
+                # counted again from now, as a busy member's would be.
+                self.detector.watch(watched, now)
             self._next_suspicion = None
         for member_id, deadline in list(self._join_deadlines.items()):
             if now >= deadline and member_id not in self._sessions:
@@ -418,9 +483,19 @@ class Leader:
 
     # --- internals -------------------------------------------------------------
 
+    def heartbeating(self) -> int:
+        """Who heartbeats to this leader: each member's own session, each
+        shared stream (for all its members), and the members of the view
+        that have no session here yet (they will open one). Joiners in
+        session count too: in a burst of joins they outnumber the view."""
+        own = len(self._sessions) - len(self._carrier_of)
+        waiting = sum(1 for member_id in self.view.ids if member_id not in self._sessions)
+        return own + len(self._riders) + waiting
+
     def _lease_deserved(self, member_id: str, now: float) -> bool:
-        if member_id in self._sessions and member_id in self.detector:
-            return member_id in self._busy or not self.detector.suspected(member_id, now)
+        watched = self._carrier_of.get(member_id, member_id)
+        if member_id in self._sessions and watched in self.detector:
+            return member_id in self._busy or not self.detector.suspected(watched, now)
         if member_id in self._join_deadlines:
             return now < self._join_deadlines[member_id]
         return now < self.grace_until or self.coordinator.is_awaited(member_id)
@@ -432,15 +507,26 @@ class Leader:
             self._busy[member_id] = (now + seconds, reason)
         elif self._busy.pop(member_id, None) is not None:
             # Its heartbeats may have been starved meanwhile: silence is
-            # counted from now on, not from before the busy period.
-            self.detector.watch(member_id, now)
+            # counted from now on, not from before the busy period (a
+            # shared stream's own heartbeats went on).
+            if member_id not in self._carrier_of:
+                self.detector.watch(member_id, now)
         else:
             return
         self._emit(PeerBusy(member_id, seconds, reason, overran))
 
+    def _unride(self, member_id: str) -> str | None:
+        """Take ``member_id`` off the shared stream it is on; returns that
+        stream's key (None: it is on none)."""
+        carrier = self._carrier_of.pop(member_id, None)
+        if carrier is not None:
+            self._riders.get(carrier, set()).discard(member_id)
+        return carrier
+
     def _remove(self, evict: Evict) -> None:
         """The one way a member leaves the leader's books."""
         member_id = evict.member_id
+        self._unride(member_id)
         self.detector.forget(member_id)
         self._join_deadlines.pop(member_id, None)
         self._busy.pop(member_id, None)

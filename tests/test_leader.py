@@ -251,6 +251,97 @@ def test_a_checkpoint_raises_the_progress_record_only_if_more_than_a_step_behind
     assert leader.progress_for_checkpoint(12) == WriteProgress(1, 9)
 
 
+# --- shared sessions ------------------------------------------------------------------
+
+
+def carried(*member_ids: str, key: str = "@1", own: tuple[str, ...] = ()) -> Leader:
+    """A leader of a view of ``member_ids`` (on shared stream ``key``) and
+    ``own`` (each on a stream of its own), all reconnected at 0."""
+    leader = Leader(CONFIG, view_of(*member_ids, *own), 0.0)
+    leader.carrier_opened(key, 0.0)
+    for member_id in member_ids:
+        leader.session_opened(member_id, 0.0, carrier=key)
+    for member_id in own:
+        leader.session_opened(member_id, 0.0)
+    leader.take_actions()
+    return leader
+
+
+def test_a_shared_streams_heartbeats_keep_every_member_on_it() -> None:
+    leader = carried("a", "b", "c")
+    now = 0.0
+    while now < 10.0:
+        now += HEARTBEAT
+        leader.carrier_heard("@1", now)
+        leader.tick(now)
+
+    assert evictions(leader.take_actions()) == []
+    assert leader.leases(["a", "b", "c"], now) == KeepLeasesAlive(("a", "b", "c"))
+
+
+def test_a_silent_shared_stream_suspects_its_members_but_not_a_busy_one_nor_others() -> None:
+    leader = carried("a", "b", "c", own=("d",))
+    leader.declare_busy("b", 60.0, "evaluation", 0.0)
+    leader.take_actions()
+    heartbeats_until(leader, ("d",), 0.0, CONFIG.max_silence + 0.1)
+
+    suspected = evictions(leader.take_actions())
+
+    assert sorted(e.member_id for e in suspected) == ["a", "c"]
+    assert all(e.evidence is Evidence.DETECTOR for e in suspected)
+    assert all(e.silence_s >= EARLIEST for e in suspected)
+    # The busy one is spared, and no scan is due at once again for it.
+    assert leader.next_wakeup(CONFIG.max_silence + 0.1) > CONFIG.max_silence + 0.2
+
+
+def test_a_broken_shared_stream_suspects_each_member_on_it() -> None:
+    leader = carried("a", "b", own=("c",))
+
+    leader.carrier_ended("@1", 0.5, broken=True)
+
+    suspected = evictions(leader.take_actions())
+    assert [(e.member_id, e.evidence) for e in suspected] == [
+        ("a", Evidence.STREAM_BROKEN), ("b", Evidence.STREAM_BROKEN),
+    ]  # fmt: skip
+    assert leader.coordinator.rollcall is not None
+
+
+def test_members_of_a_refused_shared_stream_are_watched_alone_from_its_last_heartbeat() -> None:
+    leader = carried("a", "b")
+    leader.carrier_heard("@1", 1.0)
+
+    leader.carrier_ended("@1", 1.2, broken=False)
+    assert evictions(leader.take_actions()) == []
+    leader.session_opened("a", 1.3)  # a came back on a stream of its own
+    heartbeats_until(leader, ("a",), 1.3, 1.0 + CONFIG.max_silence + 0.1)
+
+    (evict,) = evictions(leader.take_actions())
+    assert evict.member_id == "b" and evict.evidence is Evidence.DETECTOR
+
+
+def test_a_member_taken_off_a_shared_stream_is_suspected_with_what_its_holder_saw() -> None:
+    leader = carried("a", "b")
+
+    leader.carried_closed("a", silent=False, now=0.2)
+    leader.carried_closed("b", silent=True, now=0.2)
+
+    assert [(e.member_id, e.evidence) for e in evictions(leader.take_actions())] == [
+        ("a", Evidence.STREAM_BROKEN), ("b", Evidence.SILENT_ON_CARRIER),
+    ]  # fmt: skip
+
+
+def test_a_shared_stream_counts_once_in_the_heartbeat_pace() -> None:
+    config = CONFIG.replace(heartbeat_rate_max=40.0)  # 4 streams at 0.1 s
+    ids = tuple(f"m{n}" for n in range(12))
+    leader = Leader(config, view_of(*ids), 0.0)
+    leader.carrier_opened("@1", 0.0)
+    for member_id in ids:
+        leader.session_opened(member_id, 0.0, carrier="@1")
+
+    assert leader.heartbeating() == 1
+    assert config.heartbeat_interval_for(leader.heartbeating()) == config.heartbeat_interval
+
+
 # --- leases ---------------------------------------------------------------------------
 
 
@@ -388,7 +479,7 @@ class LeaderMachine(RuleBasedStateMachine):
             self.expected.add((member_id, Evidence.STREAM_BROKEN))
             self.leader.session_broken(member_id, self.now)
         elif how == "reject":
-            self.leader.session_rejected(member_id)
+            self.leader.session_rejected(member_id, self.now)
         elif how == "freeze":
             self.alive.discard(member_id)
         else:

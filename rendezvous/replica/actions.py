@@ -21,7 +21,12 @@ from rollcall.membership.view import View
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.protocol.wire import delta_to_pb, view_to_pb
 from rollcall.rendezvous.replica.base import ReplicaBase
-from rollcall.rendezvous.replica.leadership import Announcement, Leadership, MemberSession
+from rollcall.rendezvous.replica.leadership import (
+    Announcement,
+    Carrier,
+    Leadership,
+    MemberSession,
+)
 from rollcall.rendezvous.store import MemberRecord
 
 log = logging.getLogger("rollcall.rendezvous")
@@ -61,10 +66,21 @@ class LeaderActions(ReplicaBase):
         for action in lead.leader.take_actions():
             if isinstance(action, RequestAnswers):
                 self._events.rollcall(self._clock())
+                shared: dict[str, tuple[Carrier, list[int]]] = {}
                 for member_id in action.member_ids:
                     session = lead.sessions.get(member_id)
-                    if session is not None:
+                    if session is None or session.asked_epoch >= action.epoch:
+                        continue
+                    carrier = session.carrier
+                    if carrier is None:
                         self._ask(session, action.epoch)
+                    else:  # one request per shared stream, for all its members called
+                        session.asked_epoch = action.epoch
+                        shared.setdefault(carrier.key, (carrier, []))[1].append(session.slot)
+                if shared:
+                    request = self._request_bytes(action.epoch)
+                    for carrier, slots in shared.values():
+                        carrier.send(request, slots)
             elif isinstance(action, CommitView):
                 for claim in action.refused:
                     self._log_refused(action.view, claim)
@@ -99,11 +115,14 @@ class LeaderActions(ReplicaBase):
         if session.asked_epoch >= epoch:
             return
         session.asked_epoch = epoch
+        session.send(self._request_bytes(epoch))
+
+    def _request_bytes(self, epoch: int) -> bytes:
+        """Roll call ``epoch``'s request, encoded once."""
         lead = self._lead
         causes = lead.coordinator.rollcall.causes if lead and lead.coordinator.rollcall else ()
         if lead is not None and lead.asking is not None and lead.asking[:2] == (epoch, causes):
-            session.send(lead.asking[2])
-            return
+            return lead.asking[2]
         # Members learn who joins from the view itself: the request names
         # the members leaving or failing only, the first few (the events
         # file has them all). A burst of 2,000 joins made every request
@@ -113,7 +132,7 @@ class LeaderActions(ReplicaBase):
         encoded = pb.SessionEvent(roll_call=request).SerializeToString()
         if lead is not None:
             lead.asking = (epoch, causes, encoded)
-        session.send(encoded)
+        return encoded
 
     async def _counted_commit(self, lead: Leadership, action: CommitView) -> None:
         lead.committing += 1
@@ -244,34 +263,60 @@ class LeaderActions(ReplicaBase):
         lead.announcing = announcement
         return announcement
 
+    @classmethod
+    def _send_view(
+        cls, session: MemberSession, announcement: Announcement, opening: bool = False
+    ) -> None:
+        """Send a view on ``session`` (``_view_bytes``)."""
+        for event in cls._view_bytes(session, announcement, opening):
+            session.send(event)
+
     @staticmethod
-    def _send_view(session: MemberSession, announcement: Announcement) -> None:
-        """Send a view on ``session`` with its epoch secret if the session's
-        member is in it (never to anyone else): as a change of the view the
-        session carried last when its member applies changes (the secret in
-        it), else whole (preceded by the secret)."""
+    def _view_bytes(
+        session: MemberSession, announcement: Announcement, opening: bool = False
+    ) -> tuple[bytes, ...]:
+        """The events that bring ``session`` the announced view, with its
+        epoch secret if the session's member is in it (never to anyone
+        else): as a change of the view the session carried last when its
+        member applies changes (the secret in it), else whole (preceded by
+        the secret). A shared session's member ``opening`` that holds the
+        view already (its holder had it) is sent the secret alone."""
         view = announcement.view
         member = session.member_id in view
-        if (
+        events: tuple[bytes, ...]
+        if opening and session.announced == view.epoch:
+            events = (announcement.secret,) if member else ()
+        elif (
             announcement.delta is not None
             and announcement.delta_with_secret is not None
             and session.deltas
             and session.announced == announcement.base_epoch
         ):
-            session.send(announcement.delta_with_secret if member else announcement.delta)
+            events = (announcement.delta_with_secret if member else announcement.delta,)
+        elif member:
+            events = (announcement.secret, announcement.whole)
         else:
-            if member:
-                session.send(announcement.secret)
-            session.send(announcement.whole)
+            events = (announcement.whole,)
         session.announced = view.epoch
+        return events
 
     def _announce(self, lead: Leadership, view: View, previous: View) -> None:
         """Send a committed view on every session (members it removes are
         evicted after it: ``Evict`` actions), as a change of ``previous``
-        to those that carried it."""
+        to those that carried it; on a shared stream, each event once for
+        all the members it is for."""
         announcement = self._view_events(lead, view, previous)
+        shared: dict[tuple[str, tuple[bytes, ...]], tuple[Carrier, list[int]]] = {}
         for session in list(lead.sessions.values()):
-            self._send_view(session, announcement)
+            carrier = session.carrier
+            if carrier is None:
+                self._send_view(session, announcement)
+                continue
+            events = self._view_bytes(session, announcement)
+            shared.setdefault((carrier.key, events), (carrier, []))[1].append(session.slot)
+        for (_, events), (carrier, slots) in shared.items():
+            for event in events:
+                carrier.send(event, slots)
         self._tell_pace(lead)
 
     def _tell_pace(self, lead: Leadership, session: MemberSession | None = None) -> None:
@@ -291,7 +336,10 @@ class LeaderActions(ReplicaBase):
         log.info("heartbeat interval %.0f ms for %d members", interval * 1000,
                  lead.coordinator.view.size)  # fmt: skip
         for other in list(lead.sessions.values()):
-            other.send(event)
+            if other.carrier is None:
+                other.send(event)
+        for carrier in list(lead.carriers.values()):
+            carrier.send(event)  # the stream's own heartbeats
 
     @staticmethod
     def _pace_event(lead: Leadership, interval: float) -> bytes:
@@ -357,10 +405,18 @@ class LeaderActions(ReplicaBase):
             log.info("%s no longer busy", member_id)
         event = pb.SessionEvent(
             busy=pb.PeerBusy(member_id=member_id, seconds=action.seconds, reason=action.reason)
-        )
+        ).SerializeToString()
+        shared: dict[str, tuple[Carrier, list[int]]] = {}
         for other, session in lead.sessions.items():
-            if other != member_id:
+            if other == member_id:
+                continue
+            carrier = session.carrier
+            if carrier is None:
                 session.send(event)
+            else:
+                shared.setdefault(carrier.key, (carrier, []))[1].append(session.slot)
+        for carrier, slots in shared.values():
+            carrier.send(event, slots)
 
     async def _put_progress(self, lead: Leadership, write: WriteProgress) -> None:
         if await self._etcd(self._store.write_progress_as, lead.info, write.epoch, write.step):

@@ -67,15 +67,17 @@ class MemberCalls(LeaderActions):
                 finally:
                     lead.admitted_joining -= 1
             log.info("join %s at %s", member.id, request.address)
-            return pb.JoinResponse(
+            response = pb.JoinResponse(
                 member_id=member.id,
-                # Encoded once per view, not once per joiner (a burst of
-                # 2,048 joins answered views of up to 2,000 members).
-                view=self._view_events(lead, lead.coordinator.view).message,
                 heartbeat_interval_ms=round(lead.leader.pace * 1000),
                 earliest_suspicion_s=self._config.earliest_suspicion(),
                 member_secret=secret,
             )
+            if not request.view_on_session:
+                # Encoded once per view, not once per joiner (a burst of
+                # 2,048 joins answered views of up to 2,000 members).
+                response.view.CopyFrom(self._view_events(lead, lead.coordinator.view).message)
+            return response
         except RollcallError as error:
             await self._abort(context, error)
 

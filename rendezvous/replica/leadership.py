@@ -5,15 +5,17 @@ sessions, the commits under way)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rollcall.membership.cause import Cause
 from rollcall.membership.coordinator import Coordinator
-from rollcall.membership.errors import RollcallError
+from rollcall.membership.errors import NotLeader, RollcallError
 from rollcall.membership.fingerprint import JobFingerprint
 from rollcall.membership.leader import Leader
 from rollcall.membership.view import Member, View
 from rollcall.pb import rendezvous_pb2 as pb
+from rollcall.protocol.wire import end_to_pb
 from rollcall.rendezvous.store import LeaderInfo, MemberRecord
 
 
@@ -24,27 +26,84 @@ class ReaderEnded:
 READER_ENDED = ReaderEnded()
 
 
+Outbox = asyncio.Queue[pb.SessionEvent | bytes | RollcallError | ReaderEnded | None]
+
+
+def addressed(event: pb.SessionEvent | bytes, slots: Iterable[int]) -> bytes:
+    """``event`` encoded for the members ``slots`` of a shared stream
+    (none: every member on it). Two encoded messages one after the other
+    decode as one message with the fields of both, so an event encoded
+    once for many streams gets its addressees appended, not re-encoded."""
+    encoded = event if isinstance(event, bytes) else event.SerializeToString()
+    slots = list(slots)
+    return encoded + pb.SessionEvent(slots=slots).SerializeToString() if slots else encoded
+
+
+@dataclass
+class Carrier:
+    """A shared session stream on the leader: the sessions of several
+    members of one process or one host (``Open.shared``;
+    docs/protocol.md, "Shared sessions"). Its heartbeats stand for every
+    member on it: the detector watches the stream (``key``), not each
+    member."""
+
+    #: The detector's name for the stream (no member id starts with "@").
+    key: str
+    outbox: Outbox = field(default_factory=asyncio.Queue)
+    #: The members on the stream by slot (their Open's place on it).
+    members: dict[int, MemberSession] = field(default_factory=dict)
+    #: Opens seen on the stream: the next Open's slot is this plus one.
+    opened: int = 0
+
+    def send(self, event: pb.SessionEvent | bytes, slots: Iterable[int] = ()) -> None:
+        """Queue an event for the members ``slots`` (none: all of them)."""
+        self.outbox.put_nowait(addressed(event, slots))
+
+    def close(self, error: RollcallError | None = None) -> None:
+        """End the whole stream: cleanly (None) or with the error's status."""
+        self.outbox.put_nowait(error)
+
+
 @dataclass
 class MemberSession:
-    """An open session stream of one member on the leader."""
+    """An open session of one member on the leader: a stream of its own,
+    or its slot on a shared one (``carrier``)."""
 
     member_id: str
     #: Whether the member applies views sent as changes (``Open.view_deltas``).
     deltas: bool = False
-    outbox: asyncio.Queue[pb.SessionEvent | bytes | RollcallError | ReaderEnded | None] = field(
-        default_factory=asyncio.Queue
-    )
+    outbox: Outbox = field(default_factory=asyncio.Queue)
     asked_epoch: int = 0  # last roll call sent on this session
     #: Epoch of the last view sent on this session (whole or as a change).
     announced: int = 0
+    #: The shared stream the session is on, and its slot there (None: a
+    #: stream of its own).
+    carrier: Carrier | None = None
+    slot: int = 0
 
     def send(self, event: pb.SessionEvent | bytes) -> None:
         """Queue an event, or one already encoded (sent as it is)."""
-        self.outbox.put_nowait(event)
+        if self.carrier is not None:
+            self.carrier.send(event, (self.slot,))
+        else:
+            self.outbox.put_nowait(event)
 
     def close(self, error: RollcallError | None = None) -> None:
-        """End the stream: cleanly (None) or with the error's status."""
-        self.outbox.put_nowait(error)
+        """End the session: cleanly (None) or with the error's status. On
+        a shared stream that is a ``SessionEnd`` to its slot (the others go
+        on), unless the error is that this replica does not lead: that ends
+        the stream, whose members all move to the leader together."""
+        carrier = self.carrier
+        if carrier is None:
+            self.outbox.put_nowait(error)
+            return
+        carrier.members.pop(self.slot, None)
+        if isinstance(error, NotLeader):
+            carrier.close(error)
+        elif error is not None:
+            carrier.send(pb.SessionEvent(end=end_to_pb(error)), (self.slot,))
+        else:
+            carrier.send(pb.SessionEvent(end=pb.SessionEnd()), (self.slot,))
 
 
 @dataclass(frozen=True)
@@ -75,6 +134,8 @@ class Leadership:
     view_revision: int
     records: dict[str, MemberRecord]
     sessions: dict[str, MemberSession] = field(default_factory=dict)
+    #: The shared session streams open on this leader, by ``Carrier.key``.
+    carriers: dict[str, Carrier] = field(default_factory=dict)
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_reason: str = ""
     #: View commits under way (the view key may change under our own hand).

@@ -12,9 +12,9 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -44,6 +44,7 @@ from rollcall.protocol.wire import (
     ERROR_METADATA,
     LEADER_METADATA,
     NAMED_BY_METADATA,
+    STATUS_BY_NUMBER,
     causes_from_pb,
     delta_from_pb,
     durability_from_pb,
@@ -52,6 +53,9 @@ from rollcall.protocol.wire import (
     token_metadata,
     view_from_pb,
 )
+
+if TYPE_CHECKING:
+    from rollcall.protocol.carrier import SessionCarrier
 
 log = logging.getLogger("rollcall.client")
 T = TypeVar("T")
@@ -82,7 +86,8 @@ _FENCE_SHARE = 0.6
 #: server answers for the view it is in, which may lag by a view or two).
 _EPOCH_SECRETS_KEPT = 2
 
-_RETRY_CODES = {
+#: gRPC status codes after which a call or session tries the next replica.
+RETRY_CODES = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
@@ -163,7 +168,21 @@ def _rebuild(base: View, delta: ViewDelta) -> View | None:
 
 def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
     """The named error a gRPC status stands for (see the .proto)."""
-    code, message = error.code(), error.details() or ""
+    metadata = dict(error.trailing_metadata() or ())
+    return error_from_status(error.code(), error.details() or "", metadata)
+
+
+def error_from_end(end: pb.SessionEnd) -> RollcallError:
+    """The named error a member's ``SessionEnd`` on a shared session stands
+    for: the one its own stream would have ended with."""
+    code = STATUS_BY_NUMBER.get(end.code, grpc.StatusCode.UNKNOWN)
+    return error_from_status(code, end.message, {ERROR_METADATA: end.error} if end.error else {})
+
+
+def error_from_status(
+    code: grpc.StatusCode, message: str, metadata: Mapping[str, Any]
+) -> RollcallError:
+    """The named error of a status code, its details and trailing metadata."""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return Unauthenticated(message)
     if code == grpc.StatusCode.PERMISSION_DENIED:
@@ -172,7 +191,7 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
         return InvalidRequest(message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return InvalidRequest(f"request too large: {message}")
-    named = NAMED_BY_METADATA.get(str(dict(error.trailing_metadata() or ()).get(ERROR_METADATA)))
+    named = NAMED_BY_METADATA.get(str(metadata.get(ERROR_METADATA)))
     if named is not None:
         return named(message)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -180,14 +199,14 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
     if code == grpc.StatusCode.NOT_FOUND:
         return NoSuchJob(message) if message.startswith("no such job") else NotAMember(message)
     if code == grpc.StatusCode.UNAVAILABLE and "not the leader" in message:
-        leader = dict(error.trailing_metadata() or ()).get(LEADER_METADATA)
+        leader = metadata.get(LEADER_METADATA)
         return NotLeader(message, leader=str(leader) if leader else None)
     return ControlPlaneUnavailable(f"rendezvous unavailable: {message or code.name}")
 
 
-class RendezvousClient:
-    """Async client. One instance serves one member (``join``) or any number
-    of read-only calls (``status``, ``watch``)."""
+class ReplicaSet:
+    """The replicas of one rendezvous service, a channel to each (opened
+    on first use) and the one presumed to lead."""
 
     def __init__(
         self,
@@ -206,35 +225,6 @@ class RendezvousClient:
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._leader_hint: str | None = None
-        self.member_id: str | None = None
-        #: The member's credential from the Join answer: every later call
-        #: naming the member carries it.
-        self._member_secret = ""
-        #: Epoch secrets of the latest views this member is in (epoch -> secret).
-        self._epoch_secrets: dict[int, str] = {}
-        self._view = EMPTY_VIEW
-        self._view_changed = asyncio.Event()
-        self._heartbeat_interval = self._config.heartbeat_interval
-        self._session_task: asyncio.Task[None] | None = None
-        self._outbox: asyncio.Queue[pb.SessionRequest] = asyncio.Queue()
-        self._on_roll_call: RollCallHandler | None = None
-        self._on_view: Callable[[View], None] | None = None
-        self._on_busy: BusyHandler | None = None
-        self._step: int | None = None
-        #: The newest step the member committed, set by its training thread
-        #: without waking this loop (a plain attribute: one int written
-        #: under the GIL); the session's writer reports it with the next
-        #: heartbeat (``note_progress``).
-        self._committed: int | None = None
-        self._ended: RollcallError | None = None
-        self._on_end: Callable[[RollcallError], None] | None = None
-        #: Monotonic send time of the newest heartbeat the leader acknowledged:
-        #: the leader heard this member at or after it, so it cannot have
-        #: evicted it before ``last_acked`` + the detector's earliest suspicion.
-        self.last_acked = 0.0
-        self._closing = False
-
-    # --- plumbing ------------------------------------------------------------
 
     def _stub(self, address: str) -> pb_grpc.RendezvousStub:
         channel = self._channels.get(address)
@@ -256,6 +246,68 @@ class RendezvousClient:
         if hint in self._addresses:
             return [hint, *(a for a in self._addresses if a != hint)]
         return list(self._addresses)
+
+    def _retry_backoff(self) -> Backoff:
+        """The wait between two rounds over the replica list."""
+        return Backoff(self._config.client_retry_initial, self._config.client_retry_max)
+
+    async def _close_channels(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+class RendezvousClient(ReplicaSet):
+    """Async client. One instance serves one member (``join``) or any number
+    of read-only calls (``status``, ``watch``).
+
+    A member's session is a stream of its own, or its place on a stream
+    that it shares with other members of this process (``carrier``:
+    docs/protocol.md, "Shared sessions")."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        job: str,
+        token: str,
+        config: Config | None = None,
+        tls: ClientTLS | None = None,
+        carrier: SessionCarrier | None = None,
+    ) -> None:
+        super().__init__(addresses, job, token, config, tls)
+        self._carrier = carrier
+        self.member_id: str | None = None
+        #: The member's credential from the Join answer: every later call
+        #: naming the member carries it.
+        self._member_secret = ""
+        #: Epoch secrets of the latest views this member is in (epoch -> secret).
+        self._epoch_secrets: dict[int, str] = {}
+        self._view = EMPTY_VIEW
+        self._view_changed = asyncio.Event()
+        self._heartbeat_interval = self._config.heartbeat_interval
+        self._session_task: asyncio.Task[None] | None = None
+        #: Whether the member's session runs (its own stream, or its place
+        #: on the carrier's).
+        self._in_session = False
+        self._outbox: asyncio.Queue[pb.SessionRequest] = asyncio.Queue()
+        self._on_roll_call: RollCallHandler | None = None
+        self._on_view: Callable[[View], None] | None = None
+        self._on_busy: BusyHandler | None = None
+        self._step: int | None = None
+        #: The newest step the member committed, set by its training thread
+        #: without waking this loop (a plain attribute: one int written
+        #: under the GIL); the session's writer reports it with the next
+        #: heartbeat (``note_progress``).
+        self._committed: int | None = None
+        self._ended: RollcallError | None = None
+        self._on_end: Callable[[RollcallError], None] | None = None
+        #: Monotonic send time of the newest heartbeat the leader acknowledged:
+        #: the leader heard this member at or after it, so it cannot have
+        #: evicted it before ``last_acked`` + the detector's earliest suspicion.
+        self.last_acked = 0.0
+        self._closing = False
+
+    # --- plumbing ------------------------------------------------------------
 
     async def _call(
         self, method: str, request: Any, leader_only: bool, patience: float | None = None
@@ -281,7 +333,7 @@ class RendezvousClient:
                     return await rpc(request, metadata=self._metadata, timeout=attempt)
                 except grpc.aio.AioRpcError as rpc_error:
                     error = error_from_rpc(rpc_error)
-                    if rpc_error.code() not in _RETRY_CODES:
+                    if rpc_error.code() not in RETRY_CODES:
                         raise error from None
                     # Our own deadline cutting an attempt short says less
                     # than what a replica answered before.
@@ -306,10 +358,6 @@ class RendezvousClient:
                     max(0.0, deadline - time.monotonic()),
                 )  # fmt: skip
             await asyncio.sleep(backoff.next())
-
-    def _retry_backoff(self) -> Backoff:
-        """The wait between two rounds over the replica list."""
-        return Backoff(self._config.client_retry_initial, self._config.client_retry_max)
 
     # --- read-only calls -----------------------------------------------------------
 
@@ -347,7 +395,7 @@ class RendezvousClient:
                         backoff.reset()
                         yield view
                 except grpc.aio.AioRpcError as rpc_error:
-                    if rpc_error.code() not in _RETRY_CODES:
+                    if rpc_error.code() not in RETRY_CODES:
                         raise error_from_rpc(rpc_error) from None
             await asyncio.sleep(backoff.next())
 
@@ -382,11 +430,14 @@ class RendezvousClient:
         service's earliest suspicion of a silent member is not above this
         client's ``fence_window``, the member leaves again at once and
         ``UnsafeFenceWindow`` is raised."""
-        if self._session_task is not None:
+        if self._in_session:
             raise RuntimeError("this client already joined; use a new client to rejoin")
         request = pb.JoinRequest(
             job=self._job, address=address, name=name,
             fingerprint=fingerprint.as_dict() if fingerprint is not None else {},
+            # On a shared session the view comes from the carrier, which
+            # has it: decoding a view of thousands per joiner is not free.
+            view_on_session=self._carrier is not None,
         )  # fmt: skip
         response = await self._call(
             "Join", request, leader_only=True, patience=self._config.join_deadline
@@ -406,8 +457,13 @@ class RendezvousClient:
         self._on_view = on_view
         self._on_end = on_end
         self._on_busy = on_busy
-        self._set_view(view_from_pb(response.view))
-        self._session_task = asyncio.create_task(self._session_forever(), name="session")
+        if response.HasField("view"):
+            self._set_view(view_from_pb(response.view))
+        self._in_session = True
+        if self._carrier is not None:
+            self._carrier.attach(self)
+        else:
+            self._session_task = asyncio.create_task(self._session_forever(), name="session")
         return response.member_id
 
     def _pace(self, interval_ms: int) -> None:
@@ -549,9 +605,7 @@ class RendezvousClient:
         """Drop the session without leaving (as a crash would) and close channels."""
         self._closing = True
         await self._stop_session()
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._close_channels()
 
     def epoch_secret(self, epoch: int) -> str | None:
         """The secret of view ``epoch`` as the leader sent it (only to members
@@ -571,9 +625,17 @@ class RendezvousClient:
     # --- the session ----------------------------------------------------------------
 
     def _send(self, request: pb.SessionRequest) -> None:
-        if self._session_task is None:
+        if not self._in_session:
             raise RuntimeError("not joined")
-        self._outbox.put_nowait(request)
+        self._queue(request)
+
+    def _queue(self, request: pb.SessionRequest) -> None:
+        """A message for the session: on the member's own stream, or on
+        the carrier's in the member's slot."""
+        if self._carrier is not None:
+            self._carrier.send(self, request)
+        else:
+            self._outbox.put_nowait(request)
 
     def _set_view(self, view: View) -> None:
         if view.epoch <= self._view.epoch and self._view is not EMPTY_VIEW:
@@ -584,6 +646,9 @@ class RendezvousClient:
             self._on_view(view)
 
     async def _stop_session(self) -> None:
+        if self._carrier is not None and self._in_session:
+            self._carrier.detach(self)
+        self._in_session = False
         task, self._session_task = self._session_task, None
         if task is not None:
             task.cancel()
@@ -608,7 +673,7 @@ class RendezvousClient:
                     error = error_from_rpc(rpc_error)
                     if isinstance(error, NotLeader) and error.leader:
                         self._leader_hint = error.leader
-                    if rpc_error.code() in _RETRY_CODES:
+                    if rpc_error.code() in RETRY_CODES:
                         log.debug("session on %s: %s", address, error)
                         continue
                     if isinstance(error, StaleEpoch):
@@ -654,35 +719,47 @@ class RendezvousClient:
                     return opened  # ended cleanly (a failed stream raises instead)
                 opened = True
                 self._leader_hint = address
-                kind = event.WhichOneof("kind")
-                if kind == "ack":
-                    self.last_acked = max(self.last_acked, event.ack.sent_at)
-                elif kind == "epoch_secret":
-                    self._keep_epoch_secret(event.epoch_secret.epoch, event.epoch_secret.secret)
-                elif kind == "view":
-                    if event.view.epoch > self._view.epoch or self._view is EMPTY_VIEW:
-                        # (decoded only if new: a session that opens is sent
-                        # the view in force, which the member mostly holds)
-                        self._set_view(view_from_pb(event.view))
-                elif kind == "view_delta":
-                    change = event.view_delta
-                    if change.epoch_secret:
-                        self._keep_epoch_secret(change.epoch, change.epoch_secret)
-                    self._apply_delta(delta_from_pb(change))
-                elif kind == "pace":
-                    self._pace(event.pace.heartbeat_interval_ms)
-                elif kind == "roll_call":
-                    causes = causes_from_pb(event.roll_call.causes)
-                    await self._answer(event.roll_call.epoch, causes)
-                elif kind == "busy" and self._on_busy is not None:
-                    busy = event.busy
-                    self._on_busy(busy.member_id, busy.seconds, busy.reason)
+                await self._on_event(event)
                 event = await call.read()
         finally:
             call.cancel()
             if writer is not None:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
+
+    async def _on_event(self, event: pb.SessionEvent) -> None:
+        """One event of the member's session."""
+        kind = event.WhichOneof("kind")
+        if kind == "ack":
+            self.last_acked = max(self.last_acked, event.ack.sent_at)
+        elif kind == "epoch_secret":
+            self._keep_epoch_secret(event.epoch_secret.epoch, event.epoch_secret.secret)
+        elif kind == "view":
+            if event.view.epoch > self._view.epoch or self._view is EMPTY_VIEW:
+                # (decoded only if new: a session that opens is sent the
+                # view in force, which the member mostly holds)
+                self._set_view(view_from_pb(event.view))
+        elif kind == "view_delta":
+            change = event.view_delta
+            if change.epoch_secret:
+                self._keep_epoch_secret(change.epoch, change.epoch_secret)
+            self._apply_delta(delta_from_pb(change))
+        elif kind == "pace":
+            self._pace(event.pace.heartbeat_interval_ms)
+        elif kind == "roll_call":
+            await self._answer(event.roll_call.epoch, causes_from_pb(event.roll_call.causes))
+        elif kind == "busy" and self._on_busy is not None:
+            busy = event.busy
+            self._on_busy(busy.member_id, busy.seconds, busy.reason)
+
+    def _progress_due(self) -> pb.SessionRequest | None:
+        """The step committed since the last report (``note_progress``), as
+        the report that goes with the next heartbeat."""
+        committed = self._committed
+        if committed is None or committed == self._step:
+            return None
+        self._step = committed
+        return pb.SessionRequest(progress=pb.Progress(epoch=self._view.epoch, step=committed))
 
     def _apply_delta(self, delta: ViewDelta) -> None:
         """A view sent as a change of the one the session carried before.
@@ -699,7 +776,7 @@ class RendezvousClient:
                 delta.epoch, delta.base_epoch, self._view.epoch,
             )  # fmt: skip
             request = pb.ViewRequest(epoch=self._view.epoch)
-            self._outbox.put_nowait(pb.SessionRequest(view_request=request))
+            self._queue(pb.SessionRequest(view_request=request))
             return
         self._set_view(view)
 
@@ -721,7 +798,7 @@ class RendezvousClient:
             answer.step = step
         if reply.shard_epoch is not None:
             answer.shard_epoch = reply.shard_epoch
-        self._outbox.put_nowait(pb.SessionRequest(answer=answer))
+        self._queue(pb.SessionRequest(answer=answer))
 
     async def _write_session(self, call: Any) -> None:
         """Send queued messages, and a heartbeat every heartbeat interval
@@ -739,11 +816,9 @@ class RendezvousClient:
             try:
                 if now >= next_beat:
                     next_beat = now + self._heartbeat_interval
-                    committed = self._committed
-                    if committed is not None and committed != self._step:
-                        self._step = committed
-                        progress = pb.Progress(epoch=self._view.epoch, step=committed)
-                        await call.write(pb.SessionRequest(progress=progress))
+                    progress = self._progress_due()
+                    if progress is not None:
+                        await call.write(progress)
                     beat = pb.Heartbeat(epoch=self._view.epoch, sent_at=now)
                     await call.write(pb.SessionRequest(heartbeat=beat))
                 if request is not None:

@@ -113,6 +113,17 @@ def error_metadata(error: RollcallError) -> tuple[tuple[str, str], ...]:
     return ()
 
 
+def end_to_pb(error: RollcallError) -> pb.SessionEnd:
+    """How ``error`` ends one member's session on a shared stream: the
+    status and trailing metadata its own stream would have ended with."""
+    named = dict(error_metadata(error)).get(ERROR_METADATA, "")
+    return pb.SessionEnd(code=status_of(error).value[0], message=str(error), error=named)
+
+
+#: gRPC status codes by number (``SessionEnd.code``).
+STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def view_to_pb(view: View) -> pb.View:
     message = pb.View(
         epoch=view.epoch,
