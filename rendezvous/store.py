@@ -213,6 +213,11 @@ class EtcdStore:
         #: Malformed records already logged: key -> mod_revision.
         self._warned: dict[bytes, int] = {}
         self._warned_lock = threading.Lock()
+        #: The view last decoded or written, and its bytes: the view key is
+        #: read every keep-alive round and every view poll, and a view of
+        #: thousands of members costs milliseconds to decode and check
+        #: (one pair, replaced as a whole: safe across the etcd threads).
+        self._known_view: tuple[bytes, View] = (b"", EMPTY_VIEW)
         base = f"{_PREFIX}{job}/"
         self.prefix = base.encode()
         self._view_key = f"{base}view".encode()
@@ -263,13 +268,22 @@ class EtcdStore:
             return EMPTY_VIEW, 0, ""
         kv = response.kvs[0]
         try:
-            return records.check_view(kv.value, self._config), int(kv.mod_revision), ""
+            return self._view_of(kv.value), int(kv.mod_revision), ""
         except MalformedRecord as exc:
             return None, int(kv.mod_revision), str(exc)
 
+    def _view_of(self, value: bytes) -> View:
+        """``records.check_view(value)``, decoded once per value."""
+        known_bytes, known = self._known_view
+        if value == known_bytes:
+            return known
+        view = records.check_view(value, self._config)
+        self._known_view = (bytes(value), view)
+        return view
+
     def _checked_view(self, kv: Any) -> View:
         try:
-            return records.check_view(kv.value, self._config)
+            return self._view_of(kv.value)
         except MalformedRecord as exc:
             raise MalformedRecord(
                 f"etcd holds a malformed view of job {self.job} at {kv.key.decode()} ({exc})"
@@ -308,6 +322,7 @@ class EtcdStore:
         the retry finds exactly this view in place, that counts as success.)
         """
         value = view.to_json().encode()
+        self._known_view = (value, view)
         if prev_revision == 0:
             view_compare = key_compare(self._view_key, "CREATE", 0)
         else:
@@ -647,7 +662,7 @@ class EtcdStore:
             if kv is None:
                 return
             try:
-                view = records.check_view(kv.value, self._config)
+                view = self._view_of(kv.value)
             except MalformedRecord as exc:
                 self._ignore(kv, exc)
                 return
