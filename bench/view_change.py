@@ -62,6 +62,7 @@ import os
 import platform
 import re
 import secrets
+import shutil
 import signal
 import statistics
 import subprocess
@@ -413,7 +414,7 @@ class Service:
                 found[int(match[2])] = wall - offset
         return found
 
-    def stop(self) -> None:
+    def stop(self, keep_log: Path | None = None) -> None:
         if self.replica is not None:
             self.replica.terminate()
             try:
@@ -422,6 +423,9 @@ class Service:
                 self.replica.kill()
                 self.replica.wait(timeout=10)
             self._log.close()
+            if keep_log is not None:
+                keep_log.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(self.log_path, keep_log)
         self.etcd.stop()
         self._tmp.cleanup()
 
@@ -682,7 +686,7 @@ def run_size(args: argparse.Namespace, size: int) -> dict[str, Any]:
     finally:
         if fleet is not None:
             fleet.close()
-        service.stop()
+        service.stop(args.logs / f"rendezvous-{size}.log" if args.logs else None)
 
 
 def idle_check(run: Run, seconds: float) -> dict[str, Any]:
@@ -765,6 +769,8 @@ def main() -> int:
                         help="sample the service with py-spy (in the venv) during the burst, "
                              "the idle window and the events; collapsed stacks into DIR, shares "
                              "by function in the table and the JSON")  # fmt: skip
+    parser.add_argument("--logs", type=Path, default=None, metavar="DIR",
+                        help="keep the service's log of each size in DIR")
     parser.add_argument("--json", type=Path, default=None,
                         help="default bench/results/view_change.json "
                              "(view_change-idle.json with --idle-check)")  # fmt: skip

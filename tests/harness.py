@@ -193,6 +193,7 @@ class MemberProcess(Process):
         log_path: Path,
         name: str = "p",
         progress: bool = False,
+        agent: str | None = None,
     ) -> None:
         argv = [
             sys.executable,
@@ -207,6 +208,8 @@ class MemberProcess(Process):
         ]
         if progress:
             argv.append("--progress")
+        if agent is not None:
+            argv += ["--agent", agent]
         super().__init__(argv, {"ROLLCALL_TOKEN": token}, log_path)
         joined = self.wait_event(lambda e: e["event"] == "joined", timeout=30)
         self.member_id: str = joined["member_id"]
@@ -271,10 +274,13 @@ class ControlPlane:
     def addresses(self) -> list[str]:
         return [r.address for r in self.replicas]
 
-    def add_member(self, name: str = "p", progress: bool = False) -> MemberProcess:
+    def add_member(
+        self, name: str = "p", progress: bool = False, agent: str | None = None
+    ) -> MemberProcess:
         member = MemberProcess(
             self.addresses, self.job, self.token,
             self.workdir / f"member{len(self.members)}.log", name=name, progress=progress,
+            agent=agent,
         )  # fmt: skip
         self.members.append(member)
         return member

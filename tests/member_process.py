@@ -1,6 +1,7 @@
 """A lightweight member as its own process, for tests that kill or freeze it.
 
     python -m tests.member_process --rendezvous A[,B] --job J [--address HOST:PORT]
+        [--agent ADDRESS]
 
 Reads the token from $ROLLCALL_TOKEN. Prints one JSON object per line on
 stdout: {"event": "joined", "member_id": ..., "secret": ...} (its member
@@ -32,8 +33,9 @@ def emit(**record: object) -> None:
 
 async def run(args: argparse.Namespace) -> int:
     client = RendezvousClient(
-        args.rendezvous.split(","), args.job, os.environ["ROLLCALL_TOKEN"], Config()
-    )
+        args.rendezvous.split(","), args.job, os.environ["ROLLCALL_TOKEN"], Config(),
+        agent=args.agent,
+    )  # fmt: skip
 
     def on_view(view: View) -> None:
         emit(event="view", epoch=view.epoch, members=list(view.ids))
@@ -70,6 +72,7 @@ def main() -> int:
     parser.add_argument("--address", default="127.0.0.1:1")
     parser.add_argument("--name", default="p")
     parser.add_argument("--progress", action="store_true", help="report a step every 0.1 s")
+    parser.add_argument("--agent", default=None, help="a host agent carrying its session")
     return asyncio.run(run(parser.parse_args()))
 
 

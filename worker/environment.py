@@ -11,6 +11,9 @@ from __future__ import annotations
 
 #: Rendezvous replica addresses, ``HOST:PORT[,HOST:PORT...]``.
 ENV_RENDEZVOUS = "ROLLCALL_RENDEZVOUS"
+#: The host agent that carries this host's sessions (``rollcall agent``):
+#: ``unix:PATH`` or a loopback ``HOST:PORT``.
+ENV_AGENT = "ROLLCALL_AGENT"
 #: The job's name.
 ENV_JOB = "ROLLCALL_JOB"
 #: Prefix of the member id (``w0`` -> ``w0-1a2b3c4d``).

@@ -92,6 +92,7 @@ from rollcall.worker.contract import (
 from rollcall.worker.digest import digest, tree_digest
 from rollcall.worker.environment import (
     DEFAULT_NAME,
+    ENV_AGENT,
     ENV_CHECKPOINT_DIR,
     ENV_JOB,
     ENV_NAME,
@@ -307,6 +308,7 @@ class Elastic:
         min_workers: int = 1,
         start_over: bool = False,
         rendezvous: Sequence[str] | str | None = None,
+        agent: str | None = None,
         job: str | None = None,
         token: str | None = None,
         host: str = "127.0.0.1",
@@ -335,6 +337,8 @@ class Elastic:
             addresses = [a for a in addresses.split(",") if a]
         if not addresses:
             raise ValueError(f"no rendezvous address: pass rendezvous= or set {ENV_RENDEZVOUS}")
+        #: The host agent that carries this host's sessions, if any.
+        self._agent = agent or os.environ.get(ENV_AGENT) or None
         self.job_name = job or os.environ.get(ENV_JOB, "")
         if not self.job_name:
             raise ValueError(f"no job name: pass job= or set {ENV_JOB}")
@@ -496,7 +500,9 @@ class Elastic:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollcall", daemon=True)
         self._thread.start()
-        self._client = RendezvousClient(addresses, self.job_name, self._token, self._config, tls)
+        self._client = RendezvousClient(
+            addresses, self.job_name, self._token, self._config, tls, agent=self._agent
+        )
         self._fetcher: StateFetcher | None = None
         self._server: grpc.aio.Server | None = None
         self._servicer: StateServer | None = None

@@ -54,6 +54,9 @@ class Carrier:
     members: dict[int, MemberSession] = field(default_factory=dict)
     #: Opens seen on the stream: the next Open's slot is this plus one.
     opened: int = 0
+    #: Its members' sessions are relayed from other processes (a host
+    #: agent, ``Open.relayed``): the stream breaking suspects none of them.
+    relayed: bool = False
 
     def send(self, event: pb.SessionEvent | bytes, slots: Iterable[int] = ()) -> None:
         """Queue an event for the members ``slots`` (none: all of them)."""

@@ -172,7 +172,7 @@ class Sessions(CheckpointCalls):
     ) -> AsyncIterator[bytes]:
         """A shared stream (``Open.shared``): the sessions of several
         members, each added by an Open, all under the stream's heartbeats."""
-        carrier = Carrier(key=f"@{next(_CARRIER_NUMBERS)}")
+        carrier = Carrier(key=f"@{next(_CARRIER_NUMBERS)}", relayed=first.open.relayed)
         lead.carriers[carrier.key] = carrier
         lead.leader.carrier_opened(carrier.key, self._clock())
         interval = lead.leader.pace
@@ -206,9 +206,17 @@ class Sessions(CheckpointCalls):
                         del lead.sessions[session.member_id]
                 # Broken (its holder killed, the connection cut): every
                 # member on it is suspected, as its own stream breaking
-                # would be. Ended on a message this leader refused: they
-                # may come back on another stream.
-                lead.leader.carrier_ended(carrier.key, self._clock(), broken=not ended)
+                # would be, unless the holder only relayed them (their
+                # processes may live on). Ended on a message this leader
+                # refused: they may come back on another stream.
+                broken = not ended and not carrier.relayed
+                if not ended and carrier.relayed:
+                    log.warning(
+                        "shared session %s of a host agent broke: its %d members are "
+                        "suspected unless they open their sessions again within %.1f s",
+                        carrier.key, len(carrier.members), self._config.earliest_suspicion(),
+                    )  # fmt: skip
+                lead.leader.carrier_ended(carrier.key, self._clock(), broken=broken)
                 self._drain(lead)
 
     async def _read_carrier(

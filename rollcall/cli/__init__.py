@@ -3,7 +3,7 @@ modules here by concern.
 
 - ``group``: every expected error as one line on stderr, and the exit codes;
 - ``options``: flags several commands share, and where a command goes;
-- ``control_plane``: ``etcd``, ``etcd-auth``, ``rendezvous``;
+- ``control_plane``: ``etcd``, ``etcd-auth``, ``rendezvous``, ``agent``;
 - ``status``; ``up`` (a local cluster); ``operate``: ``add``, ``kill``,
   ``chaos``; ``worker`` (the built-in example job);
 - ``plan`` (a job's detector timeout and checkpoint interval, from the
@@ -22,7 +22,7 @@ import signal
 import click
 
 from rollcall.checkpoints import build as build_checkpoints
-from rollcall.cli.control_plane import etcd, etcd_auth, rendezvous
+from rollcall.cli.control_plane import agent, etcd, etcd_auth, rendezvous
 from rollcall.cli.group import RollcallGroup
 from rollcall.cli.operate import add, chaos, kill
 from rollcall.cli.options import resolve_target, target_options, token_option
@@ -43,6 +43,8 @@ def main() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-for _command in (etcd, etcd_auth, rendezvous, status, up, add, kill, chaos, worker, report, plan):
+for _command in (
+    etcd, etcd_auth, rendezvous, agent, status, up, add, kill, chaos, worker, report, plan
+):
     main.add_command(_command)
 main.add_command(build_checkpoints(resolve_target, target_options, token_option))

@@ -1,5 +1,6 @@
-"""``rollcall etcd``, ``rollcall etcd-auth`` and ``rollcall rendezvous``: the
-control plane's processes, and etcd's authentication."""
+"""``rollcall etcd``, ``rollcall etcd-auth``, ``rollcall rendezvous`` and
+``rollcall agent``: the control plane's processes, and etcd's
+authentication."""
 
 from __future__ import annotations
 
@@ -272,3 +273,73 @@ def private_workdir(data_dir: Path | None, what: str = "--data-dir") -> Path:
     from rollcall.private import private_directory
 
     return private_directory(data_dir, what)
+
+
+@click.command()
+@click.option(
+    "--rendezvous",
+    "addresses",
+    required=True,
+    metavar="HOST:PORT[,HOST:PORT...]",
+    help="The rendezvous replicas.",
+)
+@click.option("--job", required=True, callback=check_job, help="The job whose sessions it carries.")
+@click.option(
+    "--listen",
+    required=True,
+    metavar="unix:PATH | HOST:PORT",
+    help="Where this host's workers reach it: a Unix socket, or a loopback address (no TLS: "
+    "nothing beyond this host).",
+)
+@token_option
+@click.option(
+    "--tls-ca",
+    type=click.Path(exists=True, dir_okay=False),
+    help="CA of the service's certificate.",
+)
+@click.option(
+    "--tls-cert", type=click.Path(exists=True, dir_okay=False), help="Client certificate."
+)
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="Client key.")
+@log_level_option("info")
+@config_option
+def agent(
+    addresses: str,
+    job: str,
+    listen: str,
+    token_file: Path | None,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    log_level: str,
+    overrides: tuple[str, ...],
+) -> None:
+    """Carry this host's workers' sessions to the leader on one stream.
+
+    Workers told its address (`rollcall worker --agent`, `Elastic(agent=...)`,
+    $ROLLCALL_AGENT) open their sessions here; the leader then takes one
+    stream and one heartbeat per interval from the host instead of one per
+    worker (docs/protocol.md, "Shared sessions"). If the agent is gone or
+    cannot reach the leader, the workers' sessions go to the replicas
+    directly."""
+    from rollcall.agent.server import AgentOptions, serve_until_signalled
+    from rollcall.membership.errors import InvalidRequest
+    from rollcall.protocol.client import ClientTLS
+    from rollcall.protocol.wire import read_token
+
+    config = parse_overrides(overrides)
+    if (tls_cert or tls_key) and not tls_ca:
+        raise click.UsageError("--tls-cert/--tls-key need --tls-ca")
+    options = AgentOptions(
+        rendezvous=split_list(addresses),
+        job=job,
+        token=read_token(token_file),
+        listen=listen,
+        config=config,
+        tls=ClientTLS(tls_ca, tls_cert, tls_key) if tls_ca else None,
+    )
+    setup_logging(log_level)
+    try:
+        asyncio.run(serve_until_signalled(options, ready="agent ready at {address}"))
+    except InvalidRequest as error:
+        raise click.UsageError(str(error)) from None

@@ -31,6 +31,13 @@ from rollcall.cli.options import (
     metavar="HOST:PORT[,...]",
     help="Rendezvous replica addresses.",
 )
+@click.option(
+    "--agent",
+    metavar="unix:PATH | HOST:PORT",
+    help="The host agent that carries this host's sessions (rollcall agent; default "
+    "$ROLLCALL_AGENT); without one, or when it does not answer, the session goes to the "
+    "replicas directly.",
+)
 @click.option("--job", required=True, callback=check_job, help="Job name.")
 @token_option
 @click.option(
@@ -149,7 +156,7 @@ from rollcall.cli.options import (
 @log_level_option("warning")
 @config_option
 def worker(
-    addresses: str, job: str, token_file: Path | None, example: str, steps: int,
+    addresses: str, agent: str | None, job: str, token_file: Path | None, example: str, steps: int,
     global_batch: int, micro_batch: int, seed: int, context: int, d_model: int, layers: int,
     host: str, name: str | None, ledger: Path | None, digest_every: int,
     checkpoint_dir: Path | None, checkpoint_every: int, metrics_port: int | None,
@@ -215,7 +222,8 @@ def worker(
 
     try:
         train(
-            run, say, rendezvous=split_list(addresses), job=job, token=token, host=host,
+            run, say, rendezvous=split_list(addresses), agent=agent, job=job, token=token,
+            host=host,
             name=name, ledger=ledger, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, metrics_port=metrics_port, config=config,
             min_workers=min_workers, start_over=start_over, exact=exact, overlap=overlap,

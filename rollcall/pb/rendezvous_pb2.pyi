@@ -162,20 +162,22 @@ class ViewRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("job", "member_id", "epoch", "member_secret", "view_deltas", "shared")
+    __slots__ = ("job", "member_id", "epoch", "member_secret", "view_deltas", "shared", "relayed")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBER_SECRET_FIELD_NUMBER: _ClassVar[int]
     VIEW_DELTAS_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     job: str
     member_id: str
     epoch: int
     member_secret: str
     view_deltas: bool
     shared: bool
-    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., member_secret: _Optional[str] = ..., view_deltas: _Optional[bool] = ..., shared: _Optional[bool] = ...) -> None: ...
+    relayed: bool
+    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., member_secret: _Optional[str] = ..., view_deltas: _Optional[bool] = ..., shared: _Optional[bool] = ..., relayed: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("epoch", "sent_at")

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -53,13 +54,56 @@ BATCH_BYTES = 32 * 1024
 _FENCE_SHARE = 0.6
 
 
+class Rider(Protocol):
+    """A member whose session a ``SessionCarrier`` carries and that is not
+    a ``RendezvousClient`` of this process: one relayed from another
+    process by a host agent (``rollcall.agent``). Its events are handed on
+    encoded, without their slots."""
+
+    @property
+    def member_id(self) -> str | None: ...
+
+    def opening(self) -> pb.Open:
+        """Its Open on a (new) stream, ``shared`` set."""
+        ...
+
+    @property
+    def closing(self) -> bool:
+        """Whether it is leaving (a clean end of its session is no news)."""
+        ...
+
+    def progress_due(self) -> pb.SessionRequest | None:
+        """A message to send with the stream's next heartbeat, if any."""
+        ...
+
+    def beat(self, sent_at: float) -> None:
+        """The stream's heartbeat of ``sent_at`` was written."""
+        ...
+
+    def acked(self, sent_at: float) -> None:
+        """The leader acknowledged the stream's heartbeat of ``sent_at``,
+        sent after this member was opened on it."""
+        ...
+
+    def relay(self, event: bytes) -> None:
+        """An event of its session, encoded."""
+        ...
+
+    def end(self, error: RollcallError | None) -> None:
+        """The leader ended its session: with ``error``, or cleanly."""
+        ...
+
+
+Carried = RendezvousClient | Rider
+
+
 @dataclass(frozen=True)
 class _Message:
     """Queued: a member's message, sent in the member's slot on the stream
     up when it is written (a slot number of an earlier stream would name
     another member on this one)."""
 
-    member: RendezvousClient
+    member: Carried
     request: pb.SessionRequest
 
 
@@ -67,7 +111,7 @@ class _Message:
 class _Opening:
     """Queued: the Open of a member attached while the stream was up."""
 
-    member: RendezvousClient
+    member: Carried
 
 
 @dataclass(frozen=True)
@@ -92,19 +136,25 @@ class SessionCarrier(ReplicaSet):
         token: str,
         config: Config | None = None,
         tls: ClientTLS | None = None,
+        relayed: bool = False,
     ) -> None:
+        """``relayed``: the members live in other processes (``Rider``s of
+        a host agent), so a broken stream is no evidence against them."""
         super().__init__(addresses, job, token, config, tls)
+        self._relayed = relayed
         #: The members attached, in the order they were.
-        self._members: list[RendezvousClient] = []
+        self._members: list[Carried] = []
         #: On the current stream: each member's slot, and who is in each.
         self._slot_of: dict[int, int] = {}  # id(member) -> slot
-        self._in_slot: dict[int, RendezvousClient] = {}
+        self._in_slot: dict[int, Carried] = {}
         self._opened = 0
         #: When each member's Open was written on the current stream: an
         #: acknowledgement of a heartbeat sent before it does not vouch
         #: for the member (the leader did not count it yet).
         self._open_sent: dict[int, float] = {}
         self._streaming = False
+        #: Whether a stream is up and its replica answered.
+        self.connected = False
         #: Which stream is up (each new one is counted).
         self._stream = 0
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
@@ -120,7 +170,7 @@ class SessionCarrier(ReplicaSet):
         self.last_acked = 0.0
 
     @property
-    def members(self) -> tuple[RendezvousClient, ...]:
+    def members(self) -> tuple[Carried, ...]:
         return tuple(self._members)
 
     @property
@@ -129,12 +179,12 @@ class SessionCarrier(ReplicaSet):
 
     # --- members come and go ------------------------------------------------------
 
-    def attach(self, member: RendezvousClient) -> None:
+    def attach(self, member: Carried) -> None:
         """Carry ``member``'s session (after its Join): it is opened on the
         stream now if the stream is up, else when it is."""
         if self._closing:
             raise RuntimeError("the session carrier is closed")
-        if self.view.epoch > member.view.epoch:
+        if isinstance(member, RendezvousClient) and self.view.epoch > member.view.epoch:
             member._set_view(self.view)  # the newest view any member here holds
         self._members.append(member)
         if self._streaming:
@@ -144,10 +194,14 @@ class SessionCarrier(ReplicaSet):
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._forever(), name="shared-session")
 
-    def detach(self, member: RendezvousClient, silent: bool = False, reason: str = "") -> None:
+    def detach(
+        self, member: Carried, silent: bool = False, reason: str = "", quietly: bool = False
+    ) -> None:
         """Stop carrying ``member``'s session: off the stream with
         ``Close`` (``silent``: nothing was heard from it), which suspects it
-        if it is still in the job (a member that left is not)."""
+        if it is still in the job (a member that left is not); ``quietly``:
+        without, for a member whose session opens again at once (the
+        leader ends the old one itself then)."""
         if member not in self._members:
             return
         self._members.remove(member)
@@ -155,11 +209,12 @@ class SessionCarrier(ReplicaSet):
         self._open_sent.pop(id(member), None)
         if slot is not None:
             self._in_slot.pop(slot, None)
+        if slot is not None and not quietly:
             why = pb.Close.SILENT if silent else pb.Close.ENDED
             request = pb.SessionRequest(slot=slot, close=pb.Close(why=why, reason=reason[:256]))
             self._queue.put_nowait(_Closing(self._stream, request))
 
-    def send(self, member: RendezvousClient, request: pb.SessionRequest) -> None:
+    def send(self, member: Carried, request: pb.SessionRequest) -> None:
         """A message of ``member``'s session, sent in its slot of the
         stream up when it is written; kept while no stream is up."""
         self._queue.put_nowait(_Message(member, request))
@@ -181,7 +236,7 @@ class SessionCarrier(ReplicaSet):
             await asyncio.gather(task, return_exceptions=True)
         await self._close_channels()
 
-    def _seat(self, member: RendezvousClient) -> int:
+    def _seat(self, member: Carried) -> int:
         """Give ``member`` the next slot of the current stream."""
         self._opened += 1
         slot = self._opened
@@ -224,7 +279,7 @@ class SessionCarrier(ReplicaSet):
     def _end_all(self, error: RollcallError) -> None:
         for member in list(self._members):
             self._members.remove(member)
-            member._end(error)
+            _end(member, error)
 
     async def _stream_on(self, address: str) -> bool:
         """Hold the shared stream on ``address`` until it ends; whether the
@@ -257,12 +312,12 @@ class SessionCarrier(ReplicaSet):
             while True:
                 if event is grpc.aio.EOF:
                     return opened
-                opened = True
+                opened = self.connected = True
                 self._leader_hint = address
                 await self._dispatch(event)
                 event = await call.read()
         finally:
-            self._streaming = False
+            self._streaming = self.connected = False
             call.cancel()
             if writer is not None:
                 writer.cancel()
@@ -290,8 +345,14 @@ class SessionCarrier(ReplicaSet):
                 next_beat = now + self._interval
                 for member in self._members:
                     slot = self._slot_of.get(id(member))
-                    progress = member._progress_due() if slot is not None else None
-                    if progress is not None and slot is not None:
+                    if slot is None:
+                        continue
+                    if isinstance(member, RendezvousClient):
+                        progress = member._progress_due()
+                    else:
+                        progress = member.progress_due()
+                        member.beat(now)
+                    if progress is not None:
                         progress.slot = slot
                         batch.append(progress)
                 batch.append(pb.SessionRequest(heartbeat=pb.Heartbeat(sent_at=now)))
@@ -318,13 +379,18 @@ class SessionCarrier(ReplicaSet):
         elif isinstance(item, _Closing) and item.stream == self._stream:
             batch.append(item.request)
 
-    def _open_request(self, member: RendezvousClient, slot: int) -> pb.SessionRequest:
+    def _open_request(self, member: Carried, slot: int) -> pb.SessionRequest:
+        if not isinstance(member, RendezvousClient):
+            opening = member.opening()
+            opening.relayed = self._relayed
+            return pb.SessionRequest(slot=slot, open=opening)
         assert member.member_id is not None
         return pb.SessionRequest(
             slot=slot,
             open=pb.Open(
                 job=self._job, member_id=member.member_id, epoch=member.view.epoch,
                 member_secret=member._member_secret, view_deltas=True, shared=True,
+                relayed=self._relayed,
             ),
         )  # fmt: skip
 
@@ -338,12 +404,30 @@ class SessionCarrier(ReplicaSet):
                 self.last_acked = max(self.last_acked, sent_at)
                 for member in self._members:
                     if self._open_sent.get(id(member), float("inf")) <= sent_at:
-                        member.last_acked = max(member.last_acked, sent_at)
+                        if isinstance(member, RendezvousClient):
+                            member.last_acked = max(member.last_acked, sent_at)
+                        else:
+                            member.acked(sent_at)
             elif kind == "pace":
                 self._pace(event.pace.heartbeat_interval_ms)
             return
-        members = [m for m in (self._in_slot.get(s) for s in event.slots) if m is not None]
-        if kind == "view":
+        addressed = [m for m in (self._in_slot.get(s) for s in event.slots) if m is not None]
+        riders = [m for m in addressed if not isinstance(m, RendezvousClient)]
+        members = [m for m in addressed if isinstance(m, RendezvousClient)]
+        if riders and kind != "end":
+            # Handed on as they came, for a process that reads them itself.
+            plain = pb.SessionEvent()
+            plain.CopyFrom(event)
+            plain.ClearField("slots")
+            encoded = plain.SerializeToString()
+            for rider in riders:
+                rider.relay(encoded)
+        if kind == "end":
+            for member in addressed:
+                self._ended(member, event.end)
+        elif not members:
+            return
+        elif kind == "view":
             if all(event.view.epoch <= m.view.epoch for m in members):
                 return
             # One view per epoch: the one the carrier holds is the one sent
@@ -365,9 +449,6 @@ class SessionCarrier(ReplicaSet):
             causes = causes_from_pb(event.roll_call.causes)
             epoch = event.roll_call.epoch
             await asyncio.gather(*(m._answer(epoch, causes) for m in members))
-        elif kind == "end":
-            for member in members:
-                self._ended(member, event.end)
         else:
             for member in members:
                 await member._on_event(event)
@@ -376,7 +457,7 @@ class SessionCarrier(ReplicaSet):
         if view.epoch > self.view.epoch:
             self.view = view
 
-    def _ended(self, member: RendezvousClient, end: pb.SessionEnd) -> None:
+    def _ended(self, member: Carried, end: pb.SessionEnd) -> None:
         """The leader ended ``member``'s session (the others go on)."""
         slot = self._slot_of.pop(id(member), None)
         if slot is not None:
@@ -384,18 +465,19 @@ class SessionCarrier(ReplicaSet):
         self._open_sent.pop(id(member), None)
         if member not in self._members:
             return
-        if end.code == 0:
-            # Ended cleanly: the member left, or its session was replaced;
-            # one that did neither opens again.
-            if member._closing:
-                self._members.remove(member)
-            else:
-                self._members.remove(member)
-                self.attach(member)
-            return
         self._members.remove(member)
+        if end.code == 0:
+            # Ended cleanly: the member left, or its session was replaced.
+            # A member of this process that did neither opens again; a
+            # relayed one's own stream ends (its process opens it again).
+            if isinstance(member, RendezvousClient):
+                if not member._closing:
+                    self.attach(member)
+            else:
+                member.end(None)
+            return
         error = error_from_end(end)
-        member._end(Evicted(str(error)) if isinstance(error, StaleEpoch) else error)
+        _end(member, Evicted(str(error)) if isinstance(error, StaleEpoch) else error)
 
     def _pace(self, interval_ms: int) -> None:
         """The stream heartbeats as the leader says, within the members'
@@ -404,6 +486,13 @@ class SessionCarrier(ReplicaSet):
             return
         cap = max(self._config.heartbeat_interval, _FENCE_SHARE * self._config.fence_window)
         self._interval = min(interval_ms / 1000, cap)
+
+
+def _end(member: Carried, error: RollcallError) -> None:
+    if isinstance(member, RendezvousClient):
+        member._end(error)
+    else:
+        member.end(error)
 
 
 def _batches(requests: list[pb.SessionRequest]) -> list[pb.SessionRequest]:

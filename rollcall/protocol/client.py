@@ -215,9 +215,14 @@ class ReplicaSet:
         token: str,
         config: Config | None = None,
         tls: ClientTLS | None = None,
+        agent: str | None = None,
     ) -> None:
+        """``agent``: a host agent's address (``rollcall agent``), which
+        carries this host's sessions: a member's session is opened there
+        first and on the replicas when it does not answer."""
         if not addresses:
             raise ValueError("no rendezvous address given")
+        self._agent = agent
         self._addresses = list(addresses)
         self._job = job
         self._metadata = token_metadata(token)
@@ -236,7 +241,10 @@ class ReplicaSet:
                 ("grpc.initial_reconnect_backoff_ms", _ms(config.client_retry_initial)),
                 ("grpc.max_reconnect_backoff_ms", _ms(config.client_retry_max)),
             ]
-            channel = open_channel(address, self._tls, options)
+            # The agent is on this host, reached without TLS
+            # (``rollcall.agent.server.check_listen``).
+            tls = None if address == self._agent else self._tls
+            channel = open_channel(address, tls, options)
             self._channels[address] = channel
         return pb_grpc.RendezvousStub(channel)
 
@@ -273,8 +281,9 @@ class RendezvousClient(ReplicaSet):
         config: Config | None = None,
         tls: ClientTLS | None = None,
         carrier: SessionCarrier | None = None,
+        agent: str | None = None,
     ) -> None:
-        super().__init__(addresses, job, token, config, tls)
+        super().__init__(addresses, job, token, config, tls, agent)
         self._carrier = carrier
         self.member_id: str | None = None
         #: The member's credential from the Join answer: every later call
@@ -657,6 +666,8 @@ class RendezvousClient(ReplicaSet):
     async def _session_forever(self) -> None:
         backoff = self._retry_backoff()
         while not self._closing:
+            if self._agent is not None and (await self._on_agent(self._agent) or self._closing):
+                return
             for address in self._order():
                 try:
                     if await self._session_on(address):
@@ -683,6 +694,26 @@ class RendezvousClient(ReplicaSet):
                 if self._closing:
                     return
             await asyncio.sleep(backoff.next())
+
+    async def _on_agent(self, address: str) -> bool:
+        """Hold the session on the host agent until it ends; whether the
+        member's session is over for good (the agent passed on a refusal
+        of the leader's). An agent that does not answer, or cannot reach
+        the leader, sends the session to the replicas."""
+        try:
+            await self._session_on(address)
+            return False
+        except TimeoutError:
+            log.info("session on the host agent %s: no answer; on the replicas instead", address)
+        except grpc.aio.AioRpcError as rpc_error:
+            error = error_from_rpc(rpc_error)
+            if rpc_error.code() in RETRY_CODES:
+                log.info("session on the host agent %s: %s; on the replicas instead",
+                         address, error)  # fmt: skip
+                return False
+            self._end(Evicted(str(error)) if isinstance(error, StaleEpoch) else error)
+            return True
+        return False
 
     def _end(self, error: RollcallError) -> None:
         log.info("session of %s ended: %s", self.member_id, error)
@@ -718,7 +749,8 @@ class RendezvousClient(ReplicaSet):
                 if event is grpc.aio.EOF:
                     return opened  # ended cleanly (a failed stream raises instead)
                 opened = True
-                self._leader_hint = address
+                if address != self._agent:
+                    self._leader_hint = address
                 await self._on_event(event)
                 event = await call.read()
         finally:
