@@ -320,6 +320,20 @@ class ControlPlane:
                 process.proc.kill()
 
 
+class AgentProcess(Process):
+    """``rollcall agent`` on a Unix socket in ``workdir``."""
+
+    def __init__(self, plane: ControlPlane, workdir: Path) -> None:
+        self.address = f"unix:{workdir / 'agent.sock'}"
+        argv = [
+            sys.executable, "-m", "rollcall.cli", "agent", "--rendezvous",
+            ",".join(plane.addresses), "--job", plane.job, "--listen", self.address,
+            "--token-file", str(plane.token_file), "--log-level", "info",
+        ]  # fmt: skip
+        super().__init__(argv, None, workdir / "agent.log")
+        self.wait_line(lambda line: line.startswith("agent ready at"), timeout=30)
+
+
 class WorkerProcess(Process):
     """`rollcall worker --example lm --json`: a real training process."""
 

@@ -11,7 +11,6 @@ import asyncio
 import os
 import re
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,25 +20,11 @@ import pytest
 from rollcall.membership.config import Config
 from rollcall.membership.errors import InvalidRequest
 from rollcall.protocol.client import RendezvousClient
-from tests.harness import ControlPlane, Process, wait_for
+from tests.harness import AgentProcess, ControlPlane, wait_for
 
 pytestmark = pytest.mark.integration
 
 TIMEOUT = 20.0
-
-
-class AgentProcess(Process):
-    """``rollcall agent`` on a Unix socket in ``workdir``."""
-
-    def __init__(self, plane: ControlPlane, workdir: Path) -> None:
-        self.address = f"unix:{workdir / 'agent.sock'}"
-        argv = [
-            sys.executable, "-m", "rollcall.cli", "agent", "--rendezvous",
-            ",".join(plane.addresses), "--job", plane.job, "--listen", self.address,
-            "--token-file", str(plane.token_file), "--log-level", "info",
-        ]  # fmt: skip
-        super().__init__(argv, None, workdir / "agent.log")
-        self.wait_line(lambda line: line.startswith("agent ready at"), timeout=30)
 
 
 @pytest.fixture

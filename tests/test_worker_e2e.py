@@ -14,7 +14,14 @@ import pytest
 from rollcall.membership.config import Config
 from rollcall.worker.ledger import Ledger, merge_ledgers
 from rollcall.worker.plan import DataPlan
-from tests.harness import ControlPlane, Process, WorkerProcess, start_together, stop_together
+from tests.harness import (
+    AgentProcess,
+    ControlPlane,
+    Process,
+    WorkerProcess,
+    start_together,
+    stop_together,
+)
 
 #: Generous safety bound for "training continues" waits on a loaded 2-core box.
 PATIENCE = 60.0
@@ -34,13 +41,15 @@ class Workers:
         (worker,) = self.start_together(1)
         return worker
 
-    def start_together(self, count: int) -> list[WorkerProcess]:
-        """``count`` workers started at once; returns once each joined."""
+    def start_together(self, count: int, agent: str | None = None) -> list[WorkerProcess]:
+        """``count`` workers started at once (their sessions carried by the
+        host agent at ``agent``, if given); returns once each joined."""
 
         def start(index: int) -> WorkerProcess:
             return WorkerProcess(
                 self.plane, self.tmp_path / f"worker{index}.log", steps=self.steps,
                 ledger=self.tmp_path / f"ledger{index}.jsonl", wait_joined=False,
+                extra=("--agent", agent) if agent else (),
             )  # fmt: skip
 
         return start_together(self.all, start, count)
@@ -80,8 +89,21 @@ def assert_digests_agree(workers: list[WorkerProcess]) -> int:
     return len(by_step)
 
 
-def test_survivors_keep_training_without_restart_when_a_worker_is_killed(workers: Workers):
-    team = workers.start_together(4)
+def test_survivors_keep_training_without_restart_when_a_worker_is_killed(
+    workers: Workers, plane: ControlPlane, tmp_path: Path
+):
+    """Two of the four have their sessions carried by a host agent (one
+    shared stream), the victim among them: a worker behind the agent is
+    found dead as fast as one with a session of its own."""
+    agent = AgentProcess(plane, tmp_path)
+    try:
+        team = workers.start_together(2, agent=agent.address) + workers.start_together(2)
+        killed_behind_the_agent(team, plane)
+    finally:
+        agent.stop(timeout=5)
+
+
+def killed_behind_the_agent(team: list[WorkerProcess], plane: ControlPlane) -> None:
     for worker in team:
         wait_step(worker, lambda e: e["world"] == 4 and e["step"] >= 3)
     victim, survivors = team[1], [team[0], *team[2:]]
@@ -100,6 +122,9 @@ def test_survivors_keep_training_without_restart_when_a_worker_is_killed(workers
     for worker in survivors:
         wait_step(worker, lambda e, s=resumed[0]["step"]: e["step"] >= s + 3)
     print(f"digests compared at {assert_digests_agree(survivors)} steps")
+    log = (plane.workdir / "replica0.log").read_text(errors="replace")
+    assert log.count("on shared session @") == 2
+    assert f"suspect {victim.member_id}: session stream broken" in log
 
 
 def test_joiner_pulls_state_from_peers_and_all_digests_agree(workers: Workers):
