@@ -106,6 +106,12 @@ class Config:
     #: reports may start once its burst is spent.
     report_interval: float = 5.0
 
+    #: More members than this on sessions of their own (not on a host
+    #: agent's shared stream) and the leader says, once, that their hosts
+    #: should run ``rollcall agent``: on 2 cores one leader saturated at
+    #: about 500 such members (docs/protocol.md, "Shared sessions").
+    own_sessions_advised: int = 256
+
     # --- etcd --------------------------------------------------------------
     #: TTL of each member's etcd lease. The leader refreshes it while the
     #: member's session is healthy; it must outlive a leader failover.

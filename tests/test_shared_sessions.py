@@ -267,3 +267,27 @@ def test_shared_sessions_survive_a_leader_failover(tmp_path, etcd) -> None:  # n
         plane.close()
     assert set(after.ids) == set(before.ids[:2])
     assert after.epoch == before.epoch + 1
+
+
+def test_the_leader_advises_host_agents_once_members_on_their_own_streams_are_many(
+    etcd, tmp_path  # noqa: ANN001
+) -> None:
+    plane = ControlPlane([etcd.endpoint], tmp_path, settings=("own_sessions_advised=2",))
+    try:
+
+        async def scenario() -> None:
+            members = [plane.client() for _ in range(4)]
+            for n, member in enumerate(members):
+                await member.join(f"127.0.0.1:{20801 + n}", name=f"o{n}")
+            ids = {m.member_id for m in members}
+            await members[0].wait_view(lambda v: ids <= set(v.ids), TIMEOUT)
+            for member in members:
+                await member.leave()
+                await member.close()
+
+        asyncio.run(scenario())
+        log = (tmp_path / "replica0.log").read_text(errors="replace")
+    finally:
+        plane.close()
+    assert log.count("run `rollcall agent` on each host") == 1
+    assert "3 members hold sessions of their own" in log

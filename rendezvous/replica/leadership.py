@@ -139,6 +139,8 @@ class Leadership:
     sessions: dict[str, MemberSession] = field(default_factory=dict)
     #: The shared session streams open on this leader, by ``Carrier.key``.
     carriers: dict[str, Carrier] = field(default_factory=dict)
+    #: Whether the leader said that the members' hosts should run agents.
+    agents_advised: bool = False
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_reason: str = ""
     #: View commits under way (the view key may change under our own hand).

@@ -143,6 +143,7 @@ class Sessions(CheckpointCalls):
         if carrier is None:
             self._send_view(session, self._view_events(lead, view))
             self._tell_pace(lead, session)
+            self._advise_agents(lead)
         else:
             # On a shared stream the member says which view it holds (its
             # holder shares views among its members): it is sent only what
@@ -160,6 +161,21 @@ class Sessions(CheckpointCalls):
             self._ask(session, rollcall.epoch)
         log.info("session open: %s (epoch %d)%s", member_id, epoch,
                  f" on shared session {carrier.key}" if carrier is not None else "")  # fmt: skip
+
+    def _advise_agents(self, lead: Leadership) -> None:
+        """Say once per leadership when more members than advised hold
+        sessions of their own: each costs this process a stream and a
+        heartbeat per interval, where a host agent's costs one per host."""
+        if lead.agents_advised:
+            return
+        own = sum(1 for session in lead.sessions.values() if session.carrier is None)
+        if own > self._config.own_sessions_advised:
+            lead.agents_advised = True
+            log.warning(
+                "%d members hold sessions of their own: at this size run `rollcall agent` on "
+                "each host and start the workers with --agent (docs/protocol.md, \"Shared "
+                "sessions\"); one leader saturates at a few hundred such sessions", own,
+            )  # fmt: skip
 
     # --- shared sessions --------------------------------------------------------------
 
