@@ -39,6 +39,7 @@ from rollcall.protocol.client import (
     ReplicaSet,
     error_from_end,
     error_from_rpc,
+    paced,
 )
 from rollcall.protocol.wire import causes_from_pb, delta_from_pb, view_from_pb
 
@@ -48,10 +49,6 @@ log = logging.getLogger("rollcall.client")
 #: service refuses a message above ``Config.max_message_bytes`` (64 KiB).
 BATCH_MESSAGES = 512
 BATCH_BYTES = 32 * 1024
-
-#: The heartbeat interval at most, as a share of ``fence_window`` (as a
-#: member's own session: ``rollcall.protocol.client``).
-_FENCE_SHARE = 0.6
 
 
 class Rider(Protocol):
@@ -384,15 +381,9 @@ class SessionCarrier(ReplicaSet):
             opening = member.opening()
             opening.relayed = self._relayed
             return pb.SessionRequest(slot=slot, open=opening)
-        assert member.member_id is not None
         return pb.SessionRequest(
-            slot=slot,
-            open=pb.Open(
-                job=self._job, member_id=member.member_id, epoch=member.view.epoch,
-                member_secret=member._member_secret, view_deltas=True, shared=True,
-                relayed=self._relayed,
-            ),
-        )  # fmt: skip
+            slot=slot, open=member._opening(shared=True, relayed=self._relayed)
+        )
 
     async def _dispatch(self, event: pb.SessionEvent) -> None:
         """One event of the stream: the stream's own (no slots), or for the
@@ -482,10 +473,7 @@ class SessionCarrier(ReplicaSet):
     def _pace(self, interval_ms: int) -> None:
         """The stream heartbeats as the leader says, within the members'
         fence window (as a member's own session does)."""
-        if not interval_ms:
-            return
-        cap = max(self._config.heartbeat_interval, _FENCE_SHARE * self._config.fence_window)
-        self._interval = min(interval_ms / 1000, cap)
+        self._interval = paced(self._config, interval_ms, self._interval)
 
 
 def _end(member: Carried, error: RollcallError) -> None:

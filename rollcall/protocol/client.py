@@ -166,6 +166,18 @@ def _rebuild(base: View, delta: ViewDelta) -> View | None:
     return result
 
 
+def paced(config: Config, interval_ms: int, current: float) -> float:
+    """The heartbeat interval to keep when the leader says ``interval_ms``
+    (0: it does not say, ``current`` stays), but at most every 0.6 x
+    ``fence_window`` (never below the configured interval): a step applies
+    only with the acknowledgement of a heartbeat sent within the fence
+    window."""
+    if not interval_ms:
+        return current
+    cap = max(config.heartbeat_interval, _FENCE_SHARE * config.fence_window)
+    return min(interval_ms / 1000, cap)
+
+
 def error_from_rpc(error: grpc.aio.AioRpcError) -> RollcallError:
     """The named error a gRPC status stands for (see the .proto)."""
     metadata = dict(error.trailing_metadata() or ())
@@ -476,14 +488,8 @@ class RendezvousClient(ReplicaSet):
         return response.member_id
 
     def _pace(self, interval_ms: int) -> None:
-        """Heartbeat every ``interval_ms`` as the leader says (0: it does not
-        say), but at most every 0.6 x ``fence_window`` (never below the
-        configured interval): a step applies only with the acknowledgement
-        of a heartbeat sent within the fence window."""
-        if not interval_ms:
-            return
-        cap = max(self._config.heartbeat_interval, _FENCE_SHARE * self._config.fence_window)
-        self._heartbeat_interval = min(interval_ms / 1000, cap)
+        """Heartbeat as the leader says (``paced``)."""
+        self._heartbeat_interval = paced(self._config, interval_ms, self._heartbeat_interval)
 
     @property
     def heartbeat_interval(self) -> float:
@@ -732,17 +738,7 @@ class RendezvousClient(ReplicaSet):
         writer: asyncio.Task[None] | None = None
         try:
             async with asyncio.timeout(self._config.session_open_timeout):
-                await call.write(
-                    pb.SessionRequest(
-                        open=pb.Open(
-                            job=self._job,
-                            member_id=self.member_id,
-                            epoch=self._view.epoch,
-                            member_secret=self._member_secret,
-                            view_deltas=True,
-                        )  # fmt: skip
-                    )
-                )
+                await call.write(pb.SessionRequest(open=self._opening()))
                 event = await call.read()
             writer = asyncio.create_task(self._write_session(call))
             while True:
@@ -758,6 +754,14 @@ class RendezvousClient(ReplicaSet):
             if writer is not None:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
+
+    def _opening(self, shared: bool = False, relayed: bool = False) -> pb.Open:
+        """The member's Open, on its own stream or a shared one."""
+        assert self.member_id is not None
+        return pb.Open(
+            job=self._job, member_id=self.member_id, epoch=self._view.epoch,
+            member_secret=self._member_secret, view_deltas=True, shared=shared, relayed=relayed,
+        )  # fmt: skip
 
     async def _on_event(self, event: pb.SessionEvent) -> None:
         """One event of the member's session."""
