@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ import grpc
 
 from rollcall.membership.config import Config
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
-from rollcall.protocol.serving import serve
+from rollcall.protocol.serving import serve, until_signalled
 from rollcall.protocol.serving import stop as stop_metrics
 from rollcall.protocol.validation import check_address, check_id
 from rollcall.protocol.wire import TRANSPORT_LIMIT, TokenInterceptor
@@ -165,11 +164,7 @@ async def serve_until_signalled(options: ReplicaOptions, ready: str | None = Non
     running = await start_replica(options)
     if ready is not None:
         print(ready.format(address=running.address), flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_signalled()
     finally:
         await running.stop()

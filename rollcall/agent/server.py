@@ -3,11 +3,9 @@ shared stream to the rendezvous service."""
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
 import os
-import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +17,7 @@ from rollcall.membership.errors import InvalidRequest
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 from rollcall.protocol.carrier import SessionCarrier
 from rollcall.protocol.client import ClientTLS
+from rollcall.protocol.serving import until_signalled
 from rollcall.protocol.validation import check_address, check_id
 from rollcall.protocol.wire import TRANSPORT_LIMIT, TokenInterceptor
 
@@ -107,11 +106,7 @@ async def serve_until_signalled(options: AgentOptions, ready: str | None = None)
     running = await start_agent(options)
     if ready is not None:
         print(ready.format(address=running.address), flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_signalled()
     finally:
         await running.stop()

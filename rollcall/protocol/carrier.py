@@ -29,16 +29,14 @@ from typing import Protocol
 import grpc
 
 from rollcall.membership.config import Config
-from rollcall.membership.errors import Evicted, NotLeader, RollcallError, StaleEpoch
+from rollcall.membership.errors import Evicted, RollcallError, StaleEpoch
 from rollcall.membership.view import EMPTY_VIEW, View
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.protocol.client import (
-    RETRY_CODES,
     ClientTLS,
     RendezvousClient,
     ReplicaSet,
     error_from_end,
-    error_from_rpc,
     paced,
 )
 from rollcall.protocol.wire import causes_from_pb, delta_from_pb, view_from_pb
@@ -250,27 +248,13 @@ class SessionCarrier(ReplicaSet):
                 self._attached.clear()
                 await self._attached.wait()
                 continue
-            for address in self._order():
-                if self._closing or not self._members:
-                    break
-                try:
-                    if await self._stream_on(address):
-                        backoff.reset()
-                except TimeoutError:
-                    log.info("shared session on %s: no answer, trying the next replica", address)
-                    if address == self._leader_hint:
-                        self._leader_hint = None
-                    continue
-                except grpc.aio.AioRpcError as rpc_error:
-                    error = error_from_rpc(rpc_error)
-                    if isinstance(error, NotLeader) and error.leader:
-                        self._leader_hint = error.leader
-                    if rpc_error.code() in RETRY_CODES:
-                        log.debug("shared session on %s: %s", address, error)
-                        continue
-                    self._end_all(Evicted(str(error)) if isinstance(error, StaleEpoch) else error)
-                    return
-            else:
+            ended = await self._round(
+                self._stream_on, backoff, lambda: not self._closing and bool(self._members)
+            )
+            if ended is not None:
+                self._end_all(ended)
+                return
+            if self._members and not self._closing:
                 await asyncio.sleep(backoff.next())
 
     def _end_all(self, error: RollcallError) -> None:

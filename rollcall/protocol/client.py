@@ -271,6 +271,36 @@ class ReplicaSet:
         """The wait between two rounds over the replica list."""
         return Backoff(self._config.client_retry_initial, self._config.client_retry_max)
 
+    async def _round(
+        self, hold: Callable[[str], Awaitable[bool]], backoff: Backoff, going: Callable[[], bool]
+    ) -> RollcallError | None:
+        """One round over the replicas, the presumed leader first: hold a
+        session stream on each in turn (``hold``: until it ends; whether the
+        replica answered) while ``going()``. A replica that does not answer
+        at all (its host is gone: no connection reset) must not hold the
+        session longer than a new leader's takeover grace, and one that is
+        not the leader names it. Returns the error that ends the session for
+        good (a refusal that no other replica would answer otherwise)."""
+        for address in self._order():
+            if not going():
+                return None
+            try:
+                if await hold(address):
+                    backoff.reset()
+            except TimeoutError:
+                log.info("session on %s: no answer to Open, trying the next replica", address)
+                if address == self._leader_hint:
+                    self._leader_hint = None
+            except grpc.aio.AioRpcError as rpc_error:
+                error = error_from_rpc(rpc_error)
+                if isinstance(error, NotLeader) and error.leader:
+                    self._leader_hint = error.leader
+                if rpc_error.code() in RETRY_CODES:
+                    log.debug("session on %s: %s", address, error)
+                    continue
+                return Evicted(str(error)) if isinstance(error, StaleEpoch) else error
+        return None
+
     async def _close_channels(self) -> None:
         for channel in self._channels.values():
             await channel.close()
@@ -674,31 +704,12 @@ class RendezvousClient(ReplicaSet):
         while not self._closing:
             if self._agent is not None and (await self._on_agent(self._agent) or self._closing):
                 return
-            for address in self._order():
-                try:
-                    if await self._session_on(address):
-                        backoff.reset()
-                except TimeoutError:
-                    # A replica that does not answer at all (its host is gone:
-                    # no connection reset) must not hold the session longer
-                    # than the new leader's takeover grace.
-                    log.info("session on %s: no answer to Open, trying the next replica", address)
-                    if address == self._leader_hint:
-                        self._leader_hint = None
-                    continue
-                except grpc.aio.AioRpcError as rpc_error:
-                    error = error_from_rpc(rpc_error)
-                    if isinstance(error, NotLeader) and error.leader:
-                        self._leader_hint = error.leader
-                    if rpc_error.code() in RETRY_CODES:
-                        log.debug("session on %s: %s", address, error)
-                        continue
-                    if isinstance(error, StaleEpoch):
-                        error = Evicted(str(error))
-                    self._end(error)
-                    return
-                if self._closing:
-                    return
+            ended = await self._round(self._session_on, backoff, lambda: not self._closing)
+            if ended is not None:
+                self._end(ended)
+                return
+            if self._closing:
+                return
             await asyncio.sleep(backoff.next())
 
     async def _on_agent(self, address: str) -> bool:

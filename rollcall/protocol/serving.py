@@ -1,10 +1,13 @@
-"""Metrics serving shared by the service and the workers: each process keeps
-its own registry (no global state), served over HTTP by ``prometheus_client``.
-Names are documented in docs/events.md ("Metrics").
+"""What the service, the host agent and the workers share about serving:
+metrics (each process keeps its own registry, no global state, served over
+HTTP by ``prometheus_client``; names in docs/events.md, "Metrics"), and
+waiting for the signal that stops a server process.
 """
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -25,3 +28,12 @@ def stop(server: Any) -> None:
     if server is not None:
         server.shutdown()
         server.server_close()
+
+
+async def until_signalled() -> None:
+    """Return on SIGINT or SIGTERM (a server process's stop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
