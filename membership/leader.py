@@ -248,6 +248,7 @@ class Leader:
             self.detector.forget(member_id)
             self._carrier_of[member_id] = carrier
             self._riders[carrier].add(member_id)
+            self.detector.heartbeat(carrier, now)  # the Open came on it: it is alive
         if self.coordinator.is_awaited(member_id):
             self._held_elsewhere.discard(member_id)
             self.coordinator.reconnected(member_id, now)

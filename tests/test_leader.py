@@ -28,6 +28,7 @@ from rollcall.membership.leader import (
 from rollcall.membership.view import Member, View
 
 CONFIG = Config()
+CARRIER = "@1"
 HEARTBEAT = CONFIG.heartbeat_interval
 EARLIEST = CONFIG.earliest_suspicion()
 
@@ -395,6 +396,10 @@ class LeaderMachine(RuleBasedStateMachine):
         self.epochs: list[int] = [0]
         #: Evidence the next actions may cite: (member, evidence).
         self.expected: set[tuple[str, Evidence]] = set()
+        #: Whether the shared stream is open, and the members on it (a
+        #: heartbeat of any live one stands for all, as its holder's would).
+        self.carrier_up = False
+        self.carried: set[str] = set()
 
     # --- checks ---
 
@@ -446,6 +451,8 @@ class LeaderMachine(RuleBasedStateMachine):
     def take_over(self, size: int, epoch: int, resume: int | None) -> None:
         self.issued = [f"w{i}" for i in range(size)]
         self.leader = Leader(CONFIG, view_of(*self.issued, epoch=epoch, resume=resume), 0.0)
+        self.leader.carrier_opened(CARRIER, 0.0)
+        self.carrier_up = True
         self.epochs = [epoch]
         self.alive = set(self.issued)
         self.heard_at = dict.fromkeys(self.issued, 0.0)
@@ -462,11 +469,19 @@ class LeaderMachine(RuleBasedStateMachine):
         self.drain()
 
     @precondition(lambda self: any(not self.leader.has_session(i) for i in self.known()))
-    @rule(data=st.data())
-    def open_session(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), shared=st.booleans())
+    def open_session(self, data: st.DataObject, shared: bool) -> None:
+        """A member opens its session: on a stream of its own, or on the
+        shared stream (whose heartbeats then stand for it)."""
         choices = [i for i in self.known() if not self.leader.has_session(i)]
         member_id = data.draw(st.sampled_from(choices))
-        self.leader.session_opened(member_id, self.now)
+        if shared and not self.carrier_up:
+            self.leader.carrier_opened(CARRIER, self.now)
+            self.carrier_up = True
+        self.leader.session_opened(member_id, self.now, CARRIER if shared else None)
+        self.carried.discard(member_id)
+        if shared:
+            self.carried.add(member_id)
         self.joined_at.pop(member_id, None)
         self.heard_at[member_id] = self.now
         self.drain()
@@ -484,6 +499,19 @@ class LeaderMachine(RuleBasedStateMachine):
             self.alive.discard(member_id)
         else:
             self.leader.leave(member_id, self.now)
+        self.drain()
+
+    @precondition(lambda self: self.carrier_up)
+    @rule(broken=st.booleans())
+    def shared_stream_ends(self, broken: bool) -> None:
+        """The shared stream breaks (its holder died: every member on it is
+        suspected) or is ended on a refused message (they are watched alone)."""
+        riders = [i for i in self.with_session() if i in self.carried]
+        if broken:
+            self.expected.update((i, Evidence.STREAM_BROKEN) for i in riders)
+        self.leader.carrier_ended(CARRIER, self.now, broken=broken)
+        self.carrier_up = False
+        self.carried.clear()
         self.drain()
 
     @precondition(lambda self: self.leader.coordinator.rollcall is not None)
