@@ -279,6 +279,11 @@ class Config:
     #: bootstrap store's listener, and the pause between two attempts.
     group_store_probe_attempt: float = 0.5
     group_store_probe_interval: float = 0.1
+    #: How often a rank waiting at the bootstrap store for the others looks
+    #: again. Ranks arrive within milliseconds of each other and every
+    #: rank's build waits for the last look, so this is short (each look is
+    #: one loopback round trip); an abort is still seen at the same looks.
+    group_meet_poll: float = 0.001
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -327,6 +332,7 @@ class Config:
         for poll, bound in (
             ("group_abort_poll", "collective_timeout"),
             ("group_store_probe_interval", "collective_timeout"),
+            ("group_meet_poll", "collective_timeout"),
             ("group_abort_settle_poll", "group_abort_settle"),
         ):
             if getattr(self, poll) >= getattr(self, bound):
