@@ -116,9 +116,10 @@ from rollcall.worker.overlap import Buckets
 from rollcall.worker.parking import wait_parked
 from rollcall.worker.report import SupervisorReport
 from rollcall.worker.resume import choose, what_restarting_does
+from rollcall.worker.served import ServedState
 from rollcall.worker.sharded import PartitionState, ShardedOptimizer, check_shardable
 from rollcall.worker.state import CorruptState, ReplicaState, capture, restore
-from rollcall.worker.state_bytes import to_bytes, tree_to_bytes
+from rollcall.worker.state_bytes import tree_to_bytes
 from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
 log = logging.getLogger("rollcall.worker")
@@ -466,7 +467,9 @@ class Elastic:
         self._busy: dict[str, tuple[float, str]] = {}
         self._interrupted = 0  # the signal that asked us to leave, if any
         self._left = False
-        self._snapshot: Snapshot | None = None
+        #: What this worker serves to peers (the state its last roll-call
+        #: answer named, or the one it fetched).
+        self._served = ServedState()
         self._group: EpochGroup | None = None
         self._store_ports: dict[int, asyncio.Future[int]] = {}
         self._closed = False
@@ -641,7 +644,7 @@ class Elastic:
             self._config,
             own_id=lambda: self.member_id,
             current_view=lambda: self._view,
-            snapshot=lambda: self._snapshot,
+            snapshot=self._served.snapshot,
             store_port=self._store_port,
             epoch_secret=self._client.epoch_secret,
             faults=self._faults,
@@ -755,13 +758,15 @@ class Elastic:
             return RollCallAnswer(None, "")
         with self._lock:
             assert step == self.committed_step, (step, self.committed_step)
-            if self._snapshot is None or self._snapshot.step != step:
+            held = self._served.held()
+            if held is None or held[0] != step:
                 state = self._capture(step, with_rng=False)
-                self._snapshot = Snapshot(step, digest(state), to_bytes(state))
+                held = (step, digest(state))
+                # Serialized when a peer first asks for it, not on the
+                # answer's way (in a crash, nobody does).
+                self._served.serve_captured(step, held[1], state)
             moved = self._shard_view if self._sharded is not None else None
-            return RollCallAnswer(
-                step, self._snapshot.digest, None if moved is None else moved.epoch
-            )
+            return RollCallAnswer(step, held[1], None if moved is None else moved.epoch)
 
     def _answer_waiting(self, step: int | None) -> None:
         """(Training side.) Hand the step that just landed (or not) to the
@@ -1182,7 +1187,7 @@ class Elastic:
                 if self._sharded is not None:
                     self._sharded.forget()
                 self._full_optimizer = None
-                self._snapshot = None
+                self._served.serve(None)
 
     def _say_lost(self, view: View, step: int) -> None:
         """The one line a view that lost partitions gets."""
@@ -1402,7 +1407,7 @@ class Elastic:
         blob, state, report = self._await(fetching, f"epoch {view.epoch}: state fetch")
         with self._lock:
             self._restore(state)
-            self._snapshot = Snapshot(state.step, view.digest, blob)
+            self._served.serve(Snapshot(state.step, view.digest, blob))
         why = ("new" if held < 0 else f"held step {held}" if held != state.step
                else "its state of that step differed")  # fmt: skip
         log.info(
@@ -1755,7 +1760,7 @@ class Elastic:
         loaded, orphans = chosen.loaded, chosen.orphans
         with self._lock:
             self._restore(loaded.state)
-            self._snapshot = None  # served without RNG states, captured at the roll call
+            self._served.serve(None)  # served without RNG states, captured at the roll call
             if self._sharding is not None:
                 # At once: a rank holding the step must hold the plan's shards.
                 self._build_shards(view)
