@@ -259,6 +259,13 @@ class Config:
     #: during the backward pass; each costs a collective of its own.
     overlap_bucket_bytes: int = 25 * 1024 * 1024
 
+    #: Python's thread switch interval from a roll call's arrival until the
+    #: first step of the next view commits (``rollcall.worker.switching``):
+    #: the runtime's own threads (the answer, the session, the group's
+    #: build) then get the GIL from a computing training thread within this,
+    #: instead of the interpreter's 5 ms. Put back as it was afterwards.
+    view_change_switch_interval: float = 0.0005
+
     # --- the gloo group (``rollcall.worker.group``) --------------------------
     #: A blocked wait of the group (its bootstrap store, its build, a
     #: collective) looks at the abort this often: the bound on how late an
