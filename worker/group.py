@@ -235,6 +235,7 @@ class EpochGroup:
         secret: str,
         config: Config,
     ) -> EpochGroup | StepAborted:
+        started = time.perf_counter()
         hosted = None
         if is_store_host:
             hosted = take_hosted(store_port)
@@ -269,6 +270,7 @@ class EpochGroup:
         if isinstance(met, StepAborted):
             return met
         store, peers = met
+        met_at = time.perf_counter()
         scoped = epoch_store(epoch, store, secret)
         pg = BackgroundCall(
             f"epoch {epoch} group",
@@ -276,7 +278,13 @@ class EpochGroup:
         ).join(abort, timeout, config)
         if isinstance(pg, StepAborted):
             return pg
+        built = time.perf_counter()
         _, connections = connections_of(tcp_sockets(skip=before), peers)
+        log.debug(
+            "epoch %d: group of %d built in %.1f ms (%.1f ms meeting every rank at the store, "
+            "%.1f ms gloo's own build)", epoch, size, (time.perf_counter() - started) * 1000,
+            (met_at - started) * 1000, (built - met_at) * 1000,
+        )  # fmt: skip
         if len(connections) != size - 1:
             # Not every pair was found (another thread's socket churn, or
             # gloo's lazy init): an abandoned collective must then be parked

@@ -740,6 +740,7 @@ class Elastic:
         completed the reduction answers alike, and then for the loop to
         finish it (its code after ``commit()`` may change registered state,
         an EMA say), so that the state served is the step's whole state."""
+        arrived = time.perf_counter()
         self._switching.shorten(epoch)  # until a step of its view commits
         self._causes[epoch] = causes
         loop = asyncio.get_running_loop()
@@ -753,7 +754,16 @@ class Elastic:
                     self._waiting_since = time.monotonic()
         self._wake()
         step = answer.step if answer is not None else await waiting  # type: ignore[misc]
-        return await loop.run_in_executor(None, self._digest_of, step)
+        known = time.perf_counter()
+        reply = await loop.run_in_executor(None, self._digest_of, step)
+        # The answer is on the path of every view change: what it waited for.
+        log.debug(
+            "roll call %d answered in %.1f ms (step %s: %.1f ms waiting for it to land, "
+            "%.1f ms capturing and digesting the state)", epoch,
+            (time.perf_counter() - arrived) * 1000, step, (known - arrived) * 1000,
+            (time.perf_counter() - known) * 1000,
+        )  # fmt: skip
+        return reply
 
     def _wake(self) -> None:
         with self._view_changed:
