@@ -134,15 +134,20 @@ def endpoint(address: Any) -> tuple[str, int]:
 
 
 def connections_of(
-    after: Sequence[Socket], listeners: Collection[tuple[str, int]]
+    after: Sequence[Socket],
+    listeners: Collection[tuple[str, int]],
+    listener: tuple[str, int] | None = None,
 ) -> tuple[tuple[str, int] | None, list[Connection]]:
-    """This rank's gloo listener (the one listening socket) and the group's
-    own connections among ``after``, the sockets that are new since before
-    the group's device was made (``tcp_sockets(skip=...)``): those accepted
-    on our listener or connected to a peer's (``listeners``). gRPC or
-    metrics connections made meanwhile by other threads match neither."""
+    """This rank's gloo listener and the group's own connections among
+    ``after``, the sockets that are new since before the group's device was
+    made (``tcp_sockets(skip=...)``): those accepted on our listener or
+    connected to a peer's (``listeners``). The listener is ``listener`` if
+    given (found when the device was made), else the one listening socket
+    among ``after``. gRPC, metrics or data-channel sockets made meanwhile
+    by other threads match neither."""
     own = [c for c in after if c.listening]
-    listener = own[0].local if len(own) == 1 else None
+    if listener is None and len(own) == 1:
+        listener = own[0].local
     connections = [
         Connection(c.fd, c.local, c.peer)
         for c in after

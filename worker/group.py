@@ -279,7 +279,10 @@ class EpochGroup:
         if isinstance(pg, StepAborted):
             return pg
         built = time.perf_counter()
-        _, connections = connections_of(tcp_sockets(skip=before), peers)
+        # The listener found when the device was made: another thread may
+        # have opened a listening socket since (a data channel, asked for
+        # by a joiner while this group builds).
+        _, connections = connections_of(tcp_sockets(skip=before), peers, listener)
         log.debug(
             "epoch %d: group of %d built in %.1f ms (%.1f ms meeting every rank at the store, "
             "%.1f ms gloo's own build)", epoch, size, (time.perf_counter() - started) * 1000,
