@@ -274,9 +274,12 @@ class Config:
     group_abort_poll: float = 0.01
     #: How long an aborted collective is given to end once its connections
     #: are shut down (it ends within milliseconds; longer means the sockets
-    #: were not all found, and the group is left to end with the process),
-    #: looked at every ``group_abort_settle_poll``.
-    group_abort_settle: float = 1.0
+    #: were not all found, or gloo left a work waiting, and the group is
+    #: left to end with the process), looked at every
+    #: ``group_abort_settle_poll``. It is on the path of the view change
+    #: (the training thread enters the next view after it): 1 s was seen
+    #: whole in about one view change in ten on 2 cores (bench/README.md).
+    group_abort_settle: float = 0.1
     group_abort_settle_poll: float = 0.001
     #: How long past its own timeout an abandoned group or build is still
     #: expected to end. One that has not is stuck for good (a store request
