@@ -265,6 +265,13 @@ class Config:
     #: during the backward pass; each costs a collective of its own.
     overlap_bucket_bytes: int = 25 * 1024 * 1024
 
+    #: Python's thread switch interval from a roll call's arrival until the
+    #: first step of the next view commits (``rollcall.worker.switching``):
+    #: the runtime's own threads (the answer, the session, the group's
+    #: build) then get the GIL from a computing training thread within this,
+    #: instead of the interpreter's 5 ms. Put back as it was afterwards.
+    view_change_switch_interval: float = 0.0005
+
     # --- the gloo group (``rollcall.worker.group``) --------------------------
     #: A blocked wait of the group (its bootstrap store, its build, a
     #: collective) looks at the abort this often: the bound on how late an
@@ -273,9 +280,12 @@ class Config:
     group_abort_poll: float = 0.01
     #: How long an aborted collective is given to end once its connections
     #: are shut down (it ends within milliseconds; longer means the sockets
-    #: were not all found, and the group is left to end with the process),
-    #: looked at every ``group_abort_settle_poll``.
-    group_abort_settle: float = 1.0
+    #: were not all found, or gloo left a work waiting, and the group is
+    #: left to end with the process), looked at every
+    #: ``group_abort_settle_poll``. It is on the path of the view change
+    #: (the training thread enters the next view after it): 1 s was seen
+    #: whole in about one view change in ten on 2 cores (bench/README.md).
+    group_abort_settle: float = 0.1
     group_abort_settle_poll: float = 0.001
     #: How long past its own timeout an abandoned group or build is still
     #: expected to end. One that has not is stuck for good (a store request
@@ -285,6 +295,11 @@ class Config:
     #: bootstrap store's listener, and the pause between two attempts.
     group_store_probe_attempt: float = 0.5
     group_store_probe_interval: float = 0.1
+    #: How often a rank waiting at the bootstrap store for the others looks
+    #: again. Ranks arrive within milliseconds of each other and every
+    #: rank's build waits for the last look, so this is short (each look is
+    #: one loopback round trip); an abort is still seen at the same looks.
+    group_meet_poll: float = 0.001
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -333,6 +348,7 @@ class Config:
         for poll, bound in (
             ("group_abort_poll", "collective_timeout"),
             ("group_store_probe_interval", "collective_timeout"),
+            ("group_meet_poll", "collective_timeout"),
             ("group_abort_settle_poll", "group_abort_settle"),
         ):
             if getattr(self, poll) >= getattr(self, bound):

@@ -121,7 +121,13 @@ class Member:
     @property
     def aborting(self) -> bool:
         """The step in flight must stop."""
-        return self.answered > self.entered or self.ended or self.leaving
+        return self.aborts(self.entered)
+
+    def aborts(self, epoch: int) -> bool:
+        """Whatever runs in view ``epoch`` must stop (it is the view entered
+        last, or one left behind): a newer roll call was answered, or the
+        member is gone."""
+        return self.answered > epoch or self.ended or self.leaving
 
     def next_view(self, min_workers: int = 1) -> View | None:
         """The view to enter now, if any."""

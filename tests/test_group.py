@@ -555,3 +555,30 @@ def test_the_groups_own_connection_is_shut_down_and_its_reader_wakes() -> None:
     finally:
         for sock in (server, client, accepted):
             sock.close()
+
+
+def test_the_sockets_opened_since_a_snapshot_are_listed_with_their_ends() -> None:
+    from rollcall.worker.connections import connections_of, socket_ids, tcp_sockets
+
+    before = socket_ids()
+    unrelated = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # not TCP: never listed
+    server = socket.create_server((LOOPBACK, 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    try:
+        new = tcp_sockets(skip=before)
+        address = server.getsockname()
+        assert {(s.fd, s.listening, s.local, s.peer) for s in new} == {
+            (server.fileno(), True, address, None),
+            (client.fileno(), False, client.getsockname(), address),
+            (accepted.fileno(), False, address, client.getsockname()),
+        }
+        # The listener is the one listening socket; both ends of the pair
+        # are connections of the group (one accepted on it, one to it).
+        listener, connections = connections_of(new, {address})
+        assert listener == address
+        assert {c.fd for c in connections} == {client.fileno(), accepted.fileno()}
+        assert tcp_sockets(skip=socket_ids()) == []
+    finally:
+        for sock in (unrelated, server, client, accepted):
+            sock.close()

@@ -47,6 +47,21 @@ def test_a_roll_call_aborts_the_step_until_the_view_it_produced_is_entered() -> 
     assert not member.aborting
 
 
+def test_what_runs_in_a_view_left_behind_stays_aborted_once_a_newer_view_is_entered() -> None:
+    # A group still being built for view 1 polls aborts(1): entering view 2
+    # ends the abort of the step in flight, never that of view 1's work.
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    assert not member.aborts(1)
+    member.roll_call(2)
+    assert member.aborts(1)
+    member.view_committed(view(2, ME))
+    member.enter(view(2, ME))
+    assert not member.aborting and not member.aborts(2)
+    assert member.aborts(1)
+
+
 def test_a_step_reduced_in_an_epoch_older_than_an_answer_is_dropped() -> None:
     member = joined()
     member.view_committed(view(1, ME))

@@ -45,6 +45,7 @@ from rollcall.worker.digest import digest, tree_digest
 from rollcall.worker.faults import Faults
 from rollcall.worker.landing import CHUNK_BYTES as LANDING_CHUNK
 from rollcall.worker.landing import Landing
+from rollcall.worker.served import ServedState
 from rollcall.worker.state import ReplicaState, capture
 from rollcall.worker.state_bytes import header_size, to_bytes, tree_to_bytes
 from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
@@ -91,18 +92,20 @@ def corrupted(snap: Snapshot) -> Snapshot:
 
 @contextlib.asynccontextmanager
 async def serving(
-    snapshot: Snapshot, view: View = VIEW, own_id: str = "src", config: Config = SMALL_UNITS,
-    faults: Faults | None = None,
+    snapshot: Snapshot | Callable[[], Snapshot | None], view: View = VIEW, own_id: str = "src",
+    config: Config = SMALL_UNITS, faults: Faults | None = None,
 ) -> AsyncIterator[tuple[str, StateServer]]:  # fmt: skip
-    """A real StateServer on a real gRPC server, set up as a worker's; its
-    address and the servicer. Everything is closed on the way out."""
+    """A real StateServer on a real gRPC server, set up as a worker's (it
+    serves ``snapshot``, or what that callable returns); its address and the
+    servicer. Everything is closed on the way out."""
     server = grpc.aio.server(interceptors=[TokenInterceptor(TOKEN)])
 
     async def no_store(epoch: int) -> int:
         raise AssertionError("not used here")
 
     servicer = StateServer(
-        JOB, config, lambda: own_id, lambda: view, lambda: snapshot, no_store,
+        JOB, config, lambda: own_id, lambda: view,
+        snapshot if callable(snapshot) else lambda: snapshot, no_store,
         epoch_secret=lambda epoch: SECRET if epoch == view.epoch else None, faults=faults,
     )  # fmt: skip
     state_pb2_grpc.add_StateTransferServicer_to_server(servicer, server)
@@ -156,6 +159,23 @@ def test_the_state_is_striped_over_every_source_and_checked():
     assert digest(state) == GOOD.digest and state.step == 7
     assert len(report.sources) == 2 and report.retries == report.refetched_pieces == 0
     assert report.failed == () and seen[-1] == len(GOOD.data) and seen == sorted(seen)
+
+
+def test_a_state_served_as_captured_is_serialized_once_when_first_asked_for():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    state = capture(7, model, torch.optim.AdamW(model.parameters()), with_rng=False)
+    served = ServedState()
+    served.serve_captured(7, digest(state), state)
+    # What a roll-call answer names is known before any byte form exists.
+    assert served.held() == (7, digest(state))
+    blob, fetched_state, _ = fetched({"snapshot": served.snapshot}, expected=digest(state))
+    snapshot = served.snapshot()
+    assert snapshot is not None and snapshot is served.snapshot()  # made once
+    assert blob[:] == snapshot.data == to_bytes(state)
+    assert digest(fetched_state) == digest(state) and fetched_state.step == 7
+    served.serve(None)
+    assert served.held() is None and served.snapshot() is None
 
 
 def _header(snap: Snapshot) -> int:

@@ -116,11 +116,16 @@ def meet(
     abort: AbortFlag,
     secret: str,
     config: Config,
-) -> TCPStore:
+    listener: tuple[str, int] | None = None,
+) -> tuple[TCPStore, set[tuple[str, int]]]:
     """Connect to the epoch's store (unless this rank hosts it) and wait there
     until every rank has arrived: gloo itself would wait for an absent peer
-    until its timeout, unabortably. Runs on a helper thread, because a store
-    request to a host that died blocks while the client reconnects."""
+    until its timeout, unabortably. Each rank arrives with its gloo
+    listener (``listener``, None if it was not found), and the store and
+    the listeners of all ranks are returned: what tells the group's own
+    connections from the process's others once gloo has made them. Runs on
+    a helper thread, because a store request to a host that died blocks
+    while the client reconnects."""
     started = time.monotonic()
     if hosted is None:
         _await_listener(epoch, store_host, store_port, started, patience, abort, config)
@@ -128,8 +133,11 @@ def meet(
         store_host, store_port, None, False, _delta(timeout), wait_for_workers=False
     )
     scoped = epoch_store(epoch, store, secret)
-    scoped.set(f"rollcall/joined/{rank}", "1")
+    arrival = "" if listener is None else f"{listener[0]}:{listener[1]}"
+    scoped.set(f"rollcall/joined/{rank}", arrival)
     keys = [f"rollcall/joined/{peer}" for peer in range(size)]
+    # Ranks arrive within milliseconds of each other and the whole view
+    # change waits for the last look: a short pause, not the abort poll.
     while not scoped.check(keys):
         if abort.is_set():
             raise StepAborted(f"epoch {epoch}: aborted while waiting for peers")
@@ -137,5 +145,10 @@ def meet(
             missing = [peer for peer in range(size) if not scoped.check([keys[peer]])]
             reason = f"ranks {missing} did not join"
             raise PeerFailed(f"epoch {epoch}: {reason}", reason)
-        time.sleep(config.group_abort_poll)
-    return store
+        time.sleep(config.group_meet_poll)
+    listeners = set()
+    for value in scoped.multi_get(keys):
+        host, _, port = value.decode().rpartition(":")
+        if host:
+            listeners.add((host, int(port)))
+    return store, listeners

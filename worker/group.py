@@ -48,7 +48,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch._C._distributed_c10d import AllgatherOptions, GatherOptions
@@ -73,7 +73,7 @@ from rollcall.worker.bootstrap_store import (
     meet,
     take_hosted,
 )
-from rollcall.worker.connections import Connection, connections_of, tcp_sockets
+from rollcall.worker.connections import Connection, connections_of, socket_ids, tcp_sockets
 from rollcall.worker.parking import leak, park, sweep, wait_at_exit
 
 __all__ = ["EpochGroup"]
@@ -113,29 +113,19 @@ class _Gloo(Protocol):
     ) -> Work: ...
 
 
-def _gloo_group(store: Store, rank: int, size: int, timeout: float, listen_host: str) -> _Gloo:
+def _device(listen_host: str) -> Any:
+    """A gloo TCP device bound to ``listen_host``: its listener exists from
+    here on, so its address can travel with the rank's arrival at the store."""
+    return ProcessGroupGloo.create_device(hostname=listen_host)
+
+
+def _gloo_group(store: Store, rank: int, size: int, timeout: float, device: Any) -> _Gloo:
     # The private options are the only way to pick the transport's address;
     # the public constructor resolves the hostname and may bind anywhere.
     options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = _delta(timeout)
-    options._devices = [ProcessGroupGloo.create_device(hostname=listen_host)]
+    options._devices = [device]
     return cast(_Gloo, ProcessGroupGloo(store, rank, size, options))
-
-
-def _publish_listeners(
-    epoch: int, rank: int, size: int, store: TCPStore, listener: tuple[str, int] | None,
-    timeout: float, secret: str,
-) -> set[tuple[str, int]]:  # fmt: skip
-    """Every rank's gloo listener, exchanged through the epoch's store."""
-    scoped = epoch_store(epoch, store, secret)
-    scoped.set(f"rollcall/gloo/{rank}", "" if listener is None else f"{listener[0]}:{listener[1]}")
-    values = scoped.multi_get([f"rollcall/gloo/{peer}" for peer in range(size)])
-    found = set()
-    for value in values:
-        host, _, port = value.decode().rpartition(":")
-        if host:
-            found.add((host, int(port)))
-    return found
 
 
 # --------------------------------------------------------------------------
@@ -245,6 +235,7 @@ class EpochGroup:
         secret: str,
         config: Config,
     ) -> EpochGroup | StepAborted:
+        started = time.perf_counter()
         hosted = None
         if is_store_host:
             hosted = take_hosted(store_port)
@@ -253,7 +244,13 @@ class EpochGroup:
                 hosted = take_hosted(store_port)
         if abort.is_set():
             return StepAborted(f"epoch {epoch}: aborted before building")
-        store = BackgroundCall(
+        # The device (and so this rank's gloo listener) first: its address
+        # travels with this rank's arrival at the store, so that no second
+        # exchange is needed once gloo has connected.
+        before = socket_ids()
+        device = _device(listen_host)
+        listener, _ = connections_of(tcp_sockets(skip=before), set())
+        met = BackgroundCall(
             f"epoch {epoch} rendezvous",
             lambda: meet(
                 epoch,
@@ -267,28 +264,30 @@ class EpochGroup:
                 abort,
                 secret,
                 config,
+                listener,
             ),
         ).join(abort, timeout, config)
-        if isinstance(store, StepAborted):
-            return store
+        if isinstance(met, StepAborted):
+            return met
+        store, peers = met
+        met_at = time.perf_counter()
         scoped = epoch_store(epoch, store, secret)
-        before = {c.fd for c in tcp_sockets()}
         pg = BackgroundCall(
             f"epoch {epoch} group",
-            lambda: _gloo_group(scoped, rank, size, timeout, listen_host),
+            lambda: _gloo_group(scoped, rank, size, timeout, device),
         ).join(abort, timeout, config)
         if isinstance(pg, StepAborted):
             return pg
-        after = tcp_sockets()
-        listener, _ = connections_of(before, after, set())
-        peers = BackgroundCall(
-            f"epoch {epoch} listeners",
-            lambda: _publish_listeners(epoch, rank, size, store, listener, timeout, secret),
-        ).join(abort, timeout, config)
-        if isinstance(peers, StepAborted):
-            cls(epoch, rank, size, timeout, abort, pg, store, config=config).close()
-            return peers
-        _, connections = connections_of(before, after, peers)
+        built = time.perf_counter()
+        # The listener found when the device was made: another thread may
+        # have opened a listening socket since (a data channel, asked for
+        # by a joiner while this group builds).
+        _, connections = connections_of(tcp_sockets(skip=before), peers, listener)
+        log.debug(
+            "epoch %d: group of %d built in %.1f ms (%.1f ms meeting every rank at the store, "
+            "%.1f ms gloo's own build)", epoch, size, (time.perf_counter() - started) * 1000,
+            (met_at - started) * 1000, (built - met_at) * 1000,
+        )  # fmt: skip
         if len(connections) != size - 1:
             # Not every pair was found (another thread's socket churn, or
             # gloo's lazy init): an abandoned collective must then be parked

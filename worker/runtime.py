@@ -117,9 +117,11 @@ from rollcall.worker.overlap import Buckets
 from rollcall.worker.parking import wait_parked
 from rollcall.worker.report import SupervisorReport
 from rollcall.worker.resume import choose, what_restarting_does
+from rollcall.worker.served import ServedState
 from rollcall.worker.sharded import PartitionState, ShardedOptimizer, check_shardable
 from rollcall.worker.state import CorruptState, ReplicaState, capture, restore
-from rollcall.worker.state_bytes import to_bytes, tree_to_bytes
+from rollcall.worker.state_bytes import tree_to_bytes
+from rollcall.worker.switching import SwitchInterval
 from rollcall.worker.transfer import Snapshot, StateFetcher, StateServer, TransferFailed
 
 log = logging.getLogger("rollcall.worker")
@@ -276,6 +278,10 @@ class Elastic:
                                   ``session_ended``
     default executor              the digest of a roll-call answer
     checkpoint writer             serializing and writing a snapshot
+    group build                   building the view's group while the
+                                  training thread computes (``_building``,
+                                  one per view; taken over by its first
+                                  collective)
     group helpers                 one blocking store or gloo call each
     loader processes              reading microbatches ahead
     ============================  =========================================
@@ -453,6 +459,7 @@ class Elastic:
         #: The protocol's decisions (membership/member.py); ``_state`` is held
         #: for each call to it, never longer.
         self._member = Member(self._config)
+        self._switching = SwitchInterval(self._config.view_change_switch_interval)
         self._state = threading.Lock()
         #: Roll calls waiting for an update in flight to land and settle (the
         #: loop's code after commit() to run), and since when (monotonic).
@@ -470,8 +477,13 @@ class Elastic:
         self._busy: dict[str, tuple[float, str]] = {}
         self._interrupted = 0  # the signal that asked us to leave, if any
         self._left = False
-        self._snapshot: Snapshot | None = None
+        #: What this worker serves to peers (the state its last roll-call
+        #: answer named, or the one it fetched).
+        self._served = ServedState()
         self._group: EpochGroup | None = None
+        #: The group of the view entered last while it is built on a thread
+        #: of its own (``_enter``): taken over by the view's first collective.
+        self._building: _GroupBuild | None = None
         self._store_ports: dict[int, asyncio.Future[int]] = {}
         self._closed = False
         #: Set when this worker resumed the job from a durable checkpoint.
@@ -548,13 +560,13 @@ class Elastic:
     @property
     def rank(self) -> int | None:
         """This worker's rank in the view in force (None before the first)."""
-        group = self._group
+        group = self._group or self._building
         return group.rank if group is not None else None
 
     @property
     def world_size(self) -> int | None:
         """Members of the view in force (None before the first)."""
-        group = self._group
+        group = self._group or self._building
         return group.size if group is not None else None
 
     @property
@@ -583,7 +595,7 @@ class Elastic:
         if op not in _REDUCE_OPS:
             raise ValueError(f"op must be one of {', '.join(_REDUCE_OPS)}, got {op!r}")
         items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        group = self._group
+        group = self._ready_group()
         if group is None or not group.usable or self._aborting():
             raise ViewChanged("the view is changing: no collective can run now")
         try:
@@ -647,7 +659,7 @@ class Elastic:
             self._config,
             own_id=lambda: self.member_id,
             current_view=lambda: self._view,
-            snapshot=lambda: self._snapshot,
+            snapshot=self._served.snapshot,
             store_port=self._store_port,
             epoch_secret=self._client.epoch_secret,
             faults=self._faults,
@@ -734,6 +746,8 @@ class Elastic:
         completed the reduction answers alike, and then for the loop to
         finish it (its code after ``commit()`` may change registered state,
         an EMA say), so that the state served is the step's whole state."""
+        arrived = time.perf_counter()
+        self._switching.shorten(epoch)  # until a step of its view commits
         self._causes[epoch] = causes
         loop = asyncio.get_running_loop()
         with self._state:
@@ -746,7 +760,16 @@ class Elastic:
                     self._waiting_since = time.monotonic()
         self._wake()
         step = answer.step if answer is not None else await waiting  # type: ignore[misc]
-        return await loop.run_in_executor(None, self._digest_of, step)
+        known = time.perf_counter()
+        reply = await loop.run_in_executor(None, self._digest_of, step)
+        # The answer is on the path of every view change: what it waited for.
+        log.debug(
+            "roll call %d answered in %.1f ms (step %s: %.1f ms waiting for it to land, "
+            "%.1f ms capturing and digesting the state)", epoch,
+            (time.perf_counter() - arrived) * 1000, step, (known - arrived) * 1000,
+            (time.perf_counter() - known) * 1000,
+        )  # fmt: skip
+        return reply
 
     def _wake(self) -> None:
         with self._view_changed:
@@ -761,13 +784,15 @@ class Elastic:
             return RollCallAnswer(None, "")
         with self._lock:
             assert step == self.committed_step, (step, self.committed_step)
-            if self._snapshot is None or self._snapshot.step != step:
+            held = self._served.held()
+            if held is None or held[0] != step:
                 state = self._capture(step, with_rng=False)
-                self._snapshot = Snapshot(step, digest(state), to_bytes(state))
+                held = (step, digest(state))
+                # Serialized when a peer first asks for it, not on the
+                # answer's way (in a crash, nobody does).
+                self._served.serve_captured(step, held[1], state)
             moved = self._shard_view if self._sharded is not None else None
-            return RollCallAnswer(
-                step, self._snapshot.digest, None if moved is None else moved.epoch
-            )
+            return RollCallAnswer(step, held[1], None if moved is None else moved.epoch)
 
     def _answer_waiting(self, step: int | None) -> None:
         """(Training side.) Hand the step that just landed (or not) to the
@@ -1085,13 +1110,18 @@ class Elastic:
                 self._view_changed.wait(timeout=self._config.abort_poll * 10)
 
     def _enter(self, view: View) -> int:
-        """Pull state if behind, build the group for ``view``; returns our rank.
-        Raises ``StepAborted`` if a newer roll call, a dead peer or a timeout
-        gets in the way (``steps`` then waits for the next view)."""
+        """Pull state if behind, build the group for ``view`` (in the
+        background when nothing needs it before the first collective:
+        ``_ready_group``); returns our rank. Raises ``StepAborted`` if a
+        newer roll call, a dead peer or a timeout gets in the way (``steps``
+        then waits for the next view)."""
         fetched = 0.0
         assert self.member_id is not None and self._fetcher is not None
         rank = view.rank_of(self.member_id)
         assert rank is not None
+        # Before the machine enters the view: a build of the view left
+        # behind sees its abort (a newer roll call) until then.
+        self._drop_group()
         with self._state:
             self._member.enter(view)
         if self._aborting():
@@ -1126,29 +1156,37 @@ class Elastic:
                 ),
                 self._loop,
             )
-        try:
-            built, ready = self._build_group(view, rank)
-        except BaseException:
+        if fetching is None and self._sharding is None and self._buckets is None:
+            # Nothing of this view needs the group before its first
+            # collective: it is built on a thread of its own while this
+            # thread computes the step's microbatches (a survivor that takes
+            # over a dead rank's share overlaps that work with the build),
+            # and the first collective waits for it (``_ready_group``).
+            self._loader.enter_view(rank, view.size, self.committed_step + 1)
+            entered = view_change(self._previous_view, view, rank,
+                                  self._causes.get(view.epoch, ()), self.member_id)  # fmt: skip
+            self._building = _GroupBuild(
+                view, rank, lambda: self._make_group(view, rank), lambda: log.info("%s", entered)
+            )
+        else:
+            try:
+                built = time.perf_counter()
+                self._group = self._make_group(view, rank)
+                ready = time.perf_counter()
+            except BaseException:
+                if fetching is not None:
+                    fetching.cancel()
+                raise
             if fetching is not None:
-                fetching.cancel()
-            raise
-        if fetching is not None:
-            fetched = self._restore_fetched(view, fetching)
-        if self._sharding is not None:
-            self._enter_shards(view)
-        self._loader.enter_view(rank, view.size, self.committed_step + 1)
-        self._entering = (view.epoch, fetched, ready - built, time.monotonic())
-        if self.metrics is not None:
-            self.metrics.epoch.set(view.epoch)
-            self.metrics.world.set(view.size)
-        log.info(
-            "%s", view_change(self._previous_view, view, rank, self._causes.get(view.epoch, ()),
-                              self.member_id),
-        )  # fmt: skip
-        log.debug(
-            "entered view %d (state fetch %.3f s, group build %.3f s)",
-            view.epoch, fetched, ready - built,
-        )  # fmt: skip
+                fetched = self._restore_fetched(view, fetching)
+            if self._sharding is not None:
+                self._enter_shards(view)
+            self._loader.enter_view(rank, view.size, self.committed_step + 1)
+            log.info(
+                "%s", view_change(self._previous_view, view, rank,
+                                  self._causes.get(view.epoch, ()), self.member_id),
+            )  # fmt: skip
+            self._group_ready(view, fetched, ready - built, time.monotonic())
         if view.resume_step is not None and view.size < self._min_workers:
             log.warning(
                 "view %d has %d members, fewer than min_workers %d: training goes on",
@@ -1188,7 +1226,7 @@ class Elastic:
                 if self._sharded is not None:
                     self._sharded.forget()
                 self._full_optimizer = None
-                self._snapshot = None
+                self._served.serve(None)
 
     def _say_lost(self, view: View, step: int) -> None:
         """The one line a view that lost partitions gets."""
@@ -1368,9 +1406,9 @@ class Elastic:
                 latest = max(latest, until)
         return latest + self._config.collective_timeout
 
-    def _build_group(self, view: View, rank: int) -> tuple[float, float]:
-        """Build this rank's group for ``view`` (closing the last one): when
-        it began and ended (``time.perf_counter``)."""
+    def _make_group(self, view: View, rank: int) -> EpochGroup:
+        """This rank's group for ``view`` (on the training thread, or on the
+        thread of a ``_GroupBuild``). Raises StepAborted as the build does."""
         assert self._fetcher is not None
         secret = self._client.epoch_secret(view.epoch)
         if secret is None:
@@ -1378,10 +1416,6 @@ class Elastic:
             reason = f"no epoch secret was received for view {view.epoch}"
             self._ask_for_rollcall(reason)
             raise StepAborted(f"epoch {view.epoch}: {reason}; asked for a roll call")
-        built = time.perf_counter()
-        old, self._group = self._group, None
-        if old is not None:
-            old.close()
         timeout = self._config.collective_timeout
         if rank == 0:
             _, port = host_store(timeout, host=self._host)  # the group owns it
@@ -1394,13 +1428,56 @@ class Elastic:
                 f"epoch {view.epoch}: asking rank 0 for the group store",
             )
             host = leader.address.rpartition(":")[0]
-        abort = _Abort(self)
-        self._group = EpochGroup.build(
-            view.epoch, rank, view.size, host, port, rank == 0, timeout, abort,
+        return EpochGroup.build(
+            view.epoch, rank, view.size, host, port, rank == 0, timeout, _Abort(self, view.epoch),
             listen_host=self._host, patience=self._patience,
             hard_timeout=self._config.collective_backstop(), secret=secret, config=self._config,
         )  # fmt: skip
-        return built, time.perf_counter()
+
+    def _group_ready(self, view: View, fetched: float, built: float, ready: float) -> None:
+        """The group of ``view`` is in place since ``ready`` (monotonic):
+        what its first commit reports."""
+        self._entering = (view.epoch, fetched, built, ready)
+        if self.metrics is not None:
+            self.metrics.epoch.set(view.epoch)
+            self.metrics.world.set(view.size)
+        log.debug(
+            "entered view %d (state fetch %.3f s, group build %.3f s)", view.epoch, fetched, built
+        )
+
+    def _ready_group(self) -> EpochGroup | None:
+        """(Training thread.) The group of the view entered last, once built:
+        a build still running on its own thread is waited for (it ends
+        within a poll once the view is aborted). None if there is none, or
+        if its build failed (the view is then given up as if entering it
+        had failed: the step is set aside, and the next view is awaited)."""
+        building = self._building
+        if building is None:
+            return self._group
+        self._building = None
+        try:
+            self._group = building.result()
+        except StepAborted as exc:
+            if isinstance(exc, PeerFailed):
+                self._note_failure(
+                    f"view {building.view.epoch} given up while building its group", exc.reason
+                )
+            else:
+                log.info("view %d given up while building its group: %s", building.view.epoch, exc)
+            return None
+        self._group_ready(building.view, 0.0, building.seconds, building.ready_at)
+        return self._group
+
+    def _drop_group(self) -> None:
+        """(Training thread.) Close the group in force, and the one being
+        built (waited for first: it ends within a poll once aborted)."""
+        building, self._building = self._building, None
+        if building is not None:
+            with contextlib.suppress(StepAborted):
+                self._group = building.result()
+        old, self._group = self._group, None
+        if old is not None:
+            old.close()
 
     def _restore_fetched(self, view: View, fetching: Future[Any]) -> float:
         """Wait for the state fetch of ``view`` and restore it; its seconds."""
@@ -1408,7 +1485,7 @@ class Elastic:
         blob, state, report = self._await(fetching, f"epoch {view.epoch}: state fetch")
         with self._lock:
             self._restore(state)
-            self._snapshot = Snapshot(state.step, view.digest, blob)
+            self._served.serve(Snapshot(state.step, view.digest, blob))
         why = ("new" if held < 0 else f"held step {held}" if held != state.step
                else "its state of that step differed")  # fmt: skip
         log.info(
@@ -1443,7 +1520,7 @@ class Elastic:
                 raise StepAborted(f"{what} failed: {exc}") from exc
 
     def _commit(self, step: Step) -> bool:
-        group = self._group
+        group = self._ready_group()
         if step.aborted or self._aborting() or group is None:
             return False
         self._gradients.check()
@@ -1506,6 +1583,7 @@ class Elastic:
                 answer = self._member.applied(step.number, landed)
             if answer is not None:
                 self._answer_waiting(answer.step)
+        self._switching.committed(step.epoch)
         self._time_step(step.epoch)
         self._account(step)
         step.loss = loss / count
@@ -1761,7 +1839,7 @@ class Elastic:
         loaded, orphans = chosen.loaded, chosen.orphans
         with self._lock:
             self._restore(loaded.state)
-            self._snapshot = None  # served without RNG states, captured at the roll call
+            self._served.serve(None)  # served without RNG states, captured at the roll call
             if self._sharding is not None:
                 # At once: a rank holding the step must hold the plan's shards.
                 self._build_shards(view)
@@ -1871,8 +1949,8 @@ class Elastic:
         finally:
             self._loader.close()
             self.ledger.sync()
-            if self._group is not None:
-                self._group.close()
+            self._drop_group()
+            self._switching.restore()
             self._stop_loop()
             wait_parked(self._config.collective_timeout + 5)
             stop_metrics(self._metrics_server)
@@ -1936,13 +2014,64 @@ def _settle(future: asyncio.Future[int | None], step: int | None) -> None:
 
 
 class _Abort:
-    """The abort flag the group polls: the runtime's ``_aborting``."""
+    """The abort flag the group of view ``epoch`` polls, its build and its
+    collectives: a newer roll call was answered, the session ended, or the
+    worker is leaving or closed (``Member.aborts``)."""
 
-    def __init__(self, job: Elastic) -> None:
+    def __init__(self, job: Elastic, epoch: int) -> None:
         self._job = job
+        self._epoch = epoch
 
     def is_set(self) -> bool:
-        return self._job._aborting()
+        return self._job._member.aborts(self._epoch) or self._job._closed
+
+
+class _GroupBuild:
+    """The group of view ``view`` (this worker's ``rank`` in it) built by
+    ``make`` on a thread of its own, which calls ``ready`` once it is; the
+    training thread computes meanwhile and takes it over with ``result``.
+    ``make`` ends by itself once the view is aborted (it polls the same
+    abort as the group), so ``result`` never waits long for a view given
+    up."""
+
+    def __init__(
+        self, view: View, rank: int, make: Callable[[], EpochGroup], ready: Callable[[], None]
+    ) -> None:
+        self.view = view
+        self.rank = rank
+        self.size = view.size
+        #: Seconds the build took, and when it ended (monotonic), once done.
+        self.seconds = 0.0
+        self.ready_at = 0.0
+        self._make = make
+        self._ready = ready
+        self._done = threading.Event()
+        self._group: EpochGroup | None = None
+        self._error: BaseException | None = None
+        threading.Thread(
+            target=self._run, name=f"rollcall view {view.epoch} group", daemon=True
+        ).start()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._group = self._make()
+        except BaseException as exc:  # handed to the training thread, never lost
+            self._error = exc
+        else:
+            self._ready()
+        self.seconds = time.perf_counter() - started
+        self.ready_at = time.monotonic()
+        self._done.set()
+
+    def result(self) -> EpochGroup:
+        """The group, once built; the build's StepAborted (or any other
+        error) raised here, on the training thread."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._group is not None
+        return self._group
 
 
 __all__ = [
