@@ -89,6 +89,11 @@ class Config:
     #: How long a roll call waits for answers before deciding without the
     #: silent members.
     rollcall_deadline: float = 1.0
+    #: A roll call held only for joiners aborts nothing: the members finish
+    #: the step in flight and answer after it. One whose step does not end
+    #: within this time (a long step, a busy period) aborts it and answers
+    #: as for any roll call. Below ``rollcall_deadline``.
+    rollcall_step_end_wait: float = 0.5
     #: After a join request, wait this long for more joiners so that a burst
     #: of arrivals becomes one view change instead of many.
     join_settle: float = 0.05
@@ -312,6 +317,12 @@ class Config:
             raise ValueError(
                 "config session_open_timeout must be below takeover_grace, or members "
                 "stuck on a vanished replica miss the new leader's grace period"
+            )
+        if self.rollcall_step_end_wait >= self.rollcall_deadline:
+            raise ValueError(
+                f"config rollcall_step_end_wait ({self.rollcall_step_end_wait:g} s) must be below "
+                f"rollcall_deadline ({self.rollcall_deadline:g} s), or members waiting for their "
+                "step to end miss the roll call"
             )
         if self.busy_default > self.busy_max:
             raise ValueError(

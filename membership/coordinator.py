@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from rollcall.membership.cause import Cause
+from rollcall.membership.cause import Cause, CauseKind
 from rollcall.membership.config import Config
 from rollcall.membership.errors import InvalidRequest, NotAMember, NotProposed, StaleEpoch
 from rollcall.membership.ratelimit import Admission, ReportLimiter
@@ -95,6 +95,9 @@ class RollCall:
     started_at: float
     causes: tuple[Cause, ...]
     answers: dict[str, Answer] = field(default_factory=dict)
+    #: Held only for joiners: the members finish the step in flight and
+    #: answer after it (nothing is aborted: docs/protocol.md, "A roll call").
+    at_step_end: bool = False
     _ids: set[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -575,12 +578,14 @@ class Coordinator:
         base = self._view
         ready = tuple(m for i, m in self._joiners.items() if i not in self._unready)
         candidates = tuple(m for m in base.members if m.id not in self._departed) + ready
+        causes = tuple(self._causes)
         self._rollcall = RollCall(
             epoch=base.epoch + 1,
             candidates=candidates,
             deadline=now + self._config.rollcall_deadline,
             started_at=now,
-            causes=tuple(self._causes),
+            causes=causes,
+            at_step_end=bool(causes) and all(c.kind is CauseKind.JOIN for c in causes),
         )
         self._joiners = {i: m for i, m in self._joiners.items() if i in self._unready}
         self._departed = {}

@@ -35,7 +35,17 @@ The rules (DESIGN.md, "Steps, commits and coherent state"; docs/worker.md,
   member, is not older than a roll call answered, and (while nobody holds
   state) has ``min_workers`` members;
 * a failure seen by this member (a peer reset a connection) that no view
-  change follows within the detector's bound is reported, once.
+  change follows within the detector's bound is reported, once;
+* a roll call held only for joiners (``at_step_end``) aborts nothing: the
+  member asks, in the next step's reduction, that every member of the view
+  stop after that step (``stop_asked``), and answers once it has landed;
+  a reduction in which any member asked says so to all of them
+  (``reduced(..., stop=True)``), so every member stops after the same step
+  and names it, whoever was asked first; one that stopped before it was
+  asked holds (``halted``: no step starts) until it is. A member that
+  cannot reach such a step soon (a long step, a busy period, a failed
+  reduction) answers as for any roll call (``give_up_step_end``), aborting
+  its step.
 """
 
 from __future__ import annotations
@@ -115,6 +125,15 @@ class Member:
         #: (when, why) of the first failure seen since the last view change.
         self._failure: tuple[float, str] | None = None
         self._reported = False
+        #: The newest roll call to answer at the end of the step in flight
+        #: (``roll_call(..., at_step_end=True)``), not answered yet.
+        self.ending: int | None = None
+        #: The step after which a reduction said the view's members stop.
+        self._stop_after: int | None = None
+        #: Stopped after such a step before being asked: the loop starts no
+        #: step until a roll call is answered (or ``tick`` gives up waiting).
+        self.halted = False
+        self._halted_since: float | None = None
 
     # --- what the loop asks ----------------------------------------------------------
 
@@ -128,6 +147,12 @@ class Member:
         last, or one left behind): a newer roll call was answered, or the
         member is gone."""
         return self.answered > epoch or self.ended or self.leaving
+
+    @property
+    def stop_asked(self) -> bool:
+        """Whether this member's next reduction asks every member of the
+        view to stop after its step (a roll call waits at the step's end)."""
+        return self.ending is not None
 
     def next_view(self, min_workers: int = 1) -> View | None:
         """The view to enter now, if any."""
@@ -149,11 +174,38 @@ class Member:
         if view.epoch > self.view.epoch:
             self.view = view
 
-    def roll_call(self, epoch: int) -> Answer | None:
+    def roll_call(self, epoch: int, at_step_end: bool = False) -> Answer | None:
         """Roll call ``epoch`` started: abort the step in flight. The answer
         now, or None if a step is being applied or settling (``applied`` or
-        ``settled`` returns it)."""
+        ``settled`` returns it). ``at_step_end`` (held only for joiners): a
+        member training in its view aborts nothing and asks for a stop
+        instead (``stop_asked``); it answers once the step it stops after
+        has landed and settled, None until then."""
+        if at_step_end and self._training() and not self.halted:
+            self.ending = max(self.ending or 0, epoch)
+            return None
+        return self._answer_now(epoch)
+
+    def give_up_step_end(self) -> Answer | None:
+        """A roll call waiting for the end of a step waits no more (the step
+        is long, or failed): answered as any roll call, aborting the step in
+        flight. Its answer now, or None if a step is being applied or
+        settling (as ``roll_call``); None also if none is waiting."""
+        if self.ending is None:
+            return None
+        epoch, self.ending = self.ending, None
+        return self._answer_now(epoch)
+
+    def _training(self) -> bool:
+        """In a view it entered, with nothing stopping its steps."""
+        return self.entered > 0 and not self.aborting
+
+    def _answer_now(self, epoch: int) -> Answer | None:
         self.answered = max(self.answered, epoch)
+        self.halted = False
+        self._halted_since = None
+        if self.ending is not None and self.ending <= epoch:
+            self.ending = None
         if self.applying is not None or self.settling is not None:
             self._deferred = max(self._deferred or 0, epoch)
             return None
@@ -184,14 +236,18 @@ class Member:
         peer, or from a checkpoint), or dropped (-1)."""
         self.step = step
 
-    def reduced(self, step: int, epoch: int) -> Drop | None:
-        """The reduction of ``step`` in view ``epoch`` completed. None: go on
-        (``fence`` then ``applied``); else why it must be dropped."""
+    def reduced(self, step: int, epoch: int, stop: bool = False) -> Drop | None:
+        """The reduction of ``step`` in view ``epoch`` completed; ``stop``:
+        a member asked in it that the view's members stop after this step.
+        None: go on (``fence`` then ``applied``); else why it must be
+        dropped."""
         if self.ended or self.leaving:
             return Drop.GONE
         if self.answered > epoch:
             return Drop.ANSWERED
         self.applying = step
+        if stop:
+            self._stop_after = step
         return None
 
     def fence(self, now: float, since: float) -> Fence:
@@ -215,6 +271,10 @@ class Member:
             self.step = step
             self.settling = step
             return None
+        if self._stop_after == step:
+            # Dropped (no acknowledgement): the others stop after it anyway.
+            self._stop_after = None
+            return self._stopped() or self._release()
         return self._release()
 
     def settled(self) -> Answer | None:
@@ -223,8 +283,21 @@ class Member:
         a roll call that waited for it."""
         if self.settling is None:
             return None
+        stopping = self._stop_after == self.settling
         self.settling = None
+        if stopping:
+            self._stop_after = None
+            return self._stopped() or self._release()
         return self._release()
+
+    def _stopped(self) -> Answer | None:
+        """The step the view's members stop after is done: answer the roll
+        call that asked for it, or hold until it comes."""
+        if self.ending is not None:
+            return self._answer_now(self.ending)
+        if not self.aborting:  # (a roll call answered meanwhile ends the view anyway)
+            self.halted = True
+        return None
 
     def _release(self) -> Answer | None:
         deferred, self._deferred = self._deferred, None
@@ -238,8 +311,17 @@ class Member:
             self._failure = (now, reason)
 
     def tick(self, now: float) -> ReportFailure | None:
-        """Time passes while no view is entered: report a failure that no
-        view change followed within the detector's bound (once)."""
+        """Time passes while no view is entered, or while halted: report a
+        failure that no view change followed within the detector's bound
+        (once). A member halted for longer than a roll call's deadline
+        without being asked (the roll call was dropped: the leader failed,
+        say) trains on in its view."""
+        if self.halted:
+            if self._halted_since is None:
+                self._halted_since = now
+            elif now - self._halted_since > self._config.rollcall_deadline:
+                self.halted = False
+                self._halted_since = None
         failure = self._failure
         if failure is None or self._reported:
             return None

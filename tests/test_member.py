@@ -62,6 +62,82 @@ def test_what_runs_in_a_view_left_behind_stays_aborted_once_a_newer_view_is_ente
     assert member.aborts(1)
 
 
+def training(step: int = 4) -> Member:
+    """A member in view 1 that committed ``step``."""
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    member.restored(step)
+    return member
+
+
+def land(member: Member, step: int, stop: bool = False) -> Answer | None:
+    """``step``'s reduction (``stop``: someone asked to stop after it), its
+    update and the loop's code after it; the answer released, if any."""
+    assert member.reduced(step, epoch=1, stop=stop) is None
+    assert member.applied(step, landed=True) is None
+    return member.settled()
+
+
+def test_a_roll_call_for_joiners_aborts_nothing_and_is_answered_after_the_next_step() -> None:
+    member = training(4)
+    assert member.roll_call(2, at_step_end=True) is None
+    assert not member.aborting and member.stop_asked  # step 5 runs on and asks for the stop
+    assert land(member, 5, stop=True) == Answer(2, 5)
+    assert member.aborting and not member.stop_asked
+
+
+def test_a_member_that_others_stopped_holds_until_it_is_asked_and_names_the_same_step() -> None:
+    member = training(4)
+    assert land(member, 5, stop=True) is None  # another member asked in step 5's reduction
+    assert member.halted and not member.aborting
+    assert member.roll_call(2, at_step_end=True) == Answer(2, 5)
+    assert not member.halted and member.aborting
+
+
+def test_a_member_asked_after_its_contribution_stops_one_step_later_with_everyone() -> None:
+    member = training(4)
+    assert member.reduced(5, epoch=1, stop=False) is None  # contributed before it was asked
+    assert member.roll_call(2, at_step_end=True) is None
+    assert member.applied(5, landed=True) is None
+    assert member.settled() is None  # nobody asked in step 5: step 6 asks
+    assert member.stop_asked
+    assert land(member, 6, stop=True) == Answer(2, 6)
+
+
+def test_a_roll_call_that_cannot_wait_for_the_step_end_aborts_as_any_other() -> None:
+    member = training(4)
+    member.roll_call(2, at_step_end=True)
+    assert member.give_up_step_end() == Answer(2, 4)
+    assert member.aborting and not member.stop_asked
+    assert member.reduced(5, epoch=1, stop=True) is Drop.ANSWERED
+    assert member.give_up_step_end() is None
+
+
+def test_a_roll_call_for_joiners_is_answered_at_once_by_a_member_not_training() -> None:
+    member = joined()
+    assert member.roll_call(1, at_step_end=True) == Answer(1, None)
+    member = training(4)
+    member.roll_call(2)  # a crash's roll call: aborting now
+    assert member.roll_call(3, at_step_end=True) == Answer(3, 4)
+
+
+def test_a_halted_member_that_is_never_asked_trains_on_after_a_roll_calls_deadline() -> None:
+    member = training(4)
+    land(member, 5, stop=True)
+    member.tick(100.0)
+    assert member.halted
+    member.tick(100.0 + CONFIG.rollcall_deadline + 0.01)
+    assert not member.halted and not member.aborting
+
+
+def test_a_dropped_stop_step_still_ends_the_wait() -> None:
+    member = training(4)
+    member.roll_call(2, at_step_end=True)
+    assert member.reduced(5, epoch=1, stop=True) is None
+    assert member.applied(5, landed=False) == Answer(2, 4)  # no acknowledgement: not landed
+
+
 def test_a_step_reduced_in_an_epoch_older_than_an_answer_is_dropped() -> None:
     member = joined()
     member.view_committed(view(1, ME))
@@ -243,6 +319,7 @@ class MemberMachine(RuleBasedStateMachine):
         self.epoch = 0  # newest epoch the leader committed
         self.log: list[tuple[str, int, int]] = []
         self.reducing: tuple[int, int] | None = None  # (step, epoch) in the all-reduce
+        self.asking = False  # whether that reduction asks for the stop
         self.in_flight: tuple[int, int, float] | None = None  # (step, epoch, fence since)
         self.entered_views: list[int] = []
 
@@ -259,9 +336,14 @@ class MemberMachine(RuleBasedStateMachine):
         step = self.member.step if resume and self.member.step >= 0 else None
         self.member.view_committed(view(self.epoch, *ids, resume=step))
 
+    @rule(at_step_end=st.booleans())
+    def leader_calls_a_roll_call(self, at_step_end: bool) -> None:
+        """For a crash, or only for joiners (answered after a step's end)."""
+        self._answered(self.member.roll_call(self.epoch + 1, at_step_end))
+
     @rule()
-    def leader_calls_a_roll_call(self) -> None:
-        self._answered(self.member.roll_call(self.epoch + 1))
+    def a_roll_call_stops_waiting_for_the_step_end(self) -> None:
+        self._answered(self.member.give_up_step_end())
 
     @rule(delay=st.floats(0.0, 1.0))
     def leader_acknowledges(self, delay: float) -> None:
@@ -270,6 +352,7 @@ class MemberMachine(RuleBasedStateMachine):
     @rule(delay=st.floats(0.0, 0.4))
     def time_passes(self, delay: float) -> None:
         self.now += delay
+        self.member.tick(self.now)
 
     # training thread
 
@@ -290,17 +373,21 @@ class MemberMachine(RuleBasedStateMachine):
     )  # fmt: skip
     @rule()
     def training_starts_a_reduction(self) -> None:
-        if not self.member.aborting:  # else the step stops before its all-reduce
+        # Not while aborting (the step stops before its all-reduce) nor
+        # while halted (the loop starts no step).
+        if not self.member.aborting and not self.member.halted:
             self.reducing = (self.member.step + 1, self.member.entered)
+            self.asking = self.member.stop_asked
 
     @precondition(lambda self: self.reducing is not None)
-    @rule()
-    def training_completes_a_reduction(self) -> None:
-        # A roll call may have been answered while the all-reduce ran.
+    @rule(others_asked=st.booleans())
+    def training_completes_a_reduction(self, others_asked: bool) -> None:
+        # A roll call may have been answered while the all-reduce ran; any
+        # member of the view may have asked for the stop in it.
         assert self.reducing is not None
         step, epoch = self.reducing
         self.reducing = None
-        if self.member.reduced(step, epoch) is None:
+        if self.member.reduced(step, epoch, stop=self.asking or others_asked) is None:
             self.in_flight = (step, epoch, self.now)
 
     @precondition(lambda self: self.in_flight is not None)
@@ -366,6 +453,14 @@ class MemberMachine(RuleBasedStateMachine):
         if member.answered > member.entered:
             assert member.aborting
             assert member.next_view() is None or member.next_view().epoch >= member.answered
+
+    @invariant()
+    def a_member_asking_for_the_stop_or_halted_has_not_answered_that_roll_call(self) -> None:
+        member = self.member
+        if member.ending is not None:
+            assert member.ending > member.answered, "a roll call both waiting and answered"
+        if member.halted:
+            assert not member.aborting and member.ending is None
 
     @invariant()
     def views_are_entered_in_increasing_epochs_never_older_than_an_answer(self) -> None:

@@ -146,6 +146,9 @@ class Reduced:
     grads: list[torch.Tensor]
     sync: BufferSync | None
     buffers: list[torch.Tensor] | None
+    #: A rank asked, in this reduction, that the view's members stop after
+    #: the step (a roll call held only for joiners waits for it).
+    stop: bool = False
 
     def apply(self) -> None:
         for p, grad in zip(self.params, self.grads, strict=True):
@@ -215,17 +218,20 @@ class ExactStep:
             loss, count = earlier.loss + loss, earlier.count + count
         self._taken[index] = _Microbatch(grads, buffers, loss, count)
 
-    def reduce(self, reduce: Reduce) -> Reduced:
+    def reduce(self, reduce: Reduce, stop: bool = False) -> Reduced:
         """Reduce the step across the view with ``reduce`` (two collectives:
-        a MAX of exponents, a SUM of integers). The result's ``apply`` sets
+        a MAX of exponents, a SUM of integers; ``stop``, this rank asks the
+        view's members to stop after the step, rides on the MAX, and the
+        result's ``stop`` says whether any rank asked). The result's ``apply`` sets
         every parameter's ``.grad`` (in its dtype) to the step's gradient
         divided by the global count, and the buffers to their combination.
         Raises whatever ``reduce`` raises (the step is then not applied), and
         ``UsageError`` if the global count is not positive."""
-        exponents = self._exponents()
+        exponents = torch.cat([self._exponents(), torch.tensor([int(stop)], dtype=torch.int64)])
         reduce([exponents], "max")
-        scales = [int(e) for e in exponents[:-1]]
-        self._nonfinite = bool(int(exponents[-1]))
+        scales = [int(e) for e in exponents[:-2]]
+        self._nonfinite = bool(int(exponents[-2]))
+        stopped = bool(int(exponents[-1]))
         payload = self._payload(scales)
         reduce(payload, "sum")
         n = len(self._params)
@@ -246,7 +252,7 @@ class ExactStep:
         ]
         buffers = self._combined(payload[n:-3], present) if self._buffers is not None else None
         self._taken.clear()
-        return Reduced(count, loss, self._params, grads, self._buffers, buffers)
+        return Reduced(count, loss, self._params, grads, self._buffers, buffers, stopped)
 
     # --- the parts --------------------------------------------------------------
 

@@ -750,14 +750,19 @@ class Elastic:
         self._switching.shorten(epoch)  # until a step of its view commits
         self._causes[epoch] = causes
         loop = asyncio.get_running_loop()
+        # Held only for joiners: the step in flight runs on, and the view's
+        # members stop together after the next reduction (Member.roll_call).
+        at_step_end = self._client.at_step_end(epoch)
         with self._state:
-            answer = self._member.roll_call(epoch)
+            answer = self._member.roll_call(epoch, at_step_end)
             waiting = None
             if answer is None:
                 waiting = loop.create_future()
                 self._waiting_answers.append(waiting)
                 if self._waiting_since is None:
                     self._waiting_since = time.monotonic()
+                if self._member.stop_asked:
+                    loop.call_later(self._config.rollcall_step_end_wait, self._give_up_step_end)
         self._wake()
         step = answer.step if answer is not None else await waiting  # type: ignore[misc]
         known = time.perf_counter()
@@ -774,6 +779,16 @@ class Elastic:
     def _wake(self) -> None:
         with self._view_changed:
             self._view_changed.notify_all()
+
+    def _give_up_step_end(self) -> None:
+        """A roll call held for joiners still waits for the step in flight
+        to end (a long step, a busy period, a failed reduction): answered as
+        any roll call now, aborting the step (``Member.give_up_step_end``)."""
+        with self._state:
+            answer = self._member.give_up_step_end()
+        if answer is not None:
+            self._answer_waiting(answer.step)
+        self._wake()
 
     def _digest_of(self, step: int | None) -> RollCallAnswer:
         """(Control side, in a worker thread.) The answer: ``step``, the
@@ -921,6 +936,8 @@ class Elastic:
             if not self._enter_next():
                 continue
             while self.committed_step + 1 < max_steps and not self._aborting():
+                if self._hold_while_halted():
+                    continue
                 # The view entered last: a sharded commit may have entered
                 # a new one to complete its step (_complete_step).
                 view, rank = self._entered
@@ -938,6 +955,23 @@ class Elastic:
                     break
             self._raise_if_interrupted()
         self._report.done(self.committed_step)
+
+    def _hold_while_halted(self) -> bool:
+        """(Training side.) The view's members stopped after the step that
+        landed last, for a roll call held for joiners that this worker has
+        not been asked yet: start no step until it is (its answer ends the
+        view) or it is given up (``Member.tick``: the steps go on). Whether
+        it held."""
+        with self._view_changed:
+            held = False
+            while not self._aborting():
+                with self._state:
+                    self._member.tick(time.monotonic())
+                    if not self._member.halted:
+                        return held
+                held = True
+                self._view_changed.wait(timeout=self._config.abort_poll)
+            return held
 
     def _enter_next(self) -> bool:
         """Wait for the next view and enter it; False if it was given up
@@ -1525,25 +1559,30 @@ class Elastic:
             return False
         self._gradients.check()
         self._check_scheduler_registered()
+        # This rank asks, in the step's reduction, that the view's members
+        # stop after it (a roll call held for joiners waits for it).
+        ask = self._member.stop_asked
         try:
             if self._exact is not None:
                 reduced = self._exact.reduce(
-                    lambda tensors, op: group.allreduce(tensors, _REDUCE_OPS[op])
+                    lambda tensors, op: group.allreduce(tensors, _REDUCE_OPS[op]), stop=ask
                 )
-                count, loss = float(reduced.count), reduced.loss
+                count, loss, stop = float(reduced.count), reduced.loss, reduced.stop
                 finish = reduced.apply
             elif self._buckets is not None:
-                count, loss, finish = self._reduce_buckets(step, group)
+                count, loss, stop, finish = self._reduce_buckets(step, group, ask)
             else:
-                tensors, buffer_slots = self._reduction(step)
+                tensors, buffer_slots = self._reduction(step, ask)
                 group.allreduce_sum(tensors)
-                count, loss = float(tensors[-1][0]), float(tensors[-1][1])
+                totals = tensors[-1]
+                count, loss, stop = float(totals[0]), float(totals[1]), bool(totals[2] > 0)
 
                 def finish() -> None:
                     self._normalise(tensors, buffer_slots, count)
 
         except PeerFailed as exc:
             self._note_failure(f"epoch {step.epoch}: all-reduce failed", exc.reason)
+            self._give_up_step_end()  # no step ends here: a waiting roll call is answered
             return False
         except StepAborted:
             return False
@@ -1554,7 +1593,7 @@ class Elastic:
                 "must be given the number of samples (or tokens) its loss sums over"
             )
         with self._state:
-            dropped = self._member.reduced(step.number, step.epoch)
+            dropped = self._member.reduced(step.number, step.epoch, stop)
         if dropped is not None:
             # Drop.ANSWERED: our answer to a roll call already named the
             # previous step; applying this one would run it twice.
@@ -1622,8 +1661,8 @@ class Elastic:
         return launch
 
     def _reduce_buckets(
-        self, step: Step, group: EpochGroup
-    ) -> tuple[float, float, Callable[[], None]]:
+        self, step: Step, group: EpochGroup, ask: bool
+    ) -> tuple[float, float, bool, Callable[[], None]]:
         """(overlap=True) Start what the last backward pass did not, sum the
         buffers' changes and (count, loss), wait for the buckets; the
         gradients are the buckets' views, divided in place by ``finish``."""
@@ -1636,7 +1675,7 @@ class Elastic:
         small = self._buffers.contributions(step._microbatches, torch.float32) if (
             self._buffers is not None
         ) else []  # fmt: skip
-        totals = torch.tensor([float(step._count), step._loss], dtype=torch.float64)
+        totals = torch.tensor([float(step._count), step._loss, float(ask)], dtype=torch.float64)
         # Started after the buckets, as on every rank, and waited for with
         # them: an abandoned wait parks every buffer with the group.
         pending.append(group.start_allreduce_sum(totals))
@@ -1658,12 +1697,13 @@ class Elastic:
                     offset += change.numel()
                 self._buffers.apply(small, self.plan.num_microbatches)
 
-        return count, float(totals[1]), finish
+        return count, float(totals[1]), bool(totals[2] > 0), finish
 
-    def _reduction(self, step: Step) -> tuple[list[torch.Tensor], slice]:
+    def _reduction(self, step: Step, ask: bool) -> tuple[list[torch.Tensor], slice]:
         """What the step's one all-reduce sums: every gradient (zeros for a
-        parameter without one), the buffers' changes, and (count, loss) last.
-        Returns them and where the buffers' entries sit."""
+        parameter without one), the buffers' changes, and (count, loss, the
+        ranks asking to stop after the step) last. Returns them and where
+        the buffers' entries sit."""
         grads = []
         for p in self._params:
             if p.grad is None:
@@ -1678,7 +1718,7 @@ class Elastic:
         # float64 (a second, tiny collective when gradients are float32):
         # a count of samples or tokens stays exact up to 2**53, where
         # float32 would round it above 2**24.
-        totals = torch.tensor([float(step._count), step._loss], dtype=torch.float64)
+        totals = torch.tensor([float(step._count), step._loss, float(ask)], dtype=torch.float64)
         slots = slice(len(grads), len(grads) + len(buffers))
         return [*grads, *buffers, totals], slots
 

@@ -128,7 +128,9 @@ class LeaderActions(ReplicaBase):
         # file has them all). A burst of 2,000 joins made every request
         # 60 kB, parsed by every member.
         told = [str(c) for c in causes if c.kind is not CauseKind.JOIN][:ROLLCALL_CAUSES_TOLD]
-        request = pb.RollCallRequest(epoch=epoch, causes=told)
+        rollcall = lead.coordinator.rollcall if lead is not None else None
+        at_step_end = rollcall is not None and rollcall.epoch == epoch and rollcall.at_step_end
+        request = pb.RollCallRequest(epoch=epoch, causes=told, at_step_end=at_step_end)
         encoded = pb.SessionEvent(roll_call=request).SerializeToString()
         if lead is not None:
             lead.asking = (epoch, causes, encoded)

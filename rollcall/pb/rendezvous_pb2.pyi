@@ -350,12 +350,14 @@ class HeartbeatAck(_message.Message):
     def __init__(self, sent_at: _Optional[float] = ...) -> None: ...
 
 class RollCallRequest(_message.Message):
-    __slots__ = ("epoch", "causes")
+    __slots__ = ("epoch", "causes", "at_step_end")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CAUSES_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_END_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     causes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., causes: _Optional[_Iterable[str]] = ...) -> None: ...
+    at_step_end: bool
+    def __init__(self, epoch: _Optional[int] = ..., causes: _Optional[_Iterable[str]] = ..., at_step_end: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("job", "member_id", "epoch", "member_secret")

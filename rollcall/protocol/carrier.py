@@ -421,9 +421,11 @@ class SessionCarrier(ReplicaSet):
                 member._apply_delta(delta)
                 self._share(member.view)
         elif kind == "roll_call":
-            causes = causes_from_pb(event.roll_call.causes)
-            epoch = event.roll_call.epoch
-            await asyncio.gather(*(m._answer(epoch, causes) for m in members))
+            request = event.roll_call
+            causes = causes_from_pb(request.causes)
+            await asyncio.gather(
+                *(m._answer(request.epoch, causes, request.at_step_end) for m in members)
+            )
         else:
             for member in members:
                 await member._on_event(event)

@@ -342,6 +342,8 @@ class RendezvousClient(ReplicaSet):
         self._in_session = False
         self._outbox: asyncio.Queue[pb.SessionRequest] = asyncio.Queue()
         self._on_roll_call: RollCallHandler | None = None
+        #: Recent roll calls held only for joiners (``at_step_end``).
+        self._at_step_end: set[int] = set()
         self._on_view: Callable[[View], None] | None = None
         self._on_busy: BusyHandler | None = None
         self._step: int | None = None
@@ -794,7 +796,8 @@ class RendezvousClient(ReplicaSet):
         elif kind == "pace":
             self._pace(event.pace.heartbeat_interval_ms)
         elif kind == "roll_call":
-            await self._answer(event.roll_call.epoch, causes_from_pb(event.roll_call.causes))
+            request = event.roll_call
+            await self._answer(request.epoch, causes_from_pb(request.causes), request.at_step_end)
         elif kind == "busy" and self._on_busy is not None:
             busy = event.busy
             self._on_busy(busy.member_id, busy.seconds, busy.reason)
@@ -827,7 +830,17 @@ class RendezvousClient(ReplicaSet):
             return
         self._set_view(view)
 
-    async def _answer(self, epoch: int, causes: tuple[Cause, ...]) -> None:
+    def at_step_end(self, epoch: int) -> bool:
+        """Whether roll call ``epoch`` was held only for joiners, so that
+        its answer may wait for the end of the step in flight
+        (``RollCallRequest.at_step_end``; a roll-call handler asks)."""
+        return epoch in self._at_step_end
+
+    async def _answer(
+        self, epoch: int, causes: tuple[Cause, ...], at_step_end: bool = False
+    ) -> None:
+        if at_step_end:
+            self._at_step_end = {e for e in self._at_step_end if e > epoch - 4} | {epoch}
         if self._on_roll_call is None:
             reply = RollCallAnswer(self._step, "")
         else:
