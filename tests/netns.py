@@ -492,7 +492,9 @@ class Worker(Process):
     def __init__(
         self, host: Host, rendezvous: Sequence[str], job: str, token_file: Path,
         log_path: Path, ledger: Path, steps: int, env: dict[str, str] | None = None,
+        settings: Sequence[str] = (),
     ) -> None:  # fmt: skip
+        """``settings``: config overrides (``--set NAME=VALUE``)."""
         self.host = host
         self.ledger = ledger
         self.member_id = ""
@@ -501,6 +503,7 @@ class Worker(Process):
             "--job", job, "--token-file", str(token_file), "--host", host.address,
             "--name", host.name, "--json", "--digest-every", "1", "--steps", str(steps),
             "--ledger", str(ledger), "--log-level", "info",
+            *(arg for item in settings for arg in ("--set", item)),
         ]  # fmt: skip
         super().__init__(host.argv(argv), env, log_path)
 
@@ -726,17 +729,19 @@ class Cluster:
         return [r.address for r in self.replicas]
 
     def start_workers(
-        self, count: int, timeout: float = _START_TIMEOUT, env: dict[str, str] | None = None
-    ) -> list[Worker]:
+        self, count: int, timeout: float = _START_TIMEOUT, env: dict[str, str] | None = None,
+        settings: Sequence[str] = (),
+    ) -> list[Worker]:  # fmt: skip
         """``count`` new workers, each on a new host, started together (with
-        ``env`` added to their environment); returns once each has joined."""
+        ``env`` added to their environment, ``settings`` to their config);
+        returns once each has joined."""
         started = []
         for _ in range(count):
             host = self.network.add_host(f"w{len(self.workers)}")
             worker = Worker(
                 host, self.rendezvous, self.job, self.token_file,
                 self.workdir / f"{host.name}.log", self.workdir / f"{host.name}.ledger.jsonl",
-                self.worker_steps, env,
+                self.worker_steps, env, settings,
             )  # fmt: skip
             self.workers.append(worker)
             started.append(worker)

@@ -427,10 +427,15 @@ def test_corrupt_state_chunk_is_detected_and_the_state_fetched_again_elsewhere(
 ) -> None:
     cluster = make_cluster()
     # One source corrupts every state range it serves (worker/faults.py). It
-    # joins after two others, so it is never the only source.
-    team = cluster.start_workers(2)
+    # joins after two others, so it is never the only source. No state is
+    # sent whole with its first description (which the senior source sends,
+    # never the corrupter): the pieces are striped over every source.
+    pieces = ("transfer_whole_bytes=1",)
+    team = cluster.start_workers(2, settings=pieces)
     wait_training(team)
-    (corrupter,) = cluster.start_workers(1, env={FAULTS_ENV: "corrupt_serves=1000"})
+    (corrupter,) = cluster.start_workers(
+        1, env={FAULTS_ENV: "corrupt_serves=1000"}, settings=pieces
+    )
     team.append(corrupter)
     wait_training(team)
     # Which holders serve a joiner is the roll call's choice: a member whose
@@ -447,7 +452,7 @@ def test_corrupt_state_chunk_is_detected_and_the_state_fetched_again_elsewhere(
     for attempt in range(3):
         served, caught = counts()
         cluster.note(f"start a joiner (attempt {attempt + 1})")
-        (joiner,) = cluster.start_workers(1)
+        (joiner,) = cluster.start_workers(1, settings=pieces)
         team.append(joiner)
         first = joiner.wait_step(lambda e: True, PATIENCE)
         assert first["world"] == len(team) and first["step"] > 0, first

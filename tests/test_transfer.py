@@ -55,8 +55,9 @@ JOB = "job1"
 #: The epoch secret of VIEW, as its members received it.
 SECRET = "5e" * 32
 VIEW = View(epoch=3, members=(Member("src", "127.0.0.1:1"), Member("fetcher", "127.0.0.1:2")))
-#: Units of 64 KiB: even the small test state is striped over many requests.
-SMALL_UNITS = Config(transfer_unit_bytes=1 << 16)
+#: Units of 64 KiB: even the small test state is striped over many requests
+#: (none is sent whole with its description).
+SMALL_UNITS = Config(transfer_unit_bytes=1 << 16, transfer_whole_bytes=1)
 
 
 def make_snapshot(with_rng: bool = False) -> Snapshot:
@@ -196,6 +197,26 @@ def _address_of(blob: bytearray) -> int:
 
 #: 4 MB in 64 units of 64 KiB: each of two sources surely serves some.
 STRIPED = big_snapshot(4)
+
+
+def test_a_small_state_comes_whole_with_the_first_description_in_one_round_trip():
+    blob, state, report = fetched(
+        {"snapshot": GOOD, "config": Config()}, {"snapshot": GOOD, "config": Config()},
+        expected=GOOD.digest, config=Config(),
+    )  # fmt: skip
+    assert blob[:] == GOOD.data and digest(state) == GOOD.digest and state.step == 7
+    assert len(report.sources) == 1 and report.retries == report.refetched_pieces == 0
+
+
+def test_a_state_sent_whole_that_fails_the_digest_is_fetched_again_piece_by_piece():
+    lying = {"snapshot": GOOD, "config": Config(), "faults": Faults(corrupt_serves=1)}
+
+    blob, state, report = fetched(
+        lying, {"snapshot": GOOD, "config": Config()}, expected=GOOD.digest, config=Config()
+    )
+
+    assert blob[:] == GOOD.data and digest(state) == GOOD.digest
+    assert len(report.sources) == 2  # then over the data channels of both
 
 
 def test_a_corrupt_source_is_detected_and_its_pieces_fetched_again_elsewhere():

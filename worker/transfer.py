@@ -213,10 +213,14 @@ class StateServer(pb_grpc.StateTransferServicer):
             header = header_size(snap.data[:PREFIX_BYTES])
         except CorruptState:
             header = 0
-        return pb.StateInfo(
+        info = pb.StateInfo(
             step=snap.step, digest=snap.digest, size=len(snap.data),
             data_port=self._data_port(view), header_size=header,
         )  # fmt: skip
+        if request.whole_if_small and len(snap.data) <= self._config.transfer_whole_bytes:
+            with self._faults_lock:
+                info.data = self._faults.corrupt(bytes(snap.data))
+        return info
 
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -313,7 +317,9 @@ class StateFetcher:
     def _stub(self, address: str) -> pb_grpc.StateTransferStub:
         channel = self._channels.get(address)
         if channel is None:
-            options = [("grpc.max_receive_message_length", 2 * CHUNK_BYTES)]
+            # A chunk, or a small state sent whole with its description.
+            limit = max(2 * CHUNK_BYTES, self._config.transfer_whole_bytes + (64 << 10))
+            options = [("grpc.max_receive_message_length", limit)]
             channel = open_channel(address, self._tls, options)
             self._channels[address] = channel
         return pb_grpc.StateTransferStub(channel)
@@ -450,9 +456,15 @@ class StateFetcher:
         fetch's threads."""
         started = time.perf_counter()
         deadline = time.monotonic() + timeout
+        # The first source sends a small state whole with its description.
         answers = await asyncio.gather(
-            *(self._describe(a, epoch, deadline) for a in sources), return_exceptions=True
+            *(self._describe(a, epoch, deadline, whole=i == 0) for i, a in enumerate(sources)),
+            return_exceptions=True,
         )
+        whole = self._whole(sources[0], answers[0], expected) if sources else None
+        if whole is not None:
+            seconds = time.perf_counter() - started
+            return whole[0], whole[1], FetchReport(len(whole[0]), seconds, (sources[0],), 0)
         holders = [
             (a, s)
             for a, s in zip(sources, answers, strict=True)
@@ -550,15 +562,34 @@ class StateFetcher:
                 raise TransferFailed(f"every source delivered state that fails digest {expected}")
         return blob, state, retries
 
-    async def _describe(self, address: str, epoch: int, deadline: float) -> pb.StateInfo:
+    async def _describe(
+        self, address: str, epoch: int, deadline: float, whole: bool = False
+    ) -> pb.StateInfo:
+        request = self._request(epoch)
+        request.whole_if_small = whole
         return await self._retrying(
             lambda: self._stub(address).Describe(
-                self._request(epoch),
-                metadata=self._metadata,
-                timeout=self._call_timeout(deadline),
+                request, metadata=self._metadata, timeout=self._call_timeout(deadline)
             ),
             deadline,
         )
+
+    def _whole(
+        self, address: str, answer: pb.StateInfo | BaseException, expected: str
+    ) -> tuple[bytearray, ReplicaState] | None:
+        """The state a source sent whole with its description, if it did,
+        it is the agreed one and it checks out against its digest; None
+        otherwise (it is then fetched as a larger one would be)."""
+        if not isinstance(answer, pb.StateInfo) or not answer.data or answer.digest != expected:
+            return None
+        blob = bytearray(answer.data)
+        state = self._verified(blob, expected)
+        if state is None:
+            log.warning(
+                "corrupt state from %s: the state it sent whole fails the agreed digest %s; "
+                "fetching it piece by piece", address, expected,
+            )  # fmt: skip
+        return None if state is None else (blob, state)
 
     async def _striped(
         self, addresses: Sequence[str], epoch: int, expected: str, size: int, deadline: float

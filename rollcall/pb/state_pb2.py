@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rollcall/v1/state.proto\x12\x0brollcall.v1\"S\n\x0cStateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0c\x65poch_secret\x18\x04 \x01(\t\"_\n\tStateInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x11\n\tdata_port\x18\x04 \x01(\r\x12\x13\n\x0bheader_size\x18\x05 \x01(\x04\"\x83\x01\n\x0c\x46\x65tchRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0e\n\x06length\x18\x06 \x01(\x04\x12\x14\n\x0c\x65poch_secret\x18\x07 \x01(\t\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1e\n\x0eGroupStoreInfo\x12\x0c\n\x04port\x18\x01 \x01(\r\"\x8d\x01\n\x10PartitionRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0c\x65poch_secret\x18\x04 \x01(\t\x12\x11\n\tpartition\x18\x05 \x01(\r\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x13\n\x0b\x64igest_only\x18\x07 \x01(\x08\"L\n\x0ePartitionChunk\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x32\x9e\x02\n\rStateTransfer\x12=\n\x08\x44\x65scribe\x12\x19.rollcall.v1.StateRequest\x1a\x16.rollcall.v1.StateInfo\x12\x38\n\x05\x46\x65tch\x12\x19.rollcall.v1.FetchRequest\x1a\x12.rollcall.v1.Chunk0\x01\x12\x44\n\nGroupStore\x12\x19.rollcall.v1.StateRequest\x1a\x1b.rollcall.v1.GroupStoreInfo\x12N\n\x0e\x46\x65tchPartition\x12\x1d.rollcall.v1.PartitionRequest\x1a\x1b.rollcall.v1.PartitionChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rollcall/v1/state.proto\x12\x0brollcall.v1\"k\n\x0cStateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0c\x65poch_secret\x18\x04 \x01(\t\x12\x16\n\x0ewhole_if_small\x18\x05 \x01(\x08\"m\n\tStateInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x11\n\tdata_port\x18\x04 \x01(\r\x12\x13\n\x0bheader_size\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"\x83\x01\n\x0c\x46\x65tchRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0e\n\x06length\x18\x06 \x01(\x04\x12\x14\n\x0c\x65poch_secret\x18\x07 \x01(\t\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1e\n\x0eGroupStoreInfo\x12\x0c\n\x04port\x18\x01 \x01(\r\"\x8d\x01\n\x10PartitionRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0c\x65poch_secret\x18\x04 \x01(\t\x12\x11\n\tpartition\x18\x05 \x01(\r\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x13\n\x0b\x64igest_only\x18\x07 \x01(\x08\"L\n\x0ePartitionChunk\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x32\x9e\x02\n\rStateTransfer\x12=\n\x08\x44\x65scribe\x12\x19.rollcall.v1.StateRequest\x1a\x16.rollcall.v1.StateInfo\x12\x38\n\x05\x46\x65tch\x12\x19.rollcall.v1.FetchRequest\x1a\x12.rollcall.v1.Chunk0\x01\x12\x44\n\nGroupStore\x12\x19.rollcall.v1.StateRequest\x1a\x1b.rollcall.v1.GroupStoreInfo\x12N\n\x0e\x46\x65tchPartition\x12\x1d.rollcall.v1.PartitionRequest\x1a\x1b.rollcall.v1.PartitionChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollcall.v1.state_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATEREQUEST']._serialized_start=40
-  _globals['_STATEREQUEST']._serialized_end=123
-  _globals['_STATEINFO']._serialized_start=125
-  _globals['_STATEINFO']._serialized_end=220
-  _globals['_FETCHREQUEST']._serialized_start=223
-  _globals['_FETCHREQUEST']._serialized_end=354
-  _globals['_CHUNK']._serialized_start=356
-  _globals['_CHUNK']._serialized_end=393
-  _globals['_GROUPSTOREINFO']._serialized_start=395
-  _globals['_GROUPSTOREINFO']._serialized_end=425
-  _globals['_PARTITIONREQUEST']._serialized_start=428
-  _globals['_PARTITIONREQUEST']._serialized_end=569
-  _globals['_PARTITIONCHUNK']._serialized_start=571
-  _globals['_PARTITIONCHUNK']._serialized_end=647
-  _globals['_STATETRANSFER']._serialized_start=650
-  _globals['_STATETRANSFER']._serialized_end=936
+  _globals['_STATEREQUEST']._serialized_end=147
+  _globals['_STATEINFO']._serialized_start=149
+  _globals['_STATEINFO']._serialized_end=258
+  _globals['_FETCHREQUEST']._serialized_start=261
+  _globals['_FETCHREQUEST']._serialized_end=392
+  _globals['_CHUNK']._serialized_start=394
+  _globals['_CHUNK']._serialized_end=431
+  _globals['_GROUPSTOREINFO']._serialized_start=433
+  _globals['_GROUPSTOREINFO']._serialized_end=463
+  _globals['_PARTITIONREQUEST']._serialized_start=466
+  _globals['_PARTITIONREQUEST']._serialized_end=607
+  _globals['_PARTITIONCHUNK']._serialized_start=609
+  _globals['_PARTITIONCHUNK']._serialized_end=685
+  _globals['_STATETRANSFER']._serialized_start=688
+  _globals['_STATETRANSFER']._serialized_end=974
 # @@protoc_insertion_point(module_scope)

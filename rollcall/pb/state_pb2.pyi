@@ -6,30 +6,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StateRequest(_message.Message):
-    __slots__ = ("job", "member_id", "epoch", "epoch_secret")
+    __slots__ = ("job", "member_id", "epoch", "epoch_secret", "whole_if_small")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_SECRET_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_IF_SMALL_FIELD_NUMBER: _ClassVar[int]
     job: str
     member_id: str
     epoch: int
     epoch_secret: str
-    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., epoch_secret: _Optional[str] = ...) -> None: ...
+    whole_if_small: bool
+    def __init__(self, job: _Optional[str] = ..., member_id: _Optional[str] = ..., epoch: _Optional[int] = ..., epoch_secret: _Optional[str] = ..., whole_if_small: _Optional[bool] = ...) -> None: ...
 
 class StateInfo(_message.Message):
-    __slots__ = ("step", "digest", "size", "data_port", "header_size")
+    __slots__ = ("step", "digest", "size", "data_port", "header_size", "data")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     HEADER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     step: int
     digest: str
     size: int
     data_port: int
     header_size: int
-    def __init__(self, step: _Optional[int] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., data_port: _Optional[int] = ..., header_size: _Optional[int] = ...) -> None: ...
+    data: bytes
+    def __init__(self, step: _Optional[int] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., data_port: _Optional[int] = ..., header_size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("job", "member_id", "epoch", "digest", "offset", "length", "epoch_secret")
