@@ -602,6 +602,7 @@ def test_arbitrary_state_request_is_refused_with_a_documented_code(data: st.Data
         "epoch_secret": st.one_of(
             st.just(STATE_SECRET), st.just(""), st.text("0123456789abcdef", max_size=66), texts
         ),
+        "whole_if_small": st.booleans(),
     }  # fmt: skip
     valid = fetch_request() if rpc == "Fetch" else state_request()
     fields = {f.name: getattr(valid, f.name) for f in valid.DESCRIPTOR.fields}
