@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from multiprocessing.context import SpawnProcess
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event as ProcessEvent
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -537,6 +538,26 @@ def test_a_descriptor_reused_by_another_socket_is_never_shut_down() -> None:
     finally:
         for sock in (server, client, accepted, other_server, other, other_accepted):
             sock.close()
+
+
+def test_a_descriptor_reused_by_a_file_is_left_alone(tmp_path: Path) -> None:
+    from rollcall.worker.connections import Connection, endpoint
+
+    server = socket.create_server((LOOPBACK, 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    fd = client.fileno()
+    gloo_like = Connection(fd, endpoint(client.getsockname()), endpoint(client.getpeername()))
+    # gloo closed its socket and the process opened a file under the number.
+    with open(tmp_path / "log", "wb") as log:
+        os.dup2(log.fileno(), fd)
+        try:
+            assert not gloo_like.shut_down()
+            os.write(fd, b"still a file")
+        finally:
+            for sock in (server, client, accepted):
+                sock.close()
+    assert (tmp_path / "log").read_bytes() == b"still a file"
 
 
 def test_the_groups_own_connection_is_shut_down_and_its_reader_wakes() -> None:

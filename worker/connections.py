@@ -114,7 +114,11 @@ class Connection:
             copy = os.dup(self.fd)
         except OSError:
             return False  # closed by gloo already
-        sock = socket.socket(fileno=copy)
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:  # the number now holds a file or a pipe
+            os.close(copy)
+            return False
         try:
             if endpoint(sock.getsockname()) != self.local:
                 return False
