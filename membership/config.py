@@ -242,6 +242,10 @@ class Config:
     #: transfer's own deadline.
     transfer_retry_initial: float = 0.005
     transfer_retry_max: float = 0.1
+    #: Once one source of a state fetch has described the state, the
+    #: others get this much longer to answer; one that has not is left out
+    #: of the fetch (a holder that died must not hold it up).
+    transfer_describe_grace: float = 0.1
     #: Shortest timeout a state transfer call is given, even when its
     #: transfer's deadline is nearer (a call with no time at all would fail
     #: without asking the peer).

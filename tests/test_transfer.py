@@ -276,16 +276,21 @@ def test_a_served_state_carrying_rng_states_is_refused():
         fetched({"snapshot": with_rng}, expected=with_rng.digest, timeout=5)
 
 
-def test_an_unreachable_source_is_skipped():
+@pytest.mark.parametrize("config", [Config(), SMALL_UNITS], ids=["whole", "pieces"])
+def test_an_unreachable_source_is_skipped_without_waiting_for_it(config: Config) -> None:
+    """A holder that died is listed first: the fetch takes the state from
+    the live one at once instead of retrying the dead one until the
+    fetch's deadline."""
     dead = f"127.0.0.1:{free_port()}"
 
     async def scenario() -> tuple[Any, Any, Any]:
-        async with serving(GOOD) as (address, _):
-            return await fetch_from([dead, address], GOOD.digest, timeout=5)
+        async with serving(GOOD, config=config) as (address, _):
+            return await fetch_from([dead, address], GOOD.digest, timeout=60, config=config)
 
     blob, _, report = asyncio.run(scenario())
     assert blob[:] == GOOD.data
-    assert len(report.sources) == 1
+    assert report.sources == (report.sources[0],) and report.sources[0] != dead
+    assert report.seconds < 20, "the fetch waited for the dead source"
 
 
 def test_a_source_that_names_no_data_channel_is_fetched_from_over_grpc():

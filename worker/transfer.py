@@ -456,15 +456,7 @@ class StateFetcher:
         fetch's threads."""
         started = time.perf_counter()
         deadline = time.monotonic() + timeout
-        # The first source sends a small state whole with its description.
-        answers = await asyncio.gather(
-            *(self._describe(a, epoch, deadline, whole=i == 0) for i, a in enumerate(sources)),
-            return_exceptions=True,
-        )
-        whole = self._whole(sources[0], answers[0], expected) if sources else None
-        if whole is not None:
-            seconds = time.perf_counter() - started
-            return whole[0], whole[1], FetchReport(len(whole[0]), seconds, (sources[0],), 0)
+        answers = await self._described(sources, epoch, expected, deadline)
         holders = [
             (a, s)
             for a, s in zip(sources, answers, strict=True)
@@ -474,6 +466,18 @@ class StateFetcher:
             raise TransferFailed(f"no source holds state {expected}: {answers}")
         size = self._agreed_size(holders)
         holders = [(a, s) for a, s in holders if s.size == size]
+        first, info = holders[0]
+        if not info.data and size <= self._config.transfer_whole_bytes and first != sources[0]:
+            # The source asked for the whole state did not answer: ask the
+            # first that did.
+            try:
+                info = await self._describe(first, epoch, deadline, whole=True)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("state %s whole from %s unavailable: %s", expected, first, exc)
+        whole = self._whole(first, info, expected) if info.size == size else None
+        if whole is not None:
+            seconds = time.perf_counter() - started
+            return whole[0], whole[1], FetchReport(len(whole[0]), seconds, (first,), 0)
         channels = [
             DataSource(a, a.rpartition(":")[0].strip("[]"), s.data_port, s.header_size)
             for a, s in holders
@@ -561,6 +565,48 @@ class StateFetcher:
             if state is None:
                 raise TransferFailed(f"every source delivered state that fails digest {expected}")
         return blob, state, retries
+
+    async def _described(
+        self, sources: Sequence[str], epoch: int, expected: str, deadline: float
+    ) -> list[pb.StateInfo | BaseException]:
+        """Every source's answer to ``Describe`` (the first is asked for a
+        small state whole), or why it gave none. A source that cannot be
+        reached or has not caught up is asked again until ``deadline``; but
+        once one source named the ``expected`` state the others get only
+        ``transfer_describe_grace`` more (a holder that died must not hold
+        the fetch from a live one up to its deadline)."""
+
+        def named(task: asyncio.Task[pb.StateInfo]) -> bool:
+            return not task.cancelled() and task.exception() is None and (
+                task.result().digest == expected and task.result().size > 0
+            )  # fmt: skip
+
+        tasks = [
+            asyncio.ensure_future(self._describe(a, epoch, deadline, whole=i == 0))
+            for i, a in enumerate(sources)
+        ]
+        try:
+            pending: set[asyncio.Future[pb.StateInfo]] = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(named(t) for t in done):  # type: ignore[arg-type]
+                    break
+            if pending:
+                await asyncio.wait(pending, timeout=self._config.transfer_describe_grace)
+        finally:
+            late = [t for t in tasks if not t.done()]
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        answers: list[pb.StateInfo | BaseException] = []
+        for address, task in zip(sources, tasks, strict=True):
+            if task.cancelled():
+                answers.append(TransferFailed(f"{address} gave no answer in time"))
+            elif task.exception() is not None:
+                answers.append(task.exception())  # type: ignore[arg-type]
+            else:
+                answers.append(task.result())
+        return answers
 
     async def _describe(
         self, address: str, epoch: int, deadline: float, whole: bool = False
