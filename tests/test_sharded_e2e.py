@@ -233,7 +233,10 @@ def test_killing_both_owners_of_a_partition_resumes_from_the_checkpoint_with_the
         lines = [line for line in text.splitlines() if "have no live copy" in line]
         assert len(lines) == 1, text[-3000:]
         assert all(str(p) in lines[0] for p in lost) and all(m in lines[0] for m in pair)
-        assert "replay cost" in text, text[-4000:]
+    # A survivor that loaded the checkpoint asks for a roll call at once (its
+    # state is newer than the view says): one that had not entered the lost
+    # view by then takes the checkpoint's state from it instead of the disk.
+    assert any("replay cost" in text for text in logs), logs[0][-4000:]
     assert resumed, "the survivors must resume from the checkpoint"
     # Every checkpoint is written by the owners: its manifest names one part
     # per rank that sends partitions, together holding every partition.
