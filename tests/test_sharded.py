@@ -79,6 +79,11 @@ def _rank(rank: int, port: int, kind: str, out: str) -> None:
         f"{out}/rank{rank}.pt",
     )  # fmt: skip
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown: gloo's threads can still be
+    # winding down then, which aborts the process ("terminate called without
+    # an active exception", SIGABRT) in about one exit in a few hundred here (seen
+    # in CI). The result is on disk; the exit code is all the parent reads.
+    os._exit(0)
 
 
 @pytest.mark.integration
