@@ -47,6 +47,14 @@ def test_an_operator_inspects_repairs_and_gets_a_job_out_of_exit_4(
 
         record = listed(plane)
         assert [m["file"] for m in record["checkpoints"]] == ["present"] * 3
+        # A kill between publishing a fourth checkpoint and deleting the file
+        # it superseded leaves that file behind, named in no record: the
+        # commands below never touch it (a worker adopts such files only when
+        # etcd lost the job's record).
+        recorded = {m["uri"] for m in record["checkpoints"]}
+        files = [str(directory / p) for p in os.listdir(directory) if p.endswith(".rcs")]
+        unrecorded = sorted(set(files) - recorded)
+        assert len(unrecorded) <= 1, unrecorded
         steps = [m["step"] for m in record["checkpoints"]]
         text = command(plane, "list")
         assert text.returncode == 0 and f"step {steps[0]:>8}" in text.stdout, text.stdout
@@ -95,10 +103,12 @@ def test_an_operator_inspects_repairs_and_gets_a_job_out_of_exit_4(
         assert everything.stdout.count("file deleted") == 2 and victim.exists()
         assert "not named as job job1's checkpoint" in everything.stdout
         assert listed(plane)["checkpoints"] == []
-        left = [str(directory / p) for p in os.listdir(directory) if p.endswith(".rcs")]
-        assert left == [record["checkpoints"][0]["uri"]]  # forgotten earlier, its file kept
+        left = sorted(str(directory / p) for p in os.listdir(directory) if p.endswith(".rcs"))
+        # The one forgotten earlier keeps its file, as does one no record named.
+        assert left == sorted([record["checkpoints"][0]["uri"], *unrecorded])
         copies = [p for p in os.listdir(directory) if p.endswith(MANIFEST_SUFFIX)]
-        assert copies == [manifest_file_name(Path(left[0]).name)]  # deleted with their files
+        # deleted with their files
+        assert sorted(copies) == sorted(manifest_file_name(Path(f).name) for f in left)
 
         # No checkpoint, progress recorded: no silent restart, until asked.
         workers.append(start(plane, tmp_path, "w2", directory, 1000))
