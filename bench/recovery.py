@@ -41,10 +41,12 @@ arrives; logs (--log-level info) are parsed for their own timestamps
    time (channel set-up, describe, data channel, pieces checked as they
    arrive), interleaved with raw TCP of the same bytes from the same child
    process over one connection (connect included), received into fresh
-   memory as a fetch must (populated at once, MAP_POPULATE: the fastest way
-   for one receiving thread here), and, for the wire alone, into memory
-   already touched. The decode and one digest pass over the whole state, which
-   the fetch no longer makes, are timed after each fetch.
+   memory as a fetch must: transparent huge pages faulted in by the receive
+   (the fetch's landing asks for them too; the fastest fresh memory here),
+   and for contrast 4 KiB pages populated at once (MAP_POPULATE, the fastest
+   way without huge pages) and, for the wire alone, memory already touched.
+   The decode and one digest pass over the whole state, which the fetch no
+   longer makes, are timed after each fetch.
 5. overhead (`--only overhead`): rounds of 4 fresh rollcall workers (own
    etcd and replica; step events over a window, CPU time of the 4 processes
    from /proc) and a plain loop, alternating which runs first: 4 spawned
@@ -891,18 +893,24 @@ def serve_state(d_model: int, layers: int, out: Any, stop: Any) -> None:
     asyncio.run(main())
 
 
-def raw_from(port: int, nbytes: int, buffer: Any = None) -> float:
+def raw_from(port: int, nbytes: int, buffer: Any = None, huge: bool = True) -> float:
     """Seconds to receive ``nbytes`` over one loopback TCP connection from
     another process (connect included), into ``buffer`` or, as a fetch
-    must, into fresh memory: mapped with every page populated at once
-    (``MAP_POPULATE``), the fastest of the ways measured for one receiving
-    thread here (a ``bytearray`` is close; the fetch's own way, pages
-    touched by a thread ahead of the bytes, is slower for a receiver that
-    does not hash)."""
+    must, into fresh memory: with ``huge``, private memory advised to use
+    transparent huge pages (``advise_huge_pages``, as the fetch's landing
+    does), faulted in by the receive; else 4 KiB pages populated at once
+    (``MAP_POPULATE``), the fastest way measured without huge pages for
+    one receiving thread here (a ``bytearray`` is close)."""
+    from rollcall.worker.landing import advise_huge_pages
+
     started = time.perf_counter()
     if buffer is None:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if not huge:
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
         buffer = mmap.mmap(-1, nbytes, flags=flags)
+        if huge:
+            advise_huge_pages(buffer)
     view = memoryview(buffer)
     got = 0
     with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
@@ -942,7 +950,7 @@ def transfer_alone(d_model: int, layers: int, repeats: int) -> dict[str, Any]:
             from_bytes(blob, expect_digest=expected)
             return report.seconds, time.perf_counter() - started
 
-        fetches, decodes, raw, warm = [], [], [], []
+        fetches, decodes, raw, small_pages, warm = [], [], [], [], []
         reused = bytearray(nbytes)
         raw_from(raw_port, nbytes, reused)  # its pages touched once, before the first timing
         for _ in range(repeats):  # interleaved, so drifts hit all alike
@@ -950,6 +958,7 @@ def transfer_alone(d_model: int, layers: int, repeats: int) -> dict[str, Any]:
             fetches.append(fetch_s)
             decodes.append(decode_s)
             raw.append(raw_from(raw_port, nbytes))
+            small_pages.append(raw_from(raw_port, nbytes, huge=False))
             warm.append(raw_from(raw_port, nbytes, reused))
         del reused
     finally:
@@ -968,6 +977,7 @@ def transfer_alone(d_model: int, layers: int, repeats: int) -> dict[str, Any]:
         "decode_verify_s": summary(decodes),
         "fetch_MBps": summary(fetch_mbs),
         "raw_tcp_MBps": summary(raw_mbs),
+        "raw_tcp_small_pages_MBps": summary([nbytes / s / 1e6 for s in small_pages]),
         "raw_tcp_warm_MBps": summary([nbytes / s / 1e6 for s in warm]),
         "ratio": statistics.median(fetch_mbs) / statistics.median(raw_mbs),
         "ratios": summary([f / r for f, r in zip(fetch_mbs, raw_mbs, strict=True)]),
@@ -1028,8 +1038,14 @@ def print_table(r: dict[str, Any]) -> None:
              f"{f['median']:7.1f} MB/s (min {f['min']:.0f}, max {f['max']:.0f}, n={f['n']})"),
             ("  raw loopback TCP, same bytes",
              f"{raw['median']:7.1f} MB/s (min {raw['min']:.0f}, max {raw['max']:.0f}, "
-             f"connect incl.{', fresh buffer' if 'raw_tcp_warm_MBps' in t else ''})"),
+             f"connect incl.{', fresh buffer' if 'raw_tcp_warm_MBps' in t else ''}"
+             f"{', huge pages' if 'raw_tcp_small_pages_MBps' in t else ''})"),
         ]  # fmt: skip
+        if "raw_tcp_small_pages_MBps" in t:
+            small = t["raw_tcp_small_pages_MBps"]
+            rows.append(("  raw, fresh 4 KiB pages (MAP_POPULATE)",
+                         f"{small['median']:7.1f} MB/s (min {small['min']:.0f}, "
+                         f"max {small['max']:.0f})"))  # fmt: skip
         if "raw_tcp_warm_MBps" in t:
             warm = t["raw_tcp_warm_MBps"]
             rows.append(("  raw, into a buffer already touched",

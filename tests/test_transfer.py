@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -14,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -379,6 +381,38 @@ def test_a_landing_is_zeroed_and_put_in_place_from_the_start_on():
     assert landing.buffer[:] == bytes(landing.size)
     with pytest.raises(ValueError):
         Landing(0)
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode (the bracketed word), or ""."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return text.partition("[")[2].partition("]")[0]
+
+
+def _smaps_field(address: int, field: str) -> str:
+    """``field`` of this process's mapping that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == f"{field}:":
+            return line.split()[1]
+    raise AssertionError(f"no {field} for the mapping at {address:#x}")
+
+
+def test_a_landing_asks_for_huge_pages_where_the_kernel_has_them():
+    # Touching fresh 4 KiB pages is slower than loopback TCP here; 2 MiB ones
+    # are not. With the kernel's huge pages off the landing is ordinary memory.
+    landing = Landing(8 * LANDING_CHUNK)
+    assert landing.claim(0, landing.size, timeout=10)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(landing.buffer))
+    eligible = _smaps_field(address, "THPeligible")
+    assert eligible == ("1" if _thp_mode() in {"always", "madvise"} else "0")
 
 
 # --- the data channel -----------------------------------------------------------------

@@ -10,23 +10,39 @@ in chunks, in order, by a thread of their own, while the streams receive
 behind it; a stream that catches up touches the chunks it needs itself
 rather than wait for that thread (which, on a busy machine, gets its turn
 no sooner than any other).
+
+The buffer asks for transparent huge pages (``MADV_HUGEPAGE``; the kernels
+here have them in ``madvise`` mode): one fault then puts 2 MiB in place
+instead of 4 KiB, and touching 512 MB went from 1.5 to 9.5 GB/s on this
+machine (`bench/recovery.py`, "State at wire speed"). Where the kernel has
+none, or does not honour the advice, the pages are ordinary ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import threading
 
 import numpy as np
 
-__all__ = ["CHUNK_BYTES", "Landing"]
+__all__ = ["CHUNK_BYTES", "Landing", "advise_huge_pages"]
 
 #: Bytes touched at a time: small enough that the first bytes land early,
 #: large enough that handing a chunk over costs nothing next to its pages.
 CHUNK_BYTES = 4 << 20
 
 _FREE, _TOUCHING, _READY = 0, 1, 2
+
+
+def advise_huge_pages(buffer: mmap.mmap) -> None:
+    """Ask the kernel to back ``buffer`` (not touched yet) with transparent
+    huge pages; a kernel without them, or that refuses, changes nothing."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):
+            buffer.madvise(advice)
 
 
 class Landing:
@@ -39,7 +55,9 @@ class Landing:
         if size <= 0:
             raise ValueError(f"a landing holds bytes, not {size}")
         self.size = size
-        self.buffer = mmap.mmap(-1, size)
+        # Private: shared anonymous memory is shmem, whose huge pages are off.
+        self.buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        advise_huge_pages(self.buffer)
         self._pages = np.frombuffer(self.buffer, dtype=np.uint8)
         self._chunks = [_FREE] * (-(-size // CHUNK_BYTES))
         self._changed = threading.Condition()
