@@ -145,8 +145,8 @@ def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_new_ones_resume_
             errors = [line for line in worker.log_tail(40).splitlines() if "error:" in line]
             assert len(errors) == 1 and "etcd lost the job's data" in errors[0], errors
             assert "is ahead of the committed epoch" not in worker.log_path.read_text()
-            # Rank 0 writes the state it held on the way out, not only the
-            # periodic checkpoint before it.
+            # The checkpoint writer (the last rank) writes the state it held
+            # on the way out, not only the periodic checkpoint before it.
             said = re.search(r"This worker held step (\d+) and wrote it to (\S+) before", errors[0])
             if said:
                 assert Path(said[2]).is_file() and Path(said[2] + MANIFEST_SUFFIX).is_file()

@@ -218,6 +218,16 @@ def test_assignment_is_contiguous_near_even_and_covers_each_microbatch_once(
     assert sizes == sorted(sizes, reverse=True)
 
 
+@given(plans(), st.integers(0, 30), st.data())
+def test_the_lightest_rank_runs_the_fewest_microbatches(
+    plan: DataPlan, step: int, data: st.DataObject
+) -> None:
+    world_size = data.draw(st.integers(1, 2 * plan.num_microbatches))
+    sizes = [len(block) for block in plan.assignment(step, world_size)]
+
+    assert sizes[DataPlan.lightest_rank(world_size)] == min(sizes)
+
+
 def test_ranks_beyond_the_microbatches_get_none() -> None:
     plan = DataPlan(100, 6, 2, seed=0)
 

@@ -216,6 +216,13 @@ class DataPlan:
             start += size
         return tuple(blocks)
 
+    @staticmethod
+    def lightest_rank(world_size: int) -> int:
+        """A rank ``assignment`` gives the fewest microbatches at every step:
+        the last one (the larger blocks go to the lower ranks)."""
+        require_int("world_size", world_size, 1)
+        return world_size - 1
+
     def for_rank(self, step: int, rank: int, world_size: int) -> tuple[Microbatch, ...]:
         """The microbatches ``rank`` of ``world_size`` runs at ``step``."""
         blocks = self.assignment(step, world_size)

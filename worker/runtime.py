@@ -1787,11 +1787,20 @@ class Elastic:
         self._lost_work = 0.0
         self._loop.call_soon_threadsafe(self._client.report_view, report)
 
+    def _checkpoint_writer(self, world_size: int) -> int:
+        """The rank that writes the replicated state's checkpoints in a view
+        of ``world_size``: the one the data plan gives the fewest
+        microbatches, so that the state's capture and its write run while
+        that rank would wait for the others in the next reduction, not on
+        the step's longest path (rank 0, which wrote before, runs the most)."""
+        return self.plan.lightest_rank(world_size)
+
     def _checkpoint_due(self, step: Step) -> bool:
-        """Rank 0 writes a checkpoint after every ``checkpoint_every``-th step."""
+        """The view's checkpoint writer writes a checkpoint after every
+        ``checkpoint_every``-th step."""
         return (
             self.checkpoints is not None
-            and step.rank == 0
+            and step.rank == self._checkpoint_writer(step.world_size)
             and (step.number + 1) % self._checkpoint_every == 0
             and self.checkpoints.ready(step.number)
         )
@@ -1822,15 +1831,15 @@ class Elastic:
         """etcd lost the job's record and no replica remembers it: write the
         state this worker holds (its last committed step) to the checkpoint
         directory, so that workers started again resume from it rather than
-        from an older checkpoint. Rank 0 of the last view writes, as it
-        writes every checkpoint: the members may hold steps one apart (a
-        step dropped for want of a heartbeat acknowledgement), and workers
-        started again take the newest written file. The manifest written,
-        why it was not (a text), or None (no checkpoint directory, nothing
-        trained, not rank 0)."""
+        from an older checkpoint. The last view's checkpoint writer
+        writes, as it writes every checkpoint: the members may hold steps
+        one apart (a step dropped for want of a heartbeat acknowledgement),
+        and workers started again take the newest written file. The
+        manifest written, why it was not (a text), or None (no checkpoint
+        directory, nothing trained, not the writer)."""
         if self.checkpoints is None or self.committed_step < 0 or self.member_id is None:
             return None
-        if self._view.rank_of(self.member_id) != 0:
+        if self._view.rank_of(self.member_id) != self._checkpoint_writer(self._view.size):
             return None
         if self._sharded is not None:
             return "the optimizer state is sharded: writing it needs every rank"
