@@ -28,13 +28,12 @@ def test_300_view_changes_keep_etcd_and_the_replica_bounded(tmp_path: Path) -> N
     samples = result["samples"]
     assert len(samples) >= 10
     # Compaction acts: without it the space in use grows with every change
-    # (measured: 150 KiB after 150 changes, 270 KiB after 300), so no sample
-    # of the second half would fall below the first half's highest. With it
-    # the space in use falls back after each compaction (every 2 s here; the
-    # run's 300 changes took about 10 s on 2 cores on 2026-12-02). The
-    # highest of either half is the sawtooth's peak, which moves with the
-    # rate of changes against the compaction period: no bound of its own.
-    half = len(samples) // 2
-    first = max(s["db_in_use"] for s in samples[:half])
-    lowest_later = min(s["db_in_use"] for s in samples[half:])
-    assert lowest_later < first, (first, [s["db_in_use"] for s in samples])
+    # (measured: 150 KiB after 150 changes, 270 KiB after 300) and never
+    # falls. With it the space in use falls back after each compaction
+    # (every 2 s here; the run's 300 changes took about 10 s on 2 cores on
+    # 2026-12-02): a sawtooth. Its peaks and its floor move with the rate
+    # of changes against the compaction period (a floor level with an early
+    # peak was seen: 120 KiB both), so what is checked is the falls.
+    in_use = [s["db_in_use"] for s in samples]
+    falls = sum(later < earlier for earlier, later in zip(in_use, in_use[1:], strict=False))
+    assert falls >= 2, in_use

@@ -221,6 +221,7 @@ def test_killing_both_owners_of_a_partition_resumes_from_the_checkpoint_with_the
         for victim in victims:
             victim.signal(signal.SIGKILL)
         survivors = [p for p in team if p not in victims]
+        survivor_ids = {p.events("joined")[0]["member_id"] for p in survivors}
         for program in survivors:
             assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
         models = job.models()
@@ -246,7 +247,14 @@ def test_killing_both_owners_of_a_partition_resumes_from_the_checkpoint_with_the
         assert sorted(p for part in copy["parts"] for p in part["partitions"]) == list(
             range(PARTITIONS)
         )
-        assert all(Path(part["uri"]).is_file() for part in copy["parts"])
+    # The copies the survivors wrote name parts that are all there. (A copy
+    # a victim wrote before the kill is pruned by nobody, while the
+    # survivors prune their own parts of it once superseded: such a copy
+    # may name parts gone.)
+    kept = [c for c in copies if c["writer"] in survivor_ids]
+    assert kept, [c["writer"] for c in copies]
+    for copy in kept:
+        assert all(Path(part["uri"]).is_file() for part in copy["parts"]), copy
     assert all(r["s_ckpt"] % 5 == 4 and r["s_ckpt"] <= r["s_done"] for r in resumed)
     assert all(r["seconds"] > 0 for r in resumed)
     assert sorted(models) == list(range(STEPS))

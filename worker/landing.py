@@ -14,7 +14,7 @@ no sooner than any other).
 The buffer asks for transparent huge pages (``MADV_HUGEPAGE``; the kernels
 here have them in ``madvise`` mode): one fault then puts 2 MiB in place
 instead of 4 KiB, and touching 512 MB went from 1.5 to 9.5 GB/s on this
-machine (`bench/recovery.py`, "State at wire speed"). Where the kernel has
+machine (`bench/README.md`, "State transfer into huge pages"). Where the kernel has
 none, or does not honour the advice, the pages are ordinary ones.
 """
 
