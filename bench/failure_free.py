@@ -1,0 +1,191 @@
+"""Failure-free throughput of rollcall against torchrun, and where the CPU
+goes: the job of ``bench/peers.py`` (3 workers, the example LM, global batch
+32 in microbatches of 8, a durable checkpoint every 20 steps, one torch
+thread each), nothing killed.
+
+    .venv/bin/python bench/failure_free.py [--rounds 5] [--window 20]
+        [--before DIR] [--json FILE]
+
+Each round starts every system afresh, waits until all 3 workers are
+steady, then measures over ``--window`` seconds: samples/s (as
+``peers.throughput``), the CPU of the workers' process trees per step
+(rollcall's workers; torchrun's agents and the trainers they run), the CPU
+of the rest of each system (rollcall's etcd and rendezvous replica,
+torchrun's rendezvous store) and the machine's idle share. The systems
+alternate their order from round to round, so that a drift of the
+machine's load hits all alike; the table gives medians and ranges.
+
+``--before DIR`` adds rollcall as checked out in DIR (a ``git worktree`` of
+an earlier commit; its workers import its own code) as a third system, for
+an A/B of a change. Results: ``results/failure_free.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import peers  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+SYSTEMS = {"rollcall": peers.Rollcall, "torchrun": peers.Torchrun}
+
+
+def _cpu(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def measure_once(name: str, window: float) -> dict[str, float]:
+    """One fresh system of ``name``, steady with 3 workers, measured over ``window``."""
+    system = SYSTEMS[name](Path(tempfile.mkdtemp(prefix=f"ff-{name}-")))
+    system.start()
+    try:
+        for _ in range(peers.WORKERS):
+            system.spawn()
+        peers.wait_steady(system, peers.WORKERS, 10, time.time(), 180)
+        time.sleep(2)
+        workers: list[psutil.Process] = []
+        for worker in system.workers:
+            process = psutil.Process(worker.child.proc.pid)
+            workers += [process, *process.children(recursive=True)]
+        rest = [psutil.Process(child.proc.pid) for child in system.infra if child.alive()]
+        etcd = getattr(system, "etcd", None)
+        if etcd is not None and etcd.pid:
+            rest.append(psutil.Process(etcd.pid))
+        workers_0, rest_0, machine_0 = _cpu(workers), _cpu(rest), psutil.cpu_times()
+        rate = peers.throughput(system, window)
+        workers_1, rest_1, machine_1 = _cpu(workers), _cpu(rest), psutil.cpu_times()
+        steps = rate["steps_per_s"] * window
+        machine = sum(machine_1) - sum(machine_0)
+        return {
+            "samples_per_s": rate["samples_per_s"],
+            "worker_cpu_ms_per_step": (workers_1 - workers_0) / steps * 1000,
+            "rest_cpu_share": (rest_1 - rest_0) / window,
+            "idle_share": (machine_1.idle - machine_0.idle) / machine,
+        }
+    finally:
+        system.close()
+
+
+def measure_in(directory: Path, name: str, window: float) -> dict[str, float]:
+    """``measure_once`` in a child process that imports rollcall and
+    ``bench/peers.py`` from ``directory`` (this file, which it may not have,
+    from here)."""
+    script = (
+        "import json, sys; sys.path.insert(0, sys.argv[1] + '/bench'); import peers;"
+        "sys.path.insert(0, sys.argv[2]); import failure_free;"
+        "print(json.dumps(failure_free.measure_once(sys.argv[3], float(sys.argv[4]))))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(directory)}
+    argv = [sys.executable, "-c", script, str(directory), str(Path(__file__).parent), name,
+            str(window)]  # fmt: skip
+    done = subprocess.run(
+        argv, cwd=directory, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} from {directory} failed:\n{done.stderr[-2000:]}")
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="rounds (1..20)")
+    parser.add_argument("--window", type=float, default=20.0, help="seconds measured (5..120)")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="an earlier rollcall checkout, a third system")  # fmt: skip
+    parser.add_argument("--json", type=Path, default=RESULTS / "failure_free.json")
+    args = parser.parse_args()
+    if not 1 <= args.rounds <= 20:
+        parser.error("--rounds must be 1..20")
+    if not 5 <= args.window <= 120:
+        parser.error("--window must be 5..120 seconds")
+    if args.before is not None and not (args.before / "bench" / "peers.py").is_file():
+        parser.error(f"--before {args.before}: no rollcall checkout there (bench/peers.py)")
+
+    runs: list[tuple[str, Any]] = [("rollcall", None), ("torchrun", None)]
+    if args.before is not None:
+        runs.insert(0, ("rollcall before", args.before.resolve()))
+    started = time.monotonic()
+    rows: dict[str, list[dict[str, float]]] = {label: [] for label, _ in runs}
+    for round_ in range(args.rounds):
+        for label, directory in runs if round_ % 2 == 0 else reversed(runs):
+            name = label.split()[0]
+            if directory is None:
+                result = measure_once(name, args.window)
+            else:
+                result = measure_in(directory, name, args.window)
+            rows[label].append(result)
+            print(f"round {round_ + 1}/{args.rounds} {label:16s} "
+                  f"{result['samples_per_s']:6.1f} samples/s, workers "
+                  f"{result['worker_cpu_ms_per_step']:5.1f} ms CPU/step", flush=True)  # fmt: skip
+
+    table = {label: {key: summary([r[key] for r in results]) for key in results[0]}
+             for label, results in rows.items()}  # fmt: skip
+    print()
+    print("| system | samples/s | workers' CPU per step | rest of the system | machine idle |")
+    print("|---|---:|---:|---:|---:|")
+    for label, t in table.items():
+        s, c = t["samples_per_s"], t["worker_cpu_ms_per_step"]
+        print(f"| {label} | {s['median']:.0f} [{s['min']:.0f}-{s['max']:.0f}] "
+              f"| {c['median']:.1f} ms [{c['min']:.1f}-{c['max']:.1f}] "
+              f"| {t['rest_cpu_share']['median'] * 100:.1f} % of a core "
+              f"| {t['idle_share']['median'] * 100:.0f} % |")  # fmt: skip
+    rollcall, torchrun = table["rollcall"], table["torchrun"]
+    ratio = rollcall["samples_per_s"]["median"] / torchrun["samples_per_s"]["median"]
+    print(f"\nrollcall / torchrun samples/s (medians): {ratio:.3f}")
+    result = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average_end": os.getloadavg(),
+        },
+        "parameters": {
+            "rounds": args.rounds,
+            "window_s": args.window,
+            "workers": peers.WORKERS,
+            "global_batch": peers.GLOBAL_BATCH,
+            "micro_batch": peers.MICRO_BATCH,
+            "checkpoint_every_steps": peers.CKPT_EVERY,
+            "before": str(args.before) if args.before else None,
+        },
+        "rounds": rows,
+        "summary": table,
+        "rollcall_over_torchrun": ratio,
+        "wall_s": time.monotonic() - started,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
