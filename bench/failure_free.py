@@ -4,7 +4,7 @@ goes: the job of ``bench/peers.py`` (3 workers, the example LM, global batch
 thread each), nothing killed.
 
     .venv/bin/python bench/failure_free.py [--rounds 5] [--window 20]
-        [--before DIR] [--json FILE]
+        [--before DIR] [--rollcall-set NAME=VALUE ...] [--json FILE]
 
 Each round starts every system afresh, waits until all 3 workers are
 steady, then measures over ``--window`` seconds: samples/s (as
@@ -19,7 +19,10 @@ alike; the table gives medians and ranges.
 
 ``--before DIR`` adds rollcall as checked out in DIR (a ``git worktree`` of
 an earlier commit; its workers import its own code) as a third system, for
-an A/B of a change. Results: ``results/failure_free.json``.
+an A/B of a change. ``--rollcall-set NAME=VALUE`` (repeatable) adds
+rollcall with these config overrides (``--set`` of its replica and its
+workers; membership/config.py) as another system, for an A/B of a
+setting. Results: ``results/failure_free.json``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -59,9 +61,14 @@ def _cpu(processes: list[psutil.Process]) -> float:
     return total
 
 
-def measure_once(name: str, window: float) -> dict[str, float]:
-    """One fresh system of ``name``, steady with 3 workers, measured over ``window``."""
+def measure_once(name: str, window: float, settings: tuple[str, ...] = ()) -> dict[str, float]:
+    """One fresh system of ``name``, steady with 3 workers, measured over
+    ``window``; rollcall's replica and workers given ``settings`` (config
+    overrides, "NAME=VALUE")."""
     system = SYSTEMS[name](Path(tempfile.mkdtemp(prefix=f"ff-{name}-")))
+    if settings:
+        assert isinstance(system, peers.Rollcall)
+        system.settings = settings
     system.start()
     try:
         for _ in range(peers.WORKERS):
@@ -124,6 +131,9 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=20.0, help="seconds measured (5..120)")
     parser.add_argument("--before", type=Path, default=None,
                         help="an earlier rollcall checkout, a third system")  # fmt: skip
+    parser.add_argument("--rollcall-set", action="append", default=[], metavar="NAME=VALUE",
+                        help="rollcall with this config override too, another system "
+                             "(repeatable: all in the one system)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS / "failure_free.json")
     args = parser.parse_args()
     if not 1 <= args.rounds <= 20:
@@ -132,17 +142,27 @@ def main() -> int:
         parser.error("--window must be 5..120 seconds")
     if args.before is not None and not (args.before / "bench" / "peers.py").is_file():
         parser.error(f"--before {args.before}: no rollcall checkout there (bench/peers.py)")
+    for setting in args.rollcall_set:
+        if "=" not in setting or not setting.partition("=")[0].isidentifier():
+            parser.error(f"--rollcall-set {setting!r}: expected NAME=VALUE")
+    settings = tuple(args.rollcall_set)
 
-    runs: list[tuple[str, Any]] = [("rollcall", None), ("torchrun", None)]
+    # (label, the checkout it runs from (None: this one), config overrides)
+    runs: list[tuple[str, Path | None, tuple[str, ...]]] = [
+        ("rollcall", None, ()),
+        ("torchrun", None, ()),
+    ]
     if args.before is not None:
-        runs.insert(0, ("rollcall before", args.before.resolve()))
+        runs.insert(0, ("rollcall before", args.before.resolve(), ()))
+    if settings:
+        runs.insert(1, (f"rollcall {','.join(settings)}", None, settings))
     started = time.monotonic()
-    rows: dict[str, list[dict[str, float]]] = {label: [] for label, _ in runs}
+    rows: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in runs}
     for round_ in range(args.rounds):
-        for label, directory in runs if round_ % 2 == 0 else reversed(runs):
+        for label, directory, overrides in runs if round_ % 2 == 0 else reversed(runs):
             name = label.split()[0]
             if directory is None:
-                result = measure_once(name, args.window)
+                result = measure_once(name, args.window, overrides)
             else:
                 result = measure_in(directory, name, args.window)
             rows[label].append(result)
@@ -184,6 +204,7 @@ def main() -> int:
             "micro_batch": peers.MICRO_BATCH,
             "checkpoint_every_steps": peers.CKPT_EVERY,
             "before": str(args.before) if args.before else None,
+            "rollcall_set": list(settings),
         },
         "rounds": rows,
         "summary": table,

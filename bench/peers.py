@@ -290,6 +290,12 @@ class Rollcall(System):
     description = ("`rollcall worker` processes, LocalEtcd + one `rollcall rendezvous`; "
                    f"durable checkpoint every {CKPT_EVERY} steps")  # fmt: skip
     job = "peers"
+    #: Config overrides ("NAME=VALUE", as `--set` takes them) given to the
+    #: replica and to every worker.
+    settings: tuple[str, ...] = ()
+
+    def _set(self) -> list[str]:
+        return [arg for setting in self.settings for arg in ("--set", setting)]
 
     def start(self) -> None:
         self.etcd = LocalEtcd(data_dir=self.tmp / "etcd")
@@ -301,7 +307,7 @@ class Rollcall(System):
         replica = Child(
             [sys.executable, "-m", "rollcall.cli", "rendezvous", "--etcd", self.etcd.endpoint,
              "--listen", self.address, "--job", self.job, "--token-file", str(self.token),
-             "--log-level", "info"],
+             "--log-level", "info", *self._set()],
             self.tmp / "rendezvous.log", {}, lambda t, r: None,
         )  # fmt: skip
         self.infra.append(replica)
@@ -319,6 +325,7 @@ class Rollcall(System):
             "--steps", "10000000", "--threads", "1", "--log-level", "info",
             "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO_BATCH),
             "--checkpoint-dir", str(self.tmp / "ckpt"), "--checkpoint-every", str(CKPT_EVERY),
+            *self._set(),
         ], {}  # fmt: skip
 
     def close(self) -> None:
