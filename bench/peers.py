@@ -399,6 +399,11 @@ class TorchFT(System):
     job_flags = ["--gloo-timeout", "5", "--manager-timeout", "10"]
 
     def start(self) -> None:
+        if not (VENV_BIN / "torchft_lighthouse").exists():
+            raise RuntimeError(
+                "torchft is not installed here (no torchft_lighthouse in "
+                f"{VENV_BIN}): .venv/bin/pip install -e '.[bench]'"
+            )
         self.address = f"127.0.0.1:{free_port()}"
         lighthouse = Child(
             [str(VENV_BIN / "torchft_lighthouse"), "--min_replicas", "1",
