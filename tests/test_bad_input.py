@@ -880,6 +880,21 @@ CASES = {
         Code.INVALID_ARGUMENT,
         "epoch 1000 is ahead of the committed",
     ),
+    # A member the leader never saw, ahead of a view whose members are live:
+    # what a worker of a view etcd lost would send, but nothing here says
+    # etcd lost anything, so the claim is refused and not recorded.
+    "an unknown member ahead of a live view on Leave": Case(
+        "Leave",
+        leave("ghost-0", epoch=227_049_656, secret=""),
+        Code.FAILED_PRECONDITION,
+        "member ghost-0 is at epoch 227049656",
+    ),
+    "an unknown member ahead of a live view on Open": Case(
+        "Session",
+        session(lambda t: open_(t, "ghost-0", epoch=2**62, secret="")),
+        Code.FAILED_PRECONDITION,
+        f"member ghost-0 is at epoch {2**62}",
+    ),
     "epoch beyond int64 on Leave": Case(
         "Leave", leave(epoch=2**64 - 1), Code.INVALID_ARGUMENT, "out of range"
     ),

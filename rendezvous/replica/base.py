@@ -186,8 +186,17 @@ class ReplicaBase:
         leader's view: this replica is behind (another one committed that
         epoch), the message is malformed (a member it knows cannot be
         ahead), or, from a member it has never heard of, etcd lost the view
-        the member is in and no replica remembers it."""
-        committed = lead.coordinator.view.epoch
+        the member is in and no replica remembers it.
+
+        The last is a claim nothing authenticates (the member's record is
+        what etcd lost), so it is recorded in etcd (``_note_lost``) only
+        while nothing contradicts it: no member of the view in force holds
+        a session here. A job training at the epoch etcd holds has not lost
+        a later one, and a token holder naming an unknown id must not be
+        able to block the job's fresh starts (docs/protocol.md, "Lost etcd
+        data")."""
+        view = lead.coordinator.view
+        committed = view.epoch
         if epoch <= self._continuity.epoch:
             return NotLeader(
                 f"replica {self._advertise} is behind epoch {epoch} (it holds {committed}): "
@@ -195,7 +204,14 @@ class ReplicaBase:
             )
         if lead.coordinator.knows(member_id):
             return InvalidRequest(f"epoch {epoch} is ahead of the committed epoch {committed}")
-        if epoch > self._lost_noted:
+        live = any(lead.leader.has_session(member) for member in view.ids)
+        if live:
+            log.warning(
+                "member %s claims epoch %d, ahead of view %d, which etcd does not hold; not "
+                "recorded as a loss of etcd's data: members of view %d are live here",
+                member_id, epoch, committed, committed,
+            )  # fmt: skip
+        elif epoch > self._lost_noted:
             self._lost_noted = epoch
             asyncio.ensure_future(self._note_lost(member_id, epoch))
         return JobRecordLost(
