@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,10 +60,13 @@ def _cpu(processes: list[psutil.Process]) -> float:
     return total
 
 
-def measure_once(name: str, window: float, settings: tuple[str, ...] = ()) -> dict[str, float]:
+def measure_once(
+    name: str, window: float | str, settings: tuple[str, ...] = ()
+) -> dict[str, float]:
     """One fresh system of ``name``, steady with 3 workers, measured over
-    ``window``; rollcall's replica and workers given ``settings`` (config
-    overrides, "NAME=VALUE")."""
+    ``window`` seconds; rollcall's replica and workers given ``settings``
+    (config overrides, "NAME=VALUE")."""
+    window = float(window)
     system = SYSTEMS[name](Path(tempfile.mkdtemp(prefix=f"ff-{name}-")))
     if settings:
         assert isinstance(system, peers.Rollcall)
@@ -98,27 +100,6 @@ def measure_once(name: str, window: float, settings: tuple[str, ...] = ()) -> di
         }
     finally:
         system.close()
-
-
-def measure_in(directory: Path, name: str, window: float) -> dict[str, float]:
-    """``measure_once`` in a child process that imports rollcall and
-    ``bench/peers.py`` from ``directory`` (this file, which it may not have,
-    from here)."""
-    script = (
-        "import json, sys; sys.path.insert(0, sys.argv[1] + '/bench'); import peers;"
-        "sys.path.insert(0, sys.argv[2]); import failure_free;"
-        "print(json.dumps(failure_free.measure_once(sys.argv[3], float(sys.argv[4]))))"
-    )
-    env = {**os.environ, "PYTHONPATH": str(directory)}
-    argv = [sys.executable, "-c", script, str(directory), str(Path(__file__).parent), name,
-            str(window)]  # fmt: skip
-    done = subprocess.run(
-        argv, cwd=directory, env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} from {directory} failed:\n{done.stderr[-2000:]}")
-    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -164,7 +145,9 @@ def main() -> int:
             if directory is None:
                 result = measure_once(name, args.window, overrides)
             else:
-                result = measure_in(directory, name, args.window)
+                result = peers.call_in_checkout(
+                    directory, Path(__file__), "measure_once", name, str(args.window)
+                )
             rows[label].append(result)
             print(f"round {round_ + 1}/{args.rounds} {label:16s} "
                   f"{result['samples_per_s']:6.1f} samples/s, workers "

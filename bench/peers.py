@@ -653,6 +653,31 @@ def one_repeat(name: str, settings: Settings, repeat: int, tmp: Path) -> dict[st
 # -------------------------------------------------------------------- results
 
 
+def call_in_checkout(directory: Path, script: Path, function: str, *args: str) -> Any:
+    """``function(*args)`` of the bench script ``script`` (a module name
+    from its file name), run in a child process that imports rollcall and
+    ``bench/peers.py`` from the rollcall checkout ``directory`` (a ``git
+    worktree`` of an earlier commit: the A/B of a change) and ``script``
+    from where it is (the checkout may not have it). Its result, which it
+    prints as JSON on its last line."""
+    call = (
+        "import json, sys; sys.path.insert(0, sys.argv[1] + '/bench'); import peers;"
+        "sys.path.insert(0, sys.argv[2]); import importlib;"
+        "module = importlib.import_module(sys.argv[3]);"
+        "print(json.dumps(getattr(module, sys.argv[4])(*sys.argv[5:])))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(directory)}
+    argv = [sys.executable, "-c", call, str(directory), str(script.parent), script.stem,
+            function, *args]  # fmt: skip
+    done = subprocess.run(
+        argv, cwd=directory, env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{script.stem}.{function} from {directory} failed:\n"
+                           f"{done.stderr[-2000:]}")  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def spread(values: list[float]) -> dict[str, float] | None:
     values = [v for v in values if v is not None]
     if not values:

@@ -65,6 +65,11 @@ FIELDS: tuple[FingerprintField, ...] = (
     ),
     FingerprintField("exact", "whether the job runs in bit-exact mode"),
     FingerprintField(
+        "data_division",
+        "the runtime's rule for dividing a step's microbatches among the ranks",
+        "workers of rollcall versions that divide steps differently: run one version",
+    ),
+    FingerprintField(
         "overlap", "whether gradients are reduced in buckets during the backward pass (true)"
     ),
     FingerprintField("shard_partitions", "partitions of the sharded optimizer state"),

@@ -1,5 +1,7 @@
 """A training process fed by a DataLoader with worker processes (for the
-end-to-end loader test): python -m tests.loader_worker RENDEZVOUS JOB LEDGER.
+end-to-end loader test): python -m tests.loader_worker RENDEZVOUS JOB LEDGER
+[mutate]; with "mutate" the loop counts its steps in registered state
+before commit() (which the state contract refuses).
 Token from $ROLLCALL_TOKEN. Prints JSON lines: "joined" (with the pids of
 its loader workers) and, for every committed step, the sample ids of each
 microbatch it trained on, as read from the batches themselves (including
@@ -22,6 +24,19 @@ from rollcall.worker.runtime import Elastic
 SAMPLES, GLOBAL_BATCH, MICRO_BATCH = 512, 16, 4
 
 
+class Counter:
+    """Registered user state."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.n = state["n"]
+
+
 class Identified(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Sample ``i`` is ``(features of i, i)``; reading one takes 1 ms."""
 
@@ -35,6 +50,8 @@ class Identified(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 def main() -> None:
     rendezvous, job, ledger = sys.argv[1], sys.argv[2], sys.argv[3]
+    mutate = sys.argv[4:] == ["mutate"]
+    counter = Counter()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -43,6 +60,7 @@ def main() -> None:
         with Elastic(
             model, optimizer, loader, global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH,
             rendezvous=rendezvous, job=job, ledger=ledger,  # a str: Path or str are both fine
+            state={"counter": counter} if mutate else None,
         ) as elastic:  # fmt: skip
             loader_pids = [child.pid for child in multiprocessing.active_children()]
             say(event="joined", member_id=elastic.member_id, loader_pids=loader_pids)
@@ -59,9 +77,12 @@ def main() -> None:
                     seen[batch.microbatch.index] = ids.tolist()
                     loss = ((model(features).squeeze(-1) - features.sum(-1)) ** 2).sum()
                     step.backward(loss, len(ids))
+                if mutate:
+                    counter.n += 1  # before commit(): what the contract refuses
                 if step.commit():
                     say(event="step", step=step.number, epoch=step.epoch, rank=step.rank,
-                        world=step.world_size, microbatches=seen)  # fmt: skip
+                        world=step.world_size, idle=sorted(step.idle),
+                        microbatches=seen)  # fmt: skip
     except KeyboardInterrupt:
         sys.exit(130)
 

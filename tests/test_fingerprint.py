@@ -41,6 +41,7 @@ JOB = JobFingerprint.of(
         "min_workers": "1",
         "sync_buffers": "true",
         "exact": "false",
+        "data_division": "2",
         "overlap": "true",
         "shard_partitions": "64",
         "shard_redundancy": "2",

@@ -22,7 +22,7 @@ from rollcall.membership.fingerprint import JobFingerprint
 from rollcall.protocol.client import RendezvousClient
 from rollcall.worker.examples.lm import LMConfig, build
 from rollcall.worker.fingerprint import job_fingerprint
-from rollcall.worker.plan import DataPlan
+from rollcall.worker.plan import DIVISION, DataPlan
 from tests.harness import ControlPlane, WorkerProcess, wait_for
 
 pytestmark = pytest.mark.integration  # starts processes
@@ -76,7 +76,8 @@ def example_fingerprint() -> JobFingerprint:
     plan = DataPlan(len(corpus), GLOBAL_BATCH, MICRO_BATCH, SEED)
     return job_fingerprint(
         model, optimizer, plan,
-        flags={"min_workers": "1", "sync_buffers": "true", "exact": "false"},
+        flags={"min_workers": "1", "sync_buffers": "true", "exact": "false",
+               "data_division": DIVISION},
     )  # fmt: skip
 
 
@@ -190,6 +191,29 @@ def test_an_exact_mode_worker_is_refused_by_a_default_mode_job(
         try:
             with pytest.raises(ConfigurationMismatch, match="exact is true but job job1's"):
                 await client.join("127.0.0.1:1", name="exact", fingerprint=exact)
+        finally:
+            await client.close()
+
+    asyncio.run(join())
+    assert member_records(plane) == [first.member_id]
+
+
+def test_a_worker_that_divides_steps_by_an_older_rule_is_refused(
+    training: tuple[ControlPlane, Any],
+) -> None:
+    """A worker of a rollcall version from before the members fetching
+    state sat out their view's first step (no ``data_division`` field)
+    would run its share of that step too: refused, not trained with."""
+    plane, first = training
+    older = {k: v for k, v in example_fingerprint().as_dict().items() if k != "data_division"}
+
+    async def join() -> None:
+        client = RendezvousClient(plane.addresses, plane.job, plane.token, Config())
+        try:
+            with pytest.raises(
+                ConfigurationMismatch, match=f"data_division is unset but job job1's is {DIVISION}"
+            ):
+                await client.join("127.0.0.1:1", name="older", fingerprint=JobFingerprint.of(older))
         finally:
             await client.close()
 

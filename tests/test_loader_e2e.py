@@ -28,10 +28,12 @@ PATIENCE = 60.0
 
 
 class LoaderWorker(Process):
-    def __init__(self, plane: ControlPlane, tmp_path: Path, index: int) -> None:
+    def __init__(
+        self, plane: ControlPlane, tmp_path: Path, index: int, mutate: bool = False
+    ) -> None:
         self.ledger = tmp_path / f"ledger{index}.jsonl"
         argv = [sys.executable, "-m", "tests.loader_worker", ",".join(plane.addresses), plane.job,
-                str(self.ledger)]  # fmt: skip
+                str(self.ledger), *(["mutate"] if mutate else [])]  # fmt: skip
         super().__init__(argv, {"ROLLCALL_TOKEN": plane.token}, tmp_path / f"worker{index}.log")
 
     def joined(self) -> dict[str, Any]:
@@ -88,7 +90,8 @@ def test_microbatches_loaded_ahead_hold_the_plans_samples_through_a_kill_and_a_j
     for record in records:
         step, world, rank = record["step"], record["world"], record["rank"]
         trained = {int(index): ids for index, ids in record["microbatches"].items()}
-        assert sorted(trained) == list(plan.assignment(step, world)[rank]), record
+        idle = frozenset(record["idle"])
+        assert sorted(trained) == list(plan.assignment(step, world, idle)[rank]), record
         for index, ids in trained.items():
             assert ids == list(plan.microbatches(step)[index].sample_ids), (step, index)
             by_step[step, world][index] = ids
@@ -96,7 +99,40 @@ def test_microbatches_loaded_ahead_hold_the_plans_samples_through_a_kill_and_a_j
     assert len(whole) > 10
     assert {e["world"] for e in records} == {1, 2}
     assert alone["epoch"] < first["epoch"]
+    # The joiner fetched the state during its view's first step: it ran none
+    # of that step's microbatches, the survivor all of them.
+    assert first["idle"] == [first["rank"]] and first["microbatches"] == {}, first
+    beside = [e for e in survivor.steps()
+              if e["epoch"] == first["epoch"] and e["step"] == first["step"]]  # fmt: skip
+    assert len(beside) == 1 and len(beside[0]["microbatches"]) == plan.num_microbatches, beside
     merged = merge_ledgers(Ledger.load(w.ledger).steps() for w in team if w.ledger.exists())
     last = max(merged)
     assert Ledger.compare({s: plan.step_samples(s) for s in range(last + 1)}, merged) == []
     print(f"\n{len(records)} step records checked against the plan, {last + 1} steps")
+
+
+def test_a_joiner_refuses_a_loop_that_changes_registered_state_before_commit(
+    control_plane: ControlPlane, tmp_path: Path
+):
+    """A worker that joins fetches the state during its view's first step
+    and loads it at that step's commit: a change the loop made to
+    registered state before commit() would be lost on it alone, so it
+    refuses with the contract's UsageError instead of training on a state
+    that differs from the others'; the others train on."""
+    plane = control_plane
+    team: list[LoaderWorker] = []
+    try:
+        first = LoaderWorker(plane, tmp_path, 0, mutate=True)
+        team.append(first)
+        first.step(lambda e: e["step"] >= 3)
+        joiner = LoaderWorker(plane, tmp_path, 1, mutate=True)
+        team.append(joiner)
+        assert joiner.proc.wait(timeout=PATIENCE) != 0, joiner.log_tail()
+        assert "changed in the loop before commit()" in joiner.log_tail(), joiner.log_tail()
+        assert not joiner.steps(), "the joiner committed a step"
+        now = max(e["step"] for e in first.steps())
+        first.step(lambda e, s=now: e["world"] == 1 and e["step"] >= s + 3)
+    finally:
+        for worker in team:
+            with contextlib.suppress(Exception):
+                worker.stop(timeout=20)

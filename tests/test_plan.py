@@ -218,6 +218,36 @@ def test_assignment_is_contiguous_near_even_and_covers_each_microbatch_once(
     assert sizes == sorted(sizes, reverse=True)
 
 
+@given(plans(), st.data())
+def test_idle_ranks_run_nothing_and_the_others_divide_the_step_as_a_smaller_world(
+    plan: DataPlan, data: st.DataObject
+) -> None:
+    """A view's first step while some members fetch the state: every
+    microbatch is run once, by the others, in the blocks a world of their
+    number would give, in rank order."""
+    world_size = data.draw(st.integers(2, 2 * plan.num_microbatches))
+    idle = frozenset(data.draw(st.sets(st.integers(0, world_size - 1), max_size=world_size - 1)))
+    blocks = plan.assignment(0, world_size, idle)
+    active = [rank for rank in range(world_size) if rank not in idle]
+
+    assert all(blocks[rank] == () for rank in idle)
+    assert [blocks[rank] for rank in active] == list(plan.assignment(0, len(active)))
+    assert sorted(i for b in blocks for i in b) == list(range(plan.num_microbatches))
+
+
+@pytest.mark.parametrize(
+    ("idle", "says"),
+    [
+        (frozenset({0, 1}), "leave no rank to run step 0"),
+        (frozenset({2}), "are not all ranks of 2"),
+        (frozenset({-1}), "are not all ranks of 2"),
+    ],
+)
+def test_idle_ranks_must_leave_a_rank_and_be_in_the_world(idle: frozenset[int], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        DataPlan(100, 6, 2, seed=0).assignment(0, 2, idle)
+
+
 @given(plans(), st.integers(0, 30), st.data())
 def test_the_lightest_rank_runs_the_fewest_microbatches(
     plan: DataPlan, step: int, data: st.DataObject

@@ -97,6 +97,14 @@ class Microbatch:
     """:func:`microbatch_seed` of ``(plan seed, step, index)``; never the rank."""
 
 
+#: The rule ``DataPlan.assignment`` divides a step by, in the job's
+#: fingerprint (``data_division``): workers that divide a step differently
+#: would run some samples twice and others never. "2": the members fetching
+#: state run none of their view's first step (absent: the rule before, by
+#: the world size alone).
+DIVISION = "2"
+
+
 @dataclass(frozen=True)
 class DataPlan:
     """One global sample order per data epoch, independent of the world size.
@@ -197,22 +205,32 @@ class DataPlan:
             for index in range(self.num_microbatches)
         )
 
-    def assignment(self, step: int, world_size: int) -> tuple[tuple[int, ...], ...]:
+    def assignment(
+        self, step: int, world_size: int, idle: frozenset[int] = frozenset()
+    ) -> tuple[tuple[int, ...], ...]:
         """Per rank, the microbatch indices it runs at ``step``.
 
         Contiguous blocks in rank order whose sizes differ by at most one, the
         larger blocks going to the lower ranks. With more ranks than
         microbatches, the highest ranks get none. The split depends only on
-        the world size; every step is divided the same way.
+        the world size and ``idle``: ranks that run nothing at this step (a
+        view's first step, while they fetch the state: ``Elastic``), the
+        others dividing the step as a world of their number would, in rank
+        order.
         """
         require_int("step", step, 0)
         require_int("world_size", world_size, 1)
-        base, extra = divmod(self.num_microbatches, world_size)
-        blocks = []
+        if any(not 0 <= rank < world_size for rank in idle):
+            raise ValueError(f"idle ranks {sorted(idle)} are not all ranks of {world_size}")
+        if len(idle) >= world_size:
+            raise ValueError(f"idle ranks {sorted(idle)} leave no rank to run step {step}")
+        active = [rank for rank in range(world_size) if rank not in idle]
+        base, extra = divmod(self.num_microbatches, len(active))
+        blocks: list[tuple[int, ...]] = [() for _ in range(world_size)]
         start = 0
-        for rank in range(world_size):
-            size = base + (1 if rank < extra else 0)
-            blocks.append(tuple(range(start, start + size)))
+        for position, rank in enumerate(active):
+            size = base + (1 if position < extra else 0)
+            blocks[rank] = tuple(range(start, start + size))
             start += size
         return tuple(blocks)
 
@@ -223,9 +241,12 @@ class DataPlan:
         require_int("world_size", world_size, 1)
         return world_size - 1
 
-    def for_rank(self, step: int, rank: int, world_size: int) -> tuple[Microbatch, ...]:
-        """The microbatches ``rank`` of ``world_size`` runs at ``step``."""
-        blocks = self.assignment(step, world_size)
+    def for_rank(
+        self, step: int, rank: int, world_size: int, idle: frozenset[int] = frozenset()
+    ) -> tuple[Microbatch, ...]:
+        """The microbatches ``rank`` of ``world_size`` runs at ``step``
+        (``idle``: as ``assignment``)."""
+        blocks = self.assignment(step, world_size, idle)
         require_int("rank", rank, 0)
         if rank >= world_size:
             raise ValueError(f"rank {rank} is out of range for world size {world_size}")

@@ -115,6 +115,7 @@ from rollcall.worker.messages import describe_transport, install_default_handler
 from rollcall.worker.metrics import WorkerMetrics
 from rollcall.worker.overlap import Buckets
 from rollcall.worker.parking import wait_parked
+from rollcall.worker.plan import DIVISION
 from rollcall.worker.report import SupervisorReport
 from rollcall.worker.resume import choose, what_restarting_does
 from rollcall.worker.served import ServedState
@@ -146,6 +147,8 @@ class Step:
         self.epoch = view.epoch
         self.rank = rank
         self.world_size = view.size
+        #: Ranks that run no microbatch of this step (``Elastic._idle``).
+        self.idle = job._idle(view, number)
         self._job = job
         self.started = time.monotonic()
         self._count = 0
@@ -183,7 +186,7 @@ class Step:
         abort."""
         job = self._job
         finished = set(self.done)
-        todo = [mb for mb in job.plan.for_rank(self.number, self.rank, self.world_size)
+        todo = [mb for mb in job.plan.for_rank(self.number, self.rank, self.world_size, self.idle)
                 if mb.index not in finished]  # fmt: skip
         for mb in todo:
             if job._aborting():
@@ -399,7 +402,7 @@ class Elastic:
         # What every worker of the job must match, checked at join: taken
         # before anything trains the model (and before loader processes exist).
         flags = {"min_workers": str(min_workers), "sync_buffers": str(sync_buffers).lower(),
-                 "exact": exact_fingerprint(exact)}  # fmt: skip
+                 "exact": exact_fingerprint(exact), "data_division": DIVISION}  # fmt: skip
         if overlap:
             # Absent otherwise: a job of workers from before the option matches.
             flags["overlap"] = "true"
@@ -497,6 +500,10 @@ class Elastic:
         # (epoch, fetch s, rebuild s, monotonic time the group was ready) of
         # the view entered last, until its first commit is reported.
         self._entering: tuple[int, float, float, float] | None = None
+        #: This worker's state fetch for the view entered last, when it is
+        #: landed at the view's first commit instead of before the view's
+        #: first step (``_idle``, ``_land_fetch``).
+        self._fetch_in_flight: _FetchInFlight | None = None
         self._below_minimum_said = 0
         self.metrics = WorkerMetrics() if metrics_port is not None else None
         self._metrics_server = (
@@ -935,13 +942,13 @@ class Elastic:
         while self.committed_step + 1 < max_steps:
             if not self._enter_next():
                 continue
-            while self.committed_step + 1 < max_steps and not self._aborting():
+            while self._next_step() < max_steps and not self._aborting():
                 if self._hold_while_halted():
                     continue
                 # The view entered last: a sharded commit may have entered
                 # a new one to complete its step (_complete_step).
                 view, rank = self._entered
-                step = Step(self, self.committed_step + 1, view, rank)
+                step = Step(self, self._next_step(), view, rank)
                 try:
                     yield step
                 finally:
@@ -953,6 +960,11 @@ class Elastic:
                     # Otherwise the step's commit entered a newer view that
                     # undid it (_complete_step): it is handed out again there.
                     break
+            if self._fetch_in_flight is not None and not self._aborting():
+                # The view's first step is past max_steps: no commit lands
+                # the state this worker fetched, so it is landed here.
+                with contextlib.suppress(StepAborted):
+                    self._land_fetch()
             self._raise_if_interrupted()
         self._report.done(self.committed_step)
 
@@ -1047,6 +1059,7 @@ class Elastic:
         nothing; else throw it away."""
         if self.metrics is not None:
             self.metrics.aborted.inc()
+        self._drop_fetch()
         seconds = time.monotonic() - step.started
         if self._buckets is not None and self._buckets.started:
             # Its gradients are under reduction, or were abandoned with a
@@ -1073,7 +1086,7 @@ class Elastic:
         if carry is None:
             return ()
         assigned = {mb.index for mb in self.plan.for_rank(step.number, step.rank,
-                                                          step.world_size)}  # fmt: skip
+                                                          step.world_size, step.idle)}  # fmt: skip
         kept = tuple(i for i in carry.done if i in assigned)
         usable = carry.step == step.number and carry.params == self._param_versions() and (
             self._exact is not None or len(kept) == len(carry.done)
@@ -1088,6 +1101,75 @@ class Elastic:
             step.number, len(kept), ", ".join(map(str, kept)), len(assigned) - len(kept),
         )  # fmt: skip
         return kept
+
+    def _next_step(self) -> int:
+        """The step this worker runs next: the one after its committed step,
+        or after the state it is fetching (``_fetch_in_flight``)."""
+        fetch = self._fetch_in_flight
+        if fetch is not None:
+            return fetch.step + 1
+        return self.committed_step + 1
+
+    def _fetches_during_first_step(self, view: View) -> bool:
+        """Whether the members ``view`` tells to fetch state do so during the
+        view's first step instead of before it: they run none of its
+        microbatches (the others divide the whole step), contribute nothing
+        to its reduction, and land the state fetched just before that
+        reduction (``_land_fetch``), so that the others compute while they
+        fetch. Only in a job without sharding or overlap (settings every
+        worker shares: the job's fingerprint), for a view that resumes a
+        step and keeps at least one member that does not fetch. Every member
+        decides alike from the view alone, so every member divides the step
+        alike."""
+        return (
+            self._sharding is None
+            and self._buckets is None
+            and view.resume_step is not None
+            and bool(view.fetch)
+            and any(m.id not in view.fetch for m in view.members)
+        )
+
+    def _idle(self, view: View, step: int) -> frozenset[int]:
+        """The ranks of ``view`` that run nothing at ``step``: those that
+        fetch state during the view's first step (``_fetches_during_first_step``)."""
+        if view.resume_step is None or step != view.resume_step + 1:
+            return frozenset()
+        if not self._fetches_during_first_step(view):
+            return frozenset()
+        return frozenset(rank for rank, m in enumerate(view.members) if m.id in view.fetch)
+
+    def _land_fetch(self) -> None:
+        """(Training thread.) Wait for the state fetch in flight and load it:
+        this worker then holds the view's resume step, as every member does
+        before the reduction of the view's first step. Raises StepAborted as
+        ``_await`` does (the fetch is then dropped)."""
+        fetch, self._fetch_in_flight = self._fetch_in_flight, None
+        assert fetch is not None
+        if self._own_digest() != fetch.held:
+            fetch.future.cancel()
+            raise UsageError(
+                f"step {fetch.step + 1}: registered state (model, optimizer, scheduler, "
+                "grad scaler or state=) changed in the loop before commit(). This worker "
+                "joined the view during this step and loads the job's state at its commit, "
+                "which would drop that change here while the others keep theirs; a step "
+                "aborted and handed out again would also make it twice. Change registered "
+                "state only after a successful commit() (as an EMA update does)"
+            )
+        fetched = self._restore_fetched(fetch.view, fetch.future)
+        if self._entering is not None and self._entering[0] == fetch.view.epoch:
+            epoch, _, built, ready = self._entering
+            self._entering = (epoch, fetched, built, ready)
+
+    def _own_digest(self) -> str:
+        """The digest of the state this worker holds now (no RNG states)."""
+        with self._lock:
+            return digest(self._capture(self.committed_step, with_rng=False))
+
+    def _drop_fetch(self) -> None:
+        """Cancel the state fetch in flight, if any: its view was given up."""
+        fetch, self._fetch_in_flight = self._fetch_in_flight, None
+        if fetch is not None:
+            fetch.future.cancel()
 
     def _param_versions(self) -> tuple[int, ...]:
         """The parameters' version counters: any in-place change (an update,
@@ -1156,6 +1238,7 @@ class Elastic:
         # Before the machine enters the view: a build of the view left
         # behind sees its abort (a newer roll call) until then.
         self._drop_group()
+        self._drop_fetch()
         with self._state:
             self._member.enter(view)
         if self._aborting():
@@ -1211,11 +1294,20 @@ class Elastic:
                 if fetching is not None:
                     fetching.cancel()
                 raise
-            if fetching is not None:
+            next_step = self.committed_step + 1
+            if fetching is not None and self.member_id in view.fetch and (
+                self._fetches_during_first_step(view)
+            ):
+                assert view.resume_step is not None
+                self._fetch_in_flight = _FetchInFlight(
+                    view, view.resume_step, fetching, self._own_digest()
+                )
+                next_step = view.resume_step + 1
+            elif fetching is not None:
                 fetched = self._restore_fetched(view, fetching)
             if self._sharding is not None:
                 self._enter_shards(view)
-            self._loader.enter_view(rank, view.size, self.committed_step + 1)
+            self._loader.enter_view(rank, view.size, next_step)
             log.info(
                 "%s", view_change(self._previous_view, view, rank,
                                   self._causes.get(view.epoch, ()), self.member_id),
@@ -1557,6 +1649,15 @@ class Elastic:
         group = self._ready_group()
         if step.aborted or self._aborting() or group is None:
             return False
+        if self._fetch_in_flight is not None:
+            # Before the reduction: what this rank contributes (nothing, but
+            # a buffer's change is taken against its committed value, and in
+            # exact mode the buffers are combined from it) and what the
+            # update applies to are the view's resume state.
+            try:
+                self._land_fetch()
+            except StepAborted:
+                return False
         self._gradients.check()
         self._check_scheduler_registered()
         # This rank asks, in the step's reduction, that the view's members
@@ -2025,6 +2126,20 @@ class Elastic:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class _FetchInFlight:
+    """A state fetch running while the view's first step runs without this
+    worker's microbatches (``Elastic._fetches_during_first_step``): the
+    state of ``step`` for ``view``, loaded at that step's commit."""
+
+    view: View
+    step: int
+    future: Future[Any]
+    #: The digest of this worker's own state when the fetch began: the loop
+    #: must not change it before the fetched state is loaded.
+    held: str
 
 
 @dataclass(frozen=True)

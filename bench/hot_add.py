@@ -1,0 +1,149 @@
+"""The hot-add stall, side by side: the job of ``bench/peers.py`` (the
+example LM, global batch 32 in microbatches of 8, one torch thread per
+worker) at 2 workers, to which a third is added, several times per round.
+
+    .venv/bin/python bench/hot_add.py [--rounds 3] [--adds 4] [--before DIR]
+        [--torchft] [--json FILE]
+
+Each round starts every system afresh with 2 workers, waits until they are
+steady, then ``--adds`` times: starts a third worker and measures, as
+``peers.hot_add`` does, the stall of the two already there (the largest gap
+between their consecutive steps from the start of the new worker until 1 s
+after its first full-size step, minus their median step interval before)
+and the new worker's start to first step; then kills it and waits until the
+two are steady again. The systems alternate their order from round to
+round; the table gives medians and ranges over every add.
+
+``--before DIR`` adds rollcall as checked out in DIR (a ``git worktree`` of
+an earlier commit; its workers import its own code), for the A/B of a
+change. ``--torchft`` adds TorchFT (``pip install torchft==0.2.0``).
+Results: ``results/hot_add.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import peers  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+#: Workers before each add.
+BASE = 2
+TIMEOUT = 120.0
+
+
+def measure_once(name: str, adds: int | str) -> list[dict[str, Any]]:
+    """One fresh system of ``name`` at ``BASE`` workers, ``adds`` hot-adds."""
+    adds = int(adds)
+    system = peers.SYSTEMS[name](Path(tempfile.mkdtemp(prefix=f"hot-add-{name}-")))
+    system.start()
+    out = []
+    try:
+        for _ in range(BASE):
+            system.spawn()
+        peers.wait_steady(system, BASE, 10, time.time(), 180)
+        for _ in range(adds):
+            result = peers.hot_add(system, TIMEOUT)
+            out.append(result)
+            added = system.workers[-1]
+            system.kill(added)
+            peers.wait_steady(system, BASE, 5, time.time(), TIMEOUT)
+    finally:
+        system.close()
+    return out
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (1..20)")
+    parser.add_argument("--adds", type=int, default=4, help="hot-adds per round (1..20)")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="an earlier rollcall checkout, another system")  # fmt: skip
+    parser.add_argument("--torchft", action="store_true", help="TorchFT too")
+    parser.add_argument("--json", type=Path, default=RESULTS / "hot_add.json")
+    args = parser.parse_args()
+    if not 1 <= args.rounds <= 20:
+        parser.error("--rounds must be 1..20")
+    if not 1 <= args.adds <= 20:
+        parser.error("--adds must be 1..20")
+    if args.before is not None and not (args.before / "bench" / "peers.py").is_file():
+        parser.error(f"--before {args.before}: no rollcall checkout there (bench/peers.py)")
+    if args.torchft and not (peers.VENV_BIN / "torchft_lighthouse").exists():
+        parser.error("--torchft: torchft is not installed: .venv/bin/pip install -e '.[bench]'")
+
+    # (label, system name, the checkout it runs from (None: this one))
+    runs: list[tuple[str, str, Path | None]] = [("rollcall", "rollcall", None)]
+    if args.before is not None:
+        runs.insert(0, ("rollcall before", "rollcall", args.before.resolve()))
+    if args.torchft:
+        runs.append(("torchft", "torchft", None))
+    started = time.monotonic()
+    rows: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in runs}
+    for round_ in range(args.rounds):
+        for label, name, directory in runs if round_ % 2 == 0 else reversed(runs):
+            if directory is None:
+                results = measure_once(name, args.adds)
+            else:
+                results = peers.call_in_checkout(
+                    directory, Path(__file__), "measure_once", name, str(args.adds)
+                )
+            rows[label].extend(results)
+            stalls = ", ".join(f"{r['stall_s']:.3f}" for r in results)
+            print(f"round {round_ + 1}/{args.rounds} {label:16s} stalls {stalls} s", flush=True)
+
+    keys = ("stall_s", "join_to_first_step_s")
+    table = {
+        label: {key: summary([r[key] for r in results]) for key in keys}
+        for label, results in rows.items()
+    }
+    print()
+    print("| system | hot-add stall of the others | new worker's start to first step |")
+    print("|---|---:|---:|")
+    for label, t in table.items():
+        s, j = t["stall_s"], t["join_to_first_step_s"]
+        print(f"| {label} | {s['median']:.3f} s [{s['min']:.3f}-{s['max']:.3f}] "
+              f"| {j['median']:.2f} s [{j['min']:.2f}-{j['max']:.2f}] |")  # fmt: skip
+    result = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average_end": os.getloadavg(),
+        },
+        "parameters": {
+            "rounds": args.rounds,
+            "adds_per_round": args.adds,
+            "workers_before_each_add": BASE,
+            "global_batch": peers.GLOBAL_BATCH,
+            "micro_batch": peers.MICRO_BATCH,
+            "before": str(args.before) if args.before else None,
+        },
+        "adds": rows,
+        "summary": table,
+        "wall_s": time.monotonic() - started,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwritten {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
