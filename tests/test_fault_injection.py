@@ -21,6 +21,13 @@ def test_no_faults_unless_named() -> None:
 
 def test_named_faults_are_parsed() -> None:
     assert Faults.parse(" corrupt_serves=3 ,") == Faults(corrupt_serves=3)
+    assert Faults.parse("slow_describes=1") == Faults(slow_describes=1)
+
+
+def test_a_slow_describe_is_used_up() -> None:
+    faults = Faults(slow_describes=2)
+    assert [faults.slow_describe() for _ in range(3)] == [True, True, False]
+    assert not Faults().slow_describe()
 
 
 def test_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,5 +71,5 @@ def test_worker_with_a_misspelt_fault_stops_with_one_clear_line(tmp_path: Path) 
     assert done.returncode == 1
     assert done.stderr.strip() == (
         "rollcall: error: ROLLCALL_FAULTS: unknown fault 'corupt=1' "
-        "(known: corrupt_serves, as name=count)"
+        "(known: corrupt_serves, slow_describes, as name=count)"
     )

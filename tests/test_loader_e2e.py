@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from rollcall.etcd_local import pid_alive as alive
+from rollcall.worker.faults import ENV as FAULTS
 from rollcall.worker.ledger import Ledger, merge_ledgers
 from rollcall.worker.plan import DataPlan
 from tests.harness import ControlPlane, Process, wait_for
@@ -29,12 +30,14 @@ PATIENCE = 60.0
 
 class LoaderWorker(Process):
     def __init__(
-        self, plane: ControlPlane, tmp_path: Path, index: int, mutate: bool = False
-    ) -> None:
+        self, plane: ControlPlane, tmp_path: Path, index: int, mutate: bool = False,
+        faults: str = "",
+    ) -> None:  # fmt: skip
         self.ledger = tmp_path / f"ledger{index}.jsonl"
         argv = [sys.executable, "-m", "tests.loader_worker", ",".join(plane.addresses), plane.job,
                 str(self.ledger), *(["mutate"] if mutate else [])]  # fmt: skip
-        super().__init__(argv, {"ROLLCALL_TOKEN": plane.token}, tmp_path / f"worker{index}.log")
+        env = {"ROLLCALL_TOKEN": plane.token, FAULTS: faults}
+        super().__init__(argv, env, tmp_path / f"worker{index}.log")
 
     def joined(self) -> dict[str, Any]:
         return self.wait_event(lambda e: e["event"] == "joined", PATIENCE)
@@ -115,14 +118,15 @@ def test_a_joiner_refuses_a_loop_that_changes_registered_state_before_commit(
     control_plane: ControlPlane, tmp_path: Path
 ):
     """A worker that joins fetches the state during its view's first step
-    and loads it at that step's commit: a change the loop made to
-    registered state before commit() would be lost on it alone, so it
-    refuses with the contract's UsageError instead of training on a state
-    that differs from the others'; the others train on."""
+    and, when the fetch outlasts its group build (here: the peer answers
+    1 s late, an injected fault), loads it at that step's commit: a change
+    the loop made to registered state before commit() would be lost on it
+    alone, so it refuses with the contract's UsageError instead of training
+    on a state that differs from the others'; the others train on."""
     plane = control_plane
     team: list[LoaderWorker] = []
     try:
-        first = LoaderWorker(plane, tmp_path, 0, mutate=True)
+        first = LoaderWorker(plane, tmp_path, 0, mutate=True, faults="slow_describes=1")
         team.append(first)
         first.step(lambda e: e["step"] >= 3)
         joiner = LoaderWorker(plane, tmp_path, 1, mutate=True)

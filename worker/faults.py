@@ -10,6 +10,9 @@ list of ``name=count`` items:
   it serves): the first byte of a range asked over its data channel, the
   middle byte of the first chunk of a ``Fetch`` answer. The fetching worker
   must detect it by the digest and take the bytes from another source.
+- ``slow_describes=N``: the state server answers each of its next N
+  ``Describe`` calls ``SLOW_DESCRIBE_S`` late (a loaded or distant peer):
+  a fetch from it outlasts the fetching worker's group build.
 
 Every injected fault is logged at WARNING. An unknown name or a malformed
 count is an error at start: a misspelt fault must not pass silently as "no
@@ -26,6 +29,8 @@ log = logging.getLogger(__name__)
 
 #: The environment variable naming the faults to inject.
 ENV = "ROLLCALL_FAULTS"
+#: How late a ``slow_describes`` fault answers.
+SLOW_DESCRIBE_S = 1.0
 
 
 @dataclass
@@ -33,6 +38,7 @@ class Faults:
     """Counts of faults still to inject (all zero: none)."""
 
     corrupt_serves: int = 0
+    slow_describes: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -52,6 +58,18 @@ class Faults:
     @classmethod
     def from_env(cls) -> Faults:
         return cls.parse(os.environ.get(ENV, ""))
+
+    def slow_describe(self) -> bool:
+        """Whether to answer this ``Describe`` late (using a
+        ``slow_describes`` fault up if one is left)."""
+        if self.slow_describes <= 0:
+            return False
+        self.slow_describes -= 1
+        log.warning(
+            "fault injection: answering a Describe %.1f s late (%d more)",
+            SLOW_DESCRIBE_S, self.slow_describes,
+        )  # fmt: skip
+        return True
 
     def corrupt(self, data: bytes, at: int | None = None) -> bytes:
         """``data`` with one byte flipped (the one at ``at``, default the

@@ -1295,9 +1295,17 @@ class Elastic:
                     fetching.cancel()
                 raise
             next_step = self.committed_step + 1
-            if fetching is not None and self.member_id in view.fetch and (
-                self._fetches_during_first_step(view)
+            if (
+                fetching is not None
+                and not fetching.done()
+                and self.member_id in view.fetch
+                and self._fetches_during_first_step(view)
             ):
+                # Landed at the first step's commit (the others do not wait
+                # for it). A fetch done by now, the group built, is landed
+                # here: this rank still runs nothing of that step (every
+                # member decided so from the view), but its loop starts
+                # from the fetched state.
                 assert view.resume_step is not None
                 self._fetch_in_flight = _FetchInFlight(
                     view, view.resume_step, fetching, self._own_digest()

@@ -48,7 +48,7 @@ from rollcall.protocol.wire import status_of, token_metadata
 from rollcall.worker.data_channel import DataServer
 from rollcall.worker.data_wire import Hello, Kind, Request
 from rollcall.worker.digest import tree_digest
-from rollcall.worker.faults import Faults
+from rollcall.worker.faults import SLOW_DESCRIBE_S, Faults
 from rollcall.worker.piece_fetch import DataSource, PieceFetch, PieceFetchFailed
 from rollcall.worker.pieces import piece_hashes
 from rollcall.worker.state import CorruptState, ReplicaState
@@ -206,6 +206,10 @@ class StateServer(pb_grpc.StateTransferServicer):
             view = self._admit(request.job, request.member_id, request.epoch, request.epoch_secret)
         except RollcallError as error:
             await self._fail(context, error)
+        with self._faults_lock:
+            slow = self._faults.slow_describe()
+        if slow:
+            await asyncio.sleep(SLOW_DESCRIBE_S)
         snap = self._snapshot()
         if snap is None:
             return pb.StateInfo(step=-1, digest="", size=0)
