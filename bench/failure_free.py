@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -60,13 +59,11 @@ def _cpu(processes: list[psutil.Process]) -> float:
     return total
 
 
-def measure_once(
-    name: str, window: float | str, settings: tuple[str, ...] = ()
-) -> dict[str, float]:
+def measure_once(name: str, window: str, *settings: str) -> dict[str, float]:
     """One fresh system of ``name``, steady with 3 workers, measured over
     ``window`` seconds; rollcall's replica and workers given ``settings``
     (config overrides, "NAME=VALUE")."""
-    window = float(window)
+    seconds = float(window)
     system = SYSTEMS[name](Path(tempfile.mkdtemp(prefix=f"ff-{name}-")))
     if settings:
         assert isinstance(system, peers.Rollcall)
@@ -86,24 +83,20 @@ def measure_once(
         if etcd is not None and etcd.pid:
             rest.append(psutil.Process(etcd.pid))
         trees_0, rest_0, machine_0 = [_cpu(t) for t in trees], _cpu(rest), psutil.cpu_times()
-        rate = peers.throughput(system, window)
+        rate = peers.throughput(system, seconds)
         trees_1, rest_1, machine_1 = [_cpu(t) for t in trees], _cpu(rest), psutil.cpu_times()
-        steps = rate["steps_per_s"] * window
+        steps = rate["steps_per_s"] * seconds
         machine = sum(machine_1) - sum(machine_0)
         spent = [after - before for before, after in zip(trees_0, trees_1, strict=True)]
         return {
             "samples_per_s": rate["samples_per_s"],
             "worker_cpu_ms_per_step": sum(spent) / steps * 1000,
             "busiest_worker_cpu_ms_per_step": max(spent) / steps * 1000,
-            "rest_cpu_share": (rest_1 - rest_0) / window,
+            "rest_cpu_share": (rest_1 - rest_0) / seconds,
             "idle_share": (machine_1.idle - machine_0.idle) / machine,
         }
     finally:
         system.close()
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> int:
@@ -142,18 +135,15 @@ def main() -> int:
     for round_ in range(args.rounds):
         for label, directory, overrides in runs if round_ % 2 == 0 else reversed(runs):
             name = label.split()[0]
-            if directory is None:
-                result = measure_once(name, args.window, overrides)
-            else:
-                result = peers.call_in_checkout(
-                    directory, Path(__file__), "measure_once", name, str(args.window)
-                )
+            result = peers.measured_in(
+                directory, Path(__file__), measure_once, name, str(args.window), *overrides
+            )
             rows[label].append(result)
             print(f"round {round_ + 1}/{args.rounds} {label:16s} "
                   f"{result['samples_per_s']:6.1f} samples/s, workers "
                   f"{result['worker_cpu_ms_per_step']:5.1f} ms CPU/step", flush=True)  # fmt: skip
 
-    table = {label: {key: summary([r[key] for r in results]) for key in results[0]}
+    table = {label: {key: peers.spread_of([r[key] for r in results]) for key in results[0]}
              for label, results in rows.items()}  # fmt: skip
     print()
     print(

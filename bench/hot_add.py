@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -45,9 +44,8 @@ BASE = 2
 TIMEOUT = 120.0
 
 
-def measure_once(name: str, adds: int | str) -> list[dict[str, Any]]:
+def measure_once(name: str, adds: str) -> list[dict[str, Any]]:
     """One fresh system of ``name`` at ``BASE`` workers, ``adds`` hot-adds."""
-    adds = int(adds)
     system = peers.SYSTEMS[name](Path(tempfile.mkdtemp(prefix=f"hot-add-{name}-")))
     system.start()
     out = []
@@ -55,7 +53,7 @@ def measure_once(name: str, adds: int | str) -> list[dict[str, Any]]:
         for _ in range(BASE):
             system.spawn()
         peers.wait_steady(system, BASE, 10, time.time(), 180)
-        for _ in range(adds):
+        for _ in range(int(adds)):
             result = peers.hot_add(system, TIMEOUT)
             out.append(result)
             added = system.workers[-1]
@@ -64,10 +62,6 @@ def measure_once(name: str, adds: int | str) -> list[dict[str, Any]]:
     finally:
         system.close()
     return out
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> int:
@@ -98,19 +92,15 @@ def main() -> int:
     rows: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in runs}
     for round_ in range(args.rounds):
         for label, name, directory in runs if round_ % 2 == 0 else reversed(runs):
-            if directory is None:
-                results = measure_once(name, args.adds)
-            else:
-                results = peers.call_in_checkout(
-                    directory, Path(__file__), "measure_once", name, str(args.adds)
-                )
+            results = peers.measured_in(directory, Path(__file__), measure_once, name,
+                                        str(args.adds))  # fmt: skip
             rows[label].extend(results)
             stalls = ", ".join(f"{r['stall_s']:.3f}" for r in results)
             print(f"round {round_ + 1}/{args.rounds} {label:16s} stalls {stalls} s", flush=True)
 
     keys = ("stall_s", "join_to_first_step_s")
     table = {
-        label: {key: summary([r[key] for r in results]) for key in keys}
+        label: {key: peers.spread_of([r[key] for r in results]) for key in keys}
         for label, results in rows.items()
     }
     print()

@@ -653,6 +653,17 @@ def one_repeat(name: str, settings: Settings, repeat: int, tmp: Path) -> dict[st
 # -------------------------------------------------------------------- results
 
 
+def measured_in(
+    directory: Path | None, script: Path, function: Callable[..., Any], *args: str
+) -> Any:
+    """``function(*args)`` (a function of the bench script ``script``)
+    here, or, given a checkout ``directory``, as ``call_in_checkout`` runs
+    it there: one call for both sides of an A/B."""
+    if directory is None:
+        return function(*args)
+    return call_in_checkout(directory, script, function.__name__, *args)
+
+
 def call_in_checkout(directory: Path, script: Path, function: str, *args: str) -> Any:
     """``function(*args)`` of the bench script ``script`` (a module name
     from its file name), run in a child process that imports rollcall and
@@ -684,6 +695,14 @@ def spread(values: list[float]) -> dict[str, float] | None:
         return None
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "n": len(values)}  # fmt: skip
+
+
+def spread_of(values: list[float]) -> dict[str, float]:
+    """``spread`` of values of which some are known."""
+    found = spread(values)
+    if found is None:
+        raise ValueError("no values")
+    return found
 
 
 def summarize(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
