@@ -28,13 +28,9 @@ setting. Results: ``results/failure_free.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -114,8 +110,7 @@ def main() -> int:
         parser.error("--rounds must be 1..20")
     if not 5 <= args.window <= 120:
         parser.error("--window must be 5..120 seconds")
-    if args.before is not None and not (args.before / "bench" / "peers.py").is_file():
-        parser.error(f"--before {args.before}: no rollcall checkout there (bench/peers.py)")
+    peers.checkout_argument(parser, args.before)
     for setting in args.rollcall_set:
         if "=" not in setting or not setting.partition("=")[0].isidentifier():
             parser.error(f"--rollcall-set {setting!r}: expected NAME=VALUE")
@@ -162,31 +157,20 @@ def main() -> int:
     rollcall, torchrun = table["rollcall"], table["torchrun"]
     ratio = rollcall["samples_per_s"]["median"] / torchrun["samples_per_s"]["median"]
     print(f"\nrollcall / torchrun samples/s (medians): {ratio:.3f}")
-    result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "load_average_end": os.getloadavg(),
-        },
-        "parameters": {
-            "rounds": args.rounds,
-            "window_s": args.window,
-            "workers": peers.WORKERS,
-            "global_batch": peers.GLOBAL_BATCH,
-            "micro_batch": peers.MICRO_BATCH,
-            "checkpoint_every_steps": peers.CKPT_EVERY,
-            "before": str(args.before) if args.before else None,
-            "rollcall_set": list(settings),
-        },
-        "rounds": rows,
-        "summary": table,
-        "rollcall_over_torchrun": ratio,
-        "wall_s": time.monotonic() - started,
+    parameters = {
+        "rounds": args.rounds,
+        "window_s": args.window,
+        "workers": peers.WORKERS,
+        "global_batch": peers.GLOBAL_BATCH,
+        "micro_batch": peers.MICRO_BATCH,
+        "checkpoint_every_steps": peers.CKPT_EVERY,
+        "before": str(args.before) if args.before else None,
+        "rollcall_set": list(settings),
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    peers.write_results(
+        args.json, parameters, rounds=rows, summary=table, rollcall_over_torchrun=ratio,
+        wall_s=time.monotonic() - started,
+    )  # fmt: skip
     return 0
 
 

@@ -23,13 +23,9 @@ Results: ``results/hot_add.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +73,7 @@ def main() -> int:
         parser.error("--rounds must be 1..20")
     if not 1 <= args.adds <= 20:
         parser.error("--adds must be 1..20")
-    if args.before is not None and not (args.before / "bench" / "peers.py").is_file():
-        parser.error(f"--before {args.before}: no rollcall checkout there (bench/peers.py)")
+    peers.checkout_argument(parser, args.before)
     if args.torchft and not (peers.VENV_BIN / "torchft_lighthouse").exists():
         parser.error("--torchft: torchft is not installed: .venv/bin/pip install -e '.[bench]'")
 
@@ -110,28 +105,16 @@ def main() -> int:
         s, j = t["stall_s"], t["join_to_first_step_s"]
         print(f"| {label} | {s['median']:.3f} s [{s['min']:.3f}-{s['max']:.3f}] "
               f"| {j['median']:.2f} s [{j['min']:.2f}-{j['max']:.2f}] |")  # fmt: skip
-    result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "load_average_end": os.getloadavg(),
-        },
-        "parameters": {
-            "rounds": args.rounds,
-            "adds_per_round": args.adds,
-            "workers_before_each_add": BASE,
-            "global_batch": peers.GLOBAL_BATCH,
-            "micro_batch": peers.MICRO_BATCH,
-            "before": str(args.before) if args.before else None,
-        },
-        "adds": rows,
-        "summary": table,
-        "wall_s": time.monotonic() - started,
+    parameters = {
+        "rounds": args.rounds,
+        "adds_per_round": args.adds,
+        "workers_before_each_add": BASE,
+        "global_batch": peers.GLOBAL_BATCH,
+        "micro_batch": peers.MICRO_BATCH,
+        "before": str(args.before) if args.before else None,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwritten {args.json}")
+    peers.write_results(args.json, parameters, adds=rows, summary=table,
+                        wall_s=time.monotonic() - started)  # fmt: skip
     return 0
 
 

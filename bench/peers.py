@@ -653,6 +653,31 @@ def one_repeat(name: str, settings: Settings, repeat: int, tmp: Path) -> dict[st
 # -------------------------------------------------------------------- results
 
 
+def write_results(path: Path, parameters: dict[str, Any], **results: Any) -> None:
+    """Write an A/B bench's results as JSON to ``path``: the date, the
+    machine (with its load average at the end), ``parameters`` and
+    ``results``."""
+    document = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average_end": os.getloadavg(),
+        },
+        "parameters": parameters,
+        **results,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def checkout_argument(parser: argparse.ArgumentParser, before: Path | None) -> None:
+    """Refuse ``--before`` naming no rollcall checkout (``measured_in``)."""
+    if before is not None and not (before / "bench" / "peers.py").is_file():
+        parser.error(f"--before {before}: no rollcall checkout there (bench/peers.py)")
+
+
 def measured_in(
     directory: Path | None, script: Path, function: Callable[..., Any], *args: str
 ) -> Any:

@@ -1294,7 +1294,6 @@ class Elastic:
                 if fetching is not None:
                     fetching.cancel()
                 raise
-            next_step = self.committed_step + 1
             if (
                 fetching is not None
                 and not fetching.done()
@@ -1310,12 +1309,11 @@ class Elastic:
                 self._fetch_in_flight = _FetchInFlight(
                     view, view.resume_step, fetching, self._own_digest()
                 )
-                next_step = view.resume_step + 1
             elif fetching is not None:
                 fetched = self._restore_fetched(view, fetching)
             if self._sharding is not None:
                 self._enter_shards(view)
-            self._loader.enter_view(rank, view.size, next_step)
+            self._loader.enter_view(rank, view.size, self._next_step())
             log.info(
                 "%s", view_change(self._previous_view, view, rank,
                                   self._causes.get(view.epoch, ()), self.member_id),
