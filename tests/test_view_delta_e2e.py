@@ -84,7 +84,9 @@ def test_a_member_that_missed_a_change_fetches_the_whole_view_and_acts_on_no_wro
     for view in views_b:  # every view b acted on is the one committed at its epoch
         if view.epoch in committed:
             assert view == committed[view.epoch]
-    assert views_b[-1] == views_a[-1]
+    # b came to the view a ended in (b may see one more after it: a leaves
+    # first below).
+    assert views_a[-1] in views_b
 
 
 def test_a_member_of_an_earlier_version_is_sent_every_view_whole(
