@@ -31,7 +31,9 @@ from rollcall.protocol.wire import manifest_from_pb, manifest_to_pb
 from rollcall.worker.checkpoint import (
     CheckpointUnusable,
     CheckpointWriter,
+    Orphans,
     describe_part,
+    find_orphans,
     load_newest,
     part_bytes,
     state_problem,
@@ -207,6 +209,11 @@ def test_a_part_that_never_appears_keeps_the_checkpoint_unpublished_and_says_why
     assert published.kept == [] and first.written == 0
     error = first.last_error or ""
     assert part_file_name(JOB, 2, "w-c") in error and "shared" in error
+    # Nothing of the attempt is left to be taken for a checkpoint (a copy of
+    # its manifest naming a part that is not there) or to pile up unpruned:
+    # the main file, the writer's own part and the part it found are gone.
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert find_orphans(tmp_path, JOB) == Orphans((), (), {})
 
 
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete"])

@@ -469,7 +469,6 @@ class CheckpointWriter:
             if own_part is not None:
                 self._write_part_file(state.step, writer, own_part)
             manifest = self._write_file(state, epoch, writer, step_seconds, parts)
-            self._await_parts(manifest)
             try:
                 accepted, kept = self._publish(manifest)
             except Exception as exc:
@@ -533,7 +532,10 @@ class CheckpointWriter:
     ) -> CheckpointManifest:  # fmt: skip
         """Write the file and the copy of its manifest beside it (each 0600,
         under a temporary name, synced, renamed; then the directory synced);
-        returns the manifest."""
+        returns the manifest. The copy is written only once every part is
+        there (``_await_parts``): if one is not, the attempt's files are
+        deleted and the error raised, so no copy ever names a part that
+        never landed."""
         path = self.directory / file_name(self.job, state.step, writer)
         blob = to_bytes(state)
         _write_atomically(path, blob)
@@ -546,6 +548,11 @@ class CheckpointWriter:
             epoch=epoch, writer=writer, created_unix=time.time(), step_seconds=step_seconds,
             parts=parts,
         )  # fmt: skip
+        try:
+            self._await_parts(manifest)
+        except OSError:
+            self._discard(manifest)
+            raise
         record: dict[str, Any] = manifest.to_dict()
         if self._fingerprint is not None:
             record[FINGERPRINT_KEY] = self._fingerprint.as_dict()
@@ -712,9 +719,20 @@ class CheckpointWriter:
             return f"the file is this job's checkpoint of step {named}"
         return None
 
+    def _discard(self, manifest: CheckpointManifest) -> None:
+        """Delete the files of a checkpoint that will never be published
+        (its main file, the parts this writer wrote or found): nothing names
+        them, and nobody else prunes them."""
+        files: list[CheckpointManifest | CheckpointPart] = [manifest, *manifest.parts]
+        for file in files:
+            owned = self._owned.get(file.uri)
+            if owned is not None and owned.step == manifest.step:
+                self._delete(file.uri)
+
     def _delete(self, uri: str) -> None:
-        """Delete a superseded file, if it is still the one this writer
-        knew, and the manifest copy beside it."""
+        """Delete a file this writer owns (superseded, or of a checkpoint
+        never published), if it is still the one this writer knew, and the
+        manifest copy beside it."""
         owned = self._owned.pop(uri)
         try:
             info = os.lstat(uri)
@@ -727,7 +745,7 @@ class CheckpointWriter:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            log.warning("could not delete the superseded checkpoint %s: %s", uri, exc)
+            log.warning("could not delete the checkpoint file %s: %s", uri, exc)
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
