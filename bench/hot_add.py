@@ -3,7 +3,7 @@ example LM, global batch 32 in microbatches of 8, one torch thread per
 worker) at 2 workers, to which a third is added, several times per round.
 
     .venv/bin/python bench/hot_add.py [--rounds 3] [--adds 4] [--before DIR]
-        [--torchft] [--json FILE]
+        [--torchft] [--worker-args ARGS] [--json FILE]
 
 Each round starts every system afresh with 2 workers, waits until they are
 steady, then ``--adds`` times: starts a third worker and measures, as
@@ -17,12 +17,17 @@ round; the table gives medians and ranges over every add.
 ``--before DIR`` adds rollcall as checked out in DIR (a ``git worktree`` of
 an earlier commit; its workers import its own code), for the A/B of a
 change. ``--torchft`` adds TorchFT (``pip install torchft==0.2.0``).
+``--worker-args`` appends arguments to every rollcall worker's command
+line (both checkouts), e.g. ``"--overlap --d-model 512 --layers 8"`` for a
+25 M-parameter model whose state takes longer to fetch; not with
+``--torchft``, whose job would then be another one.
 Results: ``results/hot_add.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import tempfile
 import time
@@ -40,9 +45,25 @@ BASE = 2
 TIMEOUT = 120.0
 
 
-def measure_once(name: str, adds: str) -> list[dict[str, Any]]:
-    """One fresh system of ``name`` at ``BASE`` workers, ``adds`` hot-adds."""
-    system = peers.SYSTEMS[name](Path(tempfile.mkdtemp(prefix=f"hot-add-{name}-")))
+class _WithArgs(peers.Rollcall):
+    """rollcall's workers with arguments of their own (here, not in
+    peers.py: an earlier checkout's peers.py runs it too)."""
+
+    worker_args: tuple[str, ...] = ()
+
+    def argv(self, index: int) -> tuple[list[str], dict[str, str]]:
+        command, env = super().argv(index)
+        return [*command, *self.worker_args], env
+
+
+def measure_once(name: str, adds: str, *worker_args: str) -> list[dict[str, Any]]:
+    """One fresh system of ``name`` at ``BASE`` workers, ``adds`` hot-adds;
+    ``worker_args`` appended to each worker's command line."""
+    kind = _WithArgs if worker_args else peers.SYSTEMS[name]
+    system = kind(Path(tempfile.mkdtemp(prefix=f"hot-add-{name}-")))
+    if isinstance(system, _WithArgs):
+        assert name == "rollcall", name
+        system.worker_args = worker_args
     system.start()
     out = []
     try:
@@ -67,8 +88,13 @@ def main() -> int:
     parser.add_argument("--before", type=Path, default=None,
                         help="an earlier rollcall checkout, another system")  # fmt: skip
     parser.add_argument("--torchft", action="store_true", help="TorchFT too")
+    parser.add_argument("--worker-args", default="",
+                        help="appended to every rollcall worker's command line")  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS / "hot_add.json")
     args = parser.parse_args()
+    worker_args = shlex.split(args.worker_args)
+    if worker_args and args.torchft:
+        parser.error("--worker-args changes rollcall's job only: not with --torchft")
     if not 1 <= args.rounds <= 20:
         parser.error("--rounds must be 1..20")
     if not 1 <= args.adds <= 20:
@@ -87,8 +113,9 @@ def main() -> int:
     rows: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in runs}
     for round_ in range(args.rounds):
         for label, name, directory in runs if round_ % 2 == 0 else reversed(runs):
+            extra = worker_args if name == "rollcall" else []
             results = peers.measured_in(directory, Path(__file__), measure_once, name,
-                                        str(args.adds))  # fmt: skip
+                                        str(args.adds), *extra)  # fmt: skip
             rows[label].extend(results)
             stalls = ", ".join(f"{r['stall_s']:.3f}" for r in results)
             print(f"round {round_ + 1}/{args.rounds} {label:16s} stalls {stalls} s", flush=True)
@@ -112,6 +139,7 @@ def main() -> int:
         "global_batch": peers.GLOBAL_BATCH,
         "micro_batch": peers.MICRO_BATCH,
         "before": str(args.before) if args.before else None,
+        "worker_args": worker_args,
     }
     peers.write_results(args.json, parameters, adds=rows, summary=table,
                         wall_s=time.monotonic() - started)  # fmt: skip

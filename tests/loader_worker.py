@@ -1,7 +1,8 @@
 """A training process fed by a DataLoader with worker processes (for the
 end-to-end loader test): python -m tests.loader_worker RENDEZVOUS JOB LEDGER
-[mutate]; with "mutate" the loop counts its steps in registered state
-before commit() (which the state contract refuses).
+[mutate] [overlap]; with "mutate" the loop counts its steps in registered
+state before commit() (which the state contract refuses), with "overlap"
+it trains with Elastic(overlap=True).
 Token from $ROLLCALL_TOKEN. Prints JSON lines: "joined" (with the pids of
 its loader workers) and, for every committed step, the sample ids of each
 microbatch it trained on, as read from the batches themselves (including
@@ -50,7 +51,10 @@ class Identified(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 def main() -> None:
     rendezvous, job, ledger = sys.argv[1], sys.argv[2], sys.argv[3]
-    mutate = sys.argv[4:] == ["mutate"]
+    options = set(sys.argv[4:])
+    if options - {"mutate", "overlap"}:
+        sys.exit(f"unknown options {sorted(options - {'mutate', 'overlap'})}")
+    mutate = "mutate" in options
     counter = Counter()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -60,7 +64,7 @@ def main() -> None:
         with Elastic(
             model, optimizer, loader, global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH,
             rendezvous=rendezvous, job=job, ledger=ledger,  # a str: Path or str are both fine
-            state={"counter": counter} if mutate else None,
+            state={"counter": counter} if mutate else None, overlap="overlap" in options,
         ) as elastic:  # fmt: skip
             loader_pids = [child.pid for child in multiprocessing.active_children()]
             say(event="joined", member_id=elastic.member_id, loader_pids=loader_pids)
@@ -82,7 +86,7 @@ def main() -> None:
                 if step.commit():
                     say(event="step", step=step.number, epoch=step.epoch, rank=step.rank,
                         world=step.world_size, idle=sorted(step.idle),
-                        microbatches=seen)  # fmt: skip
+                        microbatches=seen, digest=elastic.state_digest())  # fmt: skip
     except KeyboardInterrupt:
         sys.exit(130)
 

@@ -31,11 +31,12 @@ PATIENCE = 60.0
 class LoaderWorker(Process):
     def __init__(
         self, plane: ControlPlane, tmp_path: Path, index: int, mutate: bool = False,
-        faults: str = "",
+        faults: str = "", overlap: bool = False,
     ) -> None:  # fmt: skip
         self.ledger = tmp_path / f"ledger{index}.jsonl"
         argv = [sys.executable, "-m", "tests.loader_worker", ",".join(plane.addresses), plane.job,
-                str(self.ledger), *(["mutate"] if mutate else [])]  # fmt: skip
+                str(self.ledger), *(["mutate"] if mutate else []),
+                *(["overlap"] if overlap else [])]  # fmt: skip
         env = {"ROLLCALL_TOKEN": plane.token, FAULTS: faults}
         super().__init__(argv, env, tmp_path / f"worker{index}.log")
 
@@ -57,13 +58,23 @@ def _parse(line: str) -> dict[str, Any] | None:
 
 
 
+@pytest.mark.parametrize(
+    "overlap", [False, True], ids=["reduce-after-backward", "overlapped-landed-at-commit"]
+)
 def test_microbatches_loaded_ahead_hold_the_plans_samples_through_a_kill_and_a_join(
-    control_plane: ControlPlane, tmp_path: Path
+    control_plane: ControlPlane, tmp_path: Path, overlap: bool
 ):
+    """Overlapped: the survivor answers the joiner's fetch 1 s late (an
+    injected fault), so the joiner loads the state at its first step's
+    commit, then starts its (empty) buckets after the survivor's."""
     plane = control_plane
     team: list[LoaderWorker] = []
     try:
-        team += [LoaderWorker(plane, tmp_path, i) for i in range(2)]
+        team += [
+            LoaderWorker(plane, tmp_path, i, overlap=overlap,
+                         faults="slow_describes=1" if overlap and i == 0 else "")
+            for i in range(2)
+        ]  # fmt: skip
         loader_pids = [pid for worker in team for pid in worker.joined()["loader_pids"]]
         assert len(loader_pids) == 4, "each worker should run two loader processes"
         for worker in team:
@@ -71,7 +82,7 @@ def test_microbatches_loaded_ahead_hold_the_plans_samples_through_a_kill_and_a_j
         survivor, victim = team
         victim.kill()
         alone = survivor.step(lambda e: e["world"] == 1)
-        joiner = LoaderWorker(plane, tmp_path, 2)
+        joiner = LoaderWorker(plane, tmp_path, 2, overlap=overlap)
         team.append(joiner)
         loader_pids += joiner.joined()["loader_pids"]
         first = joiner.step(lambda e: e["world"] == 2)
@@ -108,6 +119,15 @@ def test_microbatches_loaded_ahead_hold_the_plans_samples_through_a_kill_and_a_j
     beside = [e for e in survivor.steps()
               if e["epoch"] == first["epoch"] and e["step"] == first["step"]]  # fmt: skip
     assert len(beside) == 1 and len(beside[0]["microbatches"]) == plan.num_microbatches, beside
+    # Every worker holds the same state after every step it committed.
+    digests: dict[int, set[str]] = defaultdict(set)
+    for record in records:
+        digests[record["step"]].add(record["digest"])
+    assert {s: d for s, d in digests.items() if len(d) > 1} == {}
+    assert first["step"] in digests and len(digests) > 10
+    if overlap:
+        pulled = [line for line in joiner.log_tail(400).splitlines() if "pulled step" in line]
+        assert len(pulled) == 1 and float(pulled[0].split(" in ")[1].split(" s")[0]) >= 1.0
     merged = merge_ledgers(Ledger.load(w.ledger).steps() for w in team if w.ledger.exists())
     last = max(merged)
     assert Ledger.compare({s: plan.step_samples(s) for s in range(last + 1)}, merged) == []

@@ -100,9 +100,10 @@ class Microbatch:
 #: The rule ``DataPlan.assignment`` divides a step by, in the job's
 #: fingerprint (``data_division``): workers that divide a step differently
 #: would run some samples twice and others never. "2": the members fetching
-#: state run none of their view's first step (absent: the rule before, by
-#: the world size alone).
-DIVISION = "2"
+#: state run none of their view's first step, in jobs without sharding or
+#: overlap; "3": in overlap jobs too (absent: the rule before, by the world
+#: size alone).
+DIVISION = "3"
 
 
 @dataclass(frozen=True)

@@ -1116,14 +1116,14 @@ class Elastic:
         microbatches (the others divide the whole step), contribute nothing
         to its reduction, and land the state fetched just before that
         reduction (``_land_fetch``), so that the others compute while they
-        fetch. Only in a job without sharding or overlap (settings every
-        worker shares: the job's fingerprint), for a view that resumes a
-        step and keeps at least one member that does not fetch. Every member
-        decides alike from the view alone, so every member divides the step
-        alike."""
+        fetch. With ``overlap`` a fetching rank starts every bucket at that
+        commit, after the landing, as any rank without a microbatch does.
+        Only in a job without sharding (a setting every worker shares: the
+        job's fingerprint), for a view that resumes a step and keeps at
+        least one member that does not fetch. Every member decides alike
+        from the view alone, so every member divides the step alike."""
         return (
             self._sharding is None
-            and self._buckets is None
             and view.resume_step is not None
             and bool(view.fetch)
             and any(m.id not in view.fetch for m in view.members)
