@@ -3,7 +3,8 @@ example LM, global batch 32 in microbatches of 8, one torch thread per
 worker) at 2 workers, to which a third is added, several times per round.
 
     .venv/bin/python bench/hot_add.py [--rounds 3] [--adds 4] [--before DIR]
-        [--torchft] [--worker-args ARGS] [--json FILE]
+        [--torchft] [--worker-args ARGS] [--rollcall-set NAME=VALUE ...]
+        [--json FILE]
 
 Each round starts every system afresh with 2 workers, waits until they are
 steady, then ``--adds`` times: starts a third worker and measures, as
@@ -19,8 +20,11 @@ an earlier commit; its workers import its own code), for the A/B of a
 change. ``--torchft`` adds TorchFT (``pip install torchft==0.2.0``).
 ``--worker-args`` appends arguments to every rollcall worker's command
 line (both checkouts), e.g. ``"--overlap --d-model 512 --layers 8"`` for a
-25 M-parameter model whose state takes longer to fetch; not with
-``--torchft``, whose job would then be another one.
+25 M-parameter model whose state takes longer to fetch, and
+``--rollcall-set NAME=VALUE`` (repeatable) gives both checkouts' replica
+and workers a config override (that model needs ``rollcall_deadline=5``:
+its members' answers to a roll call take longer than the default 1 s);
+neither with ``--torchft``, whose job would then be another one.
 Results: ``results/hot_add.json``.
 """
 
@@ -56,13 +60,17 @@ class _WithArgs(peers.Rollcall):
         return [*command, *self.worker_args], env
 
 
-def measure_once(name: str, adds: str, *worker_args: str) -> list[dict[str, Any]]:
+def measure_once(
+    name: str, adds: str, settings: str = "", *worker_args: str
+) -> list[dict[str, Any]]:
     """One fresh system of ``name`` at ``BASE`` workers, ``adds`` hot-adds;
-    ``worker_args`` appended to each worker's command line."""
-    kind = _WithArgs if worker_args else peers.SYSTEMS[name]
+    ``settings`` (";"-separated NAME=VALUE) given to rollcall's replica and
+    workers, ``worker_args`` appended to each worker's command line."""
+    kind = _WithArgs if settings or worker_args else peers.SYSTEMS[name]
     system = kind(Path(tempfile.mkdtemp(prefix=f"hot-add-{name}-")))
     if isinstance(system, _WithArgs):
         assert name == "rollcall", name
+        system.settings = tuple(setting for setting in settings.split(";") if setting)
         system.worker_args = worker_args
     system.start()
     out = []
@@ -90,11 +98,18 @@ def main() -> int:
     parser.add_argument("--torchft", action="store_true", help="TorchFT too")
     parser.add_argument("--worker-args", default="",
                         help="appended to every rollcall worker's command line")  # fmt: skip
+    parser.add_argument("--rollcall-set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a config override for rollcall's replica and workers "
+                             "(repeatable)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS / "hot_add.json")
     args = parser.parse_args()
     worker_args = shlex.split(args.worker_args)
-    if worker_args and args.torchft:
-        parser.error("--worker-args changes rollcall's job only: not with --torchft")
+    for setting in args.rollcall_set:
+        if "=" not in setting or not setting.partition("=")[0].isidentifier() or ";" in setting:
+            parser.error(f"--rollcall-set {setting!r}: expected NAME=VALUE")
+    if (worker_args or args.rollcall_set) and args.torchft:
+        parser.error("--worker-args and --rollcall-set change rollcall's job only: not with "
+                     "--torchft")  # fmt: skip
     if not 1 <= args.rounds <= 20:
         parser.error("--rounds must be 1..20")
     if not 1 <= args.adds <= 20:
@@ -113,7 +128,7 @@ def main() -> int:
     rows: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in runs}
     for round_ in range(args.rounds):
         for label, name, directory in runs if round_ % 2 == 0 else reversed(runs):
-            extra = worker_args if name == "rollcall" else []
+            extra = [";".join(args.rollcall_set), *worker_args] if name == "rollcall" else []
             results = peers.measured_in(directory, Path(__file__), measure_once, name,
                                         str(args.adds), *extra)  # fmt: skip
             rows[label].extend(results)
@@ -140,6 +155,7 @@ def main() -> int:
         "micro_batch": peers.MICRO_BATCH,
         "before": str(args.before) if args.before else None,
         "worker_args": worker_args,
+        "rollcall_set": args.rollcall_set,
     }
     peers.write_results(args.json, parameters, adds=rows, summary=table,
                         wall_s=time.monotonic() - started)  # fmt: skip

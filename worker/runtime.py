@@ -775,12 +775,24 @@ class Elastic:
         known = time.perf_counter()
         reply = await loop.run_in_executor(None, self._digest_of, step)
         # The answer is on the path of every view change: what it waited for.
+        answered, digested = time.perf_counter() - arrived, time.perf_counter() - known
         log.debug(
             "roll call %d answered in %.1f ms (step %s: %.1f ms waiting for it to land, "
-            "%.1f ms capturing and digesting the state)", epoch,
-            (time.perf_counter() - arrived) * 1000, step, (known - arrived) * 1000,
-            (time.perf_counter() - known) * 1000,
+            "%.1f ms capturing and digesting the state)", epoch, answered * 1000, step,
+            (known - arrived) * 1000, digested * 1000,
         )  # fmt: skip
+        if answered > self._config.rollcall_deadline / 2 and digested > answered / 2:
+            # A large state (hundreds of MB on 2 cores, captured into fresh
+            # memory the first time): an answer after the deadline leaves
+            # this member out of the view, and at a hot-add every member.
+            log.warning(
+                "roll call %d: capturing and digesting the state of step %s took %.2f s, "
+                "answered %.2f s after the roll call arrived; the roll call's deadline is "
+                "%.1f s: a member that answers later is left out of the view. Raise "
+                "rollcall_deadline on the replicas and the workers (--set "
+                "rollcall_deadline=SECONDS) well above this",
+                epoch, step, digested, answered, self._config.rollcall_deadline,
+            )  # fmt: skip
         return reply
 
     def _wake(self) -> None:
