@@ -71,5 +71,5 @@ def test_worker_with_a_misspelt_fault_stops_with_one_clear_line(tmp_path: Path) 
     assert done.returncode == 1
     assert done.stderr.strip() == (
         "rollcall: error: ROLLCALL_FAULTS: unknown fault 'corupt=1' "
-        "(known: corrupt_serves, slow_describes, as name=count)"
+        "(known: corrupt_serves, slow_describes, slow_answers, as name=count)"
     )

@@ -160,3 +160,34 @@ def test_a_joiner_refuses_a_loop_that_changes_registered_state_before_commit(
         for worker in team:
             with contextlib.suppress(Exception):
                 worker.stop(timeout=20)
+
+
+def test_a_member_whose_answer_is_slow_warns_naming_the_deadline_and_stays_in_the_view(
+    control_plane: ControlPlane, tmp_path: Path
+):
+    """A member whose answer to a roll call (the capture and digest of its
+    state) takes more than half the roll call's deadline says so, naming
+    the setting to raise: a large state's answer can outlast the deadline,
+    and a member that answers after it is left out of the view. Here the
+    answer to the joiner's roll call is 0.6 s late (an injected fault),
+    within the default 1 s, so the member stays."""
+    plane = control_plane
+    team: list[LoaderWorker] = []
+    try:
+        first = LoaderWorker(plane, tmp_path, 0, faults="slow_answers=1")
+        team.append(first)
+        first.step(lambda e: e["step"] >= 3)
+        joiner = LoaderWorker(plane, tmp_path, 1)
+        team.append(joiner)
+        together = joiner.step(lambda e: e["world"] == 2)
+        first.step(lambda e, s=together["step"]: e["world"] == 2 and e["step"] >= s)
+        warned = [line for line in first.log_tail(400).splitlines()
+                  if "capturing and digesting the state" in line]  # fmt: skip
+        assert len(warned) == 1, first.log_tail()
+        assert "rollcall_deadline" in warned[0] and "left out of the view" in warned[0]
+        assert not any("capturing and digesting" in line
+                       for line in joiner.log_tail(400).splitlines())  # fmt: skip
+    finally:
+        for worker in team:
+            with contextlib.suppress(Exception):
+                worker.stop(timeout=20)

@@ -13,6 +13,9 @@ list of ``name=count`` items:
 - ``slow_describes=N``: the state server answers each of its next N
   ``Describe`` calls ``SLOW_DESCRIBE_S`` late (a loaded or distant peer):
   a fetch from it outlasts the fetching worker's group build.
+- ``slow_answers=N``: each of the worker's next N answers to a roll call
+  takes ``SLOW_ANSWER_S`` longer to capture and digest its state (a large
+  state on a busy machine).
 
 Every injected fault is logged at WARNING. An unknown name or a malformed
 count is an error at start: a misspelt fault must not pass silently as "no
@@ -31,6 +34,9 @@ log = logging.getLogger(__name__)
 ENV = "ROLLCALL_FAULTS"
 #: How late a ``slow_describes`` fault answers.
 SLOW_DESCRIBE_S = 1.0
+#: How much longer a ``slow_answers`` fault takes to answer a roll call:
+#: more than half the default roll-call deadline (1 s), less than all of it.
+SLOW_ANSWER_S = 0.6
 
 
 @dataclass
@@ -39,6 +45,7 @@ class Faults:
 
     corrupt_serves: int = 0
     slow_describes: int = 0
+    slow_answers: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -68,6 +75,18 @@ class Faults:
         log.warning(
             "fault injection: answering a Describe %.1f s late (%d more)",
             SLOW_DESCRIBE_S, self.slow_describes,
+        )  # fmt: skip
+        return True
+
+    def slow_answer(self) -> bool:
+        """Whether to answer this roll call late (using a ``slow_answers``
+        fault up if one is left)."""
+        if self.slow_answers <= 0:
+            return False
+        self.slow_answers -= 1
+        log.warning(
+            "fault injection: answering a roll call %.1f s late (%d more)",
+            SLOW_ANSWER_S, self.slow_answers,
         )  # fmt: skip
         return True
 

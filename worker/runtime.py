@@ -100,7 +100,7 @@ from rollcall.worker.environment import (
 )
 from rollcall.worker.exact import ExactStep
 from rollcall.worker.exact import fingerprint_value as exact_fingerprint
-from rollcall.worker.faults import Faults
+from rollcall.worker.faults import SLOW_ANSWER_S, Faults
 from rollcall.worker.fingerprint import job_fingerprint
 from rollcall.worker.group import EpochGroup
 from rollcall.worker.ledger import Ledger
@@ -774,6 +774,8 @@ class Elastic:
         step = answer.step if answer is not None else await waiting  # type: ignore[misc]
         known = time.perf_counter()
         reply = await loop.run_in_executor(None, self._digest_of, step)
+        if self._faults.slow_answer():
+            await asyncio.sleep(SLOW_ANSWER_S)
         # The answer is on the path of every view change: what it waited for.
         answered, digested = time.perf_counter() - arrived, time.perf_counter() - known
         log.debug(
