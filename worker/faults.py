@@ -69,25 +69,19 @@ class Faults:
     def slow_describe(self) -> bool:
         """Whether to answer this ``Describe`` late (using a
         ``slow_describes`` fault up if one is left)."""
-        if self.slow_describes <= 0:
-            return False
-        self.slow_describes -= 1
-        log.warning(
-            "fault injection: answering a Describe %.1f s late (%d more)",
-            SLOW_DESCRIBE_S, self.slow_describes,
-        )  # fmt: skip
-        return True
+        return self._late("slow_describes", "a Describe", SLOW_DESCRIBE_S)
 
     def slow_answer(self) -> bool:
         """Whether to answer this roll call late (using a ``slow_answers``
         fault up if one is left)."""
-        if self.slow_answers <= 0:
+        return self._late("slow_answers", "a roll call", SLOW_ANSWER_S)
+
+    def _late(self, name: str, what: str, seconds: float) -> bool:
+        left = getattr(self, name)
+        if left <= 0:
             return False
-        self.slow_answers -= 1
-        log.warning(
-            "fault injection: answering a roll call %.1f s late (%d more)",
-            SLOW_ANSWER_S, self.slow_answers,
-        )  # fmt: skip
+        setattr(self, name, left - 1)
+        log.warning("fault injection: answering %s %.1f s late (%d more)", what, seconds, left - 1)
         return True
 
     def corrupt(self, data: bytes, at: int | None = None) -> bytes:
