@@ -784,8 +784,8 @@ class Elastic:
             (known - arrived) * 1000, digested * 1000,
         )  # fmt: skip
         if answered > self._config.rollcall_deadline / 2 and digested > answered / 2:
-            # A large state (hundreds of MB on 2 cores, captured into fresh
-            # memory the first time): an answer after the deadline leaves
+            # A large state (hundreds of MB on 2 cores, slowest the first
+            # times it is captured): an answer after the deadline leaves
             # this member out of the view, and at a hot-add every member.
             log.warning(
                 "roll call %d: capturing and digesting the state of step %s took %.2f s, "
