@@ -111,9 +111,7 @@ def main() -> int:
     if not 5 <= args.window <= 120:
         parser.error("--window must be 5..120 seconds")
     peers.checkout_argument(parser, args.before)
-    for setting in args.rollcall_set:
-        if "=" not in setting or not setting.partition("=")[0].isidentifier():
-            parser.error(f"--rollcall-set {setting!r}: expected NAME=VALUE")
+    peers.settings_argument(parser, args.rollcall_set)
     settings = tuple(args.rollcall_set)
 
     # (label, the checkout it runs from (None: this one), config overrides)

@@ -104,9 +104,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=RESULTS / "hot_add.json")
     args = parser.parse_args()
     worker_args = shlex.split(args.worker_args)
-    for setting in args.rollcall_set:
-        if "=" not in setting or not setting.partition("=")[0].isidentifier() or ";" in setting:
-            parser.error(f"--rollcall-set {setting!r}: expected NAME=VALUE")
+    peers.settings_argument(parser, args.rollcall_set)
     if (worker_args or args.rollcall_set) and args.torchft:
         parser.error("--worker-args and --rollcall-set change rollcall's job only: not with "
                      "--torchft")  # fmt: skip

@@ -67,7 +67,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -676,6 +676,15 @@ def checkout_argument(parser: argparse.ArgumentParser, before: Path | None) -> N
     """Refuse ``--before`` naming no rollcall checkout (``measured_in``)."""
     if before is not None and not (before / "bench" / "peers.py").is_file():
         parser.error(f"--before {before}: no rollcall checkout there (bench/peers.py)")
+
+
+def settings_argument(parser: argparse.ArgumentParser, settings: Sequence[str]) -> None:
+    """Refuse a ``--rollcall-set`` that is not NAME=VALUE (``Rollcall.settings``;
+    no ";", which ``measured_in``'s string arguments may join them by)."""
+    for setting in settings:
+        name, sep, _ = setting.partition("=")
+        if not sep or not name.isidentifier() or ";" in setting:
+            parser.error(f"--rollcall-set {setting!r}: expected NAME=VALUE")
 
 
 def measured_in(
