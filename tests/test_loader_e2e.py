@@ -66,13 +66,15 @@ def test_microbatches_loaded_ahead_hold_the_plans_samples_through_a_kill_and_a_j
 ):
     """Overlapped: the survivor answers the joiner's fetch 1 s late (an
     injected fault), so the joiner loads the state at its first step's
-    commit, then starts its (empty) buckets after the survivor's."""
+    commit, then starts its (empty) buckets after the survivor's. (Two
+    late answers: the other worker of the first two fetches from it too
+    if it trained alone for a while first, seen under load.)"""
     plane = control_plane
     team: list[LoaderWorker] = []
     try:
         team += [
             LoaderWorker(plane, tmp_path, i, overlap=overlap,
-                         faults="slow_describes=1" if overlap and i == 0 else "")
+                         faults="slow_describes=2" if overlap and i == 0 else "")
             for i in range(2)
         ]  # fmt: skip
         loader_pids = [pid for worker in team for pid in worker.joined()["loader_pids"]]
