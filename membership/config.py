@@ -89,10 +89,11 @@ class Config:
     #: How long a roll call waits for answers before deciding without the
     #: silent members.
     rollcall_deadline: float = 1.0
-    #: A roll call held only for joiners aborts nothing: the members finish
-    #: the step in flight and answer after it. One whose step does not end
-    #: within this time (a long step, a busy period) aborts it and answers
-    #: as for any roll call. Below ``rollcall_deadline``.
+    #: A roll call held only for joiners and clean leaves aborts nothing:
+    #: the members finish the step in flight and answer after it. One whose
+    #: step does not end within this time (a long step, a busy period)
+    #: aborts it and answers as for any roll call. Below
+    #: ``rollcall_deadline``.
     rollcall_step_end_wait: float = 0.5
     #: After a join request, wait this long for more joiners so that a burst
     #: of arrivals becomes one view change instead of many.

@@ -37,6 +37,14 @@ from rollcall.membership.ratelimit import Admission, ReportLimiter
 from rollcall.membership.shards import Sharding, decide_shards, host_of
 from rollcall.membership.view import Member, View
 
+#: Causes of a roll call that may wait for the step in flight to end
+#: (``RollCall.at_step_end``): a joiner takes no part in it, and a member
+#: that left cleanly either took part in it (the job's last step: it left
+#: once the step landed) or closed its connections, and the step then fails
+#: at once. A suspect or a report may be a member that will never answer
+#: in the step: every step in flight is aborted at once.
+_AT_STEP_END = frozenset({CauseKind.JOIN, CauseKind.LEAVE})
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -95,8 +103,9 @@ class RollCall:
     started_at: float
     causes: tuple[Cause, ...]
     answers: dict[str, Answer] = field(default_factory=dict)
-    #: Held only for joiners: the members finish the step in flight and
-    #: answer after it (nothing is aborted: docs/protocol.md, "A roll call").
+    #: Held only for joiners and clean leaves (``_AT_STEP_END``): the
+    #: members finish the step in flight and answer after it (nothing is
+    #: aborted: docs/protocol.md, "A roll call").
     at_step_end: bool = False
     _ids: set[str] = field(init=False, repr=False, compare=False)
 
@@ -585,7 +594,7 @@ class Coordinator:
             deadline=now + self._config.rollcall_deadline,
             started_at=now,
             causes=causes,
-            at_step_end=bool(causes) and all(c.kind is CauseKind.JOIN for c in causes),
+            at_step_end=bool(causes) and all(c.kind in _AT_STEP_END for c in causes),
         )
         self._joiners = {i: m for i, m in self._joiners.items() if i in self._unready}
         self._departed = {}

@@ -36,9 +36,10 @@ The rules (DESIGN.md, "Steps, commits and coherent state"; docs/worker.md,
   state) has ``min_workers`` members;
 * a failure seen by this member (a peer reset a connection) that no view
   change follows within the detector's bound is reported, once;
-* a roll call held only for joiners (``at_step_end``) aborts nothing: the
-  member asks, in the next step's reduction, that every member of the view
-  stop after that step (``stop_asked``), and answers once it has landed;
+* a roll call held only for joiners and clean leaves (``at_step_end``)
+  aborts nothing: the member asks, in the next step's reduction, that
+  every member of the view stop after that step (``stop_asked``), and
+  answers once it has landed;
   a reduction in which any member asked says so to all of them
   (``reduced(..., stop=True)``), so every member stops after the same step
   and names it, whoever was asked first; one that stopped before it was
@@ -177,7 +178,8 @@ class Member:
     def roll_call(self, epoch: int, at_step_end: bool = False) -> Answer | None:
         """Roll call ``epoch`` started: abort the step in flight. The answer
         now, or None if a step is being applied or settling (``applied`` or
-        ``settled`` returns it). ``at_step_end`` (held only for joiners): a
+        ``settled`` returns it). ``at_step_end`` (held only for joiners and
+        clean leaves): a
         member training in its view aborts nothing and asks for a stop
         instead (``stop_asked``); it answers once the step it stops after
         has landed and settled, None until then."""

@@ -404,16 +404,27 @@ class ProgramProcess(Process):
         return [e for e in found if kind is None or e["event"] == kind]
 
 
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0, every: float = 0.1) -> Any:
+def wait_for(
+    check: Callable[[], Any], what: str, timeout: float = 60.0, every: float = 0.1,
+    explain: Callable[[], str] | None = None,
+) -> Any:  # fmt: skip
     """Poll ``check`` every ``every`` seconds until it returns something true
-    (returned); fail the test naming ``what`` after ``timeout`` seconds."""
+    (returned); fail the test naming ``what`` after ``timeout`` seconds, with
+    what ``explain()`` returns then (the logs that say why, for a failure
+    seen only in CI)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    detail = f"\n{explain()}" if explain is not None else ""
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}{detail}")
+
+
+def log_tails(processes: Iterable[Process], lines: int = 30) -> str:
+    """The last ``lines`` of each process's log, headed by its file name."""
+    return "\n".join(f"--- {p.log_path.name}\n{p.log_tail(lines)}" for p in processes)
 
 
 def start_together(

@@ -238,6 +238,42 @@ def test_departed_member_is_removed_from_the_next_view(depart: str) -> None:
     assert proposal.causes == (Cause(CauseKind(depart), "b"),)
 
 
+@pytest.mark.parametrize(
+    ("events", "waits"),
+    [
+        (("join",), True),
+        (("leave",), True),
+        (("join", "leave"), True),
+        (("suspect",), False),
+        (("join", "suspect"), False),
+        (("join", "recheck"), False),
+    ],
+)
+def test_a_roll_call_for_joins_and_clean_leaves_only_waits_for_the_step_end(
+    events: tuple[str, ...], waits: bool
+) -> None:
+    """``at_step_end``: a joiner takes no part in the step in flight, and a
+    member that left cleanly took part in it or closed its connections;
+    a suspect or a reported member may never answer in it. (A join waits
+    ``join_settle``, so the roll call a departure starts at once carries
+    it too.)"""
+    coordinator = established("a", "b", "c")
+    for event in events:
+        if event == "join":
+            coordinator.join(worker("d"), 0.0)
+        elif event == "recheck":
+            coordinator.recheck("b", Cause.report("b", "a"), 0.0)
+        else:
+            getattr(coordinator, event)("c" if event == "leave" else "b", 0.0)
+    coordinator.tick(SETTLE)
+    rollcall = coordinator.rollcall
+    assert rollcall is not None
+    assert sorted(c.kind.value for c in rollcall.causes) == sorted(
+        "report" if e == "recheck" else e for e in events
+    )
+    assert rollcall.at_step_end is waits
+
+
 def test_departure_during_a_rollcall_removes_the_candidate_from_it() -> None:
     coordinator = established("a", "b", "c", "d")
     coordinator.suspect("d", 0.0)

@@ -16,6 +16,10 @@ list of ``name=count`` items:
 - ``slow_answers=N``: each of the worker's next N answers to a roll call
   takes ``SLOW_ANSWER_S`` longer to capture and digest its state (a large
   state on a busy machine).
+- ``slow_lands=N``: the worker lands each of its next N steps
+  ``SLOW_LAND_S`` after their reduction completed (a process descheduled
+  on a busy machine): the others, done with that step, may already have
+  moved on, or left the job after its last step.
 
 Every injected fault is logged at WARNING. An unknown name or a malformed
 count is an error at start: a misspelt fault must not pass silently as "no
@@ -37,6 +41,10 @@ SLOW_DESCRIBE_S = 1.0
 #: How much longer a ``slow_answers`` fault takes to answer a roll call:
 #: more than half the default roll-call deadline (1 s), less than all of it.
 SLOW_ANSWER_S = 0.6
+#: How late a ``slow_lands`` fault lands a step: less than
+#: ``rollcall_step_end_wait`` (0.5 s), the longest a roll call waits for
+#: the end of a step.
+SLOW_LAND_S = 0.3
 
 
 @dataclass
@@ -46,6 +54,7 @@ class Faults:
     corrupt_serves: int = 0
     slow_describes: int = 0
     slow_answers: int = 0
+    slow_lands: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -69,19 +78,24 @@ class Faults:
     def slow_describe(self) -> bool:
         """Whether to answer this ``Describe`` late (using a
         ``slow_describes`` fault up if one is left)."""
-        return self._late("slow_describes", "a Describe", SLOW_DESCRIBE_S)
+        return self._late("slow_describes", "answering a Describe", SLOW_DESCRIBE_S)
 
     def slow_answer(self) -> bool:
         """Whether to answer this roll call late (using a ``slow_answers``
         fault up if one is left)."""
-        return self._late("slow_answers", "a roll call", SLOW_ANSWER_S)
+        return self._late("slow_answers", "answering a roll call", SLOW_ANSWER_S)
+
+    def slow_land(self) -> bool:
+        """Whether to land this step late (using a ``slow_lands`` fault up
+        if one is left)."""
+        return self._late("slow_lands", "landing a step", SLOW_LAND_S)
 
     def _late(self, name: str, what: str, seconds: float) -> bool:
         left = getattr(self, name)
         if left <= 0:
             return False
         setattr(self, name, left - 1)
-        log.warning("fault injection: answering %s %.1f s late (%d more)", what, seconds, left - 1)
+        log.warning("fault injection: %s %.1f s late (%d more)", what, seconds, left - 1)
         return True
 
     def corrupt(self, data: bytes, at: int | None = None) -> bytes:

@@ -100,7 +100,7 @@ from rollcall.worker.environment import (
 )
 from rollcall.worker.exact import ExactStep
 from rollcall.worker.exact import fingerprint_value as exact_fingerprint
-from rollcall.worker.faults import SLOW_ANSWER_S, Faults
+from rollcall.worker.faults import SLOW_ANSWER_S, SLOW_LAND_S, Faults
 from rollcall.worker.fingerprint import job_fingerprint
 from rollcall.worker.group import EpochGroup
 from rollcall.worker.ledger import Ledger
@@ -757,8 +757,9 @@ class Elastic:
         self._switching.shorten(epoch)  # until a step of its view commits
         self._causes[epoch] = causes
         loop = asyncio.get_running_loop()
-        # Held only for joiners: the step in flight runs on, and the view's
-        # members stop together after the next reduction (Member.roll_call).
+        # Held only for joiners and clean leaves: the step in flight runs
+        # on, and the view's members stop together after the next
+        # reduction (Member.roll_call).
         at_step_end = self._client.at_step_end(epoch)
         with self._state:
             answer = self._member.roll_call(epoch, at_step_end)
@@ -1713,6 +1714,8 @@ class Elastic:
                 f"step {step.number}: the global sample count is {count:g}: step.backward "
                 "must be given the number of samples (or tokens) its loss sums over"
             )
+        if self._faults.slow_land():
+            time.sleep(SLOW_LAND_S)
         with self._state:
             dropped = self._member.reduced(step.number, step.epoch, stop)
         if dropped is not None:
