@@ -5,7 +5,9 @@
 One process, no etcd: a 10 MB model (three linear layers) with AdamW moments
 after one step, the operations of :mod:`rollcall.worker.state` each timed best of
 ``--repeats``. These are the costs a state transfer and a durable checkpoint
-pay on top of the wire and the disk.
+pay on top of the wire and the disk. ``capture_live`` is the capture a
+roll call's answer makes (parameters and optimizer moments shared, not
+cloned: ``capture(..., live=True)``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def measure(repeats: int) -> dict[str, float]:
     optimizer.step()
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     t_capture, state = best_of(repeats, lambda: capture(0, model, optimizer))
+    t_live, _ = best_of(repeats, lambda: capture(0, model, optimizer, live=True))
     t_digest, _ = best_of(repeats, lambda: digest(state))
     t_save, blob = best_of(repeats, lambda: to_bytes(state))
     t_load, _ = best_of(repeats, lambda: from_bytes(blob))
@@ -54,6 +57,7 @@ def measure(repeats: int) -> dict[str, float]:
         "model_mb": model_bytes / 1e6,
         "blob_mb": len(blob) / 1e6,
         "capture_ms": t_capture * 1e3,
+        "capture_live_ms": t_live * 1e3,
         "digest_ms": t_digest * 1e3,
         "to_bytes_ms": t_save * 1e3,
         "from_bytes_ms": t_load * 1e3,
@@ -74,7 +78,7 @@ def main() -> None:
         f"(model + AdamW moments), best of {args.repeats}"
     )
     print(f"{'operation':<12} {'ms':>8}")
-    for key in ("capture", "digest", "to_bytes", "from_bytes", "restore"):
+    for key in ("capture", "capture_live", "digest", "to_bytes", "from_bytes", "restore"):
         print(f"{key:<12} {result[key + '_ms']:>8.1f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"repeats": args.repeats, **result}, indent=2) + "\n")

@@ -122,6 +122,30 @@ def test_capture_is_a_snapshot_unaffected_by_later_training():
     assert digest(state) == before
 
 
+def test_a_live_capture_shares_parameters_and_optimizer_state_and_clones_the_rest():
+    """``live``: what only an update changes is shared (no copy on a roll
+    call's answer), what a forward pass or the loop changes is cloned; the
+    digest is the same as a cloned capture's."""
+    replica = trained(steps=2)
+    replica.model.append(nn.BatchNorm1d(4))  # a buffer a forward pass changes
+    live = capture(1, replica.model, replica.optimizer, replica.scheduler, live=True)
+    cloned = capture_replica(replica, step=1)
+    assert digest(live) == digest(cloned)
+    weight = replica.model[0].weight
+    assert live.model["0.weight"].data_ptr() == weight.data_ptr()
+    exp_avg = replica.optimizer.state[weight]["exp_avg"]
+    assert any(t.data_ptr() == exp_avg.data_ptr() for s in live.optimizer["state"].values()
+               for t in s.values())  # fmt: skip
+    running = replica.model[5].running_mean
+    assert live.model["5.running_mean"].data_ptr() != running.data_ptr()
+    replica.model.train()
+    replica.model(torch.randn(16, 8))  # changes the running statistics only
+    assert digest(live) == digest(cloned)
+    train_step(replica, 2)  # an update: the shared tensors follow it
+    assert digest(live) != digest(cloned)
+    assert torch.equal(live.model["0.weight"], weight)
+
+
 def test_restore_leaves_the_snapshot_untouched_by_the_joiners_training():
     state = capture_replica(trained(steps=2), step=1)
     before = digest(state)

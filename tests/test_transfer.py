@@ -181,6 +181,32 @@ def test_a_state_served_as_captured_is_serialized_once_when_first_asked_for():
     assert served.held() is None and served.snapshot() is None
 
 
+def test_a_live_capture_is_served_until_an_update_unless_serialized_before():
+    """A capture sharing the live tensors (``live``) is dropped by
+    ``release_live``, called before they change; once serialized it is a
+    copy and stays. A cloned capture is never dropped by it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = capture(7, model, optimizer, with_rng=False, live=True)
+    answered = digest(state)
+    served = ServedState()
+    served.serve_captured(7, answered, state, live=True)
+    served.release_live()
+    assert served.held() is None and served.snapshot() is None
+    served.serve_captured(7, answered, state, live=True)
+    snapshot = served.snapshot()  # serialized: a copy of the bytes
+    served.release_live()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the update that followed
+    assert served.held() == (7, answered) and served.snapshot() is snapshot
+    assert snapshot is not None and snapshot.data != to_bytes(state)  # the capture moved on
+    cloned = capture(8, model, optimizer, with_rng=False)
+    served.serve_captured(8, digest(cloned), cloned)
+    served.release_live()
+    assert served.held() == (8, digest(cloned))
+
+
 def _header(snap: Snapshot) -> int:
     return header_size(snap.data[:24])
 

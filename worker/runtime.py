@@ -588,8 +588,8 @@ class Elastic:
         registered state): what roll calls compare. Equal on every replica
         of a job at the same step. In a sharded job it leaves out the
         optimizer state, which no rank holds whole."""
-        with self._lock:
-            return digest(self._capture(self.committed_step, with_rng=False))
+        with self._lock:  # nothing updates meanwhile: nothing needs cloning
+            return digest(self._capture(self.committed_step, with_rng=False, live=True))
 
     def all_reduce(self, tensors: torch.Tensor | Sequence[torch.Tensor], op: str = "sum") -> None:
         """Reduce ``tensors`` in place over the view in force ("sum", "mean",
@@ -823,11 +823,18 @@ class Elastic:
             assert step == self.committed_step, (step, self.committed_step)
             held = self._served.held()
             if held is None or held[0] != step:
-                state = self._capture(step, with_rng=False)
+                # Parameters and optimizer state shared, not cloned (the
+                # bulk of a large state, on every view change's path): no
+                # update lands before every fetcher of the next view was
+                # served, and each releases them first (_apply, _restore).
+                # A sharded rank completes its parameters on entering a
+                # view, while joiners fetch: it clones.
+                live = self._sharding is None
+                state = self._capture(step, with_rng=False, live=live)
                 held = (step, digest(state))
                 # Serialized when a peer first asks for it, not on the
                 # answer's way (in a crash, nobody does).
-                self._served.serve_captured(step, held[1], state)
+                self._served.serve_captured(step, held[1], state, live=live)
             moved = self._shard_view if self._sharded is not None else None
             return RollCallAnswer(step, held[1], None if moved is None else moved.epoch)
 
@@ -839,22 +846,23 @@ class Elastic:
         for future in waiting:
             self._loop.call_soon_threadsafe(_settle, future, step)
 
-    def _capture(self, step: int, with_rng: bool = True) -> ReplicaState:
+    def _capture(self, step: int, with_rng: bool = True, live: bool = False) -> ReplicaState:
         """The replica state after ``step`` (under ``_lock`` once training):
         buffers as of the last commit, whatever a step in flight did. In a
         sharded job its optimizer entry holds no state (``_publish_shards``
-        gathers it for a checkpoint)."""
+        gathers it for a checkpoint). ``live``: see ``state.capture``."""
         with self._guarded():
-            return self._capture_state(step, with_rng)
+            return self._capture_state(step, with_rng, live)
 
     def _guarded(self) -> contextlib.AbstractContextManager[None]:
         """The runtime's own use of the user's optimizer's state_dict."""
         return self._guard.allowed() if self._guard is not None else contextlib.nullcontext()
 
-    def _capture_state(self, step: int, with_rng: bool) -> ReplicaState:
+    def _capture_state(self, step: int, with_rng: bool, live: bool = False) -> ReplicaState:
         state = capture(
             step, self._model, self._optimizer, self._scheduler, self._scaler,
             {name: obj.state_dict() for name, obj in self._extras.items()}, with_rng=with_rng,
+            live=live,
         )  # fmt: skip
         if self._buffers is not None:
             state.model.update(self._buffers.committed_state())
@@ -862,6 +870,7 @@ class Elastic:
 
     def _restore(self, state: ReplicaState) -> None:
         """Load ``state`` into the registered objects (under ``_lock``)."""
+        self._served.release_live()
         with self._guarded():
             extras = restore(state, self._model, self._optimizer, self._scheduler, self._scaler)
         missing = sorted(set(self._extras) - set(extras))
@@ -1160,7 +1169,7 @@ class Elastic:
         ``_await`` does (the fetch is then dropped)."""
         fetch, self._fetch_in_flight = self._fetch_in_flight, None
         assert fetch is not None
-        if self._own_digest() != fetch.held:
+        if self.state_digest() != fetch.held:
             fetch.future.cancel()
             raise UsageError(
                 f"step {fetch.step + 1}: registered state (model, optimizer, scheduler, "
@@ -1174,11 +1183,6 @@ class Elastic:
         if self._entering is not None and self._entering[0] == fetch.view.epoch:
             epoch, _, built, ready = self._entering
             self._entering = (epoch, fetched, built, ready)
-
-    def _own_digest(self) -> str:
-        """The digest of the state this worker holds now (no RNG states)."""
-        with self._lock:
-            return digest(self._capture(self.committed_step, with_rng=False))
 
     def _drop_fetch(self) -> None:
         """Cancel the state fetch in flight, if any: its view was given up."""
@@ -1322,7 +1326,7 @@ class Elastic:
                 # from the fetched state.
                 assert view.resume_step is not None
                 self._fetch_in_flight = _FetchInFlight(
-                    view, view.resume_step, fetching, self._own_digest()
+                    view, view.resume_step, fetching, self.state_digest()
                 )
             elif fetching is not None:
                 fetched = self._restore_fetched(view, fetching)
@@ -1857,6 +1861,7 @@ class Elastic:
     def _apply(self, step: Step, finish: Callable[[], None]) -> None:
         """The update, under ``_lock``: the reduction's gradients and buffers
         (``finish``), hook, optimizer, scaler, scheduler."""
+        self._served.release_live()  # a capture sharing what changes now
         finish()
         if self._scaler is not None:
             self._scaler.unscale_(self._optimizer)

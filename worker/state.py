@@ -12,7 +12,7 @@ Everything here is pure: no sockets, no clocks. The transport lives elsewhere.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,7 @@ def capture(
     grad_scaler: Any = None,
     extras: Mapping[str, Any] | None = None,
     with_rng: bool = True,
+    live: bool = False,
 ) -> ReplicaState:
     """Snapshot the replica after committed step `step`.
 
@@ -83,16 +84,26 @@ def capture(
     identical (and a transfer striped across them coherent).
 
     Tensors are detached and cloned, containers copied, so training on after
-    the capture does not change the snapshot. Raises TypeError, naming the
-    offending entry, if some value could not be transferred safely (anything
-    but tensors, dicts, lists, tuples, ints, floats, strs, bools and None).
+    the capture does not change the snapshot. With ``live`` the model's
+    parameters and the optimizer's per-parameter state (nearly all of a
+    large state's bytes) are not cloned: the snapshot shares them with the
+    model and optimizer, which only an update (or a restore) changes, and
+    the caller must stop using it before one does (``ServedState.
+    release_live``). Buffers, which a forward pass changes, and everything
+    else are cloned as always. Raises TypeError, naming the offending entry,
+    if some value could not be transferred safely (anything but tensors,
+    dicts, lists, tuples, ints, floats, strs, bools and None).
     """
     if type(step) is not int or step < -1:
         raise ValueError(f"step must be an int >= -1, got {step!r}")
+    parameters = {(p.data_ptr(), p.dtype, p.shape) for p in model.parameters()} if live else set()
     return ReplicaState(
         step=step,
-        model=_copy_tree(model.state_dict(), "model"),
-        optimizer=_copy_tree(optimizer.state_dict(), "optimizer"),
+        model=_copy_tree(
+            model.state_dict(), "model",
+            share=lambda t: (t.data_ptr(), t.dtype, t.shape) in parameters,
+        ),  # fmt: skip
+        optimizer=_copy_optimizer(optimizer.state_dict(), live),
         scheduler=None if scheduler is None else _copy_tree(scheduler.state_dict(), "scheduler"),
         grad_scaler=(
             None if grad_scaler is None else _copy_tree(grad_scaler.state_dict(), "grad_scaler")
@@ -141,12 +152,28 @@ def _check_same_presence(name: str, saved: object, given: object) -> None:
         )
 
 
-def _copy_tree(obj: Any, path: str) -> Any:
-    """Deep copy of a state tree, cloning tensors, and proof that it holds only
-    types the byte form (`state_bytes.to_bytes`) holds. Subclasses of the scalar
-    types (IntEnum, numpy.float64, ...) become their plain base type."""
+def _copy_optimizer(state: Any, live: bool) -> Any:
+    """``optimizer.state_dict()`` copied; with ``live`` its per-parameter
+    state (the entry "state") is shared, not cloned (``capture``)."""
+    if not live or not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        return _copy_tree(state, "optimizer")
+    return {
+        key: _copy_tree(value, f"optimizer[{key!r}]", _shared if key == "state" else None)
+        for key, value in state.items()
+    }
+
+
+def _shared(_: torch.Tensor) -> bool:
+    return True
+
+
+def _copy_tree(obj: Any, path: str, share: Callable[[torch.Tensor], bool] | None = None) -> Any:
+    """Deep copy of a state tree, cloning tensors (those ``share`` names
+    only detached), and proof that it holds only types the byte form
+    (`state_bytes.to_bytes`) holds. Subclasses of the scalar types (IntEnum,
+    numpy.float64, ...) become their plain base type."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        return obj.detach() if share is not None and share(obj) else obj.detach().clone()
     if obj is None:
         return None
     if isinstance(obj, bool):
@@ -162,12 +189,12 @@ def _copy_tree(obj: Any, path: str) -> Any:
         for key, value in obj.items():
             if key is not None and not isinstance(key, (bool, int, float, str)):
                 raise TypeError(f"{path}: key {key!r} of type {type(key).__name__} not allowed")
-            copied[_copy_tree(key, path)] = _copy_tree(value, f"{path}[{key!r}]")
+            copied[_copy_tree(key, path)] = _copy_tree(value, f"{path}[{key!r}]", share)
         return copied
     if isinstance(obj, list):
-        return [_copy_tree(item, f"{path}[{i}]") for i, item in enumerate(obj)]
+        return [_copy_tree(item, f"{path}[{i}]", share) for i, item in enumerate(obj)]
     if isinstance(obj, tuple):
-        return tuple(_copy_tree(item, f"{path}[{i}]") for i, item in enumerate(obj))
+        return tuple(_copy_tree(item, f"{path}[{i}]", share) for i, item in enumerate(obj))
     raise TypeError(
         f"{path}: a {type(obj).__name__} cannot be part of a replica state "
         "(allowed: tensors, dict, list, tuple, int, float, str, bool, None)"
