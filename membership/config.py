@@ -87,7 +87,9 @@ class Config:
 
     # --- roll call ---------------------------------------------------------
     #: How long a roll call waits for answers before deciding without the
-    #: silent members.
+    #: silent members (one held at the step's end, for joins and clean
+    #: leaves, waits ``rollcall_step_end_wait`` longer: its answers may
+    #: wait that long for the step to end).
     rollcall_deadline: float = 1.0
     #: A roll call held only for joiners and clean leaves aborts nothing:
     #: the members finish the step in flight and answer after it. One whose
@@ -406,6 +408,12 @@ class Config:
     def detection_bound(self) -> float:
         """Longest time from a member's last heartbeat to its suspicion."""
         return self.max_silence
+
+    def answer_deadline(self, at_step_end: bool) -> float:
+        """How long after a roll call starts its answers may come: one held
+        at the step's end (joins, clean leaves) may wait that long for the
+        step to end first (``rollcall_step_end_wait``)."""
+        return self.rollcall_deadline + (self.rollcall_step_end_wait if at_step_end else 0.0)
 
     def eviction_bound(self) -> float:
         """Longest time from a member's last heartbeat to a committed view

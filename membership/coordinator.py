@@ -588,13 +588,14 @@ class Coordinator:
         ready = tuple(m for i, m in self._joiners.items() if i not in self._unready)
         candidates = tuple(m for m in base.members if m.id not in self._departed) + ready
         causes = tuple(self._causes)
+        at_step_end = bool(causes) and all(c.kind in _AT_STEP_END for c in causes)
         self._rollcall = RollCall(
             epoch=base.epoch + 1,
             candidates=candidates,
-            deadline=now + self._config.rollcall_deadline,
+            deadline=now + self._config.answer_deadline(at_step_end),
             started_at=now,
             causes=causes,
-            at_step_end=bool(causes) and all(c.kind in _AT_STEP_END for c in causes),
+            at_step_end=at_step_end,
         )
         self._joiners = {i: m for i, m in self._joiners.items() if i in self._unready}
         self._departed = {}

@@ -43,6 +43,9 @@ from rollcall.membership.view import EMPTY_VIEW, Member, View
 CONFIG = Config()
 SETTLE = CONFIG.join_settle
 DEADLINE = CONFIG.rollcall_deadline
+#: The deadline of a roll call held at the step's end (joins, clean leaves):
+#: an answer may come that much later (``rollcall_step_end_wait``).
+HELD = CONFIG.rollcall_step_end_wait + DEADLINE
 
 
 def worker(member_id: str) -> Member:
@@ -221,7 +224,7 @@ def test_departure_starts_a_rollcall_at_once(depart: str) -> None:
     assert getattr(coordinator, depart)("b", 5.0) is True
 
     assert coordinator.take_actions() == [RequestAnswers(2, ("a", "c"))]
-    assert coordinator.next_wakeup() == 5.0 + DEADLINE
+    assert coordinator.next_wakeup() == 5.0 + (HELD if depart == "leave" else DEADLINE)
 
 
 @pytest.mark.parametrize("depart", ["leave", "suspect"])
@@ -521,14 +524,17 @@ def test_everybody_leaving_gives_an_empty_view() -> None:
 
 
 def test_silent_candidate_is_out_at_the_deadline() -> None:
+    """A join's roll call is held at the step's end: its deadline is
+    ``rollcall_step_end_wait`` later than another's."""
     coordinator = established("a", "b", "c")
     rollcall_over(coordinator, "d", 0.0)
     for member_id in ("a", "b", "d"):
         coordinator.answer(member_id, 2, None, "", 0.1)
 
-    coordinator.tick(SETTLE + DEADLINE * 0.99)
-    assert coordinator.take_actions() == []
     coordinator.tick(SETTLE + DEADLINE)
+    coordinator.tick(SETTLE + HELD * 0.99)
+    assert coordinator.take_actions() == []
+    coordinator.tick(SETTLE + HELD)
     proposal = only_commit(coordinator.take_actions())
 
     assert proposal.view.ids == ("a", "b", "d")
@@ -540,7 +546,7 @@ def test_silent_joiner_is_out_at_the_deadline_and_listed_as_removed() -> None:
     rollcall_over(coordinator, "b", 0.0)
     coordinator.answer("a", 2, None, "", 0.1)
 
-    coordinator.tick(SETTLE + DEADLINE)
+    coordinator.tick(SETTLE + HELD)
     proposal = only_commit(coordinator.take_actions())
 
     assert proposal.view.ids == ("a",)
@@ -917,12 +923,12 @@ def test_answer_during_a_pending_commit_is_refused_as_stale_and_changes_nothing(
     rollcall_over(coordinator, "c", 0.0)
     coordinator.answer("a", 5, 0, "d", 0.1)
     coordinator.answer("c", 5, None, "", 0.1)
-    coordinator.tick(SETTLE + DEADLINE)
+    coordinator.tick(SETTLE + HELD)
     coordinator.take_actions()
     before = snapshot(coordinator)
 
     with pytest.raises(StaleEpoch):
-        coordinator.answer("b", epoch, 0, "d", SETTLE + DEADLINE)
+        coordinator.answer("b", epoch, 0, "d", SETTLE + HELD)
 
     assert snapshot(coordinator) == before
     assert coordinator.take_actions() == []
@@ -963,7 +969,7 @@ def test_wakeup_during_a_rollcall_is_its_deadline() -> None:
     coordinator.tick(2.0 + SETTLE)
     coordinator.join(worker("c"), 2.0 + SETTLE)
 
-    assert coordinator.next_wakeup() == 2.0 + SETTLE + DEADLINE
+    assert coordinator.next_wakeup() == 2.0 + SETTLE + HELD
 
 
 def test_no_wakeup_while_a_commit_is_pending() -> None:

@@ -111,6 +111,54 @@ def test_each_member_of_a_shared_stream_answers_the_roll_call_for_itself(
     assert final.fetch == {behind_id: (ahead_id,), fresh_id: (ahead_id,)}
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own-stream", "shared-stream"])
+def test_an_answer_that_waits_for_a_heartbeat_acknowledgement_gets_one(
+    control_plane: ControlPlane, shared: bool
+) -> None:
+    """An answer to a roll call held at the step's end waits for the step
+    to land, and a step lands only once a heartbeat sent within
+    ``fence_window`` was acknowledged (the fence). The acknowledgement
+    comes on the stream that brought the roll call: it must be read while
+    the answer waits. (Read after it, the member waited at its fence for
+    ``fence_patience``, dropped its step and answered after the deadline:
+    evicted at a hot-add of a 306 MB model on 2 cores.)"""
+    waited: list[float] = []
+
+    async def scenario() -> View:
+        carrier = (
+            SessionCarrier(control_plane.addresses, control_plane.job, control_plane.token)
+            if shared
+            else None
+        )
+        member = carried(control_plane, carrier) if carrier else control_plane.client()
+
+        async def answering(epoch: int, causes: object) -> RollCallAnswer:
+            if member.member_id in member.view:  # not its own join's roll call
+                arrived = time.monotonic()
+                deadline = arrived + 3.0
+                while member.last_acked <= arrived and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)  # as the fence polls
+                waited.append(time.monotonic() - arrived)
+            return RollCallAnswer(3, "digest-3")
+
+        await member.join("127.0.0.1:20301", name="landing", on_roll_call=answering)
+        await member.wait_member(TIMEOUT)
+        member.report_progress(3)
+        joiner = control_plane.client()
+        await joiner.join("127.0.0.1:20302", name="joiner")
+        view = await joiner.wait_member(TIMEOUT)
+        for client in (member, joiner):
+            await client.leave()
+            await client.close()
+        if carrier is not None:
+            await carrier.close()
+        return view
+
+    view = asyncio.run(scenario())
+    assert len(view.members) == 2, view
+    assert len(waited) == 1 and waited[0] < 1.0, waited
+
+
 def test_a_member_dropped_from_a_shared_stream_is_suspected_at_once(
     control_plane: ControlPlane,
 ) -> None:

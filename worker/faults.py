@@ -39,8 +39,9 @@ ENV = "ROLLCALL_FAULTS"
 #: How late a ``slow_describes`` fault answers.
 SLOW_DESCRIBE_S = 1.0
 #: How much longer a ``slow_answers`` fault takes to answer a roll call:
-#: more than half the default roll-call deadline (1 s), less than all of it.
-SLOW_ANSWER_S = 0.6
+#: more than half the deadline of a roll call held at the step's end (1.5 s
+#: by default, ``Config.answer_deadline``), less than any roll call's.
+SLOW_ANSWER_S = 0.8
 #: How late a ``slow_lands`` fault lands a step: less than
 #: ``rollcall_step_end_wait`` (0.5 s), the longest a roll call waits for
 #: the end of a step.

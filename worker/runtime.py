@@ -33,7 +33,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
@@ -63,7 +63,7 @@ from rollcall.membership.errors import (
     UsageError,
     ViewChanged,
 )
-from rollcall.membership.member import Fence, Member
+from rollcall.membership.member import Answer, Fence, Member
 from rollcall.membership.shards import Sharding, ShardPlan, moves
 from rollcall.membership.view import EMPTY_VIEW, View
 from rollcall.pb import rendezvous_pb2, state_pb2_grpc
@@ -745,9 +745,12 @@ class Elastic:
         if seconds > 0:
             log.info("%s is busy (%s) for up to %.0f s: waiting for it", member_id, reason, seconds)
 
-    async def _on_roll_call(self, epoch: int, causes: tuple[Cause, ...]) -> RollCallAnswer:
-        """Abort the step in flight, then answer with the last committed step
-        and the digest of the state this worker will serve. A step whose
+    def _on_roll_call(
+        self, epoch: int, causes: tuple[Cause, ...]
+    ) -> Coroutine[Any, Any, RollCallAnswer]:
+        """Abort the step in flight (now, as the roll call is read), then
+        answer with the last committed step and the digest of the state
+        this worker will serve (the coroutine returned). A step whose
         all-reduce completed has every member's contribution: the answer
         waits for it to land, so that it names it and every member that
         completed the reduction answers alike, and then for the loop to
@@ -772,6 +775,15 @@ class Elastic:
                 if self._member.stop_asked:
                     loop.call_later(self._config.rollcall_step_end_wait, self._give_up_step_end)
         self._wake()
+        return self._answer_when_ready(epoch, arrived, at_step_end, answer, waiting)
+
+    async def _answer_when_ready(
+        self, epoch: int, arrived: float, at_step_end: bool,
+        answer: Answer | None, waiting: asyncio.Future[int | None] | None,
+    ) -> RollCallAnswer:  # fmt: skip
+        """The rest of ``_on_roll_call``: wait for the step to land if the
+        answer waits for it, then capture and digest the state."""
+        loop = asyncio.get_running_loop()
         step = answer.step if answer is not None else await waiting  # type: ignore[misc]
         known = time.perf_counter()
         reply = await loop.run_in_executor(None, self._digest_of, step)
@@ -784,7 +796,8 @@ class Elastic:
             "%.1f ms capturing and digesting the state)", epoch, answered * 1000, step,
             (known - arrived) * 1000, digested * 1000,
         )  # fmt: skip
-        if answered > self._config.rollcall_deadline / 2 and digested > answered / 2:
+        deadline = self._config.answer_deadline(at_step_end)
+        if answered > deadline / 2 and digested > answered / 2:
             # A large state (hundreds of MB on 2 cores, slowest the first
             # times it is captured): an answer after the deadline leaves
             # this member out of the view, and at a hot-add every member.
@@ -794,7 +807,7 @@ class Elastic:
                 "%.1f s: a member that answers later is left out of the view. Raise "
                 "rollcall_deadline on the replicas and the workers (--set "
                 "rollcall_deadline=SECONDS) well above this",
-                epoch, step, digested, answered, self._config.rollcall_deadline,
+                epoch, step, digested, answered, deadline,
             )  # fmt: skip
         return reply
 

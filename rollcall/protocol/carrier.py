@@ -33,6 +33,7 @@ from rollcall.membership.errors import Evicted, RollcallError, StaleEpoch
 from rollcall.membership.view import EMPTY_VIEW, View
 from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.protocol.client import (
+    Answering,
     ClientTLS,
     RendezvousClient,
     ReplicaSet,
@@ -148,6 +149,8 @@ class SessionCarrier(ReplicaSet):
         #: for the member (the leader did not count it yet).
         self._open_sent: dict[int, float] = {}
         self._streaming = False
+        #: The members' answers under way on the stream (``Answering``).
+        self._answering = Answering()
         #: Whether a stream is up and its replica answered.
         self.connected = False
         #: Which stream is up (each new one is counted).
@@ -297,9 +300,11 @@ class SessionCarrier(ReplicaSet):
                 self._leader_hint = address
                 await self._dispatch(event)
                 event = await call.read()
+                self._answering.check()
         finally:
             self._streaming = self.connected = False
             call.cancel()
+            await self._answering.stop()
             if writer is not None:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
@@ -423,8 +428,9 @@ class SessionCarrier(ReplicaSet):
         elif kind == "roll_call":
             request = event.roll_call
             causes = causes_from_pb(request.causes)
-            await asyncio.gather(
-                *(m._answer(request.epoch, causes, request.at_step_end) for m in members)
+            self._answering.start(
+                asyncio.gather(*(m._answer(request.epoch, causes, request.at_step_end)
+                                 for m in members))  # fmt: skip
             )
         else:
             for member in members:

@@ -96,6 +96,45 @@ RETRY_CODES = {
 }
 
 
+class Answering:
+    """Roll-call answers under way on one session stream. They run beside
+    the stream's reading, not in it: an answer may wait for the step in
+    flight to land, and a step lands only once a heartbeat was
+    acknowledged (the fence), an acknowledgement that comes on this same
+    stream. (Read after the answer, it never came in time: the member
+    waited at its fence for ``fence_patience``, dropped its step and
+    answered after the deadline.) An answer that fails fails the stream at
+    its next event, as when it was read inline."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._failed: BaseException | None = None
+
+    def start(self, answer: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(answer)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._failed is None:
+            self._failed = task.exception()
+
+    def check(self) -> None:
+        """Raise what an answer raised, if one failed."""
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
+
+    async def stop(self) -> None:
+        """(The stream ended.) Cancel the answers still under way."""
+        tasks, self._tasks = self._tasks, set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._failed = None
+
+
 def _ms(seconds: float) -> int:
     """``seconds`` in whole milliseconds, as gRPC's channel options take them."""
     return round(seconds * 1000)
@@ -344,6 +383,8 @@ class RendezvousClient(ReplicaSet):
         self._on_roll_call: RollCallHandler | None = None
         #: Recent roll calls held only for joiners (``at_step_end``).
         self._at_step_end: set[int] = set()
+        #: Its answers under way on its own stream (``_session_on``).
+        self._answering = Answering()
         self._on_view: Callable[[View], None] | None = None
         self._on_busy: BusyHandler | None = None
         self._step: int | None = None
@@ -762,8 +803,10 @@ class RendezvousClient(ReplicaSet):
                     self._leader_hint = address
                 await self._on_event(event)
                 event = await call.read()
+                self._answering.check()
         finally:
             call.cancel()
+            await self._answering.stop()
             if writer is not None:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
@@ -797,7 +840,8 @@ class RendezvousClient(ReplicaSet):
             self._pace(event.pace.heartbeat_interval_ms)
         elif kind == "roll_call":
             request = event.roll_call
-            await self._answer(request.epoch, causes_from_pb(request.causes), request.at_step_end)
+            causes = causes_from_pb(request.causes)
+            self._answering.start(self._answer(request.epoch, causes, request.at_step_end))
         elif kind == "busy" and self._on_busy is not None:
             busy = event.busy
             self._on_busy(busy.member_id, busy.seconds, busy.reason)
@@ -836,16 +880,24 @@ class RendezvousClient(ReplicaSet):
         (``RollCallRequest.at_step_end``; a roll-call handler asks)."""
         return epoch in self._at_step_end
 
-    async def _answer(
+    def _answer(
         self, epoch: int, causes: tuple[Cause, ...], at_step_end: bool = False
-    ) -> None:
+    ) -> Awaitable[None]:
+        """Roll call ``epoch`` arrived: the handler is called now (a roll
+        call takes effect as it is read: the step in flight stops before the
+        stream's next event, an acknowledgement say, is acted on), and the
+        answer is sent once it is ready, by the awaitable returned (run
+        beside the stream's reading: ``Answering``)."""
         if at_step_end:
             self._at_step_end = {e for e in self._at_step_end if e > epoch - 4} | {epoch}
         if self._on_roll_call is None:
-            reply = RollCallAnswer(self._step, "")
-        else:
-            result = self._on_roll_call(epoch, causes)
-            reply = await result if inspect.isawaitable(result) else result
+            return self._send_answer(epoch, RollCallAnswer(self._step, ""))
+        return self._send_answer(epoch, self._on_roll_call(epoch, causes))
+
+    async def _send_answer(
+        self, epoch: int, result: RollCallAnswer | Awaitable[RollCallAnswer]
+    ) -> None:
+        reply = await result if inspect.isawaitable(result) else result
         step = reply.step
         if step is not None and step != self._step and self.member_id in self._view:
             # The leader checks an answer against the progress reported in
