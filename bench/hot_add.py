@@ -22,8 +22,9 @@ change. ``--torchft`` adds TorchFT (``pip install torchft==0.2.0``).
 line (both checkouts), e.g. ``"--overlap --d-model 512 --layers 8"`` for a
 25 M-parameter model whose state takes longer to fetch, and
 ``--rollcall-set NAME=VALUE`` (repeatable) gives both checkouts' replica
-and workers a config override (that model needs ``rollcall_deadline=5``:
-its members' answers to a roll call take longer than the default 1 s);
+and workers a config override (before 2026-12-04 that model needed
+``rollcall_deadline=5``: its members' answers to a roll call took longer
+than the default 1 s);
 neither with ``--torchft``, whose job would then be another one.
 Results: ``results/hot_add.json``.
 """

@@ -117,8 +117,14 @@ class Answering:
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._failed is None:
-            self._failed = task.exception()
+        if task.cancelled() or task.exception() is None:
+            return
+        failed = task.exception()
+        # Said here too: a stream that ends before its next event never
+        # raises it.
+        log.error("answering a roll call failed: %r", failed, exc_info=failed)
+        if self._failed is None:
+            self._failed = failed
 
     def check(self) -> None:
         """Raise what an answer raised, if one failed."""
