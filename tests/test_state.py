@@ -146,6 +146,15 @@ def test_a_live_capture_shares_parameters_and_optimizer_state_and_clones_the_res
     assert torch.equal(live.model["0.weight"], weight)
 
 
+def test_a_live_capture_clones_a_sparse_tensor_it_cannot_share():
+    model = nn.Linear(4, 4)
+    model.register_buffer("mask", torch.eye(3).to_sparse())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = capture(0, model, optimizer, with_rng=False, live=True)
+    assert state.model["weight"].data_ptr() == model.weight.data_ptr()
+    assert torch.equal(state.model["mask"].to_dense(), torch.eye(3))
+
+
 def test_restore_leaves_the_snapshot_untouched_by_the_joiners_training():
     state = capture_replica(trained(steps=2), step=1)
     before = digest(state)

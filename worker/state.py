@@ -96,13 +96,9 @@ def capture(
     """
     if type(step) is not int or step < -1:
         raise ValueError(f"step must be an int >= -1, got {step!r}")
-    parameters = {(p.data_ptr(), p.dtype, p.shape) for p in model.parameters()} if live else set()
     return ReplicaState(
         step=step,
-        model=_copy_tree(
-            model.state_dict(), "model",
-            share=lambda t: (t.data_ptr(), t.dtype, t.shape) in parameters,
-        ),  # fmt: skip
+        model=_copy_tree(model.state_dict(), "model", _parameters_of(model) if live else None),
         optimizer=_copy_optimizer(optimizer.state_dict(), live),
         scheduler=None if scheduler is None else _copy_tree(scheduler.state_dict(), "scheduler"),
         grad_scaler=(
@@ -150,6 +146,15 @@ def _check_same_presence(name: str, saved: object, given: object) -> None:
             f"the state {held} {name} but one {passed} passed to restore: "
             "the replicas are configured differently"
         )
+
+
+def _parameters_of(model: torch.nn.Module) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor of ``model.state_dict()`` is one of its (dense)
+    parameters, which ``capture(..., live=True)`` shares."""
+    dense = {
+        (p.data_ptr(), p.dtype, p.shape) for p in model.parameters() if p.layout is torch.strided
+    }
+    return lambda t: t.layout is torch.strided and (t.data_ptr(), t.dtype, t.shape) in dense
 
 
 def _copy_optimizer(state: Any, live: bool) -> Any:
