@@ -37,9 +37,8 @@ class ServedState:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._snapshot: Snapshot | None = None
-        self._captured: tuple[int, str, ReplicaState] | None = None
-        #: Whether ``_captured`` shares tensors with the live objects.
-        self._live = False
+        #: (step, digest, state, whether it shares tensors with the live objects)
+        self._captured: tuple[int, str, ReplicaState, bool] | None = None
 
     def held(self) -> tuple[int, str] | None:
         """(step, digest) of the state served, serialized yet or not; None
@@ -59,8 +58,7 @@ class ServedState:
         objects, and ``release_live`` must be called before they change;
         otherwise it never changes."""
         with self._lock:
-            self._captured = (step, digest, state)
-            self._live = live
+            self._captured = (step, digest, state, live)
             self._snapshot = None
 
     def release_live(self) -> None:
@@ -68,16 +66,14 @@ class ServedState:
         capture that shares their tensors and was not serialized yet;
         waits for a serialization in progress. Nothing for anything else."""
         with self._lock:
-            if self._live:
+            if self._captured is not None and self._captured[3]:
                 self._captured = None
-                self._live = False
 
     def serve(self, snapshot: Snapshot | None) -> None:
         """Serve ``snapshot`` (a state already in byte form) from now on, or
         nothing."""
         with self._lock:
             self._captured = None
-            self._live = False
             self._snapshot = snapshot
 
     def snapshot(self) -> Snapshot | None:
@@ -85,8 +81,7 @@ class ServedState:
         every later caller gets the same bytes)."""
         with self._lock:
             if self._captured is not None:
-                step, digest, state = self._captured
+                step, digest, state, _ = self._captured
                 self._snapshot = Snapshot(step, digest, to_bytes(state))
                 self._captured = None
-                self._live = False
             return self._snapshot
