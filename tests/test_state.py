@@ -11,6 +11,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from rollcall.membership.errors import RollcallError
-from rollcall.worker.digest import digest
+from rollcall.worker import digest as digest_module
+from rollcall.worker.digest import PARALLEL_BYTES, PIECE_BYTES, digest
 from rollcall.worker.state import CorruptState, ReplicaState, capture, restore
 from rollcall.worker.state_bytes import from_bytes, to_bytes
 from rollcall.worker.stripes import Assembler, chunks, ranges
@@ -290,6 +292,83 @@ def test_sparse_tensors_are_refused_by_digest_and_serialization():
         digest(sparse)
     with pytest.raises(TypeError, match="only dense tensors"):
         to_bytes(sparse)
+
+
+def large_state() -> ReplicaState:
+    """A state above ``PARALLEL_BYTES``: tensors of one piece, of many
+    (one with a short last piece), empty, strided, of other dtypes, and
+    one tensor reached twice."""
+    state = capture_replica(trained(steps=1), step=0)
+    generator = torch.Generator().manual_seed(7)
+    big = torch.randn(PARALLEL_BYTES // 4 + 12345, generator=generator)
+    shared = torch.randn(300, 301, generator=generator)
+    extras = {
+        "big": big,
+        "strided": torch.randn(700, 900, generator=generator).t(),
+        "half": torch.randn(2_000_000, generator=generator).half(),
+        "ints": torch.arange(3_000_000, dtype=torch.int64),
+        "empty": torch.zeros(0, 5),
+        "shared": [shared, {"again": shared}],
+    }
+    tensors = [t for t in extras.values() if isinstance(t, torch.Tensor)]
+    assert sum(t.numel() * t.element_size() for t in tensors) > PARALLEL_BYTES
+    return replace(state, extras=extras)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_a_large_state_hashed_by_several_threads_has_the_one_thread_digest(threads):
+    state = large_state()
+    assert digest(state, threads=threads) == digest(state)
+
+
+def test_several_threads_hash_a_large_state(monkeypatch):
+    hashers: set[str] = set()
+    plain = digest_module.piece_hash
+
+    def recorded(data):
+        hashers.add(threading.current_thread().name)
+        return plain(data)
+
+    monkeypatch.setattr(digest_module, "piece_hash", recorded)
+    digest(large_state(), threads=3)
+    assert threading.current_thread().name in hashers
+    assert any(name.startswith("rollcall-digest") for name in hashers), hashers
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_large_state_digest_by_several_threads_sees_every_piece(where):
+    state = large_state()
+    before = digest(state, threads=2)
+    big = state.extras["big"].view(torch.uint8).view(-1)
+    index = {"first": 0, "middle": PIECE_BYTES * 3 + 17, "last": big.numel() - 1}[where]
+    big[index] ^= 1
+    assert digest(state, threads=2) != before
+    assert digest(state, threads=2) == digest(state)
+
+
+def test_a_small_state_is_hashed_by_the_calling_thread_alone(monkeypatch):
+    hashers: set[str] = set()
+    plain = digest_module.piece_hash
+
+    def recorded(data):
+        hashers.add(threading.current_thread().name)
+        return plain(data)
+
+    monkeypatch.setattr(digest_module, "piece_hash", recorded)
+    digest(capture_replica(trained(steps=1), step=0), threads=4)
+    assert hashers == {threading.current_thread().name}
+
+
+def test_digest_threads_are_checked():
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        digest(capture_replica(trained(steps=1), step=0), threads=0)
+
+
+def test_a_large_state_with_a_sparse_tensor_is_refused_by_several_threads_too():
+    state = large_state()
+    state.extras["sparse"] = torch.eye(3).to_sparse()
+    with pytest.raises(TypeError, match="only dense tensors"):
+        digest(state, threads=2)
 
 
 @pytest.mark.parametrize(

@@ -8,13 +8,19 @@ their pieces (``PIECE_BYTES`` each), so a fetcher checks every piece on
 its own, as it arrives and in any order, and then the whole with one walk
 over the state's structure (``digest_of_pieces``), without a pass over the
 bytes at the end.
+
+A large state's pieces can be hashed by several threads at once
+(``digest(state, threads=N)``: hashlib releases the GIL), which a roll
+call's answer does with the cores the waiting training thread leaves idle.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -26,6 +32,7 @@ __all__ = [
     "digest",
     "digest_like",
     "digest_of_pieces",
+    "hash_threads",
     "piece_bounds",
     "piece_hash",
     "tensor_bytes",
@@ -45,8 +52,26 @@ PIECE_BYTES = 1 << 20
 #: A tensor's part of the walk, after its dtype and shape.
 TensorLeaf = Callable[[Any, torch.Tensor], None]
 
+#: Below this many tensor bytes a state is hashed by the calling thread
+#: alone (handing pieces to other threads costs more than it saves).
+PARALLEL_BYTES = 8 << 20
+#: Pieces per task handed to a hashing thread.
+_TASK_PIECES = 4
+#: Hashing threads at most, whatever the cores.
+_MAX_THREADS = 8
 
-def digest(state: ReplicaState) -> str:
+
+def hash_threads() -> int:
+    """Threads worth hashing a large state with: the cores this process
+    may run on (at most 8)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, _MAX_THREADS))
+
+
+def digest(state: ReplicaState, threads: int = 1) -> str:
     """Canonical content digest, "sha256-pieces:<64 hex digits>".
 
     Two replicas holding equal state get the same digest whatever the pickle
@@ -62,8 +87,17 @@ def digest(state: ReplicaState) -> str:
     out: per-microbatch randomness is seeded from (seed, step, microbatch), so
     the process generators are not part of what replicas must agree on, and
     they legitimately differ between ranks that ran different microbatches.
+
+    ``threads``: how many threads hash the pieces of a state of at least
+    ``PARALLEL_BYTES`` (the calling thread and ``threads - 1`` others; the
+    same digest whatever the number). Meant for a thread that waits
+    anyway, a roll call's answer; a digest taken beside training (a
+    checkpoint's) keeps the default, one, and leaves the cores to it.
     """
-    return _state_digest(state, DIGEST_FORM, _pieces_leaf(None))
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, not {threads}")
+    known = _hashed_in_parallel(state, threads) if threads > 1 else None
+    return _state_digest(state, DIGEST_FORM, _pieces_leaf(known))
 
 
 def digest_like(state: ReplicaState, recorded: str) -> str:
@@ -107,20 +141,76 @@ def _state_digest(state: ReplicaState, form: str, leaf: TensorLeaf) -> str:
     sink = hashlib.sha256()
     prefix = f"{FORMAT}/{VERSION}" if form == WHOLE_FORM else f"{FORMAT}/{VERSION}/{form}"
     sink.update(f"{prefix}\0".encode())
-    _feed(
-        sink,
-        {
-            "step": state.step,
-            "model": state.model,
-            "optimizer": state.optimizer,
-            "scheduler": state.scheduler,
-            "grad_scaler": state.grad_scaler,
-            "data_position": state.data_position,
-            "extras": state.extras,
-        },
-        leaf,
-    )
+    _feed(sink, _digested(state), leaf)
     return f"{form}:{sink.hexdigest()}"
+
+
+def _digested(state: ReplicaState) -> dict[str, Any]:
+    """What a replica state's digest walks over."""
+    return {
+        "step": state.step,
+        "model": state.model,
+        "optimizer": state.optimizer,
+        "scheduler": state.scheduler,
+        "grad_scaler": state.grad_scaler,
+        "data_position": state.data_position,
+        "extras": state.extras,
+    }
+
+
+def _hashed_in_parallel(state: ReplicaState, threads: int) -> dict[int, list[bytes]] | None:
+    """The SHA-256 of every piece of every tensor of ``state``, keyed by
+    ``id(tensor)`` as ``digest_of_pieces`` takes them, hashed by the
+    calling thread and ``threads - 1`` others; None for a state too small
+    to be worth it."""
+    tensors = {id(t): t for t in _tensors_in(_digested(state))}
+    sizes = {key: t.numel() * t.element_size() for key, t in tensors.items()}
+    if sum(sizes.values()) < PARALLEL_BYTES:
+        return None
+    # Tasks of a few pieces each, in walk order. The other threads take
+    # them from the front, the calling thread from the back, until they
+    # meet: nobody waits while work is left.
+    tasks: list[tuple[int, Any, list[tuple[int, int]]]] = []
+    for key, tensor in tensors.items():
+        if sizes[key]:
+            raw = tensor_bytes(tensor)  # a copy for a strided or device tensor: made once
+            bounds = piece_bounds(sizes[key])
+            for first in range(0, len(bounds), _TASK_PIECES):
+                tasks.append((key, raw, bounds[first : first + _TASK_PIECES]))
+    with ThreadPoolExecutor(threads - 1, thread_name_prefix="rollcall-digest") as pool:
+        results: list[Future[list[bytes]] | list[bytes]] = [
+            pool.submit(_hash_pieces, raw, bounds) for _, raw, bounds in tasks
+        ]
+        try:
+            for index in reversed(range(len(tasks))):
+                task = results[index]
+                if isinstance(task, Future) and task.cancel():
+                    results[index] = _hash_pieces(tasks[index][1], tasks[index][2])
+        except BaseException:
+            for task in results:
+                if isinstance(task, Future):
+                    task.cancel()
+            raise
+    known: dict[int, list[bytes]] = {key: [] for key in tensors}
+    for (key, _, _), task in zip(tasks, results, strict=True):
+        known[key].extend(task.result() if isinstance(task, Future) else task)
+    return known
+
+
+def _hash_pieces(raw: Any, bounds: Sequence[tuple[int, int]]) -> list[bytes]:
+    return [piece_hash(raw[start:end]) for start, end in bounds]
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor ``_feed`` would reach in ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
 
 
 def _frame(tag: bytes, payload: bytes) -> bytes:

@@ -89,7 +89,7 @@ from rollcall.worker.contract import (
     check_extras,
     check_scheduler,
 )
-from rollcall.worker.digest import digest, tree_digest
+from rollcall.worker.digest import digest, hash_threads, tree_digest
 from rollcall.worker.environment import (
     DEFAULT_NAME,
     ENV_AGENT,
@@ -280,6 +280,8 @@ class Elastic:
                                   ``view_committed``, ``roll_call``,
                                   ``session_ended``
     default executor              the digest of a roll-call answer
+    digest helpers                the other hashing threads of a large
+                                  state's digest (``digest.hash_threads``)
     checkpoint writer             serializing and writing a snapshot
     group build                   building the view's group while the
                                   training thread computes (``_building``,
@@ -587,9 +589,11 @@ class Elastic:
         (model parameters and buffers, optimizer, scheduler, grad scaler,
         registered state): what roll calls compare. Equal on every replica
         of a job at the same step. In a sharded job it leaves out the
-        optimizer state, which no rank holds whole."""
+        optimizer state, which no rank holds whole. A large state is hashed
+        by as many threads as this process has cores."""
         with self._lock:  # nothing updates meanwhile: nothing needs cloning
-            return digest(self._capture(self.committed_step, with_rng=False, live=True))
+            state = self._capture(self.committed_step, with_rng=False, live=True)
+            return digest(state, threads=hash_threads())
 
     def all_reduce(self, tensors: torch.Tensor | Sequence[torch.Tensor], op: str = "sum") -> None:
         """Reduce ``tensors`` in place over the view in force ("sum", "mean",
@@ -844,7 +848,8 @@ class Elastic:
                 # view, while joiners fetch: it clones.
                 live = self._sharding is None
                 state = self._capture(step, with_rng=False, live=live)
-                held = (step, digest(state))
+                # The training thread waits for the view: its cores hash.
+                held = (step, digest(state, threads=hash_threads()))
                 # Serialized when a peer first asks for it, not on the
                 # answer's way (in a crash, nobody does).
                 self._served.serve_captured(step, held[1], state, live=live)
