@@ -7,6 +7,9 @@ flooding them could keep the job from training. Each member may start
 ``burst`` roll calls in a row; after that one more per ``interval``. What is
 over the limit is ignored: the leader's own detector and the members'
 sessions still find real failures.
+
+``LogThrottle`` is the same idea for log lines: an event any token holder
+can repeat (a refused claim) is logged once per interval at most.
 """
 
 from __future__ import annotations
@@ -66,3 +69,26 @@ class ReportLimiter:
 
     def __contains__(self, member_id: object) -> bool:
         return member_id in self._buckets
+
+
+class LogThrottle:
+    """At most one log line per ``interval`` seconds for an event anyone
+    can cause again and again (a refused claim, say), with time passed in:
+    a flood of requests must not fill the log's disk, and the line after
+    a quiet spell says how many were left out."""
+
+    def __init__(self, interval: float) -> None:
+        if not interval > 0:
+            raise ValueError(f"a log throttle needs interval > 0, got {interval}")
+        self._interval = interval
+        self._last: float | None = None
+        self._left_out = 0
+
+    def due(self, now: float) -> int | None:
+        """None: leave this event's line out. Otherwise log it now, saying
+        that this many were left out since the last line."""
+        if self._last is not None and now - self._last < self._interval:
+            self._left_out += 1
+            return None
+        left_out, self._left_out, self._last = self._left_out, 0, now
+        return left_out

@@ -1207,6 +1207,22 @@ def test_old_member_with_its_old_epoch_is_refused_as_stale(own_job: Job, departu
         assert_refused(own_job, rpc, request, {Code.FAILED_PRECONDITION}, stale)
 
 
+
+def test_refused_claims_of_lost_etcd_data_are_logged_once_not_once_each(puppet_job: Job) -> None:
+    """A token holder naming ids the leader never saw, ahead of a live view,
+    is refused each time; the replica's log says so once for the lot, not
+    once per request (a flood must not fill the leader's disk)."""
+    target = settled_target(puppet_job)
+    claims = 12
+    for n in range(claims):
+        request = leave(f"ghost-{n}", epoch=target.epoch + 1 + n, secret="")(target)
+        assert_refused(puppet_job, "Leave", request, {Code.FAILED_PRECONDITION}, "is at epoch")
+    replica_log = puppet_job.plane.replicas[0].log_path.read_text(errors="replace")
+    lines = [line for line in replica_log.splitlines() if "not recorded as a loss" in line]
+    assert len(lines) == 1, lines
+    assert "ghost-0" in lines[0]
+
+
 # --- a worker's state server -------------------------------------------------------------
 
 #: The worker's job and view: it is ``SERVER``, rank 0, and ``PEER`` may pull from it.

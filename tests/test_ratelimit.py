@@ -1,11 +1,13 @@
-"""The per-member limit on roll calls started by reports (membership/ratelimit.py)."""
+"""The per-member limit on roll calls started by reports, and the log
+throttle (membership/ratelimit.py)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollcall.membership.ratelimit import Admission, ReportLimiter
+from rollcall.membership.ratelimit import Admission, LogThrottle, ReportLimiter
 
 
 def test_a_member_may_start_burst_roll_calls_in_a_row() -> None:
@@ -77,3 +79,16 @@ def test_a_flood_is_held_to_burst_plus_one_per_interval(
         taken += limiter.take("a", now) is Admission.TAKEN
 
     assert taken <= burst + now / interval + 1e-9
+
+
+def test_a_throttled_log_says_the_first_event_at_once_and_counts_those_left_out() -> None:
+    throttle = LogThrottle(60.0)
+
+    seen = [throttle.due(t) for t in (0.0, 1.0, 2.0, 59.9, 60.0, 61.0, 200.0)]
+
+    assert seen == [0, None, None, None, 3, None, 1]
+
+
+def test_a_log_throttle_needs_a_positive_interval() -> None:
+    with pytest.raises(ValueError, match="interval > 0"):
+        LogThrottle(0.0)

@@ -35,6 +35,7 @@ from rollcall.membership.errors import (
     RollcallError,
     StaleEpoch,
 )
+from rollcall.membership.ratelimit import LogThrottle
 from rollcall.membership.view import EMPTY_VIEW, View
 from rollcall.protocol import validation as check
 from rollcall.protocol.wire import LEADER_METADATA, error_metadata, status_of
@@ -48,6 +49,8 @@ T = TypeVar("T")
 
 #: Longest free text (failure reasons) accepted from a member.
 MAX_REASON = 256
+#: Seconds between two log lines about refused claims of lost etcd data.
+CLAIM_LOG_INTERVAL = 60.0
 
 
 class ReplicaBase:
@@ -104,6 +107,9 @@ class ReplicaBase:
         self._failure_written = -float("inf")
         #: The highest epoch recorded as lost (``_note_lost``) by this replica.
         self._lost_noted = 0
+        #: Claims refused while the view is live: anyone with the token can
+        #: send them, so they are logged one line per interval at most.
+        self._claims_logged = LogThrottle(CLAIM_LOG_INTERVAL)
 
     @property
     def is_leader(self) -> bool:
@@ -206,11 +212,14 @@ class ReplicaBase:
             return InvalidRequest(f"epoch {epoch} is ahead of the committed epoch {committed}")
         live = any(lead.leader.has_session(member) for member in view.ids)
         if live:
-            log.warning(
-                "member %s claims epoch %d, ahead of view %d, which etcd does not hold; not "
-                "recorded as a loss of etcd's data: members of view %d are live here",
-                member_id, epoch, committed, committed,
-            )  # fmt: skip
+            left_out = self._claims_logged.due(time.monotonic())
+            if left_out is not None:
+                log.warning(
+                    "member %s claims epoch %d, ahead of view %d, which etcd does not hold; "
+                    "not recorded as a loss of etcd's data: members of view %d are live here "
+                    "(%d such claims since the last line; one line per %.0f s at most)",
+                    member_id, epoch, committed, committed, left_out, CLAIM_LOG_INTERVAL,
+                )  # fmt: skip
         elif epoch > self._lost_noted:
             self._lost_noted = epoch
             asyncio.ensure_future(self._note_lost(member_id, epoch))
