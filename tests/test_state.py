@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -344,6 +345,35 @@ def test_a_large_state_digest_by_several_threads_sees_every_piece(where):
     big[index] ^= 1
     assert digest(state, threads=2) != before
     assert digest(state, threads=2) == digest(state)
+
+
+def test_several_threads_copy_one_strided_tensor_each_at_a_time(monkeypatch):
+    """A tensor whose bytes need a copy is copied by the task that hashes
+    it: the threads hold one copy each at most, never the whole state's."""
+    lock, live, most = threading.Lock(), [0], [0]
+    plain = digest_module.tensor_bytes
+
+    def counted(tensor):
+        raw = plain(tensor)
+        if not tensor.is_contiguous():
+            with lock:
+                live[0] += 1
+                most[0] = max(most[0], live[0])
+
+            def gone():
+                with lock:
+                    live[0] -= 1
+
+            weakref.finalize(raw, gone)
+        return raw
+
+    monkeypatch.setattr(digest_module, "tensor_bytes", counted)
+    generator = torch.Generator().manual_seed(3)
+    strided = [torch.randn(1000, 300, generator=generator).t() for _ in range(24)]
+    state = replace(capture_replica(trained(steps=1), step=0), extras={"strided": strided})
+
+    assert digest(state, threads=2) == digest(state)
+    assert 1 <= most[0] <= 2, most[0]
 
 
 def test_a_small_state_is_hashed_by_the_calling_thread_alone(monkeypatch):

@@ -167,16 +167,24 @@ def _hashed_in_parallel(state: ReplicaState, threads: int) -> dict[int, list[byt
     sizes = {key: t.numel() * t.element_size() for key, t in tensors.items()}
     if sum(sizes.values()) < PARALLEL_BYTES:
         return None
-    # Tasks of a few pieces each, in walk order. The other threads take
-    # them from the front, the calling thread from the back, until they
+    # Tasks in walk order: a few pieces each of a tensor whose bytes are
+    # in host memory already, a whole tensor that needs a copy to get them
+    # (strided, on a device), made by the task: at most one such copy per
+    # thread at a time, as one thread alone has. The other threads take
+    # tasks from the front, the calling thread from the back, until they
     # meet: nobody waits while work is left.
     tasks: list[tuple[int, Any, list[tuple[int, int]]]] = []
     for key, tensor in tensors.items():
-        if sizes[key]:
-            raw = tensor_bytes(tensor)  # a copy for a strided or device tensor: made once
-            bounds = piece_bounds(sizes[key])
-            for first in range(0, len(bounds), _TASK_PIECES):
-                tasks.append((key, raw, bounds[first : first + _TASK_PIECES]))
+        _check_dense(tensor)
+        if not sizes[key]:
+            continue
+        bounds = piece_bounds(sizes[key])
+        if not _bytes_in_place(tensor):
+            tasks.append((key, tensor, bounds))
+            continue
+        raw = tensor_bytes(tensor)  # a view, no copy
+        for first in range(0, len(bounds), _TASK_PIECES):
+            tasks.append((key, raw, bounds[first : first + _TASK_PIECES]))
     with ThreadPoolExecutor(threads - 1, thread_name_prefix="rollcall-digest") as pool:
         results: list[Future[list[bytes]] | list[bytes]] = [
             pool.submit(_hash_pieces, raw, bounds) for _, raw, bounds in tasks
@@ -197,8 +205,21 @@ def _hashed_in_parallel(state: ReplicaState, threads: int) -> dict[int, list[byt
     return known
 
 
-def _hash_pieces(raw: Any, bounds: Sequence[tuple[int, int]]) -> list[bytes]:
+def _hash_pieces(source: Any, bounds: Sequence[tuple[int, int]]) -> list[bytes]:
+    """The pieces ``bounds`` of ``source``: a buffer, or a tensor whose
+    bytes are copied first."""
+    raw = tensor_bytes(source) if isinstance(source, torch.Tensor) else source
     return [piece_hash(raw[start:end]) for start, end in bounds]
+
+
+def _bytes_in_place(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor_bytes`` gives ``tensor``'s bytes without a copy."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -279,7 +300,11 @@ def _pieces_leaf(known: Mapping[int, Sequence[bytes]] | None) -> TensorLeaf:
 def tensor_bytes(tensor: torch.Tensor) -> Any:
     """The tensor's contiguous CPU bytes, as a buffer (no copy if it already
     is contiguous on the CPU)."""
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        raise TypeError(f"only dense tensors can be part of a replica state, not {tensor.layout}")
+    _check_dense(tensor)
     flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy()
+
+
+def _check_dense(tensor: torch.Tensor) -> None:
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise TypeError(f"only dense tensors can be part of a replica state, not {tensor.layout}")
