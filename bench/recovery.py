@@ -30,7 +30,9 @@ arrives; logs (--log-level info) are parsed for their own timestamps
    consecutive step events of an existing worker around the join minus that
    worker's median step interval before the join (max over workers). Also the
    joiner's "pulled step ... (B bytes) ... in S s" log line. The 5th worker
-   then leaves with SIGINT (clean Leave).
+   then leaves with SIGINT (clean Leave): the stall of the others, measured
+   as the hot-add's, and the signal -> every worker's first step in the
+   smaller view.
 3. state transfer in the job: B / S from every "pulled" line, next to a raw
    loopback TCP transfer of the same B (server thread + client thread in this
    process, connect included), measured in the same run while no worker runs.
@@ -338,15 +340,45 @@ def hot_add_once(
             ]
             stalls.append(max(around) - median)
         pulled = joiner.wait_for(joiner.pulled, "joiner pulled line", timeout=10)[-1]
-        return {
+        result = {
             "stall_s": max(stalls),
             "join_to_first_step_s": t_first - t_start,
             "fetch_s": pulled["seconds"],
             "bytes": pulled["bytes"],
             "peers": pulled["peers"],
         }
+        time.sleep(1.0)  # a baseline of step intervals in the larger view
+        result.update(leave_once(workers, joiner))
+        return result
     finally:
         joiner.interrupt()
+
+
+def leave_once(workers: list[Worker], leaver: Worker) -> dict[str, float]:
+    """``leaver`` leaves cleanly (SIGINT) while ``workers`` train with it.
+    leave_stall_s: as the hot-add stall, the largest gap between an
+    existing worker's consecutive steps from the signal until 1 s after
+    its first step in the smaller view, minus its median step interval
+    before (max over workers); leave_to_view_s: the signal -> every
+    worker's first step in the smaller view."""
+    t_leave = time.time()
+    leaver.interrupt()
+    firsts = []
+    for w in workers:
+        first = w.wait_for(lambda w=w: w.steps_in(WORKERS, t_leave), "step after the leave")
+        firsts.append(first[0][0])
+    t_view = max(firsts)
+    stalls = []
+    for w in workers:
+        w.wait_for(lambda w=w: len(w.steps_in(WORKERS, t_view + 1)) >= 1, "steps after the leave")
+        times = [t for t, _ in w.steps()]
+        before = [b - a for a, b in zip(times, times[1:], strict=False) if b < t_leave]
+        median = statistics.median(before[-20:])
+        around = [
+            b - a for a, b in zip(times, times[1:], strict=False) if b > t_leave and a < t_view + 1
+        ]
+        stalls.append(max(around) - median)
+    return {"leave_stall_s": max(stalls), "leave_to_view_s": t_view - t_leave}
 
 
 def raw_tcp(nbytes: int, repeats: int = 5) -> list[float]:
@@ -612,6 +644,9 @@ def recovery(repeats: int) -> dict[str, Any]:
                 for k in ("stall_s", "join_to_first_step_s", "fetch_s")
             },
             "bytes": nbytes,
+        },
+        "leave": {
+            k: summary([a[k] for a in adds]) for k in ("leave_stall_s", "leave_to_view_s")
         },
         "state_transfer_in_job": {
             "pulled": pulled,
@@ -1081,6 +1116,13 @@ def print_table(r: dict[str, Any]) -> None:
             ("  joiner start -> its first step", ms(a, "join_to_first_step_s")),
             ("  joiner state fetch", ms(a, "fetch_s") + f", {a['bytes']} bytes"),
         ]
+        if "leave" in r:
+            rows += [
+                ("clean leave (SIGINT of the 5th): stall of the others",
+                 ms(r["leave"], "leave_stall_s")),
+                ("  signal -> every worker's step in the smaller view",
+                 ms(r["leave"], "leave_to_view_s")),
+            ]  # fmt: skip
         rows += rate(r["state_transfer_in_job"], "in the job")
     for t in r.get("state_transfer_alone", []):
         rows += rate(t, f"alone (d_model {t['d_model']}, {t['layers']} layers)")
