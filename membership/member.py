@@ -121,6 +121,8 @@ class Member:
         self._deferred: int | None = None
         self.ended = False
         self.leaving = False
+        #: Leaving once the step in flight is reduced (``leave(after_step=True)``).
+        self.finishing = False
         #: Send time of the newest heartbeat the leader acknowledged.
         self.last_acked = float("-inf")
         #: (when, why) of the first failure seen since the last view change.
@@ -152,8 +154,9 @@ class Member:
     @property
     def stop_asked(self) -> bool:
         """Whether this member's next reduction asks every member of the
-        view to stop after its step (a roll call waits at the step's end)."""
-        return self.ending is not None
+        view to stop after its step (a roll call waits at the step's end,
+        or this member leaves after it)."""
+        return self.ending is not None or self.finishing
 
     def next_view(self, min_workers: int = 1) -> View | None:
         """The view to enter now, if any."""
@@ -219,9 +222,17 @@ class Member:
     def session_ended(self) -> None:
         self.ended = True
 
-    def leave(self) -> None:
-        """The worker is leaving (a signal, or closing): stop the step."""
-        self.leaving = True
+    def leave(self, after_step: bool = False) -> None:
+        """The worker is leaving (a signal, or closing): stop the step.
+        ``after_step``: not yet; the step in flight runs on to its
+        reduction, which asks the view's members to stop after it, and then
+        the member leaves without applying it (``reduced``): its part is in
+        the others' step, which they land (a clean leave wastes none of
+        their work). ``leave()`` stops it whenever called."""
+        if after_step and not self.leaving:
+            self.finishing = True
+        else:
+            self.leaving = True
 
     # --- inputs from the training thread ----------------------------------------------
 
@@ -243,6 +254,8 @@ class Member:
         a member asked in it that the view's members stop after this step.
         None: go on (``fence`` then ``applied``); else why it must be
         dropped."""
+        if self.finishing:
+            self.leaving = True
         if self.ended or self.leaving:
             return Drop.GONE
         if self.answered > epoch:

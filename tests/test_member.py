@@ -114,6 +114,26 @@ def test_a_roll_call_that_cannot_wait_for_the_step_end_aborts_as_any_other() -> 
     assert member.give_up_step_end() is None
 
 
+def test_a_member_leaving_after_its_step_reduces_it_asking_the_stop_and_applies_nothing() -> None:
+    member = training(4)
+    member.leave(after_step=True)
+    assert not member.aborting and member.stop_asked  # step 5 runs on and asks for the stop
+    assert member.reduced(5, epoch=1, stop=True) is Drop.GONE  # its part is in the others' step
+    assert member.leaving and member.aborting and member.step == 4
+
+
+def test_a_member_leaving_after_its_step_can_be_stopped_before_it() -> None:
+    member = training(4)
+    member.leave(after_step=True)
+    member.leave()  # the step took too long
+    assert member.aborting
+    assert member.reduced(5, epoch=1, stop=True) is Drop.GONE
+    member = training(4)
+    member.leave()
+    member.leave(after_step=True)  # a second signal's wish changes nothing
+    assert member.aborting and not member.finishing
+
+
 def test_a_roll_call_for_joiners_is_answered_at_once_by_a_member_not_training() -> None:
     member = joined()
     assert member.roll_call(1, at_step_end=True) == Answer(1, None)

@@ -240,6 +240,26 @@ def test_ctrl_c_leaves_cleanly(workers: Workers):
     assert took < Config().detection_bound() + 5
 
 
+def test_ctrl_c_lets_the_step_in_flight_land_with_the_leavers_part(workers: Workers):
+    """A worker asked to leave (SIGINT) runs its step in flight on to its
+    reduction and leaves without applying it: the others land that step
+    in the view with it (none of their work is thrown away), stop after
+    it, and train on without it."""
+    team = workers.start_together(3)
+    for worker in team:
+        wait_step(worker, lambda e: e["world"] == 3)
+    team[2].signal(signal.SIGINT)
+    assert team[2].proc.wait(timeout=PATIENCE) == 130, team[2].log_tail()
+    leavers_last = max(e["step"] for e in team[2].steps())
+    for survivor in team[:2]:
+        wait_step(survivor, lambda e: e["world"] == 2)
+        landed = {e["step"]: e for e in survivor.steps()}
+        assert landed[leavers_last + 1]["world"] == 3, (
+            f"the step in flight when the worker left (step {leavers_last + 1}) was trained "
+            f"again without it: {landed[leavers_last + 1]}"
+        )
+
+
 def test_an_exception_in_user_code_leaves_and_the_others_continue(workers: Workers, plane):
     team = workers.start_together(2)
     for worker in team:

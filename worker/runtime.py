@@ -932,8 +932,12 @@ class Elastic:
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         """First SIGINT/SIGTERM: leave the job cleanly at once (the others
-        reconfigure as for a leave) and stop at the next safe point. A second
-        one exits at once."""
+        reconfigure as for a leave) and stop at the next safe point. In a
+        replicated job the step in flight runs on to its reduction, which
+        asks the others to stop after it, for up to
+        ``rollcall_step_end_wait``: they land it with this worker's part
+        instead of training it again (``Member.leave``). A second signal
+        exits at once."""
         name = signal.Signals(signum).name
         if not self._joined:
             raise Interrupted(signum, f"{name} while joining job {self.job_name}")
@@ -941,10 +945,24 @@ class Elastic:
             os.write(2, f"rollcall: second {name}: exiting at once\n".encode())
             os._exit(128 + signum)
         self._interrupted = signum
+        # A sharded step goes on after its reduction (the parameters'
+        # all-gather), which a member that applies nothing cannot serve.
+        after_step = self._sharding is None
         with self._state:
-            self._member.leave()
+            self._member.leave(after_step=after_step)
         log.warning("%s: leaving job %s (send it again to exit at once)", name, self.job_name)
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._leave_now()))
+        if after_step:
+            self._loop.call_soon_threadsafe(
+                self._loop.call_later, self._config.rollcall_step_end_wait, self._stop_step
+            )
+        self._wake()
+
+    def _stop_step(self) -> None:
+        """A step in flight that did not reach its reduction within
+        ``rollcall_step_end_wait`` of a signal to leave: stopped now."""
+        with self._state:
+            self._member.leave()
         self._wake()
 
     async def _leave_now(self) -> None:
@@ -985,6 +1003,10 @@ class Elastic:
             if not self._enter_next():
                 continue
             while self._next_step() < max_steps and not self._aborting():
+                if self._member.finishing:
+                    # Asked to leave between steps: nothing in flight.
+                    self._stop_step()
+                    break
                 if self._hold_while_halted():
                     continue
                 # The view entered last: a sharded commit may have entered
@@ -1018,7 +1040,7 @@ class Elastic:
         it held."""
         with self._view_changed:
             held = False
-            while not self._aborting():
+            while not self._aborting() and not self._member.finishing:
                 with self._state:
                     self._member.tick(time.monotonic())
                     if not self._member.halted:
