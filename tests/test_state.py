@@ -376,6 +376,16 @@ def test_several_threads_copy_one_strided_tensor_each_at_a_time(monkeypatch):
     assert 1 <= most[0] <= 2, most[0]
 
 
+def test_a_large_state_loaded_with_several_threads_is_checked_against_its_digest():
+    state = large_state()
+    expected = digest(state)
+    blob = bytearray(to_bytes(state))
+    assert digest(from_bytes(bytes(blob), expect_digest=expected, threads=2)) == expected
+    blob[-(PIECE_BYTES * 2 + 5)] ^= 1  # inside the last tensor's bytes
+    with pytest.raises(CorruptState, match="digest is"):
+        from_bytes(bytes(blob), expect_digest=expected, threads=2)
+
+
 def test_a_small_state_is_hashed_by_the_calling_thread_alone(monkeypatch):
     hashers: set[str] = set()
     plain = digest_module.piece_hash

@@ -67,7 +67,7 @@ from rollcall.membership.checkpoint import (
 )
 from rollcall.membership.errors import CannotResume, InvalidRequest
 from rollcall.membership.fingerprint import JobFingerprint
-from rollcall.worker.digest import digest, tree_digest
+from rollcall.worker.digest import digest, hash_threads, tree_digest
 from rollcall.worker.sharded import LAYOUT_KEY, PartitionState, ShardLayout, assemble_state
 from rollcall.worker.state import CorruptState, ReplicaState
 from rollcall.worker.state_bytes import from_bytes, to_bytes, tree_from_bytes, tree_to_bytes
@@ -204,7 +204,9 @@ def state_problem(manifest: CheckpointManifest) -> tuple[ReplicaState | None, st
     if problem is not None:
         return None, problem
     try:
-        state = from_bytes(blob, expect_digest=manifest.digest)
+        # A resuming worker (or an operator's check) waits for this: every
+        # core hashes.
+        state = from_bytes(blob, expect_digest=manifest.digest, threads=hash_threads())
     except CorruptState as exc:
         return None, str(exc)
     if state.step != manifest.step:

@@ -100,13 +100,13 @@ def digest(state: ReplicaState, threads: int = 1) -> str:
     return _state_digest(state, DIGEST_FORM, _pieces_leaf(known))
 
 
-def digest_like(state: ReplicaState, recorded: str) -> str:
+def digest_like(state: ReplicaState, recorded: str, threads: int = 1) -> str:
     """The digest of ``state`` in the form of ``recorded`` (a digest of the
-    earlier whole-walk form "sha256:..." is computed that way), to compare
-    with it."""
+    earlier whole-walk form "sha256:..." is computed that way, by one
+    thread), to compare with it."""
     if recorded.startswith(f"{WHOLE_FORM}:"):
         return _state_digest(state, WHOLE_FORM, _feed_whole_tensor)
-    return digest(state)
+    return digest(state, threads=threads)
 
 
 def digest_of_pieces(state: ReplicaState, pieces: Mapping[int, Sequence[bytes]]) -> str:

@@ -177,7 +177,7 @@ def _encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def from_bytes(
-    data: bytes | bytearray | mmap.mmap, expect_digest: str | None = None
+    data: bytes | bytearray | mmap.mmap, expect_digest: str | None = None, threads: int = 1
 ) -> ReplicaState:
     """Load a state written by `to_bytes`, onto the CPU, without running code.
 
@@ -186,14 +186,15 @@ def from_bytes(
     whose digest differs (a digest of the earlier whole-walk form, recorded
     by an earlier version, is checked in that form). The layout carries no
     checksum of its own, so a flipped byte inside tensor data is only caught
-    by the digest; pass the one the sender announced.
+    by the digest; pass the one the sender announced. ``threads``: how many
+    threads hash a large state's pieces for that check (``digest``).
 
     The tensors share one private copy of ``data`` (a ``bytearray`` or an
     ``mmap`` passed in is used as it is, and must not be changed afterwards).
     """
     state = validated(tree_from_bytes(data))
     if expect_digest is not None:
-        actual = digest_like(state, expect_digest)
+        actual = digest_like(state, expect_digest, threads)
         if actual != expect_digest:
             raise CorruptState(f"replica state digest is {actual}, expected {expect_digest}")
     return state

@@ -47,7 +47,7 @@ from rollcall.protocol.client import ClientTLS, open_channel
 from rollcall.protocol.wire import status_of, token_metadata
 from rollcall.worker.data_channel import DataServer
 from rollcall.worker.data_wire import Hello, Kind, Request
-from rollcall.worker.digest import tree_digest
+from rollcall.worker.digest import hash_threads, tree_digest
 from rollcall.worker.faults import SLOW_DESCRIBE_S, Faults
 from rollcall.worker.piece_fetch import DataSource, PieceFetch, PieceFetchFailed
 from rollcall.worker.pieces import piece_hashes
@@ -686,8 +686,8 @@ class StateFetcher:
     def _verified(blob: bytearray, expected: str) -> ReplicaState | None:
         """The decoded state if ``blob`` decodes, has digest ``expected`` and
         carries no RNG states (which the digest does not cover)."""
-        try:
-            state = from_bytes(blob, expect_digest=expected)
+        try:  # the fetcher waits for it: every core hashes
+            state = from_bytes(blob, expect_digest=expected, threads=hash_threads())
         except CorruptState:
             return None
         return None if state.rng else state
