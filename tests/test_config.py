@@ -88,3 +88,12 @@ def test_the_heartbeat_interval_never_exceeds_a_quarter_of_the_earliest_suspicio
     assert config.heartbeat_interval_for(10**6) == config.heartbeat_interval  # 0.07 < 0.1
     tight = Config(phi_min_std=0.1, fence_window=0.3)
     assert tight.heartbeat_interval_for(10**6) == tight.earliest_suspicion() / 4
+
+
+def test_a_step_end_wait_longer_than_the_roll_call_deadline_is_taken_for_long_steps() -> None:
+    # A job whose steps take seconds waits that long at a join or a clean
+    # leave instead of throwing the step in flight away; only roll calls
+    # held at the step's end wait for it.
+    config = Config(rollcall_step_end_wait=4.0)
+    assert config.answer_deadline(at_step_end=True) == config.rollcall_deadline + 4.0
+    assert config.answer_deadline(at_step_end=False) == config.rollcall_deadline

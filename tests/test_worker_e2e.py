@@ -260,6 +260,34 @@ def test_ctrl_c_lets_the_step_in_flight_land_with_the_leavers_part(workers: Work
         )
 
 
+def test_a_worker_whose_steps_outlast_the_step_end_wait_says_so_once(plane, tmp_path):
+    """A roll call held for a joiner gives the step in flight up after
+    ``rollcall_step_end_wait``; a worker whose steps take longer says once
+    that every join throws a step's work away, and names the setting."""
+    extra = ("--d-model", "128", "--layers", "4", "--set", "rollcall_step_end_wait=0.01")
+    said = "did not end within rollcall_step_end_wait"
+    team: list[WorkerProcess] = []
+
+    def join() -> None:
+        team.append(WorkerProcess(plane, tmp_path / f"w{len(team)}.log", 10_000, extra=extra))
+        wait_step(team[0], lambda e: e["world"] == len(team))
+
+    try:
+        join()
+        join()
+        for _ in range(3):  # a join whose roll call met no step in flight says nothing
+            join()
+            if said in team[0].log_path.read_text(errors="replace"):
+                break
+        join()  # one more: nothing more to say
+    finally:
+        stop_together(team, timeout=20)
+    lines = [line for line in team[0].log_path.read_text(errors="replace").splitlines()
+             if said in line]  # fmt: skip
+    assert len(lines) == 1, lines
+    assert "--set rollcall_step_end_wait=SECONDS" in lines[0]
+
+
 def test_an_exception_in_user_code_leaves_and_the_others_continue(workers: Workers, plane):
     team = workers.start_together(2)
     for worker in team:

@@ -481,6 +481,8 @@ class Elastic:
         #: Busy declarations of peers: member id -> (until, reason), monotonic.
         self._busy: dict[str, tuple[float, str]] = {}
         self._interrupted = 0  # the signal that asked us to leave, if any
+        #: Whether a step given up for a roll call held at its end was said.
+        self._said_step_end = False
         self._left = False
         #: What this worker serves to peers (the state its last roll-call
         #: answer named, or the one it fetched).
@@ -777,7 +779,7 @@ class Elastic:
                 if self._waiting_since is None:
                     self._waiting_since = time.monotonic()
                 if self._member.stop_asked:
-                    loop.call_later(self._config.rollcall_step_end_wait, self._give_up_step_end)
+                    loop.call_later(self._config.rollcall_step_end_wait, self._step_end_late, epoch)
         self._wake()
         return self._answer_when_ready(epoch, arrived, at_step_end, answer, waiting)
 
@@ -818,6 +820,25 @@ class Elastic:
     def _wake(self) -> None:
         with self._view_changed:
             self._view_changed.notify_all()
+
+    def _step_end_late(self, epoch: int) -> None:
+        """Roll call ``epoch``, held at the step's end, waited
+        ``rollcall_step_end_wait`` for it: the step is given up. Said once
+        when the steps take longer than that (every join and clean leave
+        then throws a step's work away)."""
+        with self._state:
+            waiting = self._member.ending is not None
+        wait = self._config.rollcall_step_end_wait
+        if waiting and not self._said_step_end and self._step_seconds > wait:
+            self._said_step_end = True
+            log.warning(
+                "roll call %d: the step in flight did not end within rollcall_step_end_wait "
+                "(%.1f s; a step takes ~%.1f s here): it is aborted and its work lost, at every "
+                "join and clean leave. Set rollcall_step_end_wait above the step time on the "
+                "replicas and the workers (--set rollcall_step_end_wait=SECONDS)",
+                epoch, wait, self._step_seconds,
+            )  # fmt: skip
+        self._give_up_step_end()
 
     def _give_up_step_end(self) -> None:
         """A roll call held for joiners still waits for the step in flight
