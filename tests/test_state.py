@@ -322,7 +322,9 @@ def test_a_large_state_hashed_by_several_threads_has_the_one_thread_digest(threa
     assert digest(state, threads=threads) == digest(state)
 
 
-def test_several_threads_hash_a_large_state(monkeypatch):
+def hashing_threads(monkeypatch) -> set[str]:
+    """The names of the threads that hash pieces from now on (filled in as
+    they do)."""
     hashers: set[str] = set()
     plain = digest_module.piece_hash
 
@@ -331,6 +333,11 @@ def test_several_threads_hash_a_large_state(monkeypatch):
         return plain(data)
 
     monkeypatch.setattr(digest_module, "piece_hash", recorded)
+    return hashers
+
+
+def test_several_threads_hash_a_large_state(monkeypatch):
+    hashers = hashing_threads(monkeypatch)
     digest(large_state(), threads=3)
     assert threading.current_thread().name in hashers
     assert any(name.startswith("rollcall-digest") for name in hashers), hashers
@@ -387,14 +394,7 @@ def test_a_large_state_loaded_with_several_threads_is_checked_against_its_digest
 
 
 def test_a_small_state_is_hashed_by_the_calling_thread_alone(monkeypatch):
-    hashers: set[str] = set()
-    plain = digest_module.piece_hash
-
-    def recorded(data):
-        hashers.add(threading.current_thread().name)
-        return plain(data)
-
-    monkeypatch.setattr(digest_module, "piece_hash", recorded)
+    hashers = hashing_threads(monkeypatch)
     digest(capture_replica(trained(steps=1), step=0), threads=4)
     assert hashers == {threading.current_thread().name}
 
