@@ -1024,8 +1024,12 @@ class Elastic:
             if not self._enter_next():
                 continue
             while self._next_step() < max_steps and not self._aborting():
-                if self._member.finishing:
-                    # Asked to leave between steps: nothing in flight.
+                if self._member.finishing and self._member.halted:
+                    # Asked to leave once the members stopped after the
+                    # last step (a roll call held at its end): no step
+                    # follows in this view. Asked between steps otherwise,
+                    # the next one runs on to its reduction as a step in
+                    # flight would, its part counted.
                     self._stop_step()
                     break
                 if self._hold_while_halted():
