@@ -328,20 +328,9 @@ def hot_add_once(
         t_first = first[0][0]
         for w in workers:  # a few steps after the join
             w.wait_for(lambda w=w: len(w.steps_in(WORKERS + 1, t_first)) >= 3, "post-join steps")
-        stalls = []
-        for w in workers:
-            times = [t for t, _ in w.steps()]
-            before = [b - a for a, b in zip(times, times[1:], strict=False) if b < t_start]
-            median = statistics.median(before[-20:])
-            around = [
-                b - a
-                for a, b in zip(times, times[1:], strict=False)
-                if b > t_start and a < t_first + 1
-            ]
-            stalls.append(max(around) - median)
         pulled = joiner.wait_for(joiner.pulled, "joiner pulled line", timeout=10)[-1]
         result = {
-            "stall_s": max(stalls),
+            "stall_s": stall_of(workers, t_start, t_first + 1),
             "join_to_first_step_s": t_first - t_start,
             "fetch_s": pulled["seconds"],
             "bytes": pulled["bytes"],
@@ -368,17 +357,25 @@ def leave_once(workers: list[Worker], leaver: Worker) -> dict[str, float]:
         first = w.wait_for(lambda w=w: w.steps_in(WORKERS, t_leave), "step after the leave")
         firsts.append(first[0][0])
     t_view = max(firsts)
-    stalls = []
     for w in workers:
         w.wait_for(lambda w=w: len(w.steps_in(WORKERS, t_view + 1)) >= 1, "steps after the leave")
+    return {
+        "leave_stall_s": stall_of(workers, t_leave, t_view + 1),
+        "leave_to_view_s": t_view - t_leave,
+    }
+
+
+def stall_of(workers: list[Worker], start: float, end: float) -> float:
+    """The largest gap between a worker's consecutive steps that ends after
+    ``start`` and begins before ``end``, minus its median step interval
+    before ``start`` (its last 20); the largest over ``workers``."""
+    stalls = []
+    for w in workers:
         times = [t for t, _ in w.steps()]
-        before = [b - a for a, b in zip(times, times[1:], strict=False) if b < t_leave]
-        median = statistics.median(before[-20:])
-        around = [
-            b - a for a, b in zip(times, times[1:], strict=False) if b > t_leave and a < t_view + 1
-        ]
-        stalls.append(max(around) - median)
-    return {"leave_stall_s": max(stalls), "leave_to_view_s": t_view - t_leave}
+        gaps = list(zip(times, times[1:], strict=False))
+        median = statistics.median([b - a for a, b in gaps if b < start][-20:])
+        stalls.append(max(b - a for a, b in gaps if b > start and a < end) - median)
+    return max(stalls)
 
 
 def raw_tcp(nbytes: int, repeats: int = 5) -> list[float]:
