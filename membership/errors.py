@@ -139,7 +139,32 @@ class ConfigurationMismatch(RollcallError):
     with the others. Fix its settings, or start a new job under another name."""
 
 
-class UnsafeFenceWindow(ConfigurationMismatch):
+class UnsafeTiming(ConfigurationMismatch):
+    """This worker's timing settings do not fit the rendezvous service's,
+    which the service sends at join: kept, they could let an evicted worker
+    apply a step or get a live one evicted. The worker leaves again at once;
+    the message names both values and what to change."""
+
+
+class UnsafeStepEndWait(UnsafeTiming):
+    """This worker's ``rollcall_step_end_wait`` exceeds the rendezvous
+    service's: at a join or a clean leave it would wait for its step to end
+    after the service stopped waiting for its answer, and be evicted."""
+
+    def __init__(self, wait: float, service_wait: float) -> None:
+        super().__init__(
+            f"this worker waits up to {wait:g} s for its step to end before it answers a "
+            f"roll call held for a join or a clean leave (rollcall_step_end_wait={wait:g}), "
+            f"but the rendezvous service waits only {service_wait:g} s for that: it would "
+            "answer too late and be evicted at the first join. Give the replicas "
+            "(rollcall rendezvous) and the workers the same --set "
+            "rollcall_step_end_wait=SECONDS"
+        )
+        self.wait = wait
+        self.service_wait = service_wait
+
+
+class UnsafeFenceWindow(UnsafeTiming):
     """This worker's ``fence_window`` is not below the rendezvous service's
     earliest suspicion of a silent member: it could apply a step after being
     evicted. Lower the fence or match the service's detector settings."""

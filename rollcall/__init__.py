@@ -28,7 +28,9 @@ _EXPORTS = {
     "CannotResume": "rollcall.membership.errors",
     "ProgressLost": "rollcall.membership.errors",
     "ConfigurationMismatch": "rollcall.membership.errors",
+    "UnsafeTiming": "rollcall.membership.errors",
     "UnsafeFenceWindow": "rollcall.membership.errors",
+    "UnsafeStepEndWait": "rollcall.membership.errors",
     "CheckpointUnusable": "rollcall.worker.checkpoint",
 }
 

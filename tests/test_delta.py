@@ -190,6 +190,29 @@ def test_a_member_heartbeats_as_told_but_within_its_fence_window() -> None:
     assert client.heartbeat_interval == 0.3
 
 
+def test_a_member_refuses_a_service_that_waits_less_for_a_step_end_than_it_would() -> None:
+    from rollcall.membership.config import Config
+    from rollcall.membership.errors import UnsafeStepEndWait
+    from rollcall.pb import rendezvous_pb2 as pb
+    from rollcall.protocol.client import RendezvousClient
+
+    def unsafe(own: float, service: float) -> object:
+        client = RendezvousClient(
+            ["127.0.0.1:1"], "job", "token", Config(rollcall_step_end_wait=own)
+        )
+        return client._unsafe_timing(
+            pb.JoinResponse(rollcall_deadline_s=1.0, rollcall_step_end_wait_s=service)
+        )
+
+    assert unsafe(0.5, 0.5) is None
+    assert unsafe(0.3, 0.5) is None  # giving a step up sooner is safe
+    assert unsafe(0.1 + 0.2, 0.3) is None  # the same setting, as a double
+    assert unsafe(4.0, 0.0) is None  # a service that does not say
+    refusal = unsafe(4.0, 0.5)
+    assert isinstance(refusal, UnsafeStepEndWait)
+    assert (refusal.wait, refusal.service_wait) == (4.0, 0.5)
+
+
 def test_members_of_one_process_share_the_rebuild_of_a_change_to_the_same_view() -> None:
     from rollcall.protocol.client import RendezvousClient
 

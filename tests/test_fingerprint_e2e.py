@@ -367,6 +367,60 @@ def test_a_worker_whose_fence_window_is_not_below_the_services_bound_leaves_and_
     assert "leave " in replica_log(plane)
 
 
+def test_a_worker_that_would_wait_longer_for_a_step_end_than_the_service_leaves_and_exits_5(
+    control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    # Under the service's default (0.5 s), a worker told to wait 4 s for its
+    # step to end would answer a join's roll call after the service stopped
+    # waiting for it, and be evicted at the first join.
+    plane = control_plane
+    refused = refused_worker(plane, tmp_path / "long-wait.log", "--set", "rollcall_step_end_wait=4")
+    assert refused.proc.returncode == 5, refused.log_tail()
+    lines = stderr_lines(refused)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("rollcall: error: left job job1 at once: this worker waits ")
+    assert "rollcall_step_end_wait=4" in lines[0] and "0.5 s" in lines[0], lines[0]
+    assert member_records(plane) == []
+    assert "leave " in replica_log(plane)
+
+
+def test_a_worker_that_waits_less_for_a_step_end_than_the_service_joins(
+    control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    # Giving a step up sooner than the service would wait is safe.
+    worker = WorkerProcess(
+        control_plane, tmp_path / "short-wait.log", steps=3,
+        extra=("--set", "rollcall_step_end_wait=0.2"),
+    )  # fmt: skip
+    try:
+        assert worker.proc.wait(timeout=PATIENCE) == 0, worker.log_tail()
+    finally:
+        worker.stop(timeout=5)
+
+
+def test_a_member_times_its_answers_by_the_services_roll_call_deadline(
+    control_plane: ControlPlane,
+) -> None:
+    # The service decides when an answer is too late: a member's warnings
+    # about slow answers go by its deadlines, not the member's own settings.
+    async def joined_deadlines() -> tuple[float, float]:
+        own = Config(rollcall_deadline=7.0, rollcall_step_end_wait=0.25)
+        client = RendezvousClient(control_plane.addresses, control_plane.job,
+                                  control_plane.token, own)  # fmt: skip
+        assert client.answer_deadline(at_step_end=True) == 7.25  # before the join: its own
+        try:
+            await client.join("127.0.0.1:1", name="timed", fingerprint=RUN1)
+            return client.answer_deadline(False), client.answer_deadline(True)
+        finally:
+            await client.close()
+
+    service = Config()
+    assert asyncio.run(joined_deadlines()) == (
+        service.rollcall_deadline,
+        service.answer_deadline(at_step_end=True),
+    )
+
+
 def test_joiners_of_the_jobs_run_are_admitted_together_and_another_run_still_refused(
     control_plane: ControlPlane,
 ) -> None:

@@ -802,7 +802,7 @@ class Elastic:
             "%.1f ms capturing and digesting the state)", epoch, answered * 1000, step,
             (known - arrived) * 1000, digested * 1000,
         )  # fmt: skip
-        deadline = self._config.answer_deadline(at_step_end)
+        deadline = self._client.answer_deadline(at_step_end)
         if answered > deadline / 2 and digested > answered / 2:
             # A large state (hundreds of MB on 2 cores, slowest the first
             # times it is captured): an answer after the deadline leaves
@@ -1118,12 +1118,13 @@ class Elastic:
         if answer is not None:
             self._answer_waiting(answer.step)
             waited_s = time.monotonic() - waited if waited is not None else 0.0
-            if waited_s > self._config.rollcall_deadline / 2:
+            deadline = self._client.answer_deadline(at_step_end=False)
+            if waited_s > deadline / 2:
                 log.warning(
                     "a roll call waited %.2f s for the loop to finish step %s (its code after "
                     "commit()); the roll call's deadline is %.1f s: wrap long work between "
                     "steps in job.busy(), or this worker is left out of the view",
-                    waited_s, answer.step, self._config.rollcall_deadline,
+                    waited_s, answer.step, deadline,
                 )  # fmt: skip
         due, self._due_checkpoint = self._due_checkpoint, None
         if due is None:

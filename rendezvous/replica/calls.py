@@ -71,6 +71,8 @@ class MemberCalls(LeaderActions):
                 member_id=member.id,
                 heartbeat_interval_ms=round(lead.leader.pace * 1000),
                 earliest_suspicion_s=self._config.earliest_suspicion(),
+                rollcall_deadline_s=self._config.rollcall_deadline,
+                rollcall_step_end_wait_s=self._config.rollcall_step_end_wait,
                 member_secret=secret,
             )
             if not request.view_on_session:

@@ -182,7 +182,8 @@ def worker(
     the job refuses it at join and it exits with code 5 and one line naming
     each differing field with both values. So it does too if its
     fence_window (--set) is not below the rendezvous service's earliest
-    suspicion of a silent member, which the service sends at join.
+    suspicion of a silent member, or its rollcall_step_end_wait is above
+    the service's; the service sends both at join.
     """
     from rollcall.protocol.wire import read_token
 
@@ -194,7 +195,7 @@ def worker(
         ConfigurationMismatch,
         Evicted,
         JobRecordLost,
-        UnsafeFenceWindow,
+        UnsafeTiming,
     )
     from rollcall.worker.examples.lm import LMConfig
     from rollcall.worker.examples.lm_loop import LMRun, train
@@ -235,7 +236,7 @@ def worker(
         fail(f"job {job} cannot resume: {exc}", 4)
     except JobRecordLost as exc:
         fail(f"job {job}: {exc}", EXIT_RECORD_LOST)
-    except UnsafeFenceWindow as exc:
+    except UnsafeTiming as exc:
         fail(f"left job {job} at once: {exc}", EXIT_MISMATCH)
     except ConfigurationMismatch as exc:
         fail(f"job {job} refused this worker: {exc}", EXIT_MISMATCH)

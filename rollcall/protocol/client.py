@@ -35,6 +35,8 @@ from rollcall.membership.errors import (
     StaleEpoch,
     Unauthenticated,
     UnsafeFenceWindow,
+    UnsafeStepEndWait,
+    UnsafeTiming,
 )
 from rollcall.membership.fingerprint import JobFingerprint
 from rollcall.membership.view import EMPTY_VIEW, View
@@ -58,7 +60,13 @@ if TYPE_CHECKING:
     from rollcall.protocol.carrier import SessionCarrier
 
 log = logging.getLogger("rollcall.client")
+
+#: A service's settings travel as doubles: a worker's value that exceeds the
+#: service's by less than this is the same setting.
+TIMING_SLACK = 1e-6
+
 T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class RollCallAnswer:
@@ -381,6 +389,12 @@ class RendezvousClient(ReplicaSet):
         self._view = EMPTY_VIEW
         self._view_changed = asyncio.Event()
         self._heartbeat_interval = self._config.heartbeat_interval
+        #: The service's rollcall_deadline and rollcall_step_end_wait, once
+        #: its Join answer said them (``answer_deadline``).
+        self._rollcall_timing = (
+            self._config.rollcall_deadline,
+            self._config.rollcall_step_end_wait,
+        )
         self._session_task: asyncio.Task[None] | None = None
         #: Whether the member's session runs (its own stream, or its place
         #: on the carrier's).
@@ -528,8 +542,9 @@ class RendezvousClient(ReplicaSet):
         With ``fingerprint`` the service checks it against the job's
         (``ConfigurationMismatch`` if it differs; not retried). If the
         service's earliest suspicion of a silent member is not above this
-        client's ``fence_window``, the member leaves again at once and
-        ``UnsafeFenceWindow`` is raised."""
+        client's ``fence_window``, or its ``rollcall_step_end_wait`` is
+        below this client's, the member leaves again at once and
+        ``UnsafeFenceWindow`` or ``UnsafeStepEndWait`` is raised."""
         if self._in_session:
             raise RuntimeError("this client already joined; use a new client to rejoin")
         request = pb.JoinRequest(
@@ -544,14 +559,19 @@ class RendezvousClient(ReplicaSet):
         )
         self.member_id = response.member_id
         self._member_secret = response.member_secret
-        bound = response.earliest_suspicion_s
-        if bound and self._config.fence_window >= bound:
+        unsafe = self._unsafe_timing(response)
+        if unsafe is not None:
             self._view = view_from_pb(response.view)
             try:
                 await self.leave()
             except RollcallError as exc:  # the record goes with its lease then
-                log.warning("could not leave after refusing the service's bound: %s", exc)
-            raise UnsafeFenceWindow(self._config.fence_window, bound)
+                log.warning("could not leave after refusing the service's settings: %s", exc)
+            raise unsafe
+        if response.rollcall_deadline_s:
+            self._rollcall_timing = (
+                response.rollcall_deadline_s,
+                response.rollcall_step_end_wait_s,
+            )
         self._pace(response.heartbeat_interval_ms)
         self._on_roll_call = on_roll_call
         self._on_view = on_view
@@ -565,6 +585,24 @@ class RendezvousClient(ReplicaSet):
         else:
             self._session_task = asyncio.create_task(self._session_forever(), name="session")
         return response.member_id
+
+    def _unsafe_timing(self, response: pb.JoinResponse) -> UnsafeTiming | None:
+        """Why this client's timing does not fit the service's, as the
+        ``Join`` answer gives it (fields of 0: the service did not say)."""
+        bound = response.earliest_suspicion_s
+        if bound and self._config.fence_window >= bound:
+            return UnsafeFenceWindow(self._config.fence_window, bound)
+        wait = response.rollcall_step_end_wait_s
+        if wait and self._config.rollcall_step_end_wait > wait + TIMING_SLACK:
+            return UnsafeStepEndWait(self._config.rollcall_step_end_wait, wait)
+        return None
+
+    def answer_deadline(self, at_step_end: bool) -> float:
+        """How long after a roll call starts the service takes its answers
+        (``Config.answer_deadline`` with the service's settings, as its
+        ``Join`` answer gave them; this client's own before that)."""
+        deadline, wait = self._rollcall_timing
+        return deadline + (wait if at_step_end else 0.0)
 
     def _pace(self, interval_ms: int) -> None:
         """Heartbeat as the leader says (``paced``)."""
