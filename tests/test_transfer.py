@@ -701,6 +701,45 @@ def test_describe_names_the_header_and_the_data_channel():
     assert info.header_size == _header(GOOD) and info.data_port > 0
 
 
+def test_serializing_the_state_for_a_description_leaves_the_workers_control_loop_running():
+    """The first ``Describe`` of a captured state serializes it (a copy of
+    the whole state: seconds for a large one). The server shares its loop
+    with the worker's session (its heartbeats) and group builds, which must
+    not stop meanwhile."""
+    serializing = 0.6
+
+    def slow_snapshot() -> Snapshot:
+        time.sleep(serializing)  # as ``ServedState.snapshot`` copying a large state
+        return GOOD
+
+    async def scenario() -> tuple[pb.StateInfo, float]:
+        gaps = [0.0]
+        stop = asyncio.Event()
+
+        async def ticking() -> None:
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(ticking())
+        async with serving(slow_snapshot) as (address, _):
+            async with grpc.aio.insecure_channel(address) as channel:
+                info = await state_pb2_grpc.StateTransferStub(channel).Describe(
+                    pb.StateRequest(job=JOB, member_id="fetcher", epoch=3, epoch_secret=SECRET),
+                    metadata=token_metadata(TOKEN), timeout=10,
+                )  # fmt: skip
+        stop.set()
+        await ticker
+        return info, max(gaps)
+
+    info, longest_gap = asyncio.run(scenario())
+    assert (info.step, info.digest) == (7, GOOD.digest)
+    assert longest_gap < serializing / 2, f"the loop stood still for {longest_gap:.2f} s"
+
+
 # --- partitions of a sharded optimizer state ------------------------------------------
 
 PART = [{"exp_avg": torch.arange(6.0), "step": torch.tensor(4.0)}]

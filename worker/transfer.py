@@ -210,7 +210,9 @@ class StateServer(pb_grpc.StateTransferServicer):
             slow = self._faults.slow_describe()
         if slow:
             await asyncio.sleep(SLOW_DESCRIBE_S)
-        snap = self._snapshot()
+        # The first ask serializes a captured state (a copy of all of it):
+        # not on this loop, which the worker's session and group builds share.
+        snap = await asyncio.get_running_loop().run_in_executor(None, self._snapshot)
         if snap is None:
             return pb.StateInfo(step=-1, digest="", size=0)
         try:
@@ -229,7 +231,10 @@ class StateServer(pb_grpc.StateTransferServicer):
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
             self._admit(request.job, request.member_id, request.epoch, request.epoch_secret)
-            snap = self._held(request.digest)
+            # As in Describe: the first ask may serialize the state.
+            snap = await asyncio.get_running_loop().run_in_executor(
+                None, self._held, request.digest
+            )
             end = request.offset + request.length
             if request.length == 0 or end > len(snap.data):
                 raise InvalidRequest(
