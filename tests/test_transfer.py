@@ -332,6 +332,43 @@ def test_a_source_that_names_no_data_channel_is_fetched_from_over_grpc():
     assert report.retries >= 1  # the old path: fetched again whole
 
 
+def test_a_fetch_over_grpc_checks_the_digest_off_the_workers_control_loop(monkeypatch):
+    """The check of a fetched state hashes all of it (seconds for a large
+    one); the fetcher's loop also carries its session's heartbeats, which
+    must go on meanwhile."""
+    checking = 0.6
+    check = StateFetcher._verified
+
+    def slow_check(blob: bytearray, expected: str) -> ReplicaState | None:
+        time.sleep(checking)  # as hashing a large state
+        return check(blob, expected)
+
+    monkeypatch.setattr(StateFetcher, "_verified", staticmethod(slow_check))
+
+    async def scenario() -> tuple[Any, float]:
+        gaps = [0.0]
+        stop = asyncio.Event()
+
+        async def ticking() -> None:
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(ticking())
+        async with serving(GOOD, own_id="elsewhere") as (address, _):  # no data channel
+            _, state, _ = await fetch_from([address], GOOD.digest)
+        stop.set()
+        await ticker
+        return state, max(gaps)
+
+    state, longest_gap = asyncio.run(scenario())
+    assert digest(state) == GOOD.digest
+    assert longest_gap < checking / 2, f"the loop stood still for {longest_gap:.2f} s"
+
+
 def serve_in_child(megabytes: int, out: Any) -> None:
     """(Child process.) Serve ``big_snapshot(megabytes)`` until killed."""
 

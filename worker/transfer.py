@@ -483,6 +483,8 @@ class StateFetcher:
                 info = await self._describe(first, epoch, deadline, whole=True)
             except grpc.aio.AioRpcError as exc:
                 log.warning("state %s whole from %s unavailable: %s", expected, first, exc)
+        # Checked on this loop: at most transfer_whole_bytes (4 MiB, a few
+        # ms), where a hand-off to a thread would cost a hot-add's path more.
         whole = self._whole(first, info, expected) if info.size == size else None
         if whole is not None:
             seconds = time.perf_counter() - started
@@ -551,8 +553,11 @@ class StateFetcher:
         """The state over gRPC ``Fetch`` calls, and how many times it was
         fetched again whole."""
         retries = 0
+        loop = asyncio.get_running_loop()
         blob = await self._striped(addresses, epoch, expected, size, deadline)
-        state = self._verified(blob, expected)
+        # Hashing all of a large state: not on this loop, which the
+        # worker's session (its heartbeats) shares.
+        state = await loop.run_in_executor(None, self._verified, blob, expected)
         if state is None:
             # Corrupt somewhere: take it whole from one source at a time.
             log.warning(
@@ -566,7 +571,7 @@ class StateFetcher:
                 except (grpc.aio.AioRpcError, TransferFailed) as exc:
                     log.warning("refetch from %s failed: %s", address, exc)
                     continue
-                state = self._verified(candidate, expected)
+                state = await loop.run_in_executor(None, self._verified, candidate, expected)
                 if state is not None:
                     blob = candidate
                     break
