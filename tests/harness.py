@@ -345,9 +345,11 @@ class WorkerProcess(Process):
         ledger: Path | None = None,
         extra: Sequence[str] = (),
         wait_joined: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """Starts the worker and, with ``wait_joined``, waits until it joined
-        (else ``member_id`` is "" and the caller watches it exit, say)."""
+        """Starts the worker (``env`` added to its environment) and, with
+        ``wait_joined``, waits until it joined (else ``member_id`` is "" and
+        the caller watches it exit, say)."""
         argv = [
             sys.executable, "-m", "rollcall.cli", "worker",
             "--rendezvous", ",".join(plane.addresses), "--job", plane.job,
@@ -356,7 +358,7 @@ class WorkerProcess(Process):
         ]  # fmt: skip
         if ledger is not None:
             argv += ["--ledger", str(ledger)]
-        super().__init__(argv, None, log_path)
+        super().__init__(argv, env, log_path)
         self.ledger = ledger
         self.member_id = ""
         if wait_joined:

@@ -35,6 +35,11 @@ def test_a_slow_land_is_used_up() -> None:
     assert [faults.slow_land() for _ in range(2)] == [True, False]
 
 
+def test_a_failed_leave_is_used_up() -> None:
+    faults = Faults.parse("failed_leaves=1")
+    assert [faults.failed_leave() for _ in range(2)] == [True, False]
+
+
 def test_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "corrupt_serves=2")
     assert Faults.from_env().corrupt_serves == 2
@@ -76,5 +81,6 @@ def test_worker_with_a_misspelt_fault_stops_with_one_clear_line(tmp_path: Path) 
     assert done.returncode == 1
     assert done.stderr.strip() == (
         "rollcall: error: ROLLCALL_FAULTS: unknown fault 'corupt=1' "
-        "(known: corrupt_serves, slow_describes, slow_answers, slow_lands, as name=count)"
+        "(known: corrupt_serves, slow_describes, slow_answers, slow_lands, failed_leaves, "
+        "as name=count)"
     )

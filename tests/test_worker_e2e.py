@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -41,15 +41,23 @@ class Workers:
         (worker,) = self.start_together(1)
         return worker
 
-    def start_together(self, count: int, agent: str | None = None) -> list[WorkerProcess]:
+    def start_together(
+        self, count: int, agent: str | None = None, faults: Sequence[str] = ()
+    ) -> list[WorkerProcess]:
         """``count`` workers started at once (their sessions carried by the
-        host agent at ``agent``, if given); returns once each joined."""
+        host agent at ``agent``, if given; the i-th injecting ``faults[i]``,
+        if given); returns once each joined."""
+
+        first = len(self.all)
 
         def start(index: int) -> WorkerProcess:
+            nth = index - first  # among these
+            injected = faults[nth] if nth < len(faults) else ""
             return WorkerProcess(
                 self.plane, self.tmp_path / f"worker{index}.log", steps=self.steps,
                 ledger=self.tmp_path / f"ledger{index}.jsonl", wait_joined=False,
                 extra=("--agent", agent) if agent else (),
+                env={"ROLLCALL_FAULTS": injected} if injected else None,
             )  # fmt: skip
 
         return start_together(self.all, start, count)
@@ -258,6 +266,38 @@ def test_ctrl_c_lets_the_step_in_flight_land_with_the_leavers_part(workers: Work
             f"the step in flight when the worker left (step {leavers_last + 1}) was trained "
             f"again without it: {landed[leavers_last + 1]}"
         )
+
+
+def test_a_leaver_whose_leave_call_fails_is_still_left_behind_with_no_sample_lost_or_repeated(
+    plane: ControlPlane, tmp_path: Path
+):
+    """SIGINT to a worker whose ``Leave`` call fails (the leader
+    unreachable just then): the others still land the step in flight with
+    its part, and learn of its going when its session ends with its
+    process; every sample of the run is trained once."""
+    steps = 250
+    group = Workers(plane, tmp_path, steps=steps)
+    try:
+        team = group.start_together(3, faults=("", "", "failed_leaves=1"))
+        for worker in team:
+            wait_step(worker, lambda e: e["world"] == 3 and e["step"] >= 4)
+        team[2].signal(signal.SIGINT)
+        assert team[2].proc.wait(timeout=PATIENCE) == 130, team[2].log_tail()
+        assert "leave failed: injected fault" in team[2].log_tail(40)
+        leavers_last = max(e["step"] for e in team[2].steps())
+        for survivor in team[:2]:
+            assert survivor.proc.wait(timeout=PATIENCE * 2) == 0, survivor.log_tail()
+            landed = {e["step"]: e for e in survivor.steps()}
+            assert landed[leavers_last + 1]["world"] == 3, landed[leavers_last + 1]
+            assert landed[leavers_last + 2]["world"] == 2, landed[leavers_last + 2]
+    finally:
+        group.close()
+    log = (plane.workdir / "replica0.log").read_text(errors="replace")
+    assert f"suspect {team[2].member_id}: session stream broken" in log
+    ledgers = [Ledger.load(w.ledger).steps() for w in group.all if w.ledger]
+    plan = DataPlan(num_samples=_corpus_samples(), global_batch=32, micro_batch=8, seed=0)
+    uninterrupted = {s: plan.step_samples(s) for s in range(steps)}
+    assert Ledger.compare(uninterrupted, merge_ledgers(ledgers)) == []
 
 
 def test_a_worker_whose_steps_outlast_the_step_end_wait_says_so_once(plane, tmp_path):

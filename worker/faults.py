@@ -20,6 +20,9 @@ list of ``name=count`` items:
   ``SLOW_LAND_S`` after their reduction completed (a process descheduled
   on a busy machine): the others, done with that step, may already have
   moved on, or left the job after its last step.
+- ``failed_leaves=N``: the worker's next N ``Leave`` calls fail without
+  reaching the service (a leader unreachable just then): the others learn
+  of the leave only when the worker's session ends with its process.
 
 Every injected fault is logged at WARNING. An unknown name or a malformed
 count is an error at start: a misspelt fault must not pass silently as "no
@@ -56,6 +59,7 @@ class Faults:
     slow_describes: int = 0
     slow_answers: int = 0
     slow_lands: int = 0
+    failed_leaves: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -90,6 +94,15 @@ class Faults:
         """Whether to land this step late (using a ``slow_lands`` fault up
         if one is left)."""
         return self._late("slow_lands", "landing a step", SLOW_LAND_S)
+
+    def failed_leave(self) -> bool:
+        """Whether this ``Leave`` call fails (using a ``failed_leaves``
+        fault up if one is left)."""
+        if self.failed_leaves <= 0:
+            return False
+        self.failed_leaves -= 1
+        log.warning("fault injection: a Leave call fails (%d more)", self.failed_leaves)
+        return True
 
     def _late(self, name: str, what: str, seconds: float) -> bool:
         left = getattr(self, name)

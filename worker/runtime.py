@@ -990,6 +990,9 @@ class Elastic:
         if self._left or self._client.ended is not None:
             return
         self._left = True
+        if self._faults.failed_leave():
+            log.warning("leave failed: injected fault")
+            return
         try:
             await asyncio.wait_for(self._client.leave(), self._config.client_call_deadline)
         except (RollcallError, TimeoutError) as exc:
