@@ -300,6 +300,41 @@ def test_a_leaver_whose_leave_call_fails_is_still_left_behind_with_no_sample_los
     assert Ledger.compare(uninterrupted, merge_ledgers(ledgers)) == []
 
 
+def test_in_an_overlap_job_a_survivor_computes_while_its_group_builds(
+    plane: ControlPlane, tmp_path: Path
+):
+    """With ``overlap`` a survivor of a crash builds its new group on a
+    thread of its own while it computes the view's first microbatches (the
+    buckets' all-reduces, started in the last backward pass, wait for it),
+    as without: its build, made 1 s slow, is not a stall of its own. The
+    replicas still agree, step by step."""
+    extra = ("--overlap", "--log-level", "debug")
+    team: list[WorkerProcess] = []
+    for index, faults in enumerate(("slow_builds=20", "", "")):
+        team.append(WorkerProcess(
+            plane, tmp_path / f"w{index}.log", 10_000, extra=extra, wait_joined=False,
+            env={"ROLLCALL_FAULTS": faults} if faults else None,
+        ))  # fmt: skip
+    try:
+        for worker in team:
+            worker.wait_joined()
+        for worker in team:
+            wait_step(worker, lambda e: e["world"] == 3)
+        team[2].kill()
+        before = epoch_now(team[:2])
+        for survivor in team[:2]:
+            wait_step(survivor, lambda e: e["epoch"] > before and e["world"] == 2)
+        log = team[0].log_path.read_text(errors="replace")
+        assert "fault injection: building a group" in log
+        assert "while the group of view" in log, "the survivor waited for its group's build"
+        newest = epoch_now(team[:2])
+        for survivor in team[:2]:
+            wait_step(survivor, lambda e: e["epoch"] == newest and e["step"] >= 3)
+        print(f"digests compared at {assert_digests_agree(team[:2])} steps")
+    finally:
+        stop_together(team, timeout=20)
+
+
 def test_a_worker_whose_steps_outlast_the_step_end_wait_says_so_once(plane, tmp_path):
     """A roll call held for a joiner gives the step in flight up after
     ``rollcall_step_end_wait``; a worker whose steps take longer says once

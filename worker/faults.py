@@ -20,6 +20,8 @@ list of ``name=count`` items:
   ``SLOW_LAND_S`` after their reduction completed (a process descheduled
   on a busy machine): the others, done with that step, may already have
   moved on, or left the job after its last step.
+- ``slow_builds=N``: each of the worker's next N group builds starts
+  ``SLOW_BUILD_S`` late (a peer slow to connect on a busy machine).
 - ``failed_leaves=N``: the worker's next N ``Leave`` calls fail without
   reaching the service (a leader unreachable just then): the others learn
   of the leave only when the worker's session ends with its process.
@@ -49,6 +51,8 @@ SLOW_ANSWER_S = 0.8
 #: ``rollcall_step_end_wait`` (0.5 s), the longest a roll call waits for
 #: the end of a step.
 SLOW_LAND_S = 0.3
+#: How late a ``slow_builds`` fault starts a group build.
+SLOW_BUILD_S = 1.0
 
 
 @dataclass
@@ -59,6 +63,7 @@ class Faults:
     slow_describes: int = 0
     slow_answers: int = 0
     slow_lands: int = 0
+    slow_builds: int = 0
     failed_leaves: int = 0
 
     @classmethod
@@ -94,6 +99,11 @@ class Faults:
         """Whether to land this step late (using a ``slow_lands`` fault up
         if one is left)."""
         return self._late("slow_lands", "landing a step", SLOW_LAND_S)
+
+    def slow_build(self) -> bool:
+        """Whether to start this group build late (using a ``slow_builds``
+        fault up if one is left)."""
+        return self._late("slow_builds", "building a group", SLOW_BUILD_S)
 
     def failed_leave(self) -> bool:
         """Whether this ``Leave`` call fails (using a ``failed_leaves``

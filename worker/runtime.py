@@ -100,7 +100,7 @@ from rollcall.worker.environment import (
 )
 from rollcall.worker.exact import ExactStep
 from rollcall.worker.exact import fingerprint_value as exact_fingerprint
-from rollcall.worker.faults import SLOW_ANSWER_S, SLOW_LAND_S, Faults
+from rollcall.worker.faults import SLOW_ANSWER_S, SLOW_BUILD_S, SLOW_LAND_S, Faults
 from rollcall.worker.fingerprint import job_fingerprint
 from rollcall.worker.group import EpochGroup
 from rollcall.worker.ledger import Ledger
@@ -1041,6 +1041,11 @@ class Elastic:
                 # a new one to complete its step (_complete_step).
                 view, rank = self._entered
                 step = Step(self, self._next_step(), view, rank)
+                if self._building is not None:
+                    log.debug(
+                        "step %d: computing while the group of view %d builds",
+                        step.number, view.epoch,
+                    )  # fmt: skip
                 try:
                     yield step
                 finally:
@@ -1361,12 +1366,13 @@ class Elastic:
                 ),
                 self._loop,
             )
-        if fetching is None and self._sharding is None and self._buckets is None:
+        if fetching is None and self._sharding is None:
             # Nothing of this view needs the group before its first
             # collective: it is built on a thread of its own while this
             # thread computes the step's microbatches (a survivor that takes
             # over a dead rank's share overlaps that work with the build),
-            # and the first collective waits for it (``_ready_group``).
+            # and the first collective waits for it (``_ready_group``; with
+            # overlap, the last backward pass's buckets: ``_launcher``).
             self._loader.enter_view(rank, view.size, self.committed_step + 1)
             entered = view_change(self._previous_view, view, rank,
                                   self._causes.get(view.epoch, ()), self.member_id)  # fmt: skip
@@ -1637,6 +1643,8 @@ class Elastic:
             self._ask_for_rollcall(reason)
             raise StepAborted(f"epoch {view.epoch}: {reason}; asked for a roll call")
         timeout = self._config.collective_timeout
+        if self._faults.slow_build():
+            time.sleep(SLOW_BUILD_S)
         if rank == 0:
             _, port = host_store(timeout, host=self._host)  # the group owns it
             self._loop.call_soon_threadsafe(self._publish_store_port, view.epoch, port)
@@ -1844,8 +1852,9 @@ class Elastic:
         """(overlap=True) Starts a bucket's all-reduce in the view's group;
         one that cannot start (the abort is set, the group broke) is None:
         the step is then aborted at commit. Runs inside autograd's hooks,
-        so it must not raise."""
-        group = self._group
+        so it must not raise. Made before the last backward pass starts:
+        waits for a group still being built (``_ready_group``)."""
+        group = self._ready_group()
 
         def launch(buffer: torch.Tensor) -> Any:
             if group is None:
