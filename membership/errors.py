@@ -164,6 +164,25 @@ class UnsafeStepEndWait(UnsafeTiming):
         self.service_wait = service_wait
 
 
+class UnsafeFencePatience(UnsafeTiming):
+    """This worker's ``fence_patience`` does not cover a failover of the
+    rendezvous service's leader (its ``election_ttl`` and this worker's
+    ``session_open_timeout``): it would drop steps that other members land."""
+
+    def __init__(self, patience: float, election_ttl: float, open_timeout: float) -> None:
+        super().__init__(
+            f"this worker waits at most {patience:g} s at its fence for a heartbeat "
+            f"acknowledgement (fence_patience), but a failover of the rendezvous service's "
+            f"leader holds them back up to {election_ttl + open_timeout:g} s (its election_ttl "
+            f"{election_ttl:g} s and this worker's session_open_timeout {open_timeout:g} s): "
+            "it would drop steps that other members land. Raise this worker's --set "
+            "fence_patience=SECONDS, or give the replicas and the workers the same "
+            "election_ttl"
+        )
+        self.patience = patience
+        self.election_ttl = election_ttl
+
+
 class UnsafeFenceWindow(UnsafeTiming):
     """This worker's ``fence_window`` is not below the rendezvous service's
     earliest suspicion of a silent member: it could apply a step after being

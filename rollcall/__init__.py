@@ -30,6 +30,7 @@ _EXPORTS = {
     "ConfigurationMismatch": "rollcall.membership.errors",
     "UnsafeTiming": "rollcall.membership.errors",
     "UnsafeFenceWindow": "rollcall.membership.errors",
+    "UnsafeFencePatience": "rollcall.membership.errors",
     "UnsafeStepEndWait": "rollcall.membership.errors",
     "CheckpointUnusable": "rollcall.worker.checkpoint",
 }

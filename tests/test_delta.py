@@ -213,6 +213,24 @@ def test_a_member_refuses_a_service_that_waits_less_for_a_step_end_than_it_would
     assert (refusal.wait, refusal.service_wait) == (4.0, 0.5)
 
 
+def test_a_member_refuses_a_service_whose_leader_failover_outlasts_its_fence_patience() -> None:
+    from rollcall.membership.config import Config
+    from rollcall.membership.errors import UnsafeFencePatience
+    from rollcall.pb import rendezvous_pb2 as pb
+    from rollcall.protocol.client import RendezvousClient
+
+    def unsafe(election_ttl: float) -> object:
+        client = RendezvousClient(["127.0.0.1:1"], "job", "token", Config())  # 5 s patience
+        return client._unsafe_timing(pb.JoinResponse(election_ttl_s=election_ttl))
+
+    assert unsafe(2.0) is None  # the default: 2 s + 1 s of session_open_timeout
+    assert unsafe(4.0) is None  # 4 + 1 = 5 s: covered exactly
+    assert unsafe(0.0) is None  # a service that does not say
+    refusal = unsafe(6.0)
+    assert isinstance(refusal, UnsafeFencePatience)
+    assert "up to 7 s" in str(refusal) and "fence_patience=SECONDS" in str(refusal)
+
+
 def test_members_of_one_process_share_the_rebuild_of_a_change_to_the_same_view() -> None:
     from rollcall.protocol.client import RendezvousClient
 

@@ -73,6 +73,7 @@ class MemberCalls(LeaderActions):
                 earliest_suspicion_s=self._config.earliest_suspicion(),
                 rollcall_deadline_s=self._config.rollcall_deadline,
                 rollcall_step_end_wait_s=self._config.rollcall_step_end_wait,
+                election_ttl_s=self._config.election_ttl,
                 member_secret=secret,
             )
             if not request.view_on_session:

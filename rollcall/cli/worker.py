@@ -182,8 +182,9 @@ def worker(
     the job refuses it at join and it exits with code 5 and one line naming
     each differing field with both values. So it does too if its
     fence_window (--set) is not below the rendezvous service's earliest
-    suspicion of a silent member, or its rollcall_step_end_wait is above
-    the service's; the service sends both at join.
+    suspicion of a silent member, its rollcall_step_end_wait is above the
+    service's, or its fence_patience is shorter than a failover of the
+    service's leader; the service sends what it needs at join.
     """
     from rollcall.protocol.wire import read_token
 

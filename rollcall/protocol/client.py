@@ -34,6 +34,7 @@ from rollcall.membership.errors import (
     RollcallError,
     StaleEpoch,
     Unauthenticated,
+    UnsafeFencePatience,
     UnsafeFenceWindow,
     UnsafeStepEndWait,
     UnsafeTiming,
@@ -542,9 +543,10 @@ class RendezvousClient(ReplicaSet):
         With ``fingerprint`` the service checks it against the job's
         (``ConfigurationMismatch`` if it differs; not retried). If the
         service's earliest suspicion of a silent member is not above this
-        client's ``fence_window``, or its ``rollcall_step_end_wait`` is
-        below this client's, the member leaves again at once and
-        ``UnsafeFenceWindow`` or ``UnsafeStepEndWait`` is raised."""
+        client's ``fence_window``, its ``rollcall_step_end_wait`` is below
+        this client's, or a failover of its leader outlasts this client's
+        ``fence_patience``, the member leaves again at once and an
+        ``UnsafeTiming`` error saying which is raised."""
         if self._in_session:
             raise RuntimeError("this client already joined; use a new client to rejoin")
         request = pb.JoinRequest(
@@ -595,6 +597,9 @@ class RendezvousClient(ReplicaSet):
         wait = response.rollcall_step_end_wait_s
         if wait and self._config.rollcall_step_end_wait > wait + TIMING_SLACK:
             return UnsafeStepEndWait(self._config.rollcall_step_end_wait, wait)
+        ttl, opening = response.election_ttl_s, self._config.session_open_timeout
+        if ttl and self._config.fence_patience < ttl + opening - TIMING_SLACK:
+            return UnsafeFencePatience(self._config.fence_patience, ttl, opening)
         return None
 
     def answer_deadline(self, at_step_end: bool) -> float:
