@@ -35,6 +35,11 @@ def test_a_slow_land_is_used_up() -> None:
     assert [faults.slow_land() for _ in range(2)] == [True, False]
 
 
+def test_a_slow_build_is_used_up() -> None:
+    faults = Faults.parse("slow_builds=1")
+    assert [faults.slow_build() for _ in range(2)] == [True, False]
+
+
 def test_a_failed_leave_is_used_up() -> None:
     faults = Faults.parse("failed_leaves=1")
     assert [faults.failed_leave() for _ in range(2)] == [True, False]
@@ -81,6 +86,6 @@ def test_worker_with_a_misspelt_fault_stops_with_one_clear_line(tmp_path: Path) 
     assert done.returncode == 1
     assert done.stderr.strip() == (
         "rollcall: error: ROLLCALL_FAULTS: unknown fault 'corupt=1' "
-        "(known: corrupt_serves, slow_describes, slow_answers, slow_lands, failed_leaves, "
-        "as name=count)"
+        "(known: corrupt_serves, slow_describes, slow_answers, slow_lands, slow_builds, "
+        "failed_leaves, as name=count)"
     )

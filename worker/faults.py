@@ -108,18 +108,18 @@ class Faults:
     def failed_leave(self) -> bool:
         """Whether this ``Leave`` call fails (using a ``failed_leaves``
         fault up if one is left)."""
-        if self.failed_leaves <= 0:
-            return False
-        self.failed_leaves -= 1
-        log.warning("fault injection: a Leave call fails (%d more)", self.failed_leaves)
-        return True
+        return self._used("failed_leaves", "a Leave call fails")
 
     def _late(self, name: str, what: str, seconds: float) -> bool:
+        return self._used(name, f"{what} {seconds:.1f} s late")
+
+    def _used(self, name: str, what: str) -> bool:
+        """Whether a fault ``name`` is left, using one up (logged as ``what``)."""
         left = getattr(self, name)
         if left <= 0:
             return False
         setattr(self, name, left - 1)
-        log.warning("fault injection: %s %.1f s late (%d more)", what, seconds, left - 1)
+        log.warning("fault injection: %s (%d more)", what, left - 1)
         return True
 
     def corrupt(self, data: bytes, at: int | None = None) -> bytes:
