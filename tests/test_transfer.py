@@ -149,6 +149,29 @@ def fetched(*servers: dict[str, Any], expected: str, **options: Any) -> tuple[An
 GOOD = make_snapshot()
 
 
+@contextlib.asynccontextmanager
+async def longest_stand_still() -> AsyncIterator[list[float]]:
+    """The gaps between the ticks of a task that wakes every 10 ms on the
+    running loop while the body runs: how long the loop stood still."""
+    gaps = [0.0]
+    stop = asyncio.Event()
+
+    async def ticking() -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(ticking())
+    try:
+        yield gaps
+    finally:
+        stop.set()
+        await ticker
+
+
 # --- fetching -------------------------------------------------------------------------
 
 
@@ -346,22 +369,9 @@ def test_a_fetch_over_grpc_checks_the_digest_off_the_workers_control_loop(monkey
     monkeypatch.setattr(StateFetcher, "_verified", staticmethod(slow_check))
 
     async def scenario() -> tuple[Any, float]:
-        gaps = [0.0]
-        stop = asyncio.Event()
-
-        async def ticking() -> None:
-            last = time.monotonic()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        ticker = asyncio.create_task(ticking())
-        async with serving(GOOD, own_id="elsewhere") as (address, _):  # no data channel
-            _, state, _ = await fetch_from([address], GOOD.digest)
-        stop.set()
-        await ticker
+        async with longest_stand_still() as gaps:
+            async with serving(GOOD, own_id="elsewhere") as (address, _):  # no data channel
+                _, state, _ = await fetch_from([address], GOOD.digest)
         return state, max(gaps)
 
     state, longest_gap = asyncio.run(scenario())
@@ -750,26 +760,14 @@ def test_serializing_the_state_for_a_description_leaves_the_workers_control_loop
         return GOOD
 
     async def scenario() -> tuple[pb.StateInfo, float]:
-        gaps = [0.0]
-        stop = asyncio.Event()
-
-        async def ticking() -> None:
-            last = time.monotonic()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        ticker = asyncio.create_task(ticking())
-        async with serving(slow_snapshot) as (address, _):
-            async with grpc.aio.insecure_channel(address) as channel:
-                info = await state_pb2_grpc.StateTransferStub(channel).Describe(
-                    pb.StateRequest(job=JOB, member_id="fetcher", epoch=3, epoch_secret=SECRET),
-                    metadata=token_metadata(TOKEN), timeout=10,
-                )  # fmt: skip
-        stop.set()
-        await ticker
+        async with longest_stand_still() as gaps:
+            async with serving(slow_snapshot) as (address, _):
+                async with grpc.aio.insecure_channel(address) as channel:
+                    info = await state_pb2_grpc.StateTransferStub(channel).Describe(
+                        pb.StateRequest(job=JOB, member_id="fetcher", epoch=3,
+                                        epoch_secret=SECRET),
+                        metadata=token_metadata(TOKEN), timeout=10,
+                    )  # fmt: skip
         return info, max(gaps)
 
     info, longest_gap = asyncio.run(scenario())
