@@ -33,8 +33,11 @@ def plane(control_plane: ControlPlane) -> ControlPlane:
 
 
 class Workers:
-    def __init__(self, plane: ControlPlane, tmp_path: Path, steps: int) -> None:
-        self.plane, self.tmp_path, self.steps = plane, tmp_path, steps
+    def __init__(
+        self, plane: ControlPlane, tmp_path: Path, steps: int, extra: Sequence[str] = ()
+    ) -> None:
+        """Workers of ``steps`` steps, each given the arguments ``extra``."""
+        self.plane, self.tmp_path, self.steps, self.extra = plane, tmp_path, steps, extra
         self.all: list[WorkerProcess] = []
 
     def start(self) -> WorkerProcess:
@@ -56,7 +59,7 @@ class Workers:
             return WorkerProcess(
                 self.plane, self.tmp_path / f"worker{index}.log", steps=self.steps,
                 ledger=self.tmp_path / f"ledger{index}.jsonl", wait_joined=False,
-                extra=("--agent", agent) if agent else (),
+                extra=(*self.extra, *(("--agent", agent) if agent else ())),
                 env={"ROLLCALL_FAULTS": injected} if injected else None,
             )  # fmt: skip
 
@@ -308,31 +311,28 @@ def test_in_an_overlap_job_a_survivor_computes_while_its_group_builds(
     buckets' all-reduces, started in the last backward pass, wait for it),
     as without: its build, made 1 s slow, is not a stall of its own. The
     replicas still agree, step by step."""
-    extra = ("--overlap", "--log-level", "debug")
-    team: list[WorkerProcess] = []
-    for index, faults in enumerate(("slow_builds=20", "", "")):
-        team.append(WorkerProcess(
-            plane, tmp_path / f"w{index}.log", 10_000, extra=extra, wait_joined=False,
-            env={"ROLLCALL_FAULTS": faults} if faults else None,
-        ))  # fmt: skip
+    group = Workers(plane, tmp_path, 10_000, extra=("--overlap", "--log-level", "debug"))
     try:
-        for worker in team:
-            worker.wait_joined()
+        team = group.start_together(3, faults=("slow_builds=20",))
         for worker in team:
             wait_step(worker, lambda e: e["world"] == 3)
         team[2].kill()
         before = epoch_now(team[:2])
-        for survivor in team[:2]:
+        after = [
             wait_step(survivor, lambda e: e["epoch"] > before and e["world"] == 2)
+            for survivor in team[:2]
+        ]
         log = team[0].log_path.read_text(errors="replace")
         assert "fault injection: building a group" in log
-        assert "while the group of view" in log, "the survivor waited for its group's build"
-        newest = epoch_now(team[:2])
-        for survivor in team[:2]:
-            wait_step(survivor, lambda e: e["epoch"] == newest and e["step"] >= 3)
+        # The crash's view itself, not a join's before it.
+        assert f"while the group of view {after[0]['epoch']} builds" in log, (
+            "the survivor waited for its group's build"
+        )
+        for survivor, first in zip(team[:2], after, strict=True):
+            wait_step(survivor, lambda e, f=first: e["epoch"] == f["epoch"] and e["step"] >= 3)
         print(f"digests compared at {assert_digests_agree(team[:2])} steps")
     finally:
-        stop_together(team, timeout=20)
+        group.close()
 
 
 def test_a_worker_whose_steps_outlast_the_step_end_wait_says_so_once(plane, tmp_path):
