@@ -9,11 +9,19 @@ it has seen (etcd's cluster id, its revision, the job's view epoch) and
 checks each new observation against it: a changed cluster id, a revision
 or an epoch going backwards means the data was lost. Pure code: the
 positions come from etcd's response headers, read by the caller.
+
+Only reads that follow one another can be compared: a replica's reads run
+in several threads, so an answer etcd gave before one already judged can
+come back after it (seen: a standby's poll, answered at revision 2, judged
+after its own takeover read at revision 3, said "etcd lost the job's
+data"). Each read therefore takes a ``ticket`` before it is sent; its
+answer is ``stale`` when something newer was seen after that ticket, and
+is then neither judged nor remembered (the next read is).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["Continuity", "EtcdPosition"]
 
@@ -37,6 +45,26 @@ class Continuity:
     cluster_id: int | None = None
     revision: int = 0
     epoch: int = 0
+    #: Counts tickets and raised marks, in the order they happened.
+    _clock: int = field(default=0, repr=False)
+    #: The clock when the mark last changed.
+    _raised: int = field(default=0, repr=False)
+
+    def ticket(self) -> int:
+        """Taken just before a read is sent; given to ``stale`` with its answer."""
+        self._clock += 1
+        return self._clock
+
+    def stale(self, ticket: int) -> bool:
+        """Whether the answer to the read sent at ``ticket`` may be older
+        than something seen since (it cannot be judged against it)."""
+        return ticket < self._raised
+
+    def _mark(self, cluster_id: int | None, revision: int, epoch: int) -> None:
+        if (cluster_id, revision, epoch) != (self.cluster_id, self.revision, self.epoch):
+            self.cluster_id, self.revision, self.epoch = cluster_id, revision, epoch
+            self._clock += 1
+            self._raised = self._clock
 
     def lost(self, seen: EtcdPosition) -> str | None:
         """Why ``seen`` cannot follow what was seen before (etcd lost the
@@ -52,17 +80,13 @@ class Continuity:
 
     def advance(self, seen: EtcdPosition) -> None:
         """Record ``seen`` (a position that ``lost`` accepted)."""
-        self.cluster_id = seen.cluster_id
-        self.revision = max(self.revision, seen.revision)
-        self.epoch = max(self.epoch, seen.epoch)
+        self._mark(seen.cluster_id, max(self.revision, seen.revision), max(self.epoch, seen.epoch))
 
     def rebase(self, seen: EtcdPosition) -> None:
         """Start again from ``seen`` after the job's record was restored in
         an etcd that had lost it (the epoch seen stays: it was restored)."""
-        self.cluster_id = seen.cluster_id
-        self.revision = seen.revision
-        self.epoch = max(self.epoch, seen.epoch)
+        self._mark(seen.cluster_id, seen.revision, max(self.epoch, seen.epoch))
 
     def saw_epoch(self, epoch: int) -> None:
         """A view of ``epoch`` was committed or observed (by any means)."""
-        self.epoch = max(self.epoch, epoch)
+        self._mark(self.cluster_id, self.revision, max(self.epoch, epoch))

@@ -49,3 +49,29 @@ def test_rebase_accepts_the_restored_history_from_then_on() -> None:
     continuity.rebase(EtcdPosition(0xB, 3, 5))
     assert continuity.lost(EtcdPosition(0xB, 4, 5)) is None
     assert continuity.lost(EtcdPosition(0xB, 4, 4)) is not None
+
+
+def test_an_answer_sent_before_a_newer_observation_is_stale_not_judged() -> None:
+    continuity = seen(revision=2, epoch=0)
+    early = continuity.ticket()  # a standby's poll, answered at revision 2
+    late = continuity.ticket()  # the takeover's read, answered at revision 3, judged first
+    assert not continuity.stale(late)
+    continuity.advance(EtcdPosition(0xA, 3, 0))
+    assert continuity.stale(early)
+    assert continuity.stale(continuity.ticket()) is False
+
+
+def test_an_epoch_seen_meanwhile_makes_a_read_in_flight_stale() -> None:
+    continuity = seen(epoch=5)
+    ticket = continuity.ticket()
+    continuity.saw_epoch(6)  # the watch delivers epoch 6 while etcd is read
+    assert continuity.stale(ticket)
+    assert continuity.lost(EtcdPosition(0xA, 100, 5)) is not None  # what it would have said
+
+
+def test_seeing_nothing_new_leaves_reads_in_flight_judgeable() -> None:
+    continuity = seen(revision=100, epoch=5)
+    ticket = continuity.ticket()
+    continuity.saw_epoch(4)
+    continuity.advance(EtcdPosition(0xA, 100, 5))
+    assert not continuity.stale(ticket)

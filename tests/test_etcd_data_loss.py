@@ -16,7 +16,11 @@ it (the one written on the way out), never from step 0.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import logging
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +30,9 @@ import pytest
 from rollcall.etcd_local import LocalEtcd
 from rollcall.membership.checkpoint import MANIFEST_SUFFIX
 from rollcall.membership.config import Config
-from rollcall.rendezvous.store import EtcdStore
+from rollcall.membership.continuity import EtcdPosition
+from rollcall.rendezvous.service import Replica
+from rollcall.rendezvous.store import EtcdStore, JobRecord, LeaderInfo
 from tests.harness import (
     ControlPlane,
     ReplicaProcess,
@@ -248,3 +254,59 @@ def test_etcd_wiped_no_replica_remembers_and_no_checkpoints_new_workers_refuse_s
     finally:
         stop_together(workers, timeout=20)
         plane.close()
+
+
+def test_a_standbys_read_answered_before_its_own_takeover_is_no_loss(
+    etcd: LocalEtcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Seen in CI: a replica starting up said "etcd lost job ... (etcd's
+    revision went from 3 back to 2)" with no loss at all. Its standby poll
+    read the job (revision 2), the replica won the election meanwhile and
+    its takeover read (revision 3) was judged first; the poll's older
+    answer, judged after it, looked like history going back. Here the
+    poll's answer is held, after etcd gave it and before the campaign
+    writes, until the replica leads; real etcd, an in-process replica."""
+    config = Config()
+    store = EtcdStore([etcd.endpoint], "job1", config)
+    read_job, campaign = store.read_job, store.campaign
+    reads = itertools.count()
+    served, release = threading.Event(), threading.Event()
+
+    def held_read_job() -> tuple[JobRecord, EtcdPosition]:
+        first = next(reads) == 0
+        answer = read_job()
+        if first:
+            served.set()
+            release.wait(30.0)
+        return answer
+
+    def late_campaign(replica_id: str, address: str) -> LeaderInfo | None:
+        served.wait(30.0)
+        return campaign(replica_id, address)
+
+    store.read_job = held_read_job  # type: ignore[method-assign]
+    store.campaign = late_campaign  # type: ignore[method-assign]
+
+    async def run() -> int:
+        replica = Replica(store, "job1", "127.0.0.1:1", config)
+        await replica.start()
+        try:
+            deadline = time.monotonic() + 30.0
+            while not replica.is_leader and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert replica.is_leader, "the replica never led"
+            release.set()
+            # The held answer is judged, then a few more polls.
+            await asyncio.sleep(3 * config.view_poll_interval + 0.5)
+            return next(reads)
+        finally:
+            await replica.stop()
+
+    with caplog.at_level(logging.INFO, logger="rollcall.rendezvous"):
+        try:
+            count = asyncio.run(run())
+        finally:
+            store.close()
+    assert count >= 2, "the poll's read and the takeover's read both ran"
+    lost = [r.getMessage() for r in caplog.records if LOSS_LINE in r.getMessage()]
+    assert lost == [], lost

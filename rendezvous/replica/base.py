@@ -22,7 +22,7 @@ import grpc
 
 from rollcall.membership.checkpoint import CheckpointFailure
 from rollcall.membership.config import Config
-from rollcall.membership.continuity import Continuity
+from rollcall.membership.continuity import Continuity, EtcdPosition
 from rollcall.membership.credentials import secret_matches
 from rollcall.membership.errors import (
     ControlPlaneUnavailable,
@@ -117,6 +117,14 @@ class ReplicaBase:
 
     async def _etcd(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _read_job(self) -> tuple[JobRecord, EtcdPosition, bool]:
+        """The job's record, etcd's position, and whether the answer is
+        stale: something newer was seen while it was on its way
+        (``Continuity.stale``), so it says nothing about lost data."""
+        ticket = self._continuity.ticket()
+        record, position = await self._etcd(self._store.read_job)
+        return record, position, self._continuity.stale(ticket)
 
     async def _etcd_for_joins(self, fn: Callable[..., T], *args: Any) -> T:
         """``_etcd`` in the joiners' own threads."""

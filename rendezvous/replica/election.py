@@ -24,6 +24,11 @@ from rollcall.rendezvous.store import JobRecord, LeaderInfo
 log = logging.getLogger("rollcall.rendezvous")
 
 
+#: Reads of the job's record a new leader makes before giving up when
+#: each answer is overtaken by a newer observation (``Continuity.stale``).
+TAKEOVER_READS = 5
+
+
 class Election(LeaderActions):
     """Winning, holding and giving back the job's leadership."""
 
@@ -174,12 +179,12 @@ class Election(LeaderActions):
         could not reach it for longer than its TTL): if nobody took over,
         it takes the election again and keeps every session."""
         before = lead.view_revision
-        record, position = await self._etcd(self._store.read_job)
+        record, position, stale = await self._read_job()
         # A commit of ours that ran while etcd was read makes the record
         # older than the epoch this replica has seen since, which is no loss
         # of data (seen under load: a needless restore and step down): the
         # record is not checked nor remembered this round.
-        raced = bool(lead.committing) or lead.view_revision != before
+        raced = stale or bool(lead.committing) or lead.view_revision != before
         if not raced and record.view_revision != lead.view_revision:
             # Not the view this leader committed (only the leader commits):
             # one written behind its back (``_guard_view`` puts its own back)
@@ -322,7 +327,15 @@ class Election(LeaderActions):
         """The job's record for a replica that just won the election: what
         etcd holds, or, if etcd lost the history this replica saw, what the
         replica remembers, written back first."""
-        record, position = await self._etcd(self._store.read_job)
+        for _ in range(TAKEOVER_READS):
+            record, position, stale = await self._read_job()
+            if not stale:
+                break
+        else:
+            raise ControlPlaneUnavailable(
+                f"etcd's record of the job changed under each of {TAKEOVER_READS} reads "
+                "while taking over"
+            )
         lost = self._continuity.lost(position)
         known = self._remembered
         if lost is None or known is None or known.view.epoch <= record.view.epoch:
@@ -398,8 +411,9 @@ class Election(LeaderActions):
             try:
                 lead = self._lead
                 if lead is None:
-                    record, position = await self._etcd(self._store.read_job)
-                    self._follow_record(record, position)
+                    record, position, stale = await self._read_job()
+                    if not stale and self._lead is None:
+                        self._follow_record(record, position)
                 else:
                     await self._guard_view(lead)
             except ControlPlaneUnavailable:
