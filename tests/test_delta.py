@@ -231,6 +231,40 @@ def test_a_member_refuses_a_service_whose_leader_failover_outlasts_its_fence_pat
     assert "up to 7 s" in str(refusal) and "fence_patience=SECONDS" in str(refusal)
 
 
+def test_a_member_checks_the_timing_of_each_leader_its_session_opens_on() -> None:
+    import asyncio
+
+    from rollcall.membership.config import Config
+    from rollcall.membership.errors import UnsafeStepEndWait
+    from rollcall.pb import rendezvous_pb2 as pb
+    from rollcall.protocol.client import RendezvousClient
+    from rollcall.protocol.wire import view_to_pb
+
+    def timing(deadline: float, wait: float) -> pb.SessionEvent:
+        return pb.SessionEvent(
+            timing=pb.ServiceTiming(rollcall_deadline_s=deadline, rollcall_step_end_wait_s=wait)
+        )
+
+    async def scenario() -> None:
+        client = RendezvousClient(["127.0.0.1:1"], "job", "token", Config())  # waits 0.5 s
+        client._set_view(base_view(3, epoch=4))
+        # Settings that fit: kept, for the answer deadline.
+        await client._on_event(timing(2.0, 0.5))
+        assert client.answer_deadline(at_step_end=True) == 2.5
+        assert client.ended is None and not client.refused_leader
+        # A leader that waits less for a step's end: refused, and nothing
+        # more of it is acted on while the member leaves.
+        await client._on_event(timing(1.0, 0.1))
+        assert isinstance(client.ended, UnsafeStepEndWait)
+        assert client.refused_leader
+        assert client.answer_deadline(at_step_end=True) == 2.5
+        await client._on_event(pb.SessionEvent(view=view_to_pb(base_view(2, epoch=9))))
+        assert client.view.epoch == 4
+        await client.close()
+
+    asyncio.run(scenario())
+
+
 def test_members_of_one_process_share_the_rebuild_of_a_change_to_the_same_view() -> None:
     from rollcall.protocol.client import RendezvousClient
 

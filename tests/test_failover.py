@@ -31,7 +31,14 @@ from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.pb import rendezvous_pb2_grpc as pb_grpc
 from rollcall.protocol.client import RendezvousClient
 from rollcall.protocol.wire import token_metadata
-from tests.harness import ROOT, ControlPlane, MemberProcess, ReplicaProcess
+from tests.harness import (
+    ROOT,
+    TEST_SETTINGS,
+    AgentProcess,
+    ControlPlane,
+    MemberProcess,
+    ReplicaProcess,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -194,6 +201,48 @@ def test_standby_takes_over_when_leader_is_killed_without_evicting_members(
         assert _member_ids(plane.status_json()) == everyone
         _assert_none_ended([*members, newcomer])
         _assert_one_member_list_per_epoch([*members, newcomer])
+
+
+@pytest.mark.parametrize("session", ["own", "agent"])
+def test_a_member_leaves_when_a_failover_hands_it_to_a_leader_with_unsafe_timing(
+    etcd: LocalEtcd, tmp_path: Path, session: str
+) -> None:
+    """Replicas of one job started with different settings: a member checks
+    the timing of the leader it joins through, and must check the one a
+    failover hands it to as well. A leader that waits less for a step's end
+    than the member would evicts it at the first join; the member leaves at
+    once, with the error that says what to change, on its own session or on
+    a host agent's."""
+    with closing(ControlPlane([etcd.endpoint], tmp_path, replicas=1)) as plane:
+        first = plane.replicas[0]
+        hasty = ReplicaProcess(
+            plane.etcd, plane.job, plane.token_file, plane._free_port(),
+            tmp_path / "replica-hasty.log", (*TEST_SETTINGS, "rollcall_step_end_wait=0.1"),
+        )  # fmt: skip
+        plane.replicas.append(hasty)
+        agent = AgentProcess(plane, tmp_path) if session == "agent" else None
+        try:
+            member = plane.add_member(agent=agent.address if agent is not None else None)
+            _wait_view(member, {member.member_id})
+            assert plane.status_json()["leader"] == first.address
+            _assert_none_ended([member])
+
+            first.kill()
+            ended = member.wait_event(lambda e: e["event"] == "ended", timeout=BOUND)
+            assert ended["error"] == "UnsafeStepEndWait", ended
+            assert "rollcall_step_end_wait=SECONDS" in ended["message"]
+            assert "waits only 0.1 s" in ended["message"]
+            # It left (rather than wait to be suspected): the new leader's
+            # view goes on without it.
+            _eventually(
+                lambda: plane.status_json()["leader"] == hasty.address
+                and not _member_ids(plane.status_json()),
+                BOUND, "the refusing member is out of the new leader's view",
+            )  # fmt: skip
+            assert _log_lines(hasty, f"leave {member.member_id}"), hasty.log_tail()
+        finally:
+            if agent is not None:
+                agent.stop(timeout=5)
 
 
 def test_rollcall_in_progress_during_leader_kill_completes_or_is_retried(

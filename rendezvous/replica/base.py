@@ -37,6 +37,7 @@ from rollcall.membership.errors import (
 )
 from rollcall.membership.ratelimit import LogThrottle
 from rollcall.membership.view import EMPTY_VIEW, View
+from rollcall.pb import rendezvous_pb2 as pb
 from rollcall.protocol import validation as check
 from rollcall.protocol.wire import LEADER_METADATA, error_metadata, status_of
 from rollcall.rendezvous.events import EventFile, EventLog
@@ -110,6 +111,16 @@ class ReplicaBase:
         #: Claims refused while the view is live: anyone with the token can
         #: send them, so they are logged one line per interval at most.
         self._claims_logged = LogThrottle(CLAIM_LOG_INTERVAL)
+        #: The timing settings a member checks against its own: in its Join
+        #: answer, and again whenever its session opens (a failover may hand
+        #: it to a replica started with other settings: ``ServiceTiming``).
+        self._timing = pb.ServiceTiming(
+            earliest_suspicion_s=config.earliest_suspicion(),
+            rollcall_deadline_s=config.rollcall_deadline,
+            rollcall_step_end_wait_s=config.rollcall_step_end_wait,
+            election_ttl_s=config.election_ttl,
+        )
+        self._timing_event = pb.SessionEvent(timing=self._timing).SerializeToString()
 
     @property
     def is_leader(self) -> bool:

@@ -70,10 +70,10 @@ class MemberCalls(LeaderActions):
             response = pb.JoinResponse(
                 member_id=member.id,
                 heartbeat_interval_ms=round(lead.leader.pace * 1000),
-                earliest_suspicion_s=self._config.earliest_suspicion(),
-                rollcall_deadline_s=self._config.rollcall_deadline,
-                rollcall_step_end_wait_s=self._config.rollcall_step_end_wait,
-                election_ttl_s=self._config.election_ttl,
+                earliest_suspicion_s=self._timing.earliest_suspicion_s,
+                rollcall_deadline_s=self._timing.rollcall_deadline_s,
+                rollcall_step_end_wait_s=self._timing.rollcall_step_end_wait_s,
+                election_ttl_s=self._timing.election_ttl_s,
                 member_secret=secret,
             )
             if not request.view_on_session:

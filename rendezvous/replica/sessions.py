@@ -125,9 +125,11 @@ class Sessions(CheckpointCalls):
 
     def _seat(self, lead: Leadership, session: MemberSession, epoch: int) -> None:
         """Put an opened session on the books, replacing the member's
-        previous one, and send it what a member needs on opening: the view
-        in force, the heartbeat pace, the peers busy now, and the roll call
-        if one waits for its answer."""
+        previous one, and send it what a member needs on opening: this
+        replica's timing settings (first: a member whose own do not fit
+        them leaves before it acts on anything else), the view in force,
+        the heartbeat pace, the peers busy now, and the roll call if one
+        waits for its answer."""
         member_id = session.member_id
         now = self._clock()
         old = lead.sessions.pop(member_id, None)
@@ -136,6 +138,7 @@ class Sessions(CheckpointCalls):
         lead.sessions[member_id] = session
         carrier = session.carrier
         lead.leader.session_opened(member_id, now, carrier.key if carrier is not None else None)
+        session.send(self._timing_event)
         # A member awaited since a takeover, or a joiner that can be asked
         # now: either may start a roll call (and the driver must wake for it).
         self._drain(lead)

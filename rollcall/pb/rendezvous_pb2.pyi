@@ -264,7 +264,7 @@ class ViewReport(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., fetch_s: _Optional[float] = ..., rebuild_s: _Optional[float] = ..., first_step_s: _Optional[float] = ..., lost_work_s: _Optional[float] = ..., step_s: _Optional[float] = ..., launch_s: _Optional[float] = ..., global_batch: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("roll_call", "view", "ack", "busy", "epoch_secret", "view_delta", "pace", "end", "slots")
+    __slots__ = ("roll_call", "view", "ack", "busy", "epoch_secret", "view_delta", "pace", "end", "timing", "slots")
     ROLL_CALL_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +273,7 @@ class SessionEvent(_message.Message):
     VIEW_DELTA_FIELD_NUMBER: _ClassVar[int]
     PACE_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     roll_call: RollCallRequest
     view: View
@@ -282,8 +283,9 @@ class SessionEvent(_message.Message):
     view_delta: ViewDelta
     pace: Pace
     end: SessionEnd
+    timing: ServiceTiming
     slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., busy: _Optional[_Union[PeerBusy, _Mapping]] = ..., epoch_secret: _Optional[_Union[EpochSecret, _Mapping]] = ..., view_delta: _Optional[_Union[ViewDelta, _Mapping]] = ..., pace: _Optional[_Union[Pace, _Mapping]] = ..., end: _Optional[_Union[SessionEnd, _Mapping]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, roll_call: _Optional[_Union[RollCallRequest, _Mapping]] = ..., view: _Optional[_Union[View, _Mapping]] = ..., ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., busy: _Optional[_Union[PeerBusy, _Mapping]] = ..., epoch_secret: _Optional[_Union[EpochSecret, _Mapping]] = ..., view_delta: _Optional[_Union[ViewDelta, _Mapping]] = ..., pace: _Optional[_Union[Pace, _Mapping]] = ..., end: _Optional[_Union[SessionEnd, _Mapping]] = ..., timing: _Optional[_Union[ServiceTiming, _Mapping]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionEnd(_message.Message):
     __slots__ = ("code", "message", "error")
@@ -330,6 +332,18 @@ class Pace(_message.Message):
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+
+class ServiceTiming(_message.Message):
+    __slots__ = ("earliest_suspicion_s", "rollcall_deadline_s", "rollcall_step_end_wait_s", "election_ttl_s")
+    EARLIEST_SUSPICION_S_FIELD_NUMBER: _ClassVar[int]
+    ROLLCALL_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    ROLLCALL_STEP_END_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    ELECTION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    earliest_suspicion_s: float
+    rollcall_deadline_s: float
+    rollcall_step_end_wait_s: float
+    election_ttl_s: float
+    def __init__(self, earliest_suspicion_s: _Optional[float] = ..., rollcall_deadline_s: _Optional[float] = ..., rollcall_step_end_wait_s: _Optional[float] = ..., election_ttl_s: _Optional[float] = ...) -> None: ...
 
 class EpochSecret(_message.Message):
     __slots__ = ("epoch", "secret")

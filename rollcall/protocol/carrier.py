@@ -393,7 +393,8 @@ class SessionCarrier(ReplicaSet):
             return
         addressed = [m for m in (self._in_slot.get(s) for s in event.slots) if m is not None]
         riders = [m for m in addressed if not isinstance(m, RendezvousClient)]
-        members = [m for m in addressed if isinstance(m, RendezvousClient)]
+        # (One that refused the leader's timing acts on nothing more: it leaves.)
+        members = [m for m in addressed if isinstance(m, RendezvousClient) and not m.refused_leader]
         if riders and kind != "end":
             # Handed on as they came, for a process that reads them itself.
             plain = pb.SessionEvent()

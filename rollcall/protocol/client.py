@@ -416,6 +416,9 @@ class RendezvousClient(ReplicaSet):
         self._committed: int | None = None
         self._ended: RollcallError | None = None
         self._on_end: Callable[[RollcallError], None] | None = None
+        #: Its Leave after refusing the timing of a leader it failed over
+        #: to (``_check_timing``); ``close`` waits for it.
+        self._refusing: asyncio.Task[None] | None = None
         #: Monotonic send time of the newest heartbeat the leader acknowledged:
         #: the leader heard this member at or after it, so it cannot have
         #: evicted it before ``last_acked`` + the detector's earliest suspicion.
@@ -569,11 +572,7 @@ class RendezvousClient(ReplicaSet):
             except RollcallError as exc:  # the record goes with its lease then
                 log.warning("could not leave after refusing the service's settings: %s", exc)
             raise unsafe
-        if response.rollcall_deadline_s:
-            self._rollcall_timing = (
-                response.rollcall_deadline_s,
-                response.rollcall_step_end_wait_s,
-            )
+        self._keep_timing(response)
         self._pace(response.heartbeat_interval_ms)
         self._on_roll_call = on_roll_call
         self._on_view = on_view
@@ -588,9 +587,10 @@ class RendezvousClient(ReplicaSet):
             self._session_task = asyncio.create_task(self._session_forever(), name="session")
         return response.member_id
 
-    def _unsafe_timing(self, response: pb.JoinResponse) -> UnsafeTiming | None:
+    def _unsafe_timing(self, response: pb.JoinResponse | pb.ServiceTiming) -> UnsafeTiming | None:
         """Why this client's timing does not fit the service's, as the
-        ``Join`` answer gives it (fields of 0: the service did not say)."""
+        ``Join`` answer or a ``ServiceTiming`` event gives it (fields of 0:
+        the service did not say)."""
         bound = response.earliest_suspicion_s
         if bound and self._config.fence_window >= bound:
             return UnsafeFenceWindow(self._config.fence_window, bound)
@@ -601,6 +601,40 @@ class RendezvousClient(ReplicaSet):
         if ttl and self._config.fence_patience < ttl + opening - TIMING_SLACK:
             return UnsafeFencePatience(self._config.fence_patience, ttl, opening)
         return None
+
+    def _keep_timing(self, timing: pb.JoinResponse | pb.ServiceTiming) -> None:
+        """The service's roll-call timing, for ``answer_deadline``."""
+        if timing.rollcall_deadline_s:
+            self._rollcall_timing = (timing.rollcall_deadline_s, timing.rollcall_step_end_wait_s)
+
+    def _check_timing(self, timing: pb.ServiceTiming) -> None:
+        """The timing of the leader this member's session opened on. The
+        member checked the one it joined through; a failover may hand it
+        to a replica started with other settings. If they do not fit its
+        own, it leaves at once and its session ends with the error a Join
+        would have raised (``UnsafeTiming``)."""
+        unsafe = self._unsafe_timing(timing)
+        if unsafe is None:
+            self._keep_timing(timing)
+            return
+        if self._closing:
+            return
+        log.error("the rendezvous leader's settings do not fit this member's; leaving: %s", unsafe)
+        self._closing = True  # no session opens again
+        self._end(unsafe)
+        self._refusing = asyncio.ensure_future(self._leave_refusing())
+
+    @property
+    def refused_leader(self) -> bool:
+        """Whether this member refused the timing of the leader its session
+        opened on and is leaving: it acts on no event of that leader."""
+        return self._refusing is not None
+
+    async def _leave_refusing(self) -> None:
+        try:
+            await self.leave()
+        except RollcallError as exc:  # the record goes with its lease then
+            log.warning("could not leave after refusing the leader's settings: %s", exc)
 
     def answer_deadline(self, at_step_end: bool) -> float:
         """How long after a roll call starts the service takes its answers
@@ -739,8 +773,12 @@ class RendezvousClient(ReplicaSet):
             await self._stop_session()
 
     async def close(self) -> None:
-        """Drop the session without leaving (as a crash would) and close channels."""
+        """Drop the session without leaving (as a crash would) and close
+        channels; a Leave under way after refusing a leader's timing
+        (``_check_timing``) is waited for first."""
         self._closing = True
+        if self._refusing is not None:
+            await asyncio.gather(self._refusing, return_exceptions=True)
         await self._stop_session()
         await self._close_channels()
 
@@ -870,6 +908,8 @@ class RendezvousClient(ReplicaSet):
 
     async def _on_event(self, event: pb.SessionEvent) -> None:
         """One event of the member's session."""
+        if self.refused_leader:
+            return  # only its Leave is left to do (``_check_timing``)
         kind = event.WhichOneof("kind")
         if kind == "ack":
             self.last_acked = max(self.last_acked, event.ack.sent_at)
@@ -887,6 +927,8 @@ class RendezvousClient(ReplicaSet):
             self._apply_delta(delta_from_pb(change))
         elif kind == "pace":
             self._pace(event.pace.heartbeat_interval_ms)
+        elif kind == "timing":
+            self._check_timing(event.timing)
         elif kind == "roll_call":
             request = event.roll_call
             causes = causes_from_pb(request.causes)
