@@ -386,6 +386,17 @@ class Config:
         5.6 x ``phi_min_std``, at most ``max_silence``."""
         return earliest_suspicion(self.phi_threshold, self.phi_min_std, self.max_silence)
 
+    def service_timing(self) -> dict[str, float]:
+        """The rendezvous service's timing settings that a member checks
+        against its own (``ServiceTiming``, the ``JoinResponse``), by their
+        names there."""
+        return {
+            "earliest_suspicion_s": self.earliest_suspicion(),
+            "rollcall_deadline_s": self.rollcall_deadline,
+            "rollcall_step_end_wait_s": self.rollcall_step_end_wait,
+            "election_ttl_s": self.election_ttl,
+        }
+
     def heartbeat_interval_for(self, members: int) -> float:
         """The heartbeat interval for a view of ``members``: ``heartbeat_interval``
         until the heartbeats of all of them would exceed

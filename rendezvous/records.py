@@ -16,6 +16,7 @@ version's records can be read by an older one.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from typing import Any
 
@@ -185,9 +186,25 @@ def _check_shards(data: Any, ids: list[str], config: Config) -> ShardedView:
         raise MalformedRecord(f"shards: {exc}") from None
 
 
-def check_leader(value: bytes, lease: int) -> tuple[str, str, int]:
-    """``(replica_id, address, lease_id)`` of a leader record: the lease it
-    names is the one the key is tied to (a leader key always has one)."""
+def timing_pairs(timing: Any) -> tuple[tuple[str, float], ...]:
+    """A leader record's timing settings (``Config.service_timing``) as
+    sorted (name, seconds) pairs; anything but a map of those names to
+    finite numbers reads as none of them (a replica of another version may
+    write other things: its record is still a leader's)."""
+    if not isinstance(timing, dict):
+        return ()
+    known = Config().service_timing()
+    return tuple(sorted(
+        (name, float(value)) for name, value in timing.items()
+        if name in known and isinstance(value, int | float) and not isinstance(value, bool)
+        and math.isfinite(value)
+    ))  # fmt: skip
+
+
+def check_leader(value: bytes, lease: int) -> tuple[str, str, int, tuple[tuple[str, float], ...]]:
+    """``(replica_id, address, lease_id, timing)`` of a leader record: the
+    lease it names is the one the key is tied to (a leader key always has
+    one); ``timing`` as ``timing_pairs`` reads it."""
     data = _object(load_json(value), "leader record")
     replica_id = _text(data, "replica_id")
     if not replica_id or len(replica_id) > _MAX_REPLICA_ID or not replica_id.isprintable():
@@ -199,7 +216,7 @@ def check_leader(value: bytes, lease: int) -> tuple[str, str, int]:
     if lease_id != lease:
         raise MalformedRecord(f"it names lease {lease_id}, but the key is tied to lease {lease}")
     assert lease_id is not None
-    return replica_id, address, lease_id
+    return replica_id, address, lease_id, timing_pairs(data.get("timing"))
 
 
 def check_member_record(member_id: str, value: bytes, lease: int, config: Config) -> Member:

@@ -37,13 +37,14 @@ class Replica(Election, Sessions, MemberCalls, pb_grpc.RendezvousServicer):
         def on_view(view: View) -> None:
             loop.call_soon_threadsafe(self._observe_stored_view, view)
 
-        def on_leader(_: LeaderInfo | None) -> None:
-            loop.call_soon_threadsafe(self._leader_changed.set)
+        def on_leader(leader: LeaderInfo | None) -> None:
+            loop.call_soon_threadsafe(self._leader_seen, leader)
 
         self._cancel_watches.append(self._store.watch_view(on_view))
         self._cancel_watches.append(self._store.watch_leader(on_leader))
         self._tasks.append(asyncio.create_task(self._campaign_forever(), name="campaign"))
         self._tasks.append(asyncio.create_task(self._poll_view_forever(), name="poll-view"))
+        self._tasks.append(asyncio.create_task(self._compare_with_leader(), name="timing"))
 
     async def stop(self) -> None:
         """Step down (resigning the election so a standby takes over at once)."""

@@ -127,6 +127,9 @@ class LeaderInfo:
     replica_id: str
     address: str
     lease_id: int
+    #: The leader's timing settings (``records.timing_pairs``); none from a
+    #: replica of an earlier version.
+    timing: tuple[tuple[str, float], ...] = ()
 
 
 #: Most members ``EtcdStore.add_members`` records in one transaction: two
@@ -139,9 +142,10 @@ def _dumps(data: Any) -> bytes:
 
 
 def _leader_value(leader: LeaderInfo) -> bytes:
-    return _dumps(
-        {"address": leader.address, "lease_id": leader.lease_id, "replica_id": leader.replica_id}
-    )
+    return _dumps({
+        "address": leader.address, "lease_id": leader.lease_id, "replica_id": leader.replica_id,
+        "timing": dict(leader.timing),
+    })  # fmt: skip
 
 
 def _parse_leader(kv: Any) -> LeaderInfo:
@@ -550,7 +554,8 @@ class EtcdStore:
         key is free (and ``compare`` holds); None, with the unused lease
         revoked, if not."""
         lease_id = self.etcd.grant(self._config.election_ttl)
-        leader = LeaderInfo(replica_id, address, lease_id)
+        timing = records.timing_pairs(self._config.service_timing())
+        leader = LeaderInfo(replica_id, address, lease_id, timing)
         value = _leader_value(leader)
         request = etcdrpc.TxnRequest(
             compare=[key_compare(self._leader_key, "CREATE", 0), *compare],

@@ -245,6 +245,44 @@ def test_a_member_leaves_when_a_failover_hands_it_to_a_leader_with_unsafe_timing
                 agent.stop(timeout=5)
 
 
+def test_replicas_with_other_timing_settings_than_their_leader_say_so(
+    etcd: LocalEtcd, tmp_path: Path
+) -> None:
+    """A replica started with other timing settings than the job's leader
+    says so at once (rather than at the failover that would make workers
+    leave), and again for each new leader: read at its start, and from the
+    watch of the leader key. A replica whose settings match says nothing."""
+    said = "runs with other timing settings than its leader"
+    with closing(ControlPlane([etcd.endpoint], tmp_path, replicas=2)) as plane:
+        first, same = plane.replicas
+        hasty = ReplicaProcess(
+            plane.etcd, plane.job, plane.token_file, plane._free_port(),
+            tmp_path / "replica-hasty.log", (*TEST_SETTINGS, "rollcall_step_end_wait=0.1"),
+        )  # fmt: skip
+        plane.replicas.append(hasty)
+        assert plane.status_json()["leader"] == first.address
+        _eventually(lambda: bool(_log_lines(hasty, said)), BOUND, "the hasty standby says so")
+        (line,) = _log_lines(hasty, said)
+        assert f"its leader {first.address}" in line
+        assert "rollcall_step_end_wait 0.1 s here, 0.5 s at the leader" in line
+        assert "earliest_suspicion" not in line and "election_ttl" not in line
+
+        first.kill()
+        _eventually(
+            lambda: asyncio.run(_leader_named_by(same.address, plane)) in (same.address,
+                                                                           hasty.address),
+            BOUND, "a standby leads",
+        )  # fmt: skip
+        leader = asyncio.run(_leader_named_by(same.address, plane))
+        other = hasty if leader == same.address else same
+        _eventually(
+            lambda: any(f"its leader {leader}" in x for x in _log_lines(other, said)),
+            BOUND, "the replica that does not lead says so of the new leader",
+        )  # fmt: skip
+        assert not _log_lines(first, said)
+        assert not [x for x in _log_lines(same, said) if first.address in x]
+
+
 def test_rollcall_in_progress_during_leader_kill_completes_or_is_retried(
     etcd: LocalEtcd, tmp_path: Path
 ) -> None:

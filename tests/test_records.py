@@ -156,7 +156,24 @@ def leader_value(**changes: Any) -> bytes:
 
 def test_a_leader_record_tied_to_the_lease_it_names_passes() -> None:
     assert records.check_leader(leader_value(), 42) == ("127.0.0.1:7000-a1b2c3",
-                                                        "127.0.0.1:7000", 42)  # fmt: skip
+                                                        "127.0.0.1:7000", 42, ())  # fmt: skip
+
+
+def test_a_leader_records_timing_settings_are_read_and_anything_else_there_is_none() -> None:
+    timing = {"rollcall_step_end_wait_s": 0.1, "election_ttl_s": 2}
+    assert records.check_leader(leader_value(timing=timing), 42)[3] == (
+        ("election_ttl_s", 2.0), ("rollcall_step_end_wait_s", 0.1),
+    )  # fmt: skip
+    # A replica of another version may write other things: still a leader's
+    # record (never removed as planted), with no settings to compare.
+    for odd in ("fast", [1, 2], {"election_ttl_s": "2"}, {"election_ttl_s": True},
+                {"election_ttl_s": float("nan")}, {"heartbeat_s": 1.0}):  # fmt: skip
+        assert records.check_leader(leader_value(timing=odd), 42)[3] == ()
+    # What a replica writes reads back equal (its election checks its own record).
+    config = Config(rollcall_step_end_wait=0.3, election_ttl=2.5)
+    written = json.loads(json.dumps(config.service_timing()))
+    assert records.timing_pairs(written) == records.timing_pairs(config.service_timing())
+    assert len(records.timing_pairs(written)) == 4
 
 
 @pytest.mark.parametrize(

@@ -114,13 +114,11 @@ class ReplicaBase:
         #: The timing settings a member checks against its own: in its Join
         #: answer, and again whenever its session opens (a failover may hand
         #: it to a replica started with other settings: ``ServiceTiming``).
-        self._timing = pb.ServiceTiming(
-            earliest_suspicion_s=config.earliest_suspicion(),
-            rollcall_deadline_s=config.rollcall_deadline,
-            rollcall_step_end_wait_s=config.rollcall_step_end_wait,
-            election_ttl_s=config.election_ttl,
-        )
+        self._timing = pb.ServiceTiming(**config.service_timing())
         self._timing_event = pb.SessionEvent(timing=self._timing).SerializeToString()
+        #: The leader and the settings on which it differs from this replica,
+        #: as last said (``Election._compare_timing``).
+        self._timing_said: tuple[str, tuple[str, ...]] = ("", ())
 
     @property
     def is_leader(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 
 from rollcall.membership.backoff import Backoff
 from rollcall.membership.checkpoint import stuck_since
@@ -61,6 +62,50 @@ class Election(LeaderActions):
                     self._lose(self._lead, str(exc))
             finally:
                 self._lead = None
+
+    def _leader_seen(self, leader: LeaderInfo | None) -> None:
+        """(The leader key changed.) Wake the campaign, and compare the
+        leader's timing settings with this replica's."""
+        self._leader_changed.set()
+        self._compare_timing(leader)
+
+    async def _compare_with_leader(self) -> None:
+        """(At start.) Compare the leader in office (``_compare_timing``);
+        the watch of the leader key compares the next ones."""
+        try:
+            leader = await self._etcd(self._store.read_leader)
+        except ControlPlaneUnavailable:
+            return
+        self._compare_timing(leader)
+
+    def _compare_timing(self, leader: LeaderInfo | None) -> None:
+        """Say, once per leader, when it runs with other timing settings
+        than this replica: its members checked its settings against their
+        own, and a failover to this replica makes those whose settings do
+        not fit these leave (``ServiceTiming``), which the operator should
+        learn now rather than at the failover."""
+        if leader is None or leader.replica_id == self.replica_id or not leader.timing:
+            return
+        ours = self._config.service_timing()
+        differ = tuple(
+            name for name, value in leader.timing
+            if name in ours and not math.isclose(value, ours[name], rel_tol=1e-9)
+        )  # fmt: skip
+        said = (leader.replica_id, differ)
+        if said == self._timing_said:
+            return
+        self._timing_said = said
+        if not differ:
+            return
+        theirs = dict(leader.timing)
+        log.error(
+            "replica %s of job %s runs with other timing settings than its leader %s (%s): "
+            "at a failover to this replica, workers whose own settings do not fit these leave "
+            "the job (UnsafeTiming, exit 5). Give every replica of a job the same --set values",
+            self._advertise, self._job, leader.address,
+            "; ".join(f"{name.removesuffix('_s')} {ours[name]:g} s here, {theirs[name]:g} s "
+                      "at the leader" for name in differ),
+        )  # fmt: skip
 
     async def _refuse_to_lead(self, info: LeaderInfo, error: MalformedRecord) -> None:
         """etcd holds something this replica cannot lead with (the job's
