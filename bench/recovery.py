@@ -46,7 +46,10 @@ arrives; logs (--log-level info) are parsed for their own timestamps
    memory as a fetch must: transparent huge pages faulted in by the receive
    (the fetch's landing asks for them too; the fastest fresh memory here),
    and for contrast 4 KiB pages populated at once (MAP_POPULATE, the fastest
-   way without huge pages) and, for the wire alone, memory already touched.
+   way without huge pages) and, for the wire alone, memory already touched;
+   and the floor of any fetch that checks what it receives: raw TCP into
+   fresh huge pages over 2 connections at once, SHA-256 of each piece as it
+   lands (``raw_checked_from``), printed with fetch / that floor.
    The decode and one digest pass over the whole state, which the fetch no
    longer makes, are timed after each fetch.
 5. overhead (`--only overhead`): rounds of 4 fresh rollcall workers (own
@@ -82,6 +85,7 @@ import re
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -891,15 +895,27 @@ def serve_state(d_model: int, layers: int, out: Any, stop: Any) -> None:
     raw = socket.create_server(("127.0.0.1", 0))
     raw.settimeout(0.2)
 
+    payload = memoryview(snap.data)
+
+    def send_range(conn: socket.socket) -> None:
+        with conn:
+            asked = b""
+            while len(asked) < RANGE.size:
+                more = conn.recv(RANGE.size - len(asked))
+                if not more:
+                    return
+                asked += more
+            start, length = RANGE.unpack(asked)
+            conn.sendall(payload[start : start + length])
+
     def send_raw() -> None:
-        payload = memoryview(snap.data)
         while not stop.is_set():
             try:
                 conn, _ = raw.accept()
             except TimeoutError:
                 continue
-            with conn:
-                conn.sendall(payload)
+            conn.settimeout(None)
+            threading.Thread(target=send_range, args=(conn,), daemon=True).start()
 
     threading.Thread(target=send_raw, daemon=True).start()
 
@@ -925,6 +941,45 @@ def serve_state(d_model: int, layers: int, out: Any, stop: Any) -> None:
     asyncio.run(main())
 
 
+#: A raw receiver's request to ``serve_state``: (offset, length) of the blob.
+RANGE = struct.Struct("<QQ")
+
+
+def _fresh(nbytes: int, huge: bool = True) -> mmap.mmap:
+    """Private memory not touched yet: huge pages advised (as the fetch's
+    landing asks), or 4 KiB pages populated at once."""
+    from rollcall.worker.landing import advise_huge_pages
+
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if not huge:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    buffer = mmap.mmap(-1, nbytes, flags=flags)
+    if huge:
+        advise_huge_pages(buffer)
+    return buffer
+
+
+def _receive(port: int, view: memoryview, start: int, piece: int = 0) -> None:
+    """Bytes [start, start + len(view)) of the blob into ``view`` over one
+    connection (connect included); with ``piece``, the SHA-256 of each
+    ``piece`` bytes as soon as they are in, as a fetch checks them."""
+    import hashlib
+
+    total = len(view)
+    got = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+        client.sendall(RANGE.pack(start, total))
+        while got < total:
+            begin, end = got, min(got + (piece or total), total)
+            while got < end:
+                n = client.recv_into(view[got:end], end - got, socket.MSG_WAITALL)
+                if n == 0:
+                    raise ConnectionError(f"raw receive ended after {got} of {total} bytes")
+                got += n
+            if piece:
+                hashlib.sha256(view[begin:end]).digest()
+
+
 def raw_from(port: int, nbytes: int, buffer: Any = None, huge: bool = True) -> float:
     """Seconds to receive ``nbytes`` over one loopback TCP connection from
     another process (connect included), into ``buffer`` or, as a fetch
@@ -933,27 +988,35 @@ def raw_from(port: int, nbytes: int, buffer: Any = None, huge: bool = True) -> f
     does), faulted in by the receive; else 4 KiB pages populated at once
     (``MAP_POPULATE``), the fastest way measured without huge pages for
     one receiving thread here (a ``bytearray`` is close)."""
-    from rollcall.worker.landing import advise_huge_pages
-
     started = time.perf_counter()
     if buffer is None:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        if not huge:
-            flags |= getattr(mmap, "MAP_POPULATE", 0)
-        buffer = mmap.mmap(-1, nbytes, flags=flags)
-        if huge:
-            advise_huge_pages(buffer)
-    view = memoryview(buffer)
-    got = 0
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
-        while got < nbytes:
-            n = client.recv_into(view[got:], nbytes - got, socket.MSG_WAITALL)
-            if n == 0:
-                break
-            got += n
-    took = time.perf_counter() - started
-    assert got == nbytes
-    return took
+        buffer = _fresh(nbytes, huge)
+    _receive(port, memoryview(buffer)[:nbytes], 0)
+    return time.perf_counter() - started
+
+
+def raw_checked_from(port: int, nbytes: int, streams: int = 2) -> float:
+    """Seconds to receive ``nbytes`` into fresh huge pages over ``streams``
+    connections at once (a thread each, connects included), each hashing
+    every ``PIECE_BYTES`` piece (SHA-256) as it lands: the least any fetch
+    that checks what it receives costs on this machine, without the
+    fetch's protocol (describe, admission, header, decode)."""
+    from rollcall.worker.digest import PIECE_BYTES
+
+    started = time.perf_counter()
+    view = memoryview(_fresh(nbytes))
+    pieces = -(-nbytes // PIECE_BYTES)
+    bounds = [min(nbytes, pieces * i // streams * PIECE_BYTES) for i in range(streams + 1)]
+    threads = [
+        threading.Thread(target=_receive, args=(port, view[a:b], a, PIECE_BYTES))
+        for a, b in zip(bounds, bounds[1:], strict=False)
+        if b > a
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
 
 
 def transfer_alone(d_model: int, layers: int, repeats: int) -> dict[str, Any]:
@@ -982,7 +1045,7 @@ def transfer_alone(d_model: int, layers: int, repeats: int) -> dict[str, Any]:
             from_bytes(blob, expect_digest=expected)
             return report.seconds, time.perf_counter() - started
 
-        fetches, decodes, raw, small_pages, warm = [], [], [], [], []
+        fetches, decodes, raw, small_pages, warm, checked = [], [], [], [], [], []
         reused = bytearray(nbytes)
         raw_from(raw_port, nbytes, reused)  # its pages touched once, before the first timing
         for _ in range(repeats):  # interleaved, so drifts hit all alike
@@ -992,6 +1055,7 @@ def transfer_alone(d_model: int, layers: int, repeats: int) -> dict[str, Any]:
             raw.append(raw_from(raw_port, nbytes))
             small_pages.append(raw_from(raw_port, nbytes, huge=False))
             warm.append(raw_from(raw_port, nbytes, reused))
+            checked.append(raw_checked_from(raw_port, nbytes))
         del reused
     finally:
         stop.set()
@@ -1011,6 +1075,9 @@ def transfer_alone(d_model: int, layers: int, repeats: int) -> dict[str, Any]:
         "raw_tcp_MBps": summary(raw_mbs),
         "raw_tcp_small_pages_MBps": summary([nbytes / s / 1e6 for s in small_pages]),
         "raw_tcp_warm_MBps": summary([nbytes / s / 1e6 for s in warm]),
+        "raw_checked_MBps": summary([nbytes / s / 1e6 for s in checked]),
+        "ratio_to_checked": statistics.median(fetch_mbs)
+        / statistics.median(nbytes / s / 1e6 for s in checked),
         "ratio": statistics.median(fetch_mbs) / statistics.median(raw_mbs),
         "ratios": summary([f / r for f, r in zip(fetch_mbs, raw_mbs, strict=True)]),
     }
@@ -1083,6 +1150,11 @@ def print_table(r: dict[str, Any]) -> None:
             rows.append(("  raw, into a buffer already touched",
                          f"{warm['median']:7.1f} MB/s (min {warm['min']:.0f}, "
                          f"max {warm['max']:.0f})"))  # fmt: skip
+        if "raw_checked_MBps" in t:
+            c = t["raw_checked_MBps"]
+            rows.append(("  raw + SHA-256 of each piece, 2 connections",
+                         f"{c['median']:7.1f} MB/s (min {c['min']:.0f}, max {c['max']:.0f}; "
+                         f"fetch / this {t['ratio_to_checked']:.2f})"))  # fmt: skip
         spread = t.get("ratios")
         rows.append(("  ratio fetch / raw",
                      f"{t['ratio']:7.2f} (aim >= 0.5"
