@@ -153,6 +153,46 @@ def test_joiner_pulls_state_from_peers_and_all_digests_agree(workers: Workers):
     assert "pulled step" in joiner.log_tail(200)
 
 
+def test_a_replica_that_drifted_from_the_others_says_so_at_the_next_view_change(
+    workers: Workers,
+):
+    """One worker computes its updates differently from the others (here a
+    parameter nudged by one ulp after each step it lands, as a kernel, a
+    library version or a CPU that differs would): its replica drifts from
+    theirs, and nothing in a step shows it. At the next view change it
+    holds the resume step with another state than most holders: it takes
+    theirs and says why, naming both digests; the others say nothing."""
+    said = "drifted from the view's sources"
+    team = workers.start_together(3, faults=["diverge_steps=100000"])
+    drifted, others = team[0], team[1:]
+    for worker in team:
+        wait_step(worker, lambda e: e["world"] == 3 and e["step"] >= 3)
+    theirs = {e["step"]: e["digest"] for e in others[0].steps() if e["world"] == 3}
+    mine = {e["step"]: e["digest"] for e in drifted.steps() if e["world"] == 3}
+    common = sorted(set(theirs) & set(mine))
+    assert common, "no step reported by both"
+    assert all(theirs[s] != mine[s] for s in common), "the fault changed nothing"
+    assert_digests_agree(others)
+
+    joiner = workers.start()
+    view = wait_step(joiner, lambda e: True)["epoch"]
+
+    def warned() -> list[str]:
+        text = drifted.log_path.read_text(errors="replace")
+        return [x for x in text.splitlines() if said in x and f"view {view}:" in x]
+
+    deadline = time.monotonic() + PATIENCE
+    while not warned() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (line,) = warned()
+    resume = int(line.split("held step ")[1].split()[0])
+    agreed = {e["digest"] for e in others[0].steps() if e["step"] == resume}
+    assert len(agreed) == 1 and next(iter(agreed))[:19] in line, line
+    assert mine.get(resume, "?")[:19] in line or resume not in mine, line
+    for worker in [*others, joiner]:
+        assert said not in worker.log_path.read_text(errors="replace"), worker.log_tail()
+
+
 def test_kills_and_joins_consume_exactly_the_samples_of_an_uninterrupted_run(
     plane: ControlPlane, tmp_path: Path
 ):

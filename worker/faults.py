@@ -25,6 +25,10 @@ list of ``name=count`` items:
 - ``failed_leaves=N``: the worker's next N ``Leave`` calls fail without
   reaching the service (a leader unreachable just then): the others learn
   of the leave only when the worker's session ends with its process.
+- ``diverge_steps=N``: after each of the next N steps it lands, the worker
+  nudges one parameter by one unit in the last place (a kernel, a library
+  version or a CPU that computes differently on this worker): its replica
+  drifts from the others' without anything in a step showing it.
 
 Every injected fault is logged at WARNING. An unknown name or a malformed
 count is an error at start: a misspelt fault must not pass silently as "no
@@ -65,6 +69,7 @@ class Faults:
     slow_lands: int = 0
     slow_builds: int = 0
     failed_leaves: int = 0
+    diverge_steps: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -109,6 +114,11 @@ class Faults:
         """Whether this ``Leave`` call fails (using a ``failed_leaves``
         fault up if one is left)."""
         return self._used("failed_leaves", "a Leave call fails")
+
+    def diverge(self) -> bool:
+        """Whether to nudge this replica's parameters after the step just
+        landed (using a ``diverge_steps`` fault up if one is left)."""
+        return self._used("diverge_steps", "this replica's parameters drift from the others'")
 
     def _late(self, name: str, what: str, seconds: float) -> bool:
         return self._used(name, f"{what} {seconds:.1f} s late")

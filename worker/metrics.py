@@ -39,6 +39,11 @@ class WorkerMetrics:
             "rollcall_worker_checkpoint_failures",
             "Checkpoints this worker failed to write or publish", registry=registry,
         )  # fmt: skip
+        self.drifted = Counter(
+            "rollcall_worker_drifted_states",
+            "View changes at which its state of the resume step was not the one agreed",
+            registry=registry,
+        )  # fmt: skip
         self.durable_step = Gauge(
             "rollcall_worker_durable_step",
             "Step of the newest checkpoint this worker had recorded (-1: none)",

@@ -1351,6 +1351,8 @@ class Elastic:
             raise StepAborted(f"epoch {view.epoch}: {reason}; asked for a roll call")
         behind = view.resume_step is not None and self.committed_step != view.resume_step
         fetching: Future[Any] | None = None
+        if self.member_id in view.fetch and not behind:
+            self._say_drifted(view)
         if self.member_id in view.fetch or behind:
             # The fetch runs on the control loop while this thread builds the
             # group: the others wait for this rank's group build and fetch
@@ -1818,6 +1820,8 @@ class Elastic:
             with self._lock:
                 self._apply(step, finish)
                 landed = True
+                if self._faults.diverge():
+                    self._drift()
                 if self._sharded is None and self._checkpoint_due(step):
                     self._due_checkpoint = _DueCheckpoint(step.number, step.epoch)
                 if self._sharded is not None:
@@ -1847,6 +1851,42 @@ class Elastic:
             self._incomplete = False
             return self._complete_step(step)
         return True
+
+    def _say_drifted(self, view: View) -> None:
+        """(Entering ``view``, whose resume step this worker holds, yet which
+        has it fetch that step.) Say so if the state it answered with is
+        not the one agreed: its replica had drifted from the others', which
+        nothing in a step shows (every replica applies the same reduced
+        gradients, and stays identical only if all compute alike)."""
+        held = self._served.held()
+        if held is None or held[0] != view.resume_step or held[1] == view.digest:
+            return
+        if self._buffers is None:
+            return  # sync_buffers=False: each replica's buffers are its own, digests differ
+        if self._previous_view is None or self.member_id not in self._previous_view:
+            return  # a joiner: its state is never adopted, whatever it holds
+        log.warning(
+            "view %d: this worker held step %d as the view's sources do, but with another "
+            "state (%s; theirs %s): its replica drifted from the view's sources since they "
+            "last agreed, and the steps since were trained on replicas that differ. It takes "
+            "their state now. Replicas stay identical only if every worker computes alike: "
+            "one torch version and the same kernels on the same kind of hardware, and no "
+            "registered state changed differently on one rank (docs/worker.md, \"Replicas "
+            "that drift\")",
+            view.epoch, held[0], _short(held[1]), _short(view.digest),
+        )  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.drifted.inc()
+
+    def _drift(self) -> None:
+        """(Fault injection, ``diverge_steps``.) Nudge the first element of
+        the first floating-point parameter by one unit in the last place."""
+        with torch.no_grad():
+            for parameter in self._model.parameters():
+                if parameter.is_floating_point() and parameter.numel():
+                    first = parameter.view(-1)[:1]
+                    first.copy_(torch.nextafter(first, first + 1))
+                    return
 
     def _launcher(self, step: Step) -> Callable[[torch.Tensor], Any]:
         """(overlap=True) Starts a bucket's all-reduce in the view's group;
@@ -2276,6 +2316,12 @@ class _DueCheckpoint:
     optimizer: dict[str, Any] | None = None
     parts: tuple[CheckpointPart, ...] = ()
     own_part: bytes | None = None
+
+
+def _short(digest: str) -> str:
+    """A digest as a log line names it: its form and 16 hex digits."""
+    form, _, value = digest.partition(":")
+    return f"{form}:{value[:16]}" if value else digest
 
 
 def _settle(future: asyncio.Future[int | None], step: int | None) -> None:
