@@ -54,6 +54,12 @@ FIELDS: tuple[FingerprintField, ...] = (
     FingerprintField("grad_scaler", "class of the grad scaler, or none"),
     FingerprintField("extras", "names of the registered user state"),
     FingerprintField(
+        "torch",
+        "the torch build (torch.__version__)",
+        "other torch versions compute differently and the replicas drift apart: run one "
+        "version on every worker",
+    ),
+    FingerprintField(
         "initial_state",
         "digest of the model's state_dict at construction",
         "other initial weights: another model seed, or other pretrained weights",

@@ -38,6 +38,7 @@ JOB = JobFingerprint.of(
         "grad_scaler": "none",
         "extras": "[]",
         "initial_state": "sha256:" + "b" * 64,
+        "torch": "2.13.0+cpu",
         "min_workers": "1",
         "sync_buffers": "true",
         "exact": "false",
@@ -55,6 +56,13 @@ BUSY = JobActivity(members=2, joiners=0, progress=True, checkpoints=False)
 
 def changed(name: str, value: str) -> JobFingerprint:
     return JobFingerprint.of({**JOB.as_dict(), name: value})
+
+
+def test_a_worker_of_another_torch_version_is_told_why_it_matters() -> None:
+    (difference,) = compare(changed("torch", "2.12.1+cpu"), JOB)
+    said = describe_mismatch("run1", (difference,))
+    assert "torch is 2.12.1+cpu but job run1's is 2.13.0+cpu" in said
+    assert "replicas drift apart: run one version on every worker" in said
 
 
 # --- validation ------------------------------------------------------------------

@@ -88,6 +88,7 @@ def test_every_computed_field_is_filled() -> None:
     assert values["scheduler"] == values["scheduler_settings"] == values["grad_scaler"] == "none"
     assert values["extras"] == "[]"
     assert values["initial_state"].startswith("sha256:")
+    assert values["torch"] == torch.__version__
     parameters = sum(t.numel() for t in build(SMALL, 3)[0].state_dict().values())
     assert values["model"].startswith(f"{len(build(SMALL, 3)[0].state_dict())} tensors, ")
     assert f"{parameters:,} elements, sha256:" in values["model"]

@@ -61,6 +61,7 @@ def job_fingerprint(
         "grad_scaler": class_name(grad_scaler),
         "extras": json.dumps(sorted(str(name) for name in extras or {}), separators=(",", ":")),
         "initial_state": tree_digest(model.state_dict()),
+        "torch": torch.__version__,
     }
     for name, value in (flags or {}).items():
         if name not in NAMES or name in values:
