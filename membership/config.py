@@ -255,6 +255,15 @@ class Config:
     #: transfer's deadline is nearer (a call with no time at all would fail
     #: without asking the peer).
     transfer_min_call_timeout: float = 0.1
+    #: Every this many steps the ranks of a replicated job compare the
+    #: digests of their states (one collective of two integers, and a
+    #: digest of the state per rank: ~2 ms for the example's 1.7 MB, ~0.3 s
+    #: for 306 MB on 2 cores); replicas that differ, which nothing in a step
+    #: shows, ask for a roll call whose most common state the others take
+    #: (docs/worker.md, "Replicas that drift"). Part of the job's
+    #: fingerprint (every rank must make the same collectives); a value
+    #: above the run's steps turns it off.
+    drift_check_every: int = 100
     #: A state fetch keeps this many data connections open at once, spread
     #: over its sources (at least one each), each asking for one unit of
     #: about ``transfer_unit_bytes`` at a time; a faster source takes more

@@ -78,6 +78,9 @@ FIELDS: tuple[FingerprintField, ...] = (
     FingerprintField(
         "overlap", "whether gradients are reduced in buckets during the backward pass (true)"
     ),
+    FingerprintField(
+        "drift_check", "steps between the ranks' comparisons of their states' digests"
+    ),
     FingerprintField("shard_partitions", "partitions of the sharded optimizer state"),
     FingerprintField("shard_redundancy", "copies kept of each partition of the optimizer state"),
     FingerprintField(

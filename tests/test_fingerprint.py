@@ -44,6 +44,7 @@ JOB = JobFingerprint.of(
         "exact": "false",
         "data_division": "2",
         "overlap": "true",
+        "drift_check": "100",
         "shard_partitions": "64",
         "shard_redundancy": "2",
         "checkpoint_every": "100",

@@ -193,6 +193,37 @@ def test_a_replica_that_drifted_from_the_others_says_so_at_the_next_view_change(
         assert said not in worker.log_path.read_text(errors="replace"), worker.log_tail()
 
 
+def test_replicas_compare_their_states_every_few_steps_and_a_drifted_one_is_healed(
+    plane: ControlPlane, tmp_path: Path
+):
+    """Drift is not left until the next membership change: every
+    ``drift_check_every`` steps the ranks compare their states' digests.
+    One worker drifts for its first steps (a parameter nudged after each):
+    the check finds it, every rank says so and asks for a roll call, the
+    drifted replica takes the others' state, and once it no longer drifts
+    every replica holds the same state again, with no member changed."""
+    group = Workers(plane, tmp_path, steps=10_000, extra=("--set", "drift_check_every=5"))
+    try:
+        team = group.start_together(3, faults=["diverge_steps=12"])
+        drifted = team[0]
+        for worker in team:
+            wait_step(worker, lambda e: e["world"] == 3 and e["step"] >= 40)
+        logs = [w.log_path.read_text(errors="replace") for w in team]
+        assert all("the replicas' states differ" in text for text in logs), [
+            w.log_tail() for w in team
+        ]
+        assert "drifted from the view's sources" in logs[0], drifted.log_tail(40)
+        late = [e for w in team for e in w.steps() if e["step"] >= 30]
+        by_step: dict[int, set[str]] = {}
+        for event in late:
+            by_step.setdefault(event["step"], set()).add(event["digest"])
+        assert by_step and all(len(d) == 1 for d in by_step.values()), by_step
+        assert {e["world"] for e in late} == {3}
+        assert all(w.proc.poll() is None for w in team)
+    finally:
+        group.close()
+
+
 def test_kills_and_joins_consume_exactly_the_samples_of_an_uninterrupted_run(
     plane: ControlPlane, tmp_path: Path
 ):

@@ -404,7 +404,8 @@ class Elastic:
         # What every worker of the job must match, checked at join: taken
         # before anything trains the model (and before loader processes exist).
         flags = {"min_workers": str(min_workers), "sync_buffers": str(sync_buffers).lower(),
-                 "exact": exact_fingerprint(exact), "data_division": DIVISION}  # fmt: skip
+                 "exact": exact_fingerprint(exact), "data_division": DIVISION,
+                 "drift_check": str(self._config.drift_check_every)}  # fmt: skip
         if overlap:
             # Absent otherwise: a job of workers from before the option matches.
             flags["overlap"] = "true"
@@ -478,6 +479,8 @@ class Elastic:
         self._view: View = EMPTY_VIEW
         self._causes: dict[int, tuple[Cause, ...]] = {}
         self._previous_view: View | None = None
+        #: The last step whose state the ranks compared (``_check_drift``).
+        self._drift_checked = -1
         #: Busy declarations of peers: member id -> (until, reason), monotonic.
         self._busy: dict[str, tuple[float, str]] = {}
         self._interrupted = 0  # the signal that asked us to leave, if any
@@ -1134,6 +1137,7 @@ class Elastic:
                     "steps in job.busy(), or this worker is left out of the view",
                     waited_s, answer.step, deadline,
                 )  # fmt: skip
+        self._check_drift()
         due, self._due_checkpoint = self._due_checkpoint, None
         if due is None:
             return
@@ -1851,6 +1855,44 @@ class Elastic:
             self._incomplete = False
             return self._complete_step(step)
         return True
+
+    def _check_drift(self) -> None:
+        """(Training side, the loop done with the step that landed last.)
+        Every ``drift_check_every`` steps of a replicated job, compare this
+        replica's state with the others': the maximum of a digest's prefix
+        and of its negation over the view's ranks give its largest and
+        smallest value. Replicas that differ ask for a roll call, whose most
+        common state the others then take (``_say_drifted``). Once per step;
+        given up, with the step's state unchecked, if the view changes
+        meanwhile (its roll call compares every replica's state anyway)."""
+        step = self.committed_step
+        every = self._config.drift_check_every
+        if step < 0 or (step + 1) % every or step == self._drift_checked:
+            return
+        if self._buffers is None or self._sharding is not None or self._aborting():
+            return  # per-replica buffers differ by design; a sharded job's states too
+        self._drift_checked = step
+        group = self._ready_group()
+        if group is None or not group.usable or group.size < 2:
+            return
+        mine = int(self.state_digest().partition(":")[2][:15], 16)  # 60 bits
+        bounds = torch.tensor([mine, -mine], dtype=torch.int64)
+        try:
+            group.allreduce([bounds], ReduceOp.MAX)
+        except StepAborted as exc:
+            log.debug("step %d: the replicas' states were not compared: %s", step, exc)
+            return
+        highest, lowest = int(bounds[0]), -int(bounds[1])
+        if highest == lowest == mine:
+            return
+        log.warning(
+            "step %d: the replicas' states differ (the %d ranks of view %d do not hold one "
+            "digest): a replica drifted from the others, which nothing in a step shows; "
+            "asking for a roll call, whose most common state every other replica takes "
+            "(docs/worker.md, \"Replicas that drift\")",
+            step, group.size, group.epoch,
+        )  # fmt: skip
+        self._ask_for_rollcall(f"step {step}: the replicas' states differ")
 
     def _say_drifted(self, view: View) -> None:
         """(Entering ``view``, whose resume step this worker holds, yet which
