@@ -77,7 +77,7 @@ def example_fingerprint() -> JobFingerprint:
     return job_fingerprint(
         model, optimizer, plan,
         flags={"min_workers": "1", "sync_buffers": "true", "exact": "false",
-               "data_division": DIVISION},
+               "data_division": DIVISION, "drift_check": str(Config().drift_check_every)},
     )  # fmt: skip
 
 

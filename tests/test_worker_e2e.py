@@ -161,7 +161,8 @@ def test_a_replica_that_drifted_from_the_others_says_so_at_the_next_view_change(
     library version or a CPU that differs would): its replica drifts from
     theirs, and nothing in a step shows it. At the next view change it
     holds the resume step with another state than most holders: it takes
-    theirs and says why, naming both digests; the others say nothing."""
+    theirs and says why, naming both digests; the others say nothing of
+    that view."""
     said = "drifted from the view's sources"
     team = workers.start_together(3, faults=["diverge_steps=100000"])
     drifted, others = team[0], team[1:]
@@ -189,8 +190,12 @@ def test_a_replica_that_drifted_from_the_others_says_so_at_the_next_view_change(
     agreed = {e["digest"] for e in others[0].steps() if e["step"] == resume}
     assert len(agreed) == 1 and next(iter(agreed))[:19] in line, line
     assert mine.get(resume, "?")[:19] in line or resume not in mine, line
+    # (At start-up two workers may hold a step alone: a tie, which the most
+    # senior's state wins, drifted or not; the other then says so. At the
+    # hot-add two hold one state and the drifted one is alone.)
     for worker in [*others, joiner]:
-        assert said not in worker.log_path.read_text(errors="replace"), worker.log_tail()
+        text = worker.log_path.read_text(errors="replace")
+        assert not [x for x in text.splitlines() if said in x and f"view {view}:" in x], text
 
 
 def test_replicas_compare_their_states_every_few_steps_and_a_drifted_one_is_healed(
@@ -204,16 +209,17 @@ def test_replicas_compare_their_states_every_few_steps_and_a_drifted_one_is_heal
     every replica holds the same state again, with no member changed."""
     group = Workers(plane, tmp_path, steps=10_000, extra=("--set", "drift_check_every=5"))
     try:
-        team = group.start_together(3, faults=["diverge_steps=12"])
+        team = group.start_together(3, faults=["diverge_steps=25"])
         drifted = team[0]
         for worker in team:
-            wait_step(worker, lambda e: e["world"] == 3 and e["step"] >= 40)
+            wait_step(worker, lambda e: e["world"] == 3 and e["step"] >= 55)
         logs = [w.log_path.read_text(errors="replace") for w in team]
-        assert all("the replicas' states differ" in text for text in logs), [
-            w.log_tail() for w in team
-        ]
+        # Every rank in the view at a check while it drifted says so (a
+        # worker still joining at the first checks may have missed them).
+        assert "the replicas' states differ" in logs[0], drifted.log_tail(40)
+        assert any("the replicas' states differ" in text for text in logs[1:]), logs[1][-2000:]
         assert "drifted from the view's sources" in logs[0], drifted.log_tail(40)
-        late = [e for w in team for e in w.steps() if e["step"] >= 30]
+        late = [e for w in team for e in w.steps() if e["step"] >= 45]
         by_step: dict[int, set[str]] = {}
         for event in late:
             by_step.setdefault(event["step"], set()).add(event["digest"])
