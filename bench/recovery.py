@@ -963,7 +963,7 @@ def _receive(port: int, view: memoryview, start: int, piece: int = 0) -> None:
     """Bytes [start, start + len(view)) of the blob into ``view`` over one
     connection (connect included); with ``piece``, the SHA-256 of each
     ``piece`` bytes as soon as they are in, as a fetch checks them."""
-    import hashlib
+    from rollcall.worker.digest import piece_hash
 
     total = len(view)
     got = 0
@@ -977,7 +977,7 @@ def _receive(port: int, view: memoryview, start: int, piece: int = 0) -> None:
                     raise ConnectionError(f"raw receive ended after {got} of {total} bytes")
                 got += n
             if piece:
-                hashlib.sha256(view[begin:end]).digest()
+                piece_hash(view[begin:end])
 
 
 def raw_from(port: int, nbytes: int, buffer: Any = None, huge: bool = True) -> float:
@@ -1007,8 +1007,16 @@ def raw_checked_from(port: int, nbytes: int, streams: int = 2) -> float:
     view = memoryview(_fresh(nbytes))
     pieces = -(-nbytes // PIECE_BYTES)
     bounds = [min(nbytes, pieces * i // streams * PIECE_BYTES) for i in range(streams + 1)]
+    failures: list[BaseException] = []
+
+    def receive(a: int, b: int) -> None:
+        try:
+            _receive(port, view[a:b], a, PIECE_BYTES)
+        except BaseException as exc:  # a timing of bytes not all received is no figure
+            failures.append(exc)
+
     threads = [
-        threading.Thread(target=_receive, args=(port, view[a:b], a, PIECE_BYTES))
+        threading.Thread(target=receive, args=(a, b))
         for a, b in zip(bounds, bounds[1:], strict=False)
         if b > a
     ]
@@ -1016,6 +1024,8 @@ def raw_checked_from(port: int, nbytes: int, streams: int = 2) -> float:
         thread.start()
     for thread in threads:
         thread.join()
+    if failures:
+        raise failures[0]
     return time.perf_counter() - started
 
 

@@ -186,6 +186,10 @@ def _check_shards(data: Any, ids: list[str], config: Config) -> ShardedView:
         raise MalformedRecord(f"shards: {exc}") from None
 
 
+#: The names of a leader record's timing settings (``Config.service_timing``).
+_TIMING_NAMES = frozenset(Config().service_timing())
+
+
 def timing_pairs(timing: Any) -> tuple[tuple[str, float], ...]:
     """A leader record's timing settings (``Config.service_timing``) as
     sorted (name, seconds) pairs; anything but a map of those names to
@@ -193,10 +197,9 @@ def timing_pairs(timing: Any) -> tuple[tuple[str, float], ...]:
     write other things: its record is still a leader's)."""
     if not isinstance(timing, dict):
         return ()
-    known = Config().service_timing()
     return tuple(sorted(
         (name, float(value)) for name, value in timing.items()
-        if name in known and isinstance(value, int | float) and not isinstance(value, bool)
+        if name in _TIMING_NAMES and isinstance(value, int | float) and not isinstance(value, bool)
         and math.isfinite(value)
     ))  # fmt: skip
 
