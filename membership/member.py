@@ -191,12 +191,15 @@ class Member:
             return None
         return self._answer_now(epoch)
 
-    def give_up_step_end(self) -> Answer | None:
+    def give_up_step_end(self, epoch: int | None = None) -> Answer | None:
         """A roll call waiting for the end of a step waits no more (the step
         is long, or failed): answered as any roll call, aborting the step in
         flight. Its answer now, or None if a step is being applied or
-        settling (as ``roll_call``); None also if none is waiting."""
-        if self.ending is None:
+        settling (as ``roll_call``); None also if none is waiting.
+        ``epoch``: only if roll call ``epoch`` is the one waiting (its own
+        ``rollcall_step_end_wait`` ran out); a newer one that replaced it
+        waits for its own time (None: whichever waits, the step failed)."""
+        if self.ending is None or (epoch is not None and self.ending != epoch):
             return None
         epoch, self.ending = self.ending, None
         return self._answer_now(epoch)

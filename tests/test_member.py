@@ -114,6 +114,24 @@ def test_a_roll_call_that_cannot_wait_for_the_step_end_aborts_as_any_other() -> 
     assert member.give_up_step_end() is None
 
 
+def test_the_late_timer_of_an_older_roll_call_leaves_a_newer_ones_step_end_wait_alone() -> None:
+    """Roll call 2 (a join) waited for step 5's end and was answered; in
+    view 2 roll call 3 (a leave) waits for step 6's end. Roll call 2's
+    timer (``rollcall_step_end_wait`` after it arrived) firing now must not
+    give up roll call 3's wait: step 6 would be aborted and trained again
+    without the leaver's part, its work lost."""
+    member = training(4)
+    assert member.roll_call(2, at_step_end=True) is None
+    assert land(member, 5, stop=True) == Answer(2, 5)
+    member.view_committed(view(2, ME, "w-1", resume=5))
+    member.enter(view(2, ME, "w-1", resume=5))
+    assert member.roll_call(3, at_step_end=True) is None
+    assert member.give_up_step_end(2) is None  # roll call 2's timer, late
+    assert member.stop_asked and not member.aborting  # step 6 runs on
+    assert member.give_up_step_end(3) == Answer(3, 5)  # its own timer gives up
+    assert member.aborting and not member.stop_asked
+
+
 def test_a_member_leaving_after_its_step_reduces_it_asking_the_stop_and_applies_nothing() -> None:
     member = training(4)
     member.leave(after_step=True)
@@ -361,9 +379,16 @@ class MemberMachine(RuleBasedStateMachine):
         """For a crash, or only for joiners (answered after a step's end)."""
         self._answered(self.member.roll_call(self.epoch + 1, at_step_end))
 
-    @rule()
-    def a_roll_call_stops_waiting_for_the_step_end(self) -> None:
-        self._answered(self.member.give_up_step_end())
+    @rule(older=st.one_of(st.none(), st.integers(0, 2)))
+    def a_roll_call_stops_waiting_for_the_step_end(self, older: int | None) -> None:
+        """A failed step (None), or the timer of the newest roll call or of
+        one ``older`` than it (which gives nothing up)."""
+        epoch = None if older is None else self.epoch + 1 - older
+        waiting = self.member.ending
+        answer = self.member.give_up_step_end(epoch)
+        if epoch is not None and epoch != waiting:
+            assert answer is None and self.member.ending == waiting  # another's wait: kept
+        self._answered(answer)
 
     @rule(delay=st.floats(0.0, 1.0))
     def leader_acknowledges(self, delay: float) -> None:

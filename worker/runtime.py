@@ -828,9 +828,10 @@ class Elastic:
         """Roll call ``epoch``, held at the step's end, waited
         ``rollcall_step_end_wait`` for it: the step is given up. Said once
         when the steps take longer than that (every join and clean leave
-        then throws a step's work away)."""
+        then throws a step's work away). A newer roll call that replaced
+        it waits for its own time."""
         with self._state:
-            waiting = self._member.ending is not None
+            waiting = self._member.ending == epoch
         wait = self._config.rollcall_step_end_wait
         if waiting and not self._said_step_end and self._step_seconds > wait:
             self._said_step_end = True
@@ -841,14 +842,15 @@ class Elastic:
                 "replicas and the workers (--set rollcall_step_end_wait=SECONDS)",
                 epoch, wait, self._step_seconds,
             )  # fmt: skip
-        self._give_up_step_end()
+        self._give_up_step_end(epoch)
 
-    def _give_up_step_end(self) -> None:
+    def _give_up_step_end(self, epoch: int | None = None) -> None:
         """A roll call held for joiners still waits for the step in flight
         to end (a long step, a busy period, a failed reduction): answered as
-        any roll call now, aborting the step (``Member.give_up_step_end``)."""
+        any roll call now, aborting the step (``Member.give_up_step_end``;
+        ``epoch``: only if that roll call is the one waiting)."""
         with self._state:
-            answer = self._member.give_up_step_end()
+            answer = self._member.give_up_step_end(epoch)
         if answer is not None:
             self._answer_waiting(answer.step)
         self._wake()
