@@ -20,7 +20,7 @@ an operator scaling a compose service up by K makes): their joins come
 as their processes finish starting, often less than
 ``rollcall_step_end_wait`` apart. The stall is then measured from the
 first one's start until 1 s after the last one's first full-size step.
-For rollcall the table also counts the steps in flight that the two
+For rollcall the table also counts the steps in flight that the ones
 already there aborted during the adds (their "finished before it was
 aborted" lines: a step whose microbatches were all still to run leaves
 none, so this is a floor), each a step's work thrown away.
@@ -73,8 +73,9 @@ class _WithArgs(peers.Rollcall):
 
 
 def hot_add_together(system: peers.System, count: int, timeout: float) -> dict[str, Any]:
-    """``peers.hot_add`` for ``count`` workers started at once (here, not in
-    peers.py: an earlier checkout's peers.py runs it too): the largest gap
+    """``peers.hot_add`` (the same for ``count`` 1) for ``count`` workers
+    started at once (here, not in peers.py: an earlier checkout's peers.py
+    runs it too): the largest gap
     of the workers already there from the first start until 1 s after the
     last joiner's first full-size step, minus their median step interval
     before; the steps in flight they aborted meanwhile (rollcall's log)."""
@@ -140,11 +141,7 @@ def measure_once(
             system.spawn()
         peers.wait_steady(system, BASE, 10, time.time(), 180)
         for _ in range(int(adds)):
-            if int(together) == 1:
-                result = peers.hot_add(system, TIMEOUT)
-            else:
-                result = hot_add_together(system, int(together), TIMEOUT)
-            out.append(result)
+            out.append(hot_add_together(system, int(together), TIMEOUT))
             for added in system.workers[-int(together):]:
                 system.kill(added)
             peers.wait_steady(system, BASE, 5, time.time(), TIMEOUT)
@@ -217,7 +214,7 @@ def main() -> int:
     print("|---|---:|---:|---:|")
     for label, t in table.items():
         s, j = t["stall_s"], t["join_to_first_step_s"]
-        counted = aborted[label] if args.together > 1 and label != "torchft" else "-"
+        counted = aborted[label] if label != "torchft" else "-"
         print(f"| {label} | {s['median']:.3f} s [{s['min']:.3f}-{s['max']:.3f}] "
               f"| {j['median']:.2f} s [{j['min']:.2f}-{j['max']:.2f}] | {counted} |")  # fmt: skip
     parameters = {
