@@ -3,14 +3,17 @@ and real `rollcall worker` processes training the example LM."""
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
+from rollcall.etcd_local import LocalEtcd
 from rollcall.membership.config import Config
 from rollcall.worker.ledger import Ledger, merge_ledgers
 from rollcall.worker.plan import DataPlan
@@ -19,6 +22,7 @@ from tests.harness import (
     ControlPlane,
     Process,
     WorkerProcess,
+    log_tails,
     start_together,
     stop_together,
 )
@@ -346,6 +350,67 @@ def test_ctrl_c_lets_the_step_in_flight_land_with_the_leavers_part(workers: Work
             f"the step in flight when the worker left (step {leavers_last + 1}) was trained "
             f"again without it: {landed[leavers_last + 1]}"
         )
+
+
+#: A worker's debug line when it answers a roll call (its time, the epoch,
+#: how long after the roll call arrived, how long it waited for a step).
+_ANSWERED = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .* roll call (\d+) answered in ([\d.]+) ms "
+    r"\(step \S+: ([\d.]+) ms waiting for it to land"
+)
+
+
+def _roll_call_answered(worker: WorkerProcess, after_epoch: int) -> tuple[float, float]:
+    """When the first roll call newer than ``after_epoch`` reached
+    ``worker`` (wall clock, from its debug log) and how long its answer
+    waited for the step in flight to end, in seconds."""
+    deadline = time.monotonic() + PATIENCE
+    while time.monotonic() < deadline:
+        for line in worker.log_path.read_text(errors="replace").splitlines():
+            found = _ANSWERED.match(line)
+            if found and int(found[2]) > after_epoch:
+                logged = datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                return logged - float(found[3]) / 1000, float(found[4]) / 1000
+        time.sleep(0.05)
+    raise TimeoutError(f"no roll call after epoch {after_epoch} answered: {worker.log_tail()}")
+
+
+def test_a_clean_leave_just_after_a_join_lands_its_step_in_flight_with_the_leavers_part(
+    etcd: LocalEtcd, tmp_path: Path
+):
+    """A clean leave whose roll call arrives 0.25 s before the join's roll
+    call before it has waited ``rollcall_step_end_wait`` (4 s here; steps
+    of 1-2 s): the join's time running out gives up nothing of the
+    leave's, whose step in flight lands with the leaver's part. (Before,
+    the join's timer gave up whichever roll call waited: the step was
+    aborted and trained again without the leaver, in 4 runs of 4.)"""
+    wait = 4.0
+    plane = ControlPlane([etcd.endpoint], tmp_path, settings=(f"rollcall_step_end_wait={wait}",))
+    group = Workers(
+        plane, tmp_path, steps=10_000,
+        extra=("--set", f"rollcall_step_end_wait={wait}", "--d-model", "256", "--layers", "16",
+               "--log-level", "debug"),
+    )  # fmt: skip
+    try:
+        team = group.start_together(2)
+        epoch = max(wait_step(w, lambda e: e["world"] == 2)["epoch"] for w in team)
+        group.start()
+        arrived, waited = _roll_call_answered(team[0], epoch)
+        # The join's roll call waited for a step's end, so its timer runs.
+        assert waited > 0.01, f"the join's roll call waited {waited:.3f} s for the step's end"
+        time.sleep(max(0.0, arrived + wait - 0.25 - time.time()))
+        team[1].signal(signal.SIGINT)
+        assert team[1].proc.wait(timeout=PATIENCE) == 130, team[1].log_tail()
+        leavers_last = max(e["step"] for e in team[1].steps())
+        wait_step(team[0], lambda e: e["world"] == 2 and e["step"] > leavers_last + 1)
+        landed = {e["step"]: e for e in team[0].steps()}
+        assert landed[leavers_last + 1]["world"] == 3, (
+            f"the step in flight when the worker left (step {leavers_last + 1}) was trained "
+            f"again without it: {landed[leavers_last + 1]}\n{log_tails(group.all)}"
+        )
+    finally:
+        group.close()
+        plane.close()
 
 
 def test_a_leaver_whose_leave_call_fails_is_still_left_behind_with_no_sample_lost_or_repeated(
