@@ -75,10 +75,10 @@ class _WithArgs(peers.Rollcall):
 def hot_add_together(system: peers.System, count: int, timeout: float) -> dict[str, Any]:
     """``peers.hot_add`` (the same for ``count`` 1) for ``count`` workers
     started at once (here, not in peers.py: an earlier checkout's peers.py
-    runs it too): the largest gap
-    of the workers already there from the first start until 1 s after the
-    last joiner's first full-size step, minus their median step interval
-    before; the steps in flight they aborted meanwhile (rollcall's log)."""
+    runs it too): the largest gap of the workers already there from the
+    first start until 1 s after the last joiner's first full-size step,
+    minus their median step interval before; the steps in flight they
+    aborted meanwhile (rollcall's log)."""
     existing = system.live()
     world = len(existing) + count
     time.sleep(1.0)  # a baseline of step intervals
