@@ -40,9 +40,9 @@ class Category(enum.Enum):
 
 LOSSES = tuple(c for c in Category if c is not Category.USEFUL)
 
-#: A checkpoint boundary this close (in seconds) counts as reached, so that
-#: rounding does not decide whether a checkpoint was written at the very
-#: moment time stops.
+#: A checkpoint boundary (or the end of its write) this close, in seconds,
+#: counts as reached, so that rounding does not decide whether a checkpoint
+#: was written at the very moment time stops.
 _REACHED = 1e-9
 
 #: When several things hold the job up at once, the time goes to the first of
@@ -157,7 +157,7 @@ class Timeline:
                 self._seconds[Category.CHECKPOINT] += spent
                 self._writing -= spent
                 dt -= spent
-                if self._writing <= 0:
+                if self._writing <= _REACHED:  # as a boundary: rounding decides nothing
                     self._writing = 0.0
                     self.durable = self._boundary
                     self._boundary += self._every or math.inf
