@@ -207,8 +207,7 @@ def main() -> int:
     token = secrets.token_urlsafe(16)
     with tempfile.TemporaryDirectory(prefix="rollcall-churn-") as tmp:
         etcd = LocalEtcd(
-            data_dir=Path(tmp) / "etcd", client_port=free_port(), peer_port=free_port(),
-            compaction_retention=args.compaction_retention,
+            data_dir=Path(tmp) / "etcd", compaction_retention=args.compaction_retention,
         )  # fmt: skip
         etcd.start()
         port = free_port()

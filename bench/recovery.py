@@ -99,7 +99,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rollcall.etcd_local import LocalEtcd, free_port  # noqa: E402
+from rollcall.etcd_local import LocalEtcd, free_port, free_ports  # noqa: E402
 from rollcall.tether import tethered  # noqa: E402
 
 JOB = "recovery"
@@ -542,10 +542,11 @@ class Cluster:
         self.replica_extra = tuple(replica_extra)
         self.procs: list[Proc] = []
         self.counter = 0
-        self.etcd = LocalEtcd(data_dir=tmp / "etcd", client_port=free_port(), peer_port=free_port())
+        client, peer, port = free_ports(3)
+        self.etcd = LocalEtcd(data_dir=tmp / "etcd", client_port=client, peer_port=peer)
         self.token_file = tmp / "token"
         self.token_file.write_text(os.urandom(16).hex())
-        self.address = f"127.0.0.1:{free_port()}"
+        self.address = f"127.0.0.1:{port}"
 
     def __enter__(self) -> Cluster:
         self.etcd.start()
@@ -710,8 +711,7 @@ def floor_commit(repeats: int) -> list[float]:
 
     took = []
     with tempfile.TemporaryDirectory(prefix="rollcall-floor-") as tmp:
-        etcd = LocalEtcd(data_dir=Path(tmp) / "etcd", client_port=free_port(),
-                         peer_port=free_port())  # fmt: skip
+        etcd = LocalEtcd(data_dir=Path(tmp) / "etcd")
         etcd.start()
         try:
             with grpc.insecure_channel(etcd.endpoint.removeprefix("http://")) as channel:
@@ -759,7 +759,7 @@ def floor_rebuild(world: int, repeats: int) -> list[float]:
     already started and torch imported: the floor of the group rebuild."""
     ctx = mp.get_context("spawn")
     out, start = ctx.Queue(), ctx.Barrier(world)
-    ports = [free_port() for _ in range(repeats + 1)]  # the first one warms up
+    ports = free_ports(repeats + 1)  # the first one warms up
     procs = [ctx.Process(target=rebuild_rank, args=(r, world, ports, start, out), daemon=True)
              for r in range(world)]  # fmt: skip
     try:

@@ -79,7 +79,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rollcall.etcd_local import LocalEtcd, free_port  # noqa: E402
+from rollcall.etcd_local import LocalEtcd, free_ports  # noqa: E402
 from rollcall.membership.config import Config  # noqa: E402
 from rollcall.membership.view import View  # noqa: E402
 from rollcall.protocol.carrier import SessionCarrier  # noqa: E402
@@ -351,10 +351,9 @@ class Service:
         self.token = secrets.token_urlsafe(16)
         self._tmp = tempfile.TemporaryDirectory(prefix="rollcall-bench-")
         tmp = Path(self._tmp.name)
-        self.etcd = LocalEtcd(data_dir=tmp / "etcd", client_port=free_port(),
-                              peer_port=free_port())  # fmt: skip
+        client, peer, self.port = free_ports(3)
+        self.etcd = LocalEtcd(data_dir=tmp / "etcd", client_port=client, peer_port=peer)
         self.log_path = tmp / "rendezvous.log"
-        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.replica: subprocess.Popen[bytes] | None = None
 

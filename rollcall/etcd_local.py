@@ -37,7 +37,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -90,9 +90,24 @@ _MISSING_BINARY = (
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picked it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, besides: Iterable[int] = ()) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that were free a moment ago,
+    none of them in ``besides``. Picked one at a time, the OS may hand out the
+    same port again as soon as its probe closes, so every probe stays bound
+    until all are picked."""
+    avoid = set(besides)
+    ports: list[int] = []
+    with contextlib.ExitStack() as probes:
+        while len(ports) < count:
+            sock = probes.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            if port not in avoid:
+                ports.append(port)
+    return ports
 
 
 @dataclass(frozen=True)
@@ -249,8 +264,9 @@ class LocalEtcd:
         self._owns_dir = data_dir is None
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._ports_chosen = client_port == 0 and peer_port == 0
-        self.client_port = client_port or free_port()
-        self.peer_port = peer_port or free_port()
+        client_default, peer_default = free_ports(2, besides=[client_port, peer_port])
+        self.client_port = client_port or client_default
+        self.peer_port = peer_port or peer_default
         self.name = name
         self._initial_cluster = initial_cluster
         self._cluster_state = cluster_state
@@ -317,7 +333,7 @@ class LocalEtcd:
         if "address already in use" not in str(exc):
             return False
         self.wipe_data()
-        self.client_port, self.peer_port = free_port(), free_port()
+        self.client_port, self.peer_port = free_ports(2)
         return True
 
     def launch(self) -> None:
@@ -593,7 +609,8 @@ class LocalEtcdCluster:
             self._base_dir = Path(tempfile.mkdtemp(prefix="rollcall-etcd-cluster-"))
         token = f"rollcall-{uuid.uuid4().hex[:12]}"
         names = [f"rollcall-etcd-{i}" for i in range(self._size)]
-        ports = [(free_port(), free_port()) for _ in names]
+        picked = free_ports(2 * len(names))
+        ports = list(zip(picked[::2], picked[1::2], strict=True))
         initial = ",".join(
             f"{name}=http://127.0.0.1:{peer}" for name, (_, peer) in zip(names, ports, strict=True)
         )
@@ -651,5 +668,6 @@ __all__ = [
     "LocalEtcd",
     "LocalEtcdCluster",
     "free_port",
+    "free_ports",
     "running_etcd_children",
 ]

@@ -252,13 +252,13 @@ def small_filesystem(where: Path, size: str) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def observed_worker(etcd: Any, tmp_path: Path, size: str) -> Iterator[Observed]:
-    from rollcall.etcd_local import free_port
+    from rollcall.etcd_local import free_ports
 
     plane = ControlPlane([etcd.endpoint], tmp_path, replicas=0)
     worker = None
     with small_filesystem(tmp_path / "disk", size) as disk:
         try:
-            events, service_port, worker_port = tmp_path / "events.jsonl", free_port(), free_port()
+            events, (service_port, worker_port) = tmp_path / "events.jsonl", free_ports(2)
             plane.replicas.append(MeteredReplica(plane, events, service_port))
             worker = start(
                 plane, tmp_path, "w0", disk / "ckpt", 100_000, "--metrics-port", str(worker_port)

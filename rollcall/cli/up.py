@@ -141,7 +141,7 @@ def up(
     SIGKILL after 15 s). --set applies to the rendezvous service and to the
     example workers; a COMMAND's runtime uses its own settings.
     """
-    from rollcall.etcd_local import LocalEtcd, free_port
+    from rollcall.etcd_local import LocalEtcd
     from rollcall.local import WorkerOptions
     from rollcall.protocol.wire import write_token_file
 
@@ -169,7 +169,7 @@ def up(
     write_token_file(token_file, os.environ.get("ROLLCALL_TOKEN") or secrets.token_urlsafe(24))
     events_path = events or workdir / "events.jsonl"
     setup_logging(log_level)
-    server = LocalEtcd(data_dir=workdir / "etcd", client_port=free_port(), peer_port=free_port())
+    server = LocalEtcd(data_dir=workdir / "etcd")
     server.start()
     try:
         credentials = secure_etcd([server.endpoint], etcd_auth_dir(server.data_dir))
