@@ -314,27 +314,24 @@ class LocalEtcd:
 
         Raises ``RuntimeError`` with the tail of etcd's log if it exits or is
         not ready within ``timeout`` seconds (the process is then killed). On
-        a first start with ports picked here, a port taken in the meantime by
-        someone else is retried with new ports.
+        a first start with ports picked here, in a data directory that holds
+        no etcd data yet, a port taken in the meantime by someone else is
+        retried with new ports (a directory that holds data is never wiped).
         """
-        for _ in range(3):
+        fresh = not self._started_once and not (self.data_dir / "member").exists()
+        attempts = 3
+        for attempt in range(1, attempts + 1):
             self.launch()
             try:
                 self.wait_ready(timeout)
                 return self
             except RuntimeError as exc:
-                if not self._retry_with_new_ports(exc):
+                taken = "address already in use" in str(exc)
+                if attempt == attempts or not (fresh and self._ports_chosen and taken):
                     raise
+                self.wipe_data()  # what the failed start may have written
+                self.client_port, self.peer_port = free_ports(2)
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def _retry_with_new_ports(self, exc: RuntimeError) -> bool:
-        if self._started_once or not (self._ports_chosen and self._owns_dir):
-            return False
-        if "address already in use" not in str(exc):
-            return False
-        self.wipe_data()
-        self.client_port, self.peer_port = free_ports(2)
-        return True
 
     def launch(self) -> None:
         """Start the etcd process without waiting for it (see ``wait_ready``)."""

@@ -166,6 +166,44 @@ def test_start_failure_raises_with_log_tail() -> None:
     assert "address already in use" in str(info.value)
 
 
+def test_a_port_taken_before_the_first_start_of_a_given_empty_data_dir_is_picked_again(
+    tmp_path: Path,
+) -> None:
+    # As `rollcall up --data-dir DIR` starts its etcd: the directory is the
+    # caller's, the ports are picked here, and someone takes one meanwhile.
+    server = LocalEtcd(data_dir=tmp_path / "etcd")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", server.client_port))
+        taken.listen()
+        try:
+            server.start(timeout=20)
+            assert server.client_port != taken.getsockname()[1]
+            with client_for(server.endpoint) as client:
+                client.put("/k", "v")
+                assert client.get("/k")[0] == b"v"
+        finally:
+            server.stop()
+
+
+def test_a_data_dir_that_holds_etcd_data_is_never_wiped_to_pick_other_ports(
+    tmp_path: Path,
+) -> None:
+    first = LocalEtcd(data_dir=tmp_path / "etcd")
+    with first, client_for(first.endpoint) as client:
+        client.put("/kept", "yes")
+    again = LocalEtcd(data_dir=tmp_path / "etcd")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", again.client_port))
+        taken.listen()
+        try:
+            with pytest.raises(RuntimeError, match="address already in use"):
+                again.start(timeout=20)
+        finally:
+            again.stop()
+    with again, client_for(again.endpoint) as client:
+        assert client.get("/kept")[0] == b"yes"
+
+
 def test_missing_binary_names_the_debian_package() -> None:
     server = LocalEtcd(binary="etcd-binary-that-does-not-exist")
     with pytest.raises(FileNotFoundError, match="etcd-server") as info:
