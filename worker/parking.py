@@ -109,7 +109,7 @@ def release_in_background(what: str, keep: list[object]) -> None:
     """Destroy the objects ``keep`` holds (a gloo group whose work is over,
     the store it hosts) on a thread of its own, ``keep`` holding the only
     references to them. Gloo's destructor joins its threads and closes its
-    connections, 10-15 ms on this machine, most of it without the GIL: the
+    connections, 10-20 ms on this machine, most of it without the GIL: the
     thread that closed the group (the training thread, entering the next
     view) goes on meanwhile. :func:`wait_parked` waits for these too."""
     thread = threading.Thread(target=keep.clear, name=f"rollcall release {what}", daemon=True)
