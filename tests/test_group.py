@@ -142,20 +142,6 @@ def _sum_once(channels: Channels, rank: int, size: int) -> None:
     channels.reports.put({"rank": rank, "wrong": wrong})
 
 
-def _close_and_count_sockets(channels: Channels, rank: int, size: int) -> None:
-    from rollcall.worker.connections import socket_ids, tcp_sockets
-
-    _started(channels, rank)
-    before = socket_ids()
-    group = _join_epoch(1, rank, size, channels.ports, threading.Event())
-    group.allreduce_sum([torch.ones(8)])
-    opened = len(tcp_sockets(skip=before))
-    group.close()  # destroyed on a thread of its own
-    released = wait_parked(GROUP_TIMEOUT)
-    channels.reports.put({"rank": rank, "opened": opened, "released": released,
-                          "left": len(tcp_sockets(skip=before))})  # fmt: skip
-
-
 def _broadcast_once(channels: Channels, rank: int, size: int) -> None:
     _started(channels, rank)
     group = _join_epoch(1, rank, size, channels.ports, threading.Event())
@@ -381,18 +367,6 @@ def test_allreduce_sums_mixed_dtypes_across_ranks(members: Members, size: int) -
     results = members.collect(size, "wrong")
     assert [result["wrong"] for result in results] == [[]] * size
     assert members.exit_codes(processes, START_BOUND) == [0] * size
-
-
-def test_a_closed_group_is_destroyed_in_the_background_and_waited_for(members: Members) -> None:
-    """``close()`` hands a group whose work is over to a thread of its own
-    (gloo's destructor takes 10-15 ms, which the caller, entering the next
-    view, does not wait for); ``wait_parked`` waits for it, after which
-    none of the group's sockets (its listener, its connections, the store
-    rank 0 hosts) is left."""
-    processes = members.start(_close_and_count_sockets, [0, 1, 2], 3)
-    results = members.collect(3, "opened")
-    assert all(r["opened"] > 0 and r["released"] and r["left"] == 0 for r in results), results
-    assert members.exit_codes(processes, START_BOUND) == [0] * 3
 
 
 def test_broadcast_copies_the_source_ranks_tensors(members: Members) -> None:
@@ -629,23 +603,3 @@ def test_the_sockets_opened_since_a_snapshot_are_listed_with_their_ends() -> Non
     finally:
         for sock in (unrelated, server, client, accepted):
             sock.close()
-
-
-def test_what_is_released_in_the_background_is_destroyed_off_the_callers_thread_and_waited_for(
-) -> None:
-    from rollcall.worker.parking import release_in_background
-
-    gate, destroyed_on = threading.Event(), []
-
-    class Held:
-        def __del__(self) -> None:
-            destroyed_on.append(threading.current_thread())
-            gate.wait(10)  # a destructor that takes its time, as gloo's
-
-    release_in_background("test group", [Held()])
-    # The call returned while the destructor still runs elsewhere, and the
-    # exit's wait does not call it done.
-    assert not wait_parked(0.05)
-    gate.set()
-    assert wait_parked(10)
-    assert destroyed_on and destroyed_on[0] is not threading.current_thread()

@@ -11,11 +11,9 @@ every rank publishing its gloo listener in the epoch's store), which makes
 the blocked call fail within milliseconds here and on every peer. What
 cannot be stopped that way (a build still connecting) is *parked*
 (``rollcall.worker.parking``): kept referenced until it finishes, at the
-latest when its own timeout fires, and only then released. A closed or
-failed group is released at once, on a thread of its own
-(``release_in_background``: gloo's destructor takes 10-20 ms the caller need
-not wait for): closing its connections is what makes peers still blocked
-on it fail fast.
+latest when its own timeout fires, and only then released. A failed group
+is released at once: closing its connections is what makes peers still
+blocked on it fail fast.
 
 Two timeouts: gloo's own, per collective, is only a backstop (``timeout``
 plus the longest busy period a peer may declare); how long a collective may
@@ -76,7 +74,7 @@ from rollcall.worker.bootstrap_store import (
     take_hosted,
 )
 from rollcall.worker.connections import Connection, connections_of, socket_ids, tcp_sockets
-from rollcall.worker.parking import leak, park, release_in_background, sweep, wait_at_exit
+from rollcall.worker.parking import leak, park, sweep, wait_at_exit
 
 __all__ = ["EpochGroup"]
 
@@ -519,26 +517,24 @@ class EpochGroup:
         leak(f"epoch {self.epoch} group", pg, store, *pending, *buffers)
 
     def _release(self, works: list[Work], buffers: list[torch.Tensor]) -> None:
-        """Destroy the group at once, on a thread of its own, if none of
-        ``works`` still runs (which also tells peers blocked on it, by
-        resetting their connections); otherwise park it with them until they
-        end."""
-        keep: list[object] = [self._pg, self._store]  # the only references
+        """Destroy the group now if none of ``works`` still runs (which also
+        tells peers blocked on it, by resetting their connections); otherwise
+        park it with them until they end."""
+        pg, store = self._pg, self._store
         self._pg = self._store = None
         _open_groups.discard(self)
         pending = [work for work in works if not work.is_completed()]
-        if pending and keep[0] is not None:
+        if pending and pg is not None:
             park(
                 f"epoch {self.epoch} group",
                 lambda: all(work.is_completed() for work in pending),
                 self.hard_timeout,
                 self._config,
-                *keep,
+                pg,
+                store,
                 pending,
                 list(buffers),
             )
-        elif any(item is not None for item in keep):
-            release_in_background(f"epoch {self.epoch} group", keep)
 
 
 class Pending:

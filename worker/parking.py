@@ -24,16 +24,7 @@ from dataclasses import dataclass, field
 
 from rollcall.membership.config import Config
 
-__all__ = [
-    "leak",
-    "leaked_count",
-    "park",
-    "parked_count",
-    "release_in_background",
-    "sweep",
-    "wait_at_exit",
-    "wait_parked",
-]
+__all__ = ["leak", "leaked_count", "park", "parked_count", "sweep", "wait_at_exit", "wait_parked"]
 
 log = logging.getLogger("rollcall.group")
 
@@ -52,11 +43,6 @@ class _Parked:
 
 _parked: list[_Parked] = []
 _parked_lock = threading.Lock()
-#: Threads destroying what ``release_in_background`` was given.
-_releasing: list[threading.Thread] = []
-#: How long an exit waits for them: a group whose work is over is destroyed
-#: in milliseconds.
-_RELEASE_BOUND = 10.0
 
 
 def park(
@@ -105,32 +91,6 @@ def leaked_count() -> int:
     return len(_leaked)
 
 
-def release_in_background(what: str, keep: list[object]) -> None:
-    """Destroy the objects ``keep`` holds (a gloo group whose work is over,
-    the store it hosts) on a thread of its own, ``keep`` holding the only
-    references to them. Gloo's destructor joins its threads and closes its
-    connections, 10-20 ms on this machine, most of it without the GIL: the
-    thread that closed the group (the training thread, entering the next
-    view) goes on meanwhile. :func:`wait_parked` waits for these too."""
-    thread = threading.Thread(target=keep.clear, name=f"rollcall release {what}", daemon=True)
-    with _parked_lock:
-        _releasing[:] = [t for t in _releasing if t.is_alive()]
-        _releasing.append(thread)
-    thread.start()
-
-
-def _join_releasing(until: float) -> bool:
-    """Wait (until the monotonic time ``until`` at most) for the threads of
-    ``release_in_background``; True if none is left."""
-    with _parked_lock:
-        threads = list(_releasing)
-    for thread in threads:
-        thread.join(max(0.0, until - time.monotonic()))
-    with _parked_lock:
-        _releasing[:] = [t for t in _releasing if t.is_alive()]
-        return not _releasing
-
-
 def parked_count() -> int:
     """How many abandoned groups (or builds) are still blocked; releases the
     ones that are no longer."""
@@ -146,8 +106,6 @@ def wait_parked(timeout: float) -> bool:
     (SIGABRT), and so can a helper thread that returns from torch during
     shutdown. Returns False early when only operations stuck for good remain.
     Looks every ``group_abort_poll`` of the configs they were parked with.
-    Also waits for the groups being destroyed in the background
-    (``release_in_background``).
     """
     give_up = time.monotonic() + timeout
     while remaining := _release_finished():
@@ -155,7 +113,7 @@ def wait_parked(timeout: float) -> bool:
         if now >= give_up or all(entry.deadline <= now for entry in remaining):
             return False
         time.sleep(min(entry.poll for entry in remaining))
-    return _join_releasing(give_up)
+    return True
 
 
 def sweep() -> None:
@@ -165,10 +123,8 @@ def sweep() -> None:
 
 
 def wait_at_exit() -> None:
-    """Wait for what is parked or being destroyed, saying what and for how
-    long, while the interpreter is still intact."""
-    if not _join_releasing(time.monotonic() + _RELEASE_BOUND):
-        log.warning("exiting while a closed gloo group is still being destroyed")
+    """Wait for what is parked, saying what and for how long, while the
+    interpreter is still intact."""
     with _parked_lock:
         deadline = max((entry.deadline for entry in _parked), default=0.0)
         waiting = [entry.what for entry in _parked if not entry.finished()]
