@@ -256,6 +256,7 @@ class LocalEtcd:
         heartbeat_ms: int | None = None,
         election_ms: int | None = None,
         compaction_retention: str = AUTO_COMPACTION_RETENTION,
+        avoid: Iterable[int] = (),
     ) -> None:
         self._compaction_retention = compaction_retention
         self._heartbeat_ms = heartbeat_ms
@@ -264,7 +265,10 @@ class LocalEtcd:
         self._owns_dir = data_dir is None
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._ports_chosen = client_port == 0 and peer_port == 0
-        client_default, peer_default = free_ports(2, besides=[client_port, peer_port])
+        # Ports picked here are none of ``avoid`` (ports the caller binds
+        # after etcd starts), also when a start picks again.
+        self._avoid = frozenset(avoid)
+        client_default, peer_default = free_ports(2, besides={client_port, peer_port, *self._avoid})
         self.client_port = client_port or client_default
         self.peer_port = peer_port or peer_default
         self.name = name
@@ -330,7 +334,7 @@ class LocalEtcd:
                 if attempt == attempts or not (fresh and self._ports_chosen and taken):
                     raise
                 self.wipe_data()  # what the failed start may have written
-                self.client_port, self.peer_port = free_ports(2)
+                self.client_port, self.peer_port = free_ports(2, besides=self._avoid)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def launch(self) -> None:

@@ -169,7 +169,11 @@ def up(
     write_token_file(token_file, os.environ.get("ROLLCALL_TOKEN") or secrets.token_urlsafe(24))
     events_path = events or workdir / "events.jsonl"
     setup_logging(log_level)
-    server = LocalEtcd(data_dir=workdir / "etcd")
+    # Ports bound once etcd runs are none it may pick (a fixed port given to
+    # --listen or --metrics-port is seldom one the OS hands out, but may be).
+    listen_port = listen.rpartition(":")[2]
+    bound_later = [int(listen_port) if listen_port.isdigit() else 0, metrics_port or 0]
+    server = LocalEtcd(data_dir=workdir / "etcd", avoid=[p for p in bound_later if p])
     server.start()
     try:
         credentials = secure_etcd([server.endpoint], etcd_auth_dir(server.data_dir))
