@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -88,6 +88,16 @@ KINDS = (
 #: cluster) lasts a seeded draw from this range, in seconds: longer than
 #: every lease of the cluster's settings at its upper end.
 ETCD_STALL = (5.0, 30.0)
+#: A worker's log line when it serves a corrupted state range
+#: (rollcall.worker.faults), and the lines of a fetch that caught one.
+CORRUPTED = "fault injection: corrupting"
+DETECTED = ("corrupt state from", "fails its digest")
+
+
+def _detections(worker: Worker) -> int:
+    """How many times ``worker``'s log says a fetch caught a corrupt range."""
+    log = worker.log_tail(100_000)
+    return sum(log.count(line) for line in DETECTED)
 
 
 class Unexpected(Exception):
@@ -190,14 +200,17 @@ class Soak:
             if code != 3:
                 raise Unexpected(f"{worker} exited {code}, not 3 (evicted)")
 
-    def replenish(self, env: dict[str, str] | None = None) -> list[Worker]:
-        """Start workers until the team is full again; wait until all of
-        them commit in a view of the full team."""
+    def replenish(
+        self, env: dict[str, str] | None = None, settings: Sequence[str] = ()
+    ) -> list[Worker]:
+        """Start workers (``env`` added to their environment, ``settings`` to
+        their config) until the team is full again; wait until all of them
+        commit in a view of the full team."""
         missing = self.size - len(self.team)
         if missing <= 0:
             return []
         epoch = self.epoch() if self.team else 0
-        started = self.cluster.start_workers(missing, env=env)
+        started = self.cluster.start_workers(missing, env=env, settings=settings)
         self.team += started
         self.wait_all(lambda e, world: e["epoch"] > epoch and e["world"] == world)
         return [w for w in started if w in self.team]
@@ -343,8 +356,12 @@ class Soak:
 
     def corrupt_chunk(self, episode: Episode) -> None:
         # A peer that corrupts the next few state ranges it serves joins and
-        # takes the place of a crashed member; the next joiner must detect
-        # the corruption and fetch the state again elsewhere.
+        # takes the place of a crashed member; whatever it serves next (to
+        # the joiner that replaces another crashed member, or to a member
+        # behind) must be caught and fetched again elsewhere. The joiner
+        # takes the state in pieces striped over every source
+        # (transfer_whole_bytes=1): a state small enough to come whole comes
+        # from the senior source, never from the newer corrupter.
         epoch = self.epoch()
         outgoing = self.victim()
         kill(outgoing)
@@ -355,14 +372,20 @@ class Soak:
         corrupter = corrupters[0]
         epoch = self.epoch()
         victim = self.rng.choice([w for w in self.team if w is not corrupter])
-        episode.detail = f"{corrupter.host.name} corrupts; {victim.host.name} crashes"
+        earlier = {w: _detections(w) for w in self.team}
         kill(victim)
         self.leave([victim], epoch)
-        joiners = self.replenish()
-        if corrupter in self.team and not any(
-            "fails its digest" in joiner.log_tail(300) for joiner in joiners
-        ):
-            raise Unexpected(f"{joiners} did not detect the corrupt state they were served")
+        joiners = self.replenish(settings=("transfer_whole_bytes=1",))
+        served = corrupter.log_tail(100_000).count(CORRUPTED)
+        caught = sum(_detections(w) - earlier.get(w, 0) for w in {*self.team, victim})
+        episode.detail = (
+            f"{corrupter.host.name} corrupts ({served} served); {victim.host.name} crashes"
+        )
+        if served and not caught:
+            raise Unexpected(
+                f"{corrupter.host.name} served {served} corrupt ranges and nobody caught one "
+                f"(joiners {joiners})"
+            )
 
     # --- the run ------------------------------------------------------------------
     def episode(self, number: int, kind: str) -> Episode:
