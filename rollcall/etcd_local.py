@@ -268,9 +268,10 @@ class LocalEtcd:
         # Ports picked here are none of ``avoid`` (ports the caller binds
         # after etcd starts), also when a start picks again.
         self._avoid = frozenset(avoid)
-        client_default, peer_default = free_ports(2, besides={client_port, peer_port, *self._avoid})
-        self.client_port = client_port or client_default
-        self.peer_port = peer_port or peer_default
+        missing = (client_port, peer_port).count(0)
+        picked = iter(free_ports(missing, besides={client_port, peer_port, *self._avoid}))
+        self.client_port = client_port or next(picked)
+        self.peer_port = peer_port or next(picked)
         self.name = name
         self._initial_cluster = initial_cluster
         self._cluster_state = cluster_state
