@@ -133,11 +133,15 @@ class Episode:
 
 
 class Soak:
-    def __init__(self, cluster: Cluster, rng: random.Random, workers: int, plan: Any) -> None:
+    def __init__(
+        self, cluster: Cluster, rng: random.Random, workers: int, plan: Any,
+        etcd_stall: tuple[float, float] = ETCD_STALL,
+    ) -> None:  # fmt: skip
         self.cluster = cluster
         self.rng = rng
         self.size = workers
         self.plan = plan
+        self.stall_range = etcd_stall
         #: The workers expected in the current view.
         self.team: list[Worker] = []
         self.seen_violations: set[str] = set()
@@ -330,10 +334,11 @@ class Soak:
         self.wait_all(lambda e, world: e["step"] > step)
 
     def etcd_stall(self, episode: Episode) -> None:
-        """Every etcd member frozen for a seeded 5-30 s: training goes on
+        """Every etcd member frozen for a seeded draw from ``stall_range``
+        (5-30 s by default): training goes on
         throughout in the same view, and nobody is evicted afterwards (a
         worker exiting 3 is a false eviction, counted by ``wait_all``)."""
-        seconds = self.rng.uniform(*ETCD_STALL)
+        seconds = self.rng.uniform(*self.stall_range)
         episode.detail = f"{seconds:.1f} s"
         epoch, step = self.epoch(), self.last_step()
         processes = [m.process for m in self.cluster.etcd if m.process is not None]
@@ -460,7 +465,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="rollcall-soak-"))
     started_wall = datetime.now(UTC).isoformat(timespec="seconds")
     with Cluster(workdir, etcd_members=3, replicas=2, job="soak") as cluster:
-        soak = Soak(cluster, victims, args.workers, plan)
+        soak = Soak(cluster, victims, args.workers, plan, tuple(args.etcd_stall))
         soak.replenish()
         origin = time.monotonic()
         print(f"soak: {args.workers} workers trained; faults for {args.duration:.0f} s "
@@ -521,9 +526,19 @@ def main() -> int:
         help="up to this many seconds of calm between faults (default 3)",
     )
     parser.add_argument("--kinds", help=f"comma-separated subset of: {','.join(KINDS)}")
+    parser.add_argument(
+        "--etcd-stall",
+        type=float,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=ETCD_STALL,
+        help="an etcd stall freezes etcd for a draw from MIN-MAX seconds (default 5 30)",
+    )
     args = parser.parse_args()  # fmt: skip
     if args.duration <= 0 or args.workers < 2 or args.gap < 0.5:
         parser.error("--duration must be positive, --workers at least 2, --gap at least 0.5")
+    if not 0 < args.etcd_stall[0] <= args.etcd_stall[1] <= 600:
+        parser.error("--etcd-stall needs 0 < MIN <= MAX <= 600 seconds")
     if args.kinds and not set(args.kinds.split(",")) <= set(KINDS):
         parser.error(f"--kinds must name faults among {','.join(KINDS)}")
     result = run(args)
