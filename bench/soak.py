@@ -135,13 +135,13 @@ class Episode:
 class Soak:
     def __init__(
         self, cluster: Cluster, rng: random.Random, workers: int, plan: Any,
-        etcd_stall: tuple[float, float] = ETCD_STALL,
+        stall_range: tuple[float, float] = ETCD_STALL,
     ) -> None:  # fmt: skip
         self.cluster = cluster
         self.rng = rng
         self.size = workers
         self.plan = plan
-        self.stall_range = etcd_stall
+        self.stall_range = stall_range
         #: The workers expected in the current view.
         self.team: list[Worker] = []
         self.seen_violations: set[str] = set()
