@@ -359,6 +359,23 @@ class Coordinator:
         return self._view
 
     @property
+    def staying(self) -> int:
+        """Members of the committed view that have not left cleanly. One
+        that left stays in the view until the view without it commits, but
+        it is in no later view and does not come back (a member id is never
+        given out twice): once every member left, the job is empty, even
+        while that commit is on its way (fingerprint admission, seen in CI).
+        A suspected member still counts: it may be alive, and a new leader
+        that inherits the committed view takes it back if it reconnects."""
+        causes = list(self._causes)
+        if self._rollcall is not None:
+            causes += self._rollcall.causes
+        if self._proposal is not None:
+            causes += self._proposal.causes
+        left = {c.member_id for c in causes if c.kind is CauseKind.LEAVE}
+        return sum(1 for member_id in self._view.ids if member_id not in left)
+
+    @property
     def rollcall(self) -> RollCall | None:
         """The roll call gathering answers, if any."""
         return self._rollcall

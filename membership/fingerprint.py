@@ -240,7 +240,8 @@ def describe_mismatch(job_name: str, differences: tuple[Difference, ...]) -> str
 class JobActivity:
     """What the job has done so far, as the leader sees it at a join."""
 
-    #: Members of the committed view.
+    #: Members of the committed view, but those that left cleanly
+    #: (``Coordinator.staying``).
     members: int
     #: Members recorded but not in the view yet (pending joiners).
     joiners: int

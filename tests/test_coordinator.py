@@ -308,6 +308,36 @@ def test_last_silent_candidate_leaving_completes_the_rollcall_at_once() -> None:
     assert coordinator.rollcall is None
 
 
+def test_members_that_left_cleanly_no_longer_count_while_the_view_without_them_commits() -> None:
+    """``staying``: what fingerprint admission counts as the job's members."""
+    coordinator = established("a", "b", "c", "d")
+    coordinator.leave("a", 0.0)  # a roll call starts at once
+    assert coordinator.rollcall is not None
+    assert (coordinator.view.size, coordinator.staying) == (4, 3)
+
+    coordinator.suspect("b", 0.1)  # may be alive: still counts
+    assert coordinator.staying == 3
+
+    answer_missing(coordinator, 0.2)  # proposed, not committed yet
+    coordinator.leave("c", 0.3)  # in the proposed view: departs with the next roll call
+    assert (coordinator.view.size, coordinator.staying) == (4, 2)
+
+    commit(coordinator, 0.4)
+    assert coordinator.view.ids == ("c", "d")
+    assert coordinator.staying == 1
+    answer_missing(coordinator, 0.5)
+    commit(coordinator, 0.5)
+    assert (coordinator.view.ids, coordinator.staying) == (("d",), 1)
+
+
+def test_a_job_whose_only_member_left_has_none_staying_before_the_empty_view_commits() -> None:
+    coordinator = established("a")
+    coordinator.leave("a", 0.0)
+    assert (coordinator.view.size, coordinator.staying) == (1, 0)
+    assert commit(coordinator, 0.0).size == 0
+    assert coordinator.staying == 0
+
+
 def test_pending_joiner_that_leaves_is_not_called() -> None:
     coordinator = established("a")
     coordinator.join(worker("b"), 0.0)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from rollcall.etcd_local import LocalEtcd
 from rollcall.membership.config import Config
 from rollcall.membership.errors import ConfigurationMismatch
 from rollcall.membership.fingerprint import JobFingerprint
+from rollcall.membership.view import View
 from rollcall.protocol.client import RendezvousClient
 from rollcall.worker.examples.lm import LMConfig, build
 from rollcall.worker.fingerprint import job_fingerprint
@@ -455,3 +458,54 @@ def test_joiners_of_the_jobs_run_are_admitted_together_and_another_run_still_ref
     assert isinstance(refusal, ConfigurationMismatch), refusal
     assert len(members) == 25 and records >= 25
     assert json.loads(stored(plane, "fingerprint") or b"") == RUN1.as_dict()
+
+
+def test_a_job_whose_last_member_left_is_empty_before_the_empty_view_commits(
+    etcd: LocalEtcd,
+) -> None:
+    """Seen once in CI (``test_a_fresh_empty_job_takes_a_new_runs_fingerprint``):
+    the first run's member record was gone from etcd, but the view that
+    drops it was not committed yet, and the new run was refused as if the
+    member were still there. A member that left cleanly is in no later
+    view. Here the empty view's commit is held until the new run's join is
+    answered; real etcd, real gRPC, an in-process replica."""
+    from rollcall.rendezvous.server import ReplicaOptions, start_replica
+
+    held, release = threading.Event(), threading.Event()
+
+    async def run() -> None:
+        running = await start_replica(
+            ReplicaOptions([etcd.endpoint], "job1", "127.0.0.1:0", "secret")
+        )
+        store = running.replica._store
+        commit_view = store.commit_view
+
+        def held_commit_view(view: View, *args: Any) -> int | None:
+            if view.size == 0 and not release.is_set():
+                held.set()
+                release.wait(PATIENCE)
+            return commit_view(view, *args)
+
+        store.commit_view = held_commit_view  # type: ignore[method-assign]
+        # What the module's helpers use of a ControlPlane.
+        plane: Any = SimpleNamespace(
+            etcd=[etcd.endpoint], job="job1", addresses=[running.address], token="secret"
+        )
+        try:
+            await join_and_leave(plane, RUN1)
+            assert await asyncio.to_thread(held.wait, PATIENCE), "the empty view never came"
+            await asyncio.to_thread(wait_for, lambda: not member_records(plane), "the record to go")
+            client = RendezvousClient(plane.addresses, "job1", "secret", Config())
+            try:
+                await client.join("127.0.0.1:1", name="next", fingerprint=RUN2)
+                release.set()
+                await client.wait_member(PATIENCE)
+            finally:
+                await client.close()
+        finally:
+            release.set()
+            await running.stop()
+
+    asyncio.run(run())
+    plane: Any = SimpleNamespace(etcd=[etcd.endpoint], job="job1")
+    assert json.loads(stored(plane, "fingerprint") or b"") == RUN2.as_dict()

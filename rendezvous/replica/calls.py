@@ -159,7 +159,7 @@ class MemberCalls(LeaderActions):
                 )  # fmt: skip
             view = lead.coordinator.view
             activity = JobActivity(
-                members=view.size,
+                members=lead.coordinator.staying,
                 joiners=sum(1 for member_id in lead.records if member_id not in view)
                 + lead.admitted_joining,
                 progress=stored.progress or lead.leader.trained,
