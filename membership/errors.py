@@ -106,6 +106,14 @@ class ViewChanged(RollcallError):
     The step in flight is aborted too; carry on with the next step."""
 
 
+class StateDrifted(RollcallError):
+    """This worker's copy of a partition of the sharded optimizer state is
+    not bit for bit the copy another owner computed and the job's model
+    follows: the workers do not compute alike. Kept, it would change the
+    job's course the moment that owner is lost, so the worker stops
+    instead; started again, it rejoins and takes the others' copies."""
+
+
 class CannotResume(RollcallError):
     """No live worker holds the job's state and it cannot be restored, so
     the worker stops instead of starting the job from scratch on its own."""

@@ -58,7 +58,9 @@ class Job:
         self.ranks[member] = (model, sharded, scheduler)
         return sharded
 
-    def step(self) -> None:
+    def step(self, compare: bool = False) -> dict[str, tuple[int, ...]]:
+        """One step on every rank; returns what each rank's ``receive``
+        found differing (``compare``)."""
         generator = torch.Generator().manual_seed(self.steps)
         x, y = torch.randn(16, 9, generator=generator), torch.randn(16, 3, generator=generator)
         self.reference.zero_grad(set_to_none=True)
@@ -69,8 +71,9 @@ class Job:
                 p.grad = None if q.grad is None else q.grad.clone()  # the reduced gradient
             sharded.update()
         payloads = [sharded.payload(members) for _, sharded, _ in self.ranks.values()]
-        for _, sharded, scheduler in self.ranks.values():
-            sharded.receive(payloads, members)
+        differing = {}
+        for member, (_, sharded, scheduler) in self.ranks.items():
+            differing[member] = sharded.receive(payloads, members, compare=compare)
             scheduler.step()
         self.replicated.step()
         self.scheduler.step()
@@ -78,6 +81,7 @@ class Job:
         for member, (model, _, _) in self.ranks.items():
             pairs = zip(model.parameters(), self.reference.parameters(), strict=True)
             assert all(torch.equal(p, q) for p, q in pairs), (member, self.steps)
+        return differing
 
     def change(self, dead: list[str], joiners: list[str]) -> tuple[int, int]:
         """A view change: the dead are gone, the joiners arrive; returns
@@ -201,3 +205,54 @@ def test_a_received_partition_of_the_wrong_shape_is_refused_and_changes_nothing(
     with pytest.raises(ValueError, match="not received"):
         newcomer.move_to(plan, {})
     assert sorted(newcomer.move_to(plan, received)) == sorted(received)
+
+
+def test_owners_that_compute_alike_never_find_their_copies_differing() -> None:
+    """Each owner of a partition compares its copy with the one its sender
+    sent, bit for bit: through steps, a kill and a join, nothing differs."""
+    job = Job(["a", "b", "c", "d"])
+    found = [job.step(compare=True) for _ in range(2)]
+    job.change(dead=["b"], joiners=["e"])
+    found += [job.step(compare=True) for _ in range(2)]
+    assert all(differing == () for step in found for differing in step.values()), found
+
+
+def test_copies_that_are_nan_alike_are_not_found_differing() -> None:
+    """NaN is not equal to itself, but two owners that computed the same NaN
+    hold the same bits: not a drift."""
+    job = Job(["a", "b", "c"])
+    for _, sharded, _ in job.ranks.values():
+        for p in sharded.owned:
+            for copy in sharded.copy_of(p):
+                copy.data.fill_(float("nan"))
+    payloads = [sharded.payload(list(job.ranks)) for _, sharded, _ in job.ranks.values()]
+    found = {
+        m: s.receive(payloads, list(job.ranks), compare=True) for m, (_, s, _) in job.ranks.items()
+    }
+    assert found == {"a": (), "b": (), "c": ()}
+
+
+@pytest.mark.parametrize("nudged_sends_it", [True, False], ids=["sender nudged", "spare nudged"])
+def test_a_copy_one_ulp_apart_is_found_by_the_owner_that_did_not_send_it(
+    nudged_sends_it: bool,
+) -> None:
+    """One owner's copy of partition p drifts by one unit in the last place:
+    the owner of p that did not send it finds p differing, the sender and
+    every other rank find nothing; the model follows the sender's copy."""
+    job = Job(["a", "b", "c"])
+    job.step()
+    members = list(job.ranks)
+    nudged = "a"
+    sharded = job.ranks[nudged][1]
+    sent = set(sharded.sent_by_me(members))
+    p = next(p for p in sharded.owned if (p in sent) == nudged_sends_it)
+    other = next(m for m in job.plan.owners[p] if m != nudged)
+    assert sharded.sender_of(p, members) == (nudged if nudged_sends_it else other)
+    first = sharded.copy_of(p)[0].view(-1)[:1]
+    with torch.no_grad():
+        first.copy_(torch.nextafter(first, first + 1))
+    payloads = [s.payload(members) for _, s, _ in job.ranks.values()]
+    found = {m: s.receive(payloads, members, compare=True) for m, (_, s, _) in job.ranks.items()}
+    finder = other if nudged_sends_it else nudged
+    assert found[finder] == (p,), found
+    assert all(differing == () for m, differing in found.items() if m != finder), found

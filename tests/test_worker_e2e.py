@@ -25,6 +25,7 @@ from tests.harness import (
     log_tails,
     start_together,
     stop_together,
+    wait_for,
 )
 
 #: Generous safety bound for "training continues" waits on a loaded 2-core box.
@@ -230,6 +231,50 @@ def test_replicas_compare_their_states_every_few_steps_and_a_drifted_one_is_heal
         assert by_step and all(len(d) == 1 for d in by_step.values()), by_step
         assert {e["world"] for e in late} == {3}
         assert all(w.proc.poll() is None for w in team)
+    finally:
+        group.close()
+
+
+def test_a_sharded_copy_that_drifted_stops_its_worker_and_the_others_train_on(
+    plane: ControlPlane, tmp_path: Path
+):
+    """A sharded job: the owners of a partition keep identical copies by
+    running the same update, and the model follows the copy its sender
+    sent. A third worker's copy is nudged by one ulp once, after its first
+    step in the view of three (as a kernel that computes differently
+    would; alone in a view, it would send every partition and nothing
+    would differ): at the next check (every 5 steps) the
+    owner whose copy differs from the sender's says so and stops with
+    exit code 3, rather than keep a copy that would change the job's
+    course once the sender is lost. The others re-shard without it and
+    train on, their copies in agreement through the checks that follow."""
+    said = "of the sharded optimizer state is not bit for bit the one another owner computed"
+    group = Workers(
+        plane, tmp_path, steps=10_000,
+        extra=("--shard-redundancy", "2", "--set", "drift_check_every=5"),
+    )  # fmt: skip
+    try:
+        team = group.start_together(2)
+        for worker in team:
+            wait_step(worker, lambda e: e["world"] == 2)
+        team += group.start_together(1, faults=["diverge_steps=1"])
+        stopped = wait_for(
+            lambda: [w for w in team if w.proc.poll() is not None], "a worker to stop",
+            timeout=PATIENCE, explain=lambda: log_tails(team),
+        )  # fmt: skip
+        (worker,) = stopped
+        assert worker.proc.wait() == 3, worker.log_tail(40)
+        lines = [x for x in worker.log_path.read_text(errors="replace").splitlines() if said in x]
+        assert lines and "start it again" in lines[-1], worker.log_tail(40)
+        step = int(lines[-1].split("step ")[1].split(":")[0])
+        assert (step + 1) % 5 == 0, lines[-1]
+        others = [w for w in team if w is not worker]
+        after = max(e["step"] for w in others for e in w.steps())
+        for other in others:  # two more checks in a view of two
+            wait_step(other, lambda e: e["world"] == 2 and e["step"] >= after + 10)
+        for other in others:
+            assert other.proc.poll() is None, other.log_tail(40)
+            assert said not in other.log_path.read_text(errors="replace"), other.log_tail(40)
     finally:
         group.close()
 

@@ -28,7 +28,9 @@ list of ``name=count`` items:
 - ``diverge_steps=N``: after each of the next N steps it lands, the worker
   nudges one parameter by one unit in the last place (a kernel, a library
   version or a CPU that computes differently on this worker): its replica
-  drifts from the others' without anything in a step showing it.
+  drifts from the others' without anything in a step showing it (in a
+  sharded job, its first copy of a partition drifts from the other
+  owners').
 
 Every injected fault is logged at WARNING. An unknown name or a malformed
 count is an error at start: a misspelt fault must not pass silently as "no

@@ -41,7 +41,8 @@ class WorkerMetrics:
         )  # fmt: skip
         self.drifted = Counter(
             "rollcall_worker_drifted_states",
-            "View changes at which its state of the resume step was not the one agreed",
+            "View changes at which its state of the resume step was not the one agreed "
+            "(sharded: checks at which its copy of a partition differed from the sender's)",
             registry=registry,
         )  # fmt: skip
         self.durable_step = Gauge(

@@ -60,6 +60,7 @@ from rollcall.membership.errors import (
     JobRecordLost,
     ProgressLost,
     RollcallError,
+    StateDrifted,
     UsageError,
     ViewChanged,
 )
@@ -481,6 +482,10 @@ class Elastic:
         self._previous_view: View | None = None
         #: The last step whose state the ranks compared (``_check_drift``).
         self._drift_checked = -1
+        #: (Sharded.) The step at whose all-gather this rank's copies of
+        #: these partitions differed from those their senders sent, and
+        #: who sent each (``_publish_shards``, ``_refuse_drifted_copies``).
+        self._drifted_copies: tuple[int, dict[int, str]] | None = None
         #: Busy declarations of peers: member id -> (until, reason), monotonic.
         self._busy: dict[str, tuple[float, str]] = {}
         self._interrupted = 0  # the signal that asked us to leave, if any
@@ -1570,13 +1575,17 @@ class Elastic:
         step landed: the next view completes it (``_enter_shards``)."""
         sharded, view = self._sharded, self._shard_view
         assert sharded is not None and view is not None
+        compare = (step.number + 1) % self._config.drift_check_every == 0
         try:
-            sharded.publish(group.allgather, view.ids)
+            drifted = sharded.publish(group.allgather, view.ids, compare=compare)
         except StepAborted as exc:
             if isinstance(exc, PeerFailed):
                 self._note_failure(f"epoch {step.epoch}: parameter all-gather failed", exc.reason)
             self._incomplete = True  # commit enters the next view before it returns
             return None
+        if drifted:
+            senders = {p: sharded.sender_of(p, view.ids) for p in drifted}
+            self._drifted_copies = (step.number, senders)
         if self.checkpoints is None or (step.number + 1) % self._checkpoint_every != 0:
             return None
         return self._checkpoint_parts(step, group, sharded, view)
@@ -1866,13 +1875,21 @@ class Elastic:
         smallest value. Replicas that differ ask for a roll call, whose most
         common state the others then take (``_say_drifted``). Once per step;
         given up, with the step's state unchecked, if the view changes
-        meanwhile (its roll call compares every replica's state anyway)."""
+        meanwhile (its roll call compares every replica's state anyway).
+        In a sharded job, a copy of a partition found differing from its
+        sender's at the step's all-gather (``_publish_shards``) stops the
+        worker here, and at every later call."""
+        if self._drifted_copies is not None:
+            self._refuse_drifted_copies(*self._drifted_copies)
         step = self.committed_step
         every = self._config.drift_check_every
         if step < 0 or (step + 1) % every or step == self._drift_checked:
             return
         if self._buffers is None or self._sharding is not None or self._aborting():
-            return  # per-replica buffers differ by design; a sharded job's states too
+            # Per-replica buffers differ by design. A sharded job's ranks
+            # hold different states: each owner of a partition compares its
+            # copy with the sender's in the step's all-gather instead.
+            return
         self._drift_checked = step
         group = self._ready_group()
         if group is None or not group.usable or group.size < 2:
@@ -1895,6 +1912,30 @@ class Elastic:
             step, group.size, group.epoch,
         )  # fmt: skip
         self._ask_for_rollcall(f"step {step}: the replicas' states differ")
+
+    def _refuse_drifted_copies(self, step: int, senders: Mapping[int, str]) -> None:
+        """(Training side, sharded.) At step ``step``'s all-gather this
+        rank's copies of the partitions ``senders`` names were not bit for
+        bit those their senders computed, which the model follows. Nothing
+        can say which owner computed right; the trajectory is the senders'.
+        A copy that differs from it would change the job's course the
+        moment its sender is lost, so this worker stops and says so (its
+        partitions are then taken from their other owners)."""
+        named = ", ".join(f"{p} (sent by {m})" for p, m in sorted(senders.items()))
+        partitions = f"partition{'s' if len(senders) > 1 else ''} {named}"
+        if self.metrics is not None:
+            self.metrics.drifted.inc()
+        message = (
+            f"step {step}: this worker's copy of {partitions} of the sharded optimizer state "
+            "is not bit for bit the one another owner computed and sent, which the model "
+            "follows: the workers do not compute alike (another torch build, other "
+            "kernels, another kind of CPU or GPU). Kept, it would change the job's course the "
+            "moment that owner is lost, so this worker stops; start it again to rejoin with "
+            "the others' copies, and run every worker of a sharded job with one torch build on "
+            "one kind of hardware (docs/sharding.md, \"Copies that drift\")"
+        )
+        log.error("%s", message)
+        raise StateDrifted(message)
 
     def _say_drifted(self, view: View) -> None:
         """(Entering ``view``, whose resume step this worker holds, yet which
@@ -1924,9 +1965,13 @@ class Elastic:
 
     def _drift(self) -> None:
         """(Fault injection, ``diverge_steps``.) Nudge the first element of
-        the first floating-point parameter by one unit in the last place."""
+        the first floating-point parameter by one unit in the last place; in
+        a sharded job, of this rank's first copy of a partition (the model's
+        parameters are the senders' copies, overwritten at every step)."""
         with torch.no_grad():
-            for parameter in self._model.parameters():
+            sharded = self._sharded
+            mine = sharded.copy_of(sharded.owned[0]) if sharded and sharded.owned else None
+            for parameter in mine or self._model.parameters():
                 if parameter.is_floating_point() and parameter.numel():
                     first = parameter.view(-1)[:1]
                     first.copy_(torch.nextafter(first, first + 1))
@@ -2441,6 +2486,7 @@ __all__ = [
     "Evicted",
     "Interrupted",
     "ProgressLost",
+    "StateDrifted",
     "Step",
     "UsageError",
     "ViewChanged",

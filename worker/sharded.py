@@ -398,13 +398,14 @@ class ShardedOptimizer:
         payload = torch.zeros(width, dtype=self._dtype, device=self._device)
         offset = 0
         for p in sends[self._me]:
-            for leaf in self._values(p):
+            for leaf in self.copy_of(p):
                 payload[offset : offset + leaf.numel()] = leaf.detach()
                 offset += leaf.numel()
         return payload
 
-    def _values(self, partition: int) -> list[torch.Tensor]:
-        """The parameters of a partition this rank holds, per segment."""
+    def copy_of(self, partition: int) -> list[torch.Tensor]:
+        """This rank's copy of the parameters of a partition it holds, per
+        segment (what its optimizer updates, and what it sends)."""
         if partition in self._owned:
             return [self._leaves[segment] for segment in self._of(partition)]
         if partition in self._spare:
@@ -420,8 +421,12 @@ class ShardedOptimizer:
         payloads: Sequence[torch.Tensor],
         ranks: Sequence[str],
         holders: Sequence[Sequence[str]] | None = None,
-    ) -> None:
-        """Write every member's payload (in rank order) into the model."""
+        compare: bool = False,
+    ) -> tuple[int, ...]:
+        """Write every member's payload (in rank order) into the model.
+        With ``compare``, returns the partitions this rank owns but another
+        member sent whose copy here is not bit for bit what that member
+        sent (``_differing``); else ()."""
         sends = self._senders(ranks, holders)
         flat = torch.empty(self.numel, dtype=self._dtype, device=self._device)
         for member, tensor in zip(ranks, payloads, strict=True):
@@ -430,12 +435,36 @@ class ShardedOptimizer:
                 start, stop = self._bounds[p]
                 flat[start:stop] = tensor[offset : offset + stop - start]
                 offset += stop - start
+        differing = self._differing(flat, sends[self._me]) if compare else ()
         with torch.no_grad():
             offset = 0
             for group in self._groups:
                 for param in group:
                     param.copy_(flat[offset : offset + param.numel()].view_as(param))
                     offset += param.numel()
+        return differing
+
+    def _differing(self, received: torch.Tensor, sent: Sequence[int]) -> tuple[int, ...]:
+        """The partitions this rank owns, not among those it ``sent``, whose
+        parameters here differ in any bit from the ``received`` ones (the
+        flat parameters of the all-gather): the owners of a partition run
+        the same update on the same gradient, so their copies stay
+        identical unless one computes differently. The model follows the
+        sender's copy; this rank's has drifted from it."""
+        differing = []
+        for p in sorted(self._owned.difference(sent)):
+            for segment in self._of(p):
+                mine = self._leaves[segment].detach()
+                theirs = received[segment.start : segment.stop]
+                if not torch.equal(_bits(mine), _bits(theirs)):  # NaN == NaN, bitwise
+                    differing.append(p)
+                    break
+        return tuple(differing)
+
+    def sender_of(self, partition: int, ranks: Sequence[str]) -> str:
+        """The member that sends ``partition`` in an all-gather over ``ranks``."""
+        sends = self._senders(ranks)
+        return next(m for m, ps in sends.items() if partition in ps)
 
     def step(self, gather: Gather, ranks: Sequence[str]) -> None:
         """``update``, then an all-gather (``gather``, over the members
@@ -444,15 +473,21 @@ class ShardedOptimizer:
         self.publish(gather, ranks)
 
     def publish(
-        self, gather: Gather, ranks: Sequence[str], holders: Sequence[Sequence[str]] | None = None
-    ) -> None:
+        self,
+        gather: Gather,
+        ranks: Sequence[str],
+        holders: Sequence[Sequence[str]] | None = None,
+        compare: bool = False,
+    ) -> tuple[int, ...]:
         """The all-gather of the parameters this rank's partitions hold
         (``update`` wrote them there), into the model of every member of
         ``ranks``. With ``holders`` (per partition, the members that hold
         it as of the model's step: a new view's sources), each partition is
         sent by one of them: so a view whose previous all-gather did not
-        complete everywhere brings every member's model to that step."""
-        self.receive(gather(self.payload(ranks, holders)), ranks, holders)
+        complete everywhere brings every member's model to that step. With
+        ``compare`` (after an ``update``), returns the partitions whose
+        copy here differs from the one another owner sent (``receive``)."""
+        return self.receive(gather(self.payload(ranks, holders)), ranks, holders, compare)
 
     def forget(self) -> None:
         """Hold no partition any more (this rank's copies are stale: it is
@@ -612,6 +647,11 @@ class ShardedOptimizer:
 
     def _of(self, partition: int) -> list[Segment]:
         return [s for s in self.segments if s.partition == partition]
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, to compare bit for bit."""
+    return tensor.contiguous().view(-1).view(torch.uint8)
 
 
 def _check_entries(partition: int, segment: Segment, state: Mapping[str, torch.Tensor]) -> None:

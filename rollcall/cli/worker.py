@@ -168,7 +168,10 @@ def worker(
     It joins the job, trains, survives other workers dying and arriving, and
     leaves cleanly when it reaches --steps or on Ctrl-C. If it is evicted (for
     example after being frozen past the failure detector's bound) it exits
-    with code 3 and says so: its state is stale, start it again to rejoin.
+    with code 3 and says so: its state is stale, start it again to rejoin. So
+    it does if its copy of a partition of a sharded optimizer state is
+    found to differ from the copy another worker computed (the workers do
+    not compute alike).
 
     When no live replica is left and the job has durable checkpoints, it
     resumes from the newest usable one and prints the replay cost; if
@@ -196,6 +199,7 @@ def worker(
         ConfigurationMismatch,
         Evicted,
         JobRecordLost,
+        StateDrifted,
         UnsafeTiming,
     )
     from rollcall.worker.examples.lm import LMConfig
@@ -233,6 +237,8 @@ def worker(
         )  # fmt: skip
     except Evicted as exc:
         fail(f"evicted from job {job}: {exc}; this worker's state is stale, start it again", 3)
+    except StateDrifted as exc:
+        fail(f"left job {job}: {exc}", 3)
     except CannotResume as exc:
         fail(f"job {job} cannot resume: {exc}", 4)
     except JobRecordLost as exc:
