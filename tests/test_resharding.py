@@ -256,3 +256,18 @@ def test_a_copy_one_ulp_apart_is_found_by_the_owner_that_did_not_send_it(
     finder = other if nudged_sends_it else nudged
     assert found[finder] == (p,), found
     assert all(differing == () for m, differing in found.items() if m != finder), found
+
+
+def test_a_change_to_the_models_parameters_after_the_all_gather_is_found_by_their_sender() -> None:
+    """``changed``: each rank finds the partitions it sends whose parameters
+    in the model are no longer its copy; an untouched model shows none."""
+    job = Job(["a", "b", "c"])
+    job.step()
+    members = list(job.ranks)
+    assert all(sharded.changed(members) == () for _, sharded, _ in job.ranks.values())
+    model, sharded, _ = job.ranks["b"]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(0.5)
+    assert sharded.changed(members) == sharded.sent_by_me(members) != ()
+    assert job.ranks["a"][1].changed(members) == ()

@@ -279,6 +279,39 @@ def test_a_sharded_copy_that_drifted_stops_its_worker_and_the_others_train_on(
         group.close()
 
 
+def test_a_sharded_loop_that_changes_the_parameters_after_commit_is_refused(
+    workers: Workers, plane: ControlPlane
+):
+    """In a sharded job each update starts from the owners' copies of the
+    parameters, so a change the loop makes to the model's parameters after
+    ``commit()`` would be lost at the next step, silently. The worker whose
+    loop does so is refused at the first check (every 5 steps) with one
+    clear error; the other, whose loop does not, trains on alone."""
+
+    def start(name: str, change: bool) -> Process:
+        process = Process(
+            [sys.executable, "-m", "tests.param_changing_worker", ",".join(plane.addresses),
+             plane.job, "1" if change else "0"],
+            {"ROLLCALL_TOKEN": plane.token}, workers.tmp_path / f"{name}.log",
+        )  # fmt: skip
+        workers.all.append(process)  # type: ignore[arg-type]
+        return process
+
+    steady = start("steady", change=False)
+    steady.wait_line(lambda line: '"step": 0,' in line, timeout=PATIENCE)
+    changing = start("changing", change=True)
+    assert changing.proc.wait(timeout=PATIENCE) != 0, changing.log_tail(40)
+    text = changing.log_path.read_text(errors="replace")
+    said = "UsageError: step "
+    (line,) = [x for x in text.splitlines() if said in x and "changed outside the optimizer" in x]
+    assert "lost at the next step" in line, line
+    step = int(line.split(said)[1].split(":")[0])
+    assert (step + 1) % 5 == 0, line
+    steady.wait_line(lambda x: '"world": 1' in x and f'"step": {step + 11},' in x, PATIENCE)
+    assert steady.proc.poll() is None
+    assert "changed outside the optimizer" not in steady.log_path.read_text(errors="replace")
+
+
 def test_kills_and_joins_consume_exactly_the_samples_of_an_uninterrupted_run(
     plane: ControlPlane, tmp_path: Path
 ):

@@ -1779,6 +1779,7 @@ class Elastic:
                 return False
         self._gradients.check()
         self._check_scheduler_registered()
+        self._check_parameters_kept(step)
         # This rank asks, in the step's reduction, that the view's members
         # stop after it (a roll call held for joiners waits for it).
         ask = self._member.stop_asked
@@ -2088,6 +2089,32 @@ class Elastic:
         self._ownership.step_scheduler()
         self._optimizer.zero_grad(set_to_none=True)
         self._gradients.forget()
+
+    def _check_parameters_kept(self, step: Step) -> None:
+        """(Sharded, every ``drift_check_every`` steps, before the
+        reduction.) A sharded job's parameters are its optimizer's: each
+        update starts from the owners' copies, and the all-gather writes
+        them into the model. A change the loop made to the model's
+        parameters since (after ``commit()``: a clamp, a renormalisation)
+        would be lost at this step's update, on every rank alike, with no
+        error; refused instead. Each rank checks the partitions it sends."""
+        sharded, view = self._sharded, self._shard_view
+        if sharded is None or view is None or (step.number + 1) % self._config.drift_check_every:
+            return
+        changed = sharded.changed(view.ids)
+        if changed:
+            named = ", ".join(map(str, changed[:8]))
+            if len(changed) > 8:
+                named += f" and {len(changed) - 8} more"
+            raise UsageError(
+                f"step {step.number}: the model's parameters were changed outside the "
+                f"optimizer since the last update (partitions {named} differ from this "
+                "rank's copy): in a sharded job the parameters are the optimizer's, and each "
+                "update starts from its copies, so a change the loop makes to them after "
+                "commit() is lost at the next step. Run a job whose loop changes its "
+                "parameters unsharded (without shard_redundancy) (docs/sharding.md, \"What is "
+                "refused\")"
+            )
 
     def _check_scheduler_registered(self) -> None:
         """A scheduler built on the optimizer after ``Elastic`` was, or the

@@ -461,6 +461,24 @@ class ShardedOptimizer:
                     break
         return tuple(differing)
 
+    def changed(self, ranks: Sequence[str]) -> tuple[int, ...]:
+        """The partitions this rank sends in an all-gather over ``ranks``
+        whose parameters in the model are no longer bit for bit its copy.
+        The last all-gather wrote the copy there; something changed the
+        model since (the loop, after ``commit()``), and the next update
+        starts from the copy, so that change would be lost."""
+        flat = self._flat_params()
+        changed = []
+        for p in self._senders(ranks)[self._me]:
+            if p not in self._owned:
+                continue
+            for segment in self._of(p):
+                mine = self._leaves[segment].detach()
+                if not torch.equal(_bits(mine), _bits(flat[segment.start : segment.stop])):
+                    changed.append(p)
+                    break
+        return tuple(changed)
+
     def sender_of(self, partition: int, ranks: Sequence[str]) -> str:
         """The member that sends ``partition`` in an all-gather over ``ranks``."""
         sends = self._senders(ranks)
