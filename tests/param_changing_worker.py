@@ -7,35 +7,31 @@ Token from $ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 
 from rollcall.membership.config import Config
-from rollcall.worker.examples.lm import LMConfig, build, loss_sum
-from rollcall.worker.runtime import Elastic
+from rollcall.worker.examples.lm import LMConfig, build
+from rollcall.worker.runtime import Elastic, Step
+from tests.raising_worker import train
 
 
 def main() -> None:
     rendezvous, job, change = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
     model, optimizer, corpus = build(LMConfig(), seed=0)
+
+    def scale(step: Step) -> None:
+        if change:
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.mul_(0.5)
+
     with Elastic(
         model, optimizer, corpus, global_batch=32, micro_batch=8, rendezvous=rendezvous,
         job=job, shard_redundancy=2, config=Config(drift_check_every=5),
     ) as elastic:  # fmt: skip
-        for step in elastic.steps(1_000_000):
-            for batch in step.microbatches():
-                loss, count = loss_sum(model, batch.inputs, batch.targets)
-                step.backward(loss, count)
-            if step.commit():
-                record = {"event": "step", "step": step.number, "epoch": step.epoch,
-                          "world": step.world_size}  # fmt: skip
-                print(json.dumps(record), flush=True)
-                if change:
-                    with torch.no_grad():
-                        for parameter in model.parameters():
-                            parameter.mul_(0.5)
+        train(elastic, model, scale)
 
 
 if __name__ == "__main__":
