@@ -271,3 +271,25 @@ def test_a_change_to_the_models_parameters_after_the_all_gather_is_found_by_thei
             parameter.mul_(0.5)
     assert sharded.changed(members) == sharded.sent_by_me(members) != ()
     assert job.ranks["a"][1].changed(members) == ()
+
+
+def test_a_single_element_changed_names_only_its_partition() -> None:
+    job = Job(["a", "b", "c"])
+    job.step()
+    members = list(job.ranks)
+    model, sharded, _ = job.ranks["b"]
+    # The flat state space: the optimizer's groups in order (weights, then biases).
+    named = list(model.named_parameters())
+    ordered = [p for n, p in named if n.endswith("weight")] + [
+        p for n, p in named if n.endswith("bias")
+    ]
+    p = sharded.sent_by_me(members)[-1]
+    segment = [s for s in sharded.segments if s.partition == p][-1]
+    index = (segment.start + segment.stop) // 2
+    for parameter in ordered:
+        if index < parameter.numel():
+            with torch.no_grad():
+                parameter.view(-1)[index] += 1.0
+            break
+        index -= parameter.numel()
+    assert sharded.changed(members) == (p,)

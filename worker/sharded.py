@@ -28,7 +28,7 @@ dtype or device; an optimizer that already holds state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -467,17 +467,34 @@ class ShardedOptimizer:
         The last all-gather wrote the copy there; something changed the
         model since (the loop, after ``commit()``), and the next update
         starts from the copy, so that change would be lost."""
-        flat = self._flat_params()
         changed = []
         for p in self._senders(ranks)[self._me]:
             if p not in self._owned:
                 continue
             for segment in self._of(p):
                 mine = self._leaves[segment].detach()
-                if not torch.equal(_bits(mine), _bits(flat[segment.start : segment.stop])):
+                if any(
+                    not torch.equal(_bits(mine[a:b]), _bits(piece))
+                    for a, b, piece in self._model_pieces(segment.start, segment.stop)
+                ):
                     changed.append(p)
                     break
         return tuple(changed)
+
+    def _model_pieces(self, start: int, stop: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """The model's parameters in the flat range ``[start, stop)``, as
+        (from, to) within the range and a flat view of that piece of one
+        parameter: no copy of the whole model."""
+        offset = 0
+        for group in self._groups:
+            for param in group:
+                end = offset + param.numel()
+                if end > start and offset < stop:
+                    a, b = max(start, offset), min(stop, end)
+                    yield a - start, b - start, param.detach().reshape(-1)[a - offset : b - offset]
+                offset = end
+                if offset >= stop:
+                    return
 
     def sender_of(self, partition: int, ranks: Sequence[str]) -> str:
         """The member that sends ``partition`` in an all-gather over ``ranks``."""
