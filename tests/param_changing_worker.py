@@ -1,13 +1,17 @@
-"""A training process of a sharded job (redundancy 2, the check every 5
-steps) whose loop, if told to, scales the model's parameters after every
-commit, as a clamp or a renormalisation would change them:
-python -m tests.param_changing_worker RENDEZVOUS JOB CHANGE (1 or 0).
-Token from $ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker
---json` does."""
+"""A training process whose loop changes its model's parameters after
+``commit()`` in one of the ways a user's loop might:
+python -m tests.param_changing_worker RENDEZVOUS JOB CHANGE [--sharded].
+
+CHANGE: ``none``; ``scale`` (multiply every parameter by 0.5 after each
+commit, as a clamp or a renormalisation changes them); ``freeze`` (set
+the first layer's requires_grad to False after step 2); ``unfreeze``
+(built with the first layer frozen, set it trainable after step 2).
+``--sharded``: redundancy 2. The checks run every 5 steps. Token from
+$ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker --json` does."""
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 
@@ -18,20 +22,31 @@ from tests.raising_worker import train
 
 
 def main() -> None:
-    rendezvous, job, change = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    parser = argparse.ArgumentParser()
+    parser.add_argument("rendezvous")
+    parser.add_argument("job")
+    parser.add_argument("change", choices=["none", "scale", "freeze", "unfreeze"])
+    parser.add_argument("--sharded", action="store_true")
+    args = parser.parse_args()
     model, optimizer, corpus = build(LMConfig(), seed=0)
+    first = next(model.parameters())
+    if args.change == "unfreeze":
+        first.requires_grad_(False)
 
-    def scale(step: Step) -> None:
-        if change:
+    def change(step: Step) -> None:
+        if args.change == "scale":
             with torch.no_grad():
                 for parameter in model.parameters():
                     parameter.mul_(0.5)
+        elif args.change in ("freeze", "unfreeze") and step.number == 2:
+            first.requires_grad_(args.change == "unfreeze")
 
     with Elastic(
-        model, optimizer, corpus, global_batch=32, micro_batch=8, rendezvous=rendezvous,
-        job=job, shard_redundancy=2, config=Config(drift_check_every=5),
+        model, optimizer, corpus, global_batch=32, micro_batch=8, rendezvous=args.rendezvous,
+        job=args.job, shard_redundancy=2 if args.sharded else None,
+        config=Config(drift_check_every=5),
     ) as elastic:  # fmt: skip
-        train(elastic, model, scale)
+        train(elastic, model, change)
 
 
 if __name__ == "__main__":

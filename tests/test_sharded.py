@@ -122,3 +122,16 @@ def test_what_cannot_be_sharded_is_refused() -> None:
     stepped.step()
     with pytest.raises(UsageError, match="already holds state"):
         ShardedOptimizer(stepped, plan, "a")
+
+
+def test_a_frozen_parameter_in_a_sharded_optimizer_is_refused() -> None:
+    """Replicated, torch skips a parameter without a gradient; a sharded
+    update covers every element of its partitions, so a frozen parameter
+    would still change (weight decay, momentum): refused, saying what to do."""
+    plan = place(["a", "b"], {}, 4, 2)
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(UsageError, match=r"parameter 0 of param group 0 .*requires_grad=False"):
+        ShardedOptimizer(torch.optim.AdamW(model.parameters(), weight_decay=0.1), plan, "a")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ShardedOptimizer(torch.optim.AdamW(trainable, weight_decay=0.1), plan, "a")

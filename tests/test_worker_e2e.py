@@ -279,6 +279,39 @@ def test_a_sharded_copy_that_drifted_stops_its_worker_and_the_others_train_on(
         group.close()
 
 
+def changing_worker(workers: Workers, plane: ControlPlane, change: str, *flags: str) -> Process:
+    """A ``tests.param_changing_worker`` process whose loop makes ``change``."""
+    process = Process(
+        [sys.executable, "-m", "tests.param_changing_worker", ",".join(plane.addresses),
+         plane.job, change, *flags],
+        {"ROLLCALL_TOKEN": plane.token}, workers.tmp_path / f"{change}.log",
+    )  # fmt: skip
+    workers.all.append(process)  # type: ignore[arg-type]
+    return process
+
+
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_a_loop_that_freezes_or_unfreezes_a_parameter_is_refused_at_the_next_commit(
+    workers: Workers, plane: ControlPlane, change: str
+):
+    """The runtime reduces the gradients of the parameters that required
+    grad when ``Elastic`` was built. A parameter frozen later would get a
+    zero gradient that the optimizer still applies (weight decay, momentum);
+    one unfrozen later would be updated with this worker's own partial
+    gradient. Either would be silently wrong: the commit after the change
+    raises ``UsageError`` naming the parameter and what to do instead."""
+    worker = changing_worker(workers, plane, change)
+    assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
+    worker.wait_line(lambda x: '"step": 2,' in x, timeout=PATIENCE)  # committed before
+    with pytest.raises(RuntimeError, match="process exited"):  # every line read, none for 3
+        worker.wait_line(lambda x: '"step": 3,' in x, timeout=PATIENCE)
+    text = worker.log_path.read_text(errors="replace")
+    (line,) = [x for x in text.splitlines() if "UsageError: step 3:" in x]
+    verb = "frozen" if change == "freeze" else "unfrozen"
+    assert f"was {verb} (requires_grad set to {change == 'unfreeze'})" in line, line
+    assert "lr to 0" in line, line
+
+
 def test_a_sharded_loop_that_changes_the_parameters_after_commit_is_refused(
     workers: Workers, plane: ControlPlane
 ):
@@ -288,18 +321,9 @@ def test_a_sharded_loop_that_changes_the_parameters_after_commit_is_refused(
     loop does so is refused at the first check (every 5 steps) with one
     clear error; the other, whose loop does not, trains on alone."""
 
-    def start(name: str, change: bool) -> Process:
-        process = Process(
-            [sys.executable, "-m", "tests.param_changing_worker", ",".join(plane.addresses),
-             plane.job, "1" if change else "0"],
-            {"ROLLCALL_TOKEN": plane.token}, workers.tmp_path / f"{name}.log",
-        )  # fmt: skip
-        workers.all.append(process)  # type: ignore[arg-type]
-        return process
-
-    steady = start("steady", change=False)
+    steady = changing_worker(workers, plane, "none", "--sharded")
     steady.wait_line(lambda line: '"step": 0,' in line, timeout=PATIENCE)
-    changing = start("changing", change=True)
+    changing = changing_worker(workers, plane, "scale", "--sharded")
     assert changing.proc.wait(timeout=PATIENCE) != 0, changing.log_tail(40)
     text = changing.log_path.read_text(errors="replace")
     said = "UsageError: step "

@@ -431,6 +431,9 @@ class Elastic:
         self.plan = self._loader.plan
         self.member_id: str | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
+        #: Every parameter, named, with whether it required grad when built
+        #: (``_check_trainable``).
+        self._trainable = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
         self._buffers = BufferSync(model) if sync_buffers else None
         self._exact = (
             ExactStep(self._params, self._buffers, self._loader.plan.num_microbatches)
@@ -1778,6 +1781,7 @@ class Elastic:
             except StepAborted:
                 return False
         self._gradients.check()
+        self._check_trainable(step)
         self._check_scheduler_registered()
         self._check_parameters_kept(step)
         # This rank asks, in the step's reduction, that the view's members
@@ -2089,6 +2093,29 @@ class Elastic:
         self._ownership.step_scheduler()
         self._optimizer.zero_grad(set_to_none=True)
         self._gradients.forget()
+
+    def _check_trainable(self, step: Step) -> None:
+        """(Every step, before the reduction.) The reduction covers the
+        parameters that required grad when ``Elastic`` was built. One frozen
+        since would get a zero gradient that the optimizer still applies
+        (weight decay, momentum); one unfrozen since would be updated with
+        this worker's own partial gradient, and the replicas would part.
+        Either is refused before this step changes anything."""
+        for name, param, trainable in self._trainable:
+            if param.requires_grad != trainable:
+                verb = "unfrozen" if param.requires_grad else "frozen"
+                raise UsageError(
+                    f"step {step.number}: parameter {name!r} was {verb} (requires_grad set to "
+                    f"{param.requires_grad}) after Elastic was built; the runtime reduces the "
+                    "gradients of the parameters that required grad then, so this one would "
+                    + ("be updated with this worker's own partial gradient"
+                       if param.requires_grad else
+                       "get a zero gradient, which the optimizer still applies (weight decay, "
+                       "momentum)")
+                    + ". Set requires_grad before building Elastic; to freeze parameters for "
+                    "a while, keep them trainable in a param group of their own and set its "
+                    "lr to 0 (and back)"
+                )  # fmt: skip
 
     def _check_parameters_kept(self, step: Step) -> None:
         """(Sharded, every ``drift_check_every`` steps, before the

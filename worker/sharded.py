@@ -228,6 +228,17 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]
     for p in params:
         if p.is_complex() or p.is_sparse:
             raise UsageError("sharded optimizer state: complex and sparse parameters are refused")
+    for g, members in enumerate(groups):
+        for i, p in enumerate(members):
+            if not p.requires_grad:
+                raise UsageError(
+                    f"sharded optimizer state: parameter {i} of param group {g} has "
+                    "requires_grad=False. Replicated, torch skips a parameter without a "
+                    "gradient; a sharded update covers every element of its partitions, so this "
+                    "one would still change (weight decay, momentum). Give the optimizer only "
+                    "the parameters that train, or to freeze some for a while keep them "
+                    "trainable in a param group of their own whose lr is 0"
+                )
     for group in optimizer.param_groups:
         if group.get("differentiable"):
             raise UsageError("sharded optimizer state: differentiable=True is refused")
