@@ -5,7 +5,8 @@ python -m tests.param_changing_worker RENDEZVOUS JOB CHANGE [--sharded].
 CHANGE: ``none``; ``scale`` (multiply every parameter by 0.5 after each
 commit, as a clamp or a renormalisation changes them); ``freeze`` (set
 the first layer's requires_grad to False after step 2); ``unfreeze``
-(built with the first layer frozen, set it trainable after step 2).
+(built with the first layer frozen, set it trainable after step 2);
+``add_group`` (add a param group to the optimizer after step 2).
 ``--sharded``: redundancy 2. The checks run every 5 steps. Token from
 $ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker --json` does."""
 
@@ -25,7 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rendezvous")
     parser.add_argument("job")
-    parser.add_argument("change", choices=["none", "scale", "freeze", "unfreeze"])
+    parser.add_argument("change", choices=["none", "scale", "freeze", "unfreeze", "add_group"])
     parser.add_argument("--sharded", action="store_true")
     args = parser.parse_args()
     model, optimizer, corpus = build(LMConfig(), seed=0)
@@ -40,6 +41,8 @@ def main() -> None:
                     parameter.mul_(0.5)
         elif args.change in ("freeze", "unfreeze") and step.number == 2:
             first.requires_grad_(args.change == "unfreeze")
+        elif args.change == "add_group" and step.number == 2:
+            optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
 
     with Elastic(
         model, optimizer, corpus, global_batch=32, micro_batch=8, rendezvous=args.rendezvous,

@@ -135,3 +135,27 @@ def test_a_frozen_parameter_in_a_sharded_optimizer_is_refused() -> None:
         ShardedOptimizer(torch.optim.AdamW(model.parameters(), weight_decay=0.1), plan, "a")
     trainable = [p for p in model.parameters() if p.requires_grad]
     ShardedOptimizer(torch.optim.AdamW(trainable, weight_decay=0.1), plan, "a")
+
+
+@pytest.mark.parametrize("change", ["a group added", "a parameter added", "a parameter removed"])
+def test_a_param_group_changed_after_sharding_is_refused_at_the_next_update(change: str) -> None:
+    """A sharded optimizer's layout is its optimizer's groups when it was
+    built: a group or parameter added later would never be updated (and one
+    removed still would), silently. The next update refuses it, changing
+    nothing."""
+    plan = place(["a"], {}, 4, 1)
+    model, extra = _model(), torch.nn.Linear(3, 3)
+    optimizer = torch.optim.AdamW([{"params": list(model[0].parameters())}], weight_decay=0.1)
+    sharded = ShardedOptimizer(optimizer, plan, "a")
+    model(torch.ones(1, 13)).sum().backward()
+    before = [p.detach().clone() for p in model[0].parameters()]
+    if change == "a group added":
+        optimizer.add_param_group({"params": list(extra.parameters())})
+    elif change == "a parameter added":
+        optimizer.param_groups[0]["params"].append(extra.weight)
+    else:
+        optimizer.param_groups[0]["params"].pop()
+    with pytest.raises(UsageError, match="param groups changed after"):
+        sharded.update()
+    sharded.publish(lambda t: [t], ["a"])
+    assert all(torch.equal(p, q) for p, q in zip(model[0].parameters(), before, strict=True))

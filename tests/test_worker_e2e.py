@@ -312,6 +312,20 @@ def test_a_loop_that_freezes_or_unfreezes_a_parameter_is_refused_at_the_next_com
     assert "lr to 0" in line, line
 
 
+def test_a_param_group_added_to_a_sharded_optimizer_is_refused_at_the_next_commit(
+    workers: Workers, plane: ControlPlane
+):
+    """The sharded state is cut from the optimizer's parameters when it was
+    sharded: a group added later would never be updated. The commit after
+    the loop adds one raises ``UsageError``."""
+    worker = changing_worker(workers, plane, "add_group", "--sharded")
+    assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
+    worker.wait_line(lambda x: '"step": 2,' in x, timeout=PATIENCE)
+    with pytest.raises(RuntimeError, match="process exited"):
+        worker.wait_line(lambda x: '"step": 3,' in x, timeout=PATIENCE)
+    assert "UsageError: the optimizer's param groups changed after" in worker.log_tail(40)
+
+
 def test_a_sharded_loop_that_changes_the_parameters_after_commit_is_refused(
     workers: Workers, plane: ControlPlane
 ):

@@ -1783,6 +1783,8 @@ class Elastic:
         self._gradients.check()
         self._check_trainable(step)
         self._check_scheduler_registered()
+        if self._sharded is not None:
+            self._sharded.check_groups()  # before the reduction: nothing changed yet
         self._check_parameters_kept(step)
         # This rank asks, in the step's reduction, that the view's members
         # stop after it (a roll call held for joiners waits for it).

@@ -365,6 +365,7 @@ class ShardedOptimizer:
     def update(self) -> None:
         """Update the owned partitions from the parameters' (reduced)
         ``.grad``, with the hyperparameters the user's optimizer holds now."""
+        self.check_groups()
         self._spare = {}
         if self._local is None:
             return
@@ -378,6 +379,25 @@ class ShardedOptimizer:
         self._local.step()
         for leaf in self._leaves.values():
             leaf.grad = None
+
+    def check_groups(self) -> None:
+        """The user's optimizer must still hold the parameters it held when
+        this was built, group by group: the layout was cut from them, so a
+        parameter or group added since would never be updated, and one
+        removed still would. ``UsageError`` if not, changing nothing."""
+        groups = self._template.param_groups
+        same = len(groups) == len(self._groups) and all(
+            len(group["params"]) == len(params)
+            and all(p is q for p, q in zip(group["params"], params, strict=True))
+            for group, params in zip(groups, self._groups, strict=True)
+        )
+        if not same:
+            raise UsageError(
+                "the optimizer's param groups changed after its state was sharded (a group or "
+                "a parameter added or removed): the sharded state is cut from the parameters "
+                "it held then, so an added one would never be updated. Give the optimizer "
+                "every group from the start (a group to train later can start with lr 0)"
+            )
 
     def _senders(
         self, ranks: Sequence[str], holders: Sequence[Sequence[str]] | None = None
