@@ -6,7 +6,9 @@ CHANGE: ``none``; ``scale`` (multiply every parameter by 0.5 after each
 commit, as a clamp or a renormalisation changes them); ``freeze`` (set
 the first layer's requires_grad to False after step 2); ``unfreeze``
 (built with the first layer frozen, set it trainable after step 2);
-``add_group`` (add a param group to the optimizer after step 2).
+``add_group`` (add a param group of a parameter the model does not hold
+after step 2); ``drop_param`` (take the optimizer's last parameter out of
+its group after step 2).
 ``--sharded``: redundancy 2. The checks run every 5 steps. Token from
 $ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker --json` does."""
 
@@ -26,7 +28,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rendezvous")
     parser.add_argument("job")
-    parser.add_argument("change", choices=["none", "scale", "freeze", "unfreeze", "add_group"])
+    changes = ["none", "scale", "freeze", "unfreeze", "add_group", "drop_param"]
+    parser.add_argument("change", choices=changes)
     parser.add_argument("--sharded", action="store_true")
     args = parser.parse_args()
     model, optimizer, corpus = build(LMConfig(), seed=0)
@@ -43,6 +46,8 @@ def main() -> None:
             first.requires_grad_(args.change == "unfreeze")
         elif args.change == "add_group" and step.number == 2:
             optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        elif args.change == "drop_param" and step.number == 2:
+            optimizer.param_groups[0]["params"].pop()
 
     with Elastic(
         model, optimizer, corpus, global_batch=32, micro_batch=8, rendezvous=args.rendezvous,

@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 from rollcall.membership.errors import UsageError
-from rollcall.worker.contract import GradientWatch, Ownership, check_extras, check_scheduler
+from rollcall.worker.contract import (
+    GradientWatch,
+    Ownership,
+    check_extras,
+    check_optimizer_params,
+    check_scheduler,
+)
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -143,3 +149,15 @@ def test_a_scheduler_moved_behind_the_guards_back_is_noticed_before_the_update()
     torch.optim.lr_scheduler.StepLR.step(scheduler)
     with pytest.raises(UsageError, match="moved from step 0 to 1"):
         owned.check_schedule()
+
+
+def test_an_optimizer_parameter_outside_the_model_is_refused() -> None:
+    """The runtime reduces the gradients of the model's parameters: one the
+    optimizer updates that is not the model's (a free temperature, say)
+    would be updated with each worker's own partial gradient."""
+    model, optimizer = _model_and_optimizer()
+    check_optimizer_params(model, optimizer)  # the model's own: fine
+    temperature = nn.Parameter(torch.zeros(1))
+    optimizer.add_param_group({"params": [temperature]})
+    with pytest.raises(UsageError, match="parameter 0 of the optimizer's param group 1 is not"):
+        check_optimizer_params(model, optimizer)

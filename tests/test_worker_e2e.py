@@ -312,13 +312,28 @@ def test_a_loop_that_freezes_or_unfreezes_a_parameter_is_refused_at_the_next_com
     assert "lr to 0" in line, line
 
 
-def test_a_param_group_added_to_a_sharded_optimizer_is_refused_at_the_next_commit(
+def test_a_param_group_of_parameters_outside_the_model_is_refused_at_the_next_commit(
+    workers: Workers, plane: ControlPlane
+):
+    """Replicated: a group of the model's parameters may be added to the
+    optimizer in the loop, but one of a parameter the model does not hold
+    (whose gradient the runtime never reduces) is refused at the next commit."""
+    worker = changing_worker(workers, plane, "add_group")
+    assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
+    worker.wait_line(lambda x: '"step": 2,' in x, timeout=PATIENCE)
+    with pytest.raises(RuntimeError, match="process exited"):
+        worker.wait_line(lambda x: '"step": 3,' in x, timeout=PATIENCE)
+    said = "of the optimizer's param group 1 is not a parameter of the model"
+    assert said in worker.log_tail(40)
+
+
+def test_a_parameter_taken_out_of_a_sharded_optimizer_is_refused_at_the_next_commit(
     workers: Workers, plane: ControlPlane
 ):
     """The sharded state is cut from the optimizer's parameters when it was
-    sharded: a group added later would never be updated. The commit after
-    the loop adds one raises ``UsageError``."""
-    worker = changing_worker(workers, plane, "add_group", "--sharded")
+    sharded: one taken out later would still be updated (one added, never).
+    The commit after the loop takes one out raises ``UsageError``."""
+    worker = changing_worker(workers, plane, "drop_param", "--sharded")
     assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
     worker.wait_line(lambda x: '"step": 2,' in x, timeout=PATIENCE)
     with pytest.raises(RuntimeError, match="process exited"):

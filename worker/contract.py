@@ -53,6 +53,24 @@ def check_extras(extras: Mapping[str, Any]) -> dict[str, Stateful]:
     return checked
 
 
+def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer parameter the model does not hold: the runtime
+    reduces the gradients of the model's parameters only, so such a one
+    would be updated with each worker's own partial gradient, and the
+    replicas would part."""
+    held = {id(p) for p in model.parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if id(param) not in held:
+                raise UsageError(
+                    f"parameter {i} of the optimizer's param group {g} is not a parameter of "
+                    "the model: the runtime reduces the gradients of the model's parameters, so "
+                    "this one would be updated with each worker's own partial gradient and the "
+                    "replicas would part. Register it in the model (an nn.Parameter attribute "
+                    "of one of its modules)"
+                )
+
+
 def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     """Refuse a scheduler the runtime cannot step for the user, and an LR
     scheduler attached to ``optimizer`` but not registered."""

@@ -88,6 +88,7 @@ from rollcall.worker.contract import (
     Ownership,
     ShardedStateGuard,
     check_extras,
+    check_optimizer_params,
     check_scheduler,
 )
 from rollcall.worker.digest import digest, hash_threads, tree_digest
@@ -231,6 +232,10 @@ class Step:
         return self.committed
 
 
+def _group_sizes(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+    return tuple(len(group["params"]) for group in optimizer.param_groups)
+
+
 def _check_sharding(
     redundancy: int | None, partitions: int, optimizer: torch.optim.Optimizer, scaler: Any
 ) -> Sharding | None:
@@ -371,6 +376,7 @@ class Elastic:
                 "cannot be combined with overlap=True"
             )
         check_scheduler(scheduler, optimizer)
+        check_optimizer_params(model, optimizer)
         self._sharding = _check_sharding(shard_redundancy, shard_partitions, optimizer, grad_scaler)
         self._extras = check_extras(state or {})
         self._token = token or read_token(None)
@@ -434,6 +440,8 @@ class Elastic:
         #: Every parameter, named, with whether it required grad when built
         #: (``_check_trainable``).
         self._trainable = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
+        #: The optimizer's parameter count per group when last checked.
+        self._groups_seen = _group_sizes(optimizer)
         self._buffers = BufferSync(model) if sync_buffers else None
         self._exact = (
             ExactStep(self._params, self._buffers, self._loader.plan.num_microbatches)
@@ -2102,7 +2110,12 @@ class Elastic:
         since would get a zero gradient that the optimizer still applies
         (weight decay, momentum); one unfrozen since would be updated with
         this worker's own partial gradient, and the replicas would part.
-        Either is refused before this step changes anything."""
+        Either is refused before this step changes anything; so is a
+        parameter added to the optimizer that the model does not hold."""
+        sizes = _group_sizes(self._optimizer)
+        if sizes != self._groups_seen:
+            check_optimizer_params(self._model, self._optimizer)
+            self._groups_seen = sizes
         for name, param, trainable in self._trainable:
             if param.requires_grad != trainable:
                 verb = "unfrozen" if param.requires_grad else "frozen"
