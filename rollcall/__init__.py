@@ -27,6 +27,7 @@ _EXPORTS = {
     "Evicted": "rollcall.membership.errors",
     "CannotResume": "rollcall.membership.errors",
     "ProgressLost": "rollcall.membership.errors",
+    "StateDrifted": "rollcall.membership.errors",
     "ConfigurationMismatch": "rollcall.membership.errors",
     "UnsafeTiming": "rollcall.membership.errors",
     "UnsafeFenceWindow": "rollcall.membership.errors",
