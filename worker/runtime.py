@@ -1586,7 +1586,7 @@ class Elastic:
         step landed: the next view completes it (``_enter_shards``)."""
         sharded, view = self._sharded, self._shard_view
         assert sharded is not None and view is not None
-        compare = (step.number + 1) % self._config.drift_check_every == 0
+        compare = self._check_due(step.number)
         try:
             drifted = sharded.publish(group.allgather, view.ids, compare=compare)
         except StepAborted as exc:
@@ -1897,8 +1897,7 @@ class Elastic:
         if self._drifted_copies is not None:
             self._refuse_drifted_copies(*self._drifted_copies)
         step = self.committed_step
-        every = self._config.drift_check_every
-        if step < 0 or (step + 1) % every or step == self._drift_checked:
+        if step < 0 or not self._check_due(step) or step == self._drift_checked:
             return
         if self._buffers is None or self._sharding is not None or self._aborting():
             # Per-replica buffers differ by design. A sharded job's ranks
@@ -1927,6 +1926,11 @@ class Elastic:
             step, group.size, group.epoch,
         )  # fmt: skip
         self._ask_for_rollcall(f"step {step}: the replicas' states differ")
+
+    def _check_due(self, step: int) -> bool:
+        """Whether ``step`` is one at which the states or copies are compared
+        (every ``drift_check_every`` steps; every rank decides alike)."""
+        return (step + 1) % self._config.drift_check_every == 0
 
     def _refuse_drifted_copies(self, step: int, senders: Mapping[int, str]) -> None:
         """(Training side, sharded.) At step ``step``'s all-gather this
@@ -2141,7 +2145,7 @@ class Elastic:
         would be lost at this step's update, on every rank alike, with no
         error; refused instead. Each rank checks the partitions it sends."""
         sharded, view = self._sharded, self._shard_view
-        if sharded is None or view is None or (step.number + 1) % self._config.drift_check_every:
+        if sharded is None or view is None or not self._check_due(step.number):
             return
         changed = sharded.changed(view.ids)
         if changed:

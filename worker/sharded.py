@@ -28,7 +28,7 @@ dtype or device; an optimizer that already holds state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -482,15 +482,10 @@ class ShardedOptimizer:
         the same update on the same gradient, so their copies stay
         identical unless one computes differently. The model follows the
         sender's copy; this rank's has drifted from it."""
-        differing = []
-        for p in sorted(self._owned.difference(sent)):
-            for segment in self._of(p):
-                mine = self._leaves[segment].detach()
-                theirs = received[segment.start : segment.stop]
-                if not torch.equal(_bits(mine), _bits(theirs)):  # NaN == NaN, bitwise
-                    differing.append(p)
-                    break
-        return tuple(differing)
+        return self._copies_differing(
+            sorted(self._owned.difference(sent)),
+            lambda start, stop: [(0, stop - start, received[start:stop])],
+        )
 
     def changed(self, ranks: Sequence[str]) -> tuple[int, ...]:
         """The partitions this rank sends in an all-gather over ``ranks``
@@ -498,19 +493,28 @@ class ShardedOptimizer:
         The last all-gather wrote the copy there; something changed the
         model since (the loop, after ``commit()``), and the next update
         starts from the copy, so that change would be lost."""
-        changed = []
-        for p in self._senders(ranks)[self._me]:
-            if p not in self._owned:
-                continue
+        sent = [p for p in self._senders(ranks)[self._me] if p in self._owned]
+        return self._copies_differing(sent, self._model_pieces)
+
+    def _copies_differing(
+        self,
+        partitions: Iterable[int],
+        pieces: Callable[[int, int], Iterable[tuple[int, int, torch.Tensor]]],
+    ) -> tuple[int, ...]:
+        """Those of ``partitions`` (owned) whose copy here differs in any bit
+        (NaN equal to the same NaN) from ``pieces(start, stop)``: the
+        tensors of a flat range, each as (from, to) within the range."""
+        differing = []
+        for p in partitions:
             for segment in self._of(p):
                 mine = self._leaves[segment].detach()
                 if any(
                     not torch.equal(_bits(mine[a:b]), _bits(piece))
-                    for a, b, piece in self._model_pieces(segment.start, segment.stop)
+                    for a, b, piece in pieces(segment.start, segment.stop)
                 ):
-                    changed.append(p)
+                    differing.append(p)
                     break
-        return tuple(changed)
+        return tuple(differing)
 
     def _model_pieces(self, start: int, stop: int) -> Iterator[tuple[int, int, torch.Tensor]]:
         """The model's parameters in the flat range ``[start, stop)``, as
