@@ -54,7 +54,14 @@ def test_an_operator_inspects_repairs_and_gets_a_job_out_of_exit_4(
         recorded = {m["uri"] for m in record["checkpoints"]}
         files = [str(directory / p) for p in os.listdir(directory) if p.endswith(".rcs")]
         unrecorded = sorted(set(files) - recorded)
-        assert len(unrecorded) <= 1, unrecorded
+        # Likewise a kill between deleting a superseded file and the manifest
+        # copy beside it leaves that copy alone (inert: a worker adopts files,
+        # never bare copies), and one between writing a file and its copy
+        # leaves a file with none.
+        copies_at_kill = {p for p in os.listdir(directory) if p.endswith(MANIFEST_SUFFIX)}
+        stray = {c for c in copies_at_kill if not (directory / c[: -len(MANIFEST_SUFFIX)]).exists()}
+        assert len(unrecorded) + len(stray) <= 1, (unrecorded, stray)
+        assert {manifest_file_name(Path(u).name) for u in recorded} <= copies_at_kill
         steps = [m["step"] for m in record["checkpoints"]]
         text = command(plane, "list")
         assert text.returncode == 0 and f"step {steps[0]:>8}" in text.stdout, text.stdout
@@ -108,7 +115,8 @@ def test_an_operator_inspects_repairs_and_gets_a_job_out_of_exit_4(
         assert left == sorted([record["checkpoints"][0]["uri"], *unrecorded])
         copies = [p for p in os.listdir(directory) if p.endswith(MANIFEST_SUFFIX)]
         # deleted with their files
-        assert sorted(copies) == sorted(manifest_file_name(Path(f).name) for f in left)
+        kept_copies = {manifest_file_name(Path(f).name) for f in left} & copies_at_kill
+        assert set(copies) == kept_copies | stray
 
         # No checkpoint, progress recorded: no silent restart, until asked.
         workers.append(start(plane, tmp_path, "w2", directory, 1000))
