@@ -8,7 +8,10 @@ the first layer's requires_grad to False after step 2); ``unfreeze``
 (built with the first layer frozen, set it trainable after step 2);
 ``add_group`` (add a param group of a parameter the model does not hold
 after step 2); ``drop_param`` (take the optimizer's last parameter out of
-its group after step 2).
+its group after step 2); ``replace`` (put a new Parameter, same values,
+in place of the first one, in the model and the optimizer, after step 2,
+as a loop that rebuilds a layer does); ``retype`` (``model.double()``
+after step 2).
 ``--sharded``: redundancy 2. The checks run every 5 steps. Token from
 $ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker --json` does."""
 
@@ -28,7 +31,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rendezvous")
     parser.add_argument("job")
-    changes = ["none", "scale", "freeze", "unfreeze", "add_group", "drop_param"]
+    changes = ["none", "scale", "freeze", "unfreeze", "add_group", "drop_param", "replace",
+               "retype"]  # fmt: skip
     parser.add_argument("change", choices=changes)
     parser.add_argument("--sharded", action="store_true")
     args = parser.parse_args()
@@ -48,6 +52,14 @@ def main() -> None:
             optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
         elif args.change == "drop_param" and step.number == 2:
             optimizer.param_groups[0]["params"].pop()
+        elif args.change == "replace" and step.number == 2:
+            name, old = next(iter(model.named_parameters()))
+            owner, _, attribute = name.rpartition(".")
+            new = torch.nn.Parameter(old.detach().clone())
+            setattr(model.get_submodule(owner), attribute, new)
+            optimizer.param_groups[0]["params"][0] = new
+        elif args.change == "retype" and step.number == 2:
+            model.double()
 
     with Elastic(
         model, optimizer, corpus, global_batch=32, micro_batch=8, rendezvous=args.rendezvous,

@@ -11,6 +11,7 @@ from rollcall.membership.errors import UsageError
 from rollcall.worker.contract import (
     GradientWatch,
     Ownership,
+    ParameterWatch,
     check_extras,
     check_optimizer_params,
     check_scheduler,
@@ -161,3 +162,59 @@ def test_an_optimizer_parameter_outside_the_model_is_refused() -> None:
     optimizer.add_param_group({"params": [temperature]})
     with pytest.raises(UsageError, match="parameter 0 of the optimizer's param group 1 is not"):
         check_optimizer_params(model, optimizer)
+
+
+def test_the_parameters_as_built_pass_and_every_later_change_is_named() -> None:
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+
+    untouched = model()
+    watch = ParameterWatch(untouched)
+    nn.Linear(2, 2)  # another model's registrations are not this one's
+    with torch.no_grad():  # values may change: the optimizer's, or in place on every worker
+        untouched[0].weight.mul_(2)
+    watch.check(0, full=True)
+    untouched[0].weight = untouched[0].weight  # the same Parameter registered again
+    watch.check(1)
+    watch.release()
+
+    def refused(change: object, said: str, seen_at_once: bool = True) -> None:
+        m = model()
+        watch = ParameterWatch(m)
+        change(m)  # type: ignore[operator]
+        try:
+            if not seen_at_once:
+                watch.check(6)  # only the full check, at the drift check steps, sees it
+            with pytest.raises(UsageError, match=said):
+                watch.check(7, full=not seen_at_once)
+        finally:
+            watch.release()
+
+    refused(lambda m: m.append(nn.Linear(2, 2)), r"step 7: .*'2.weight' was added")
+    refused(lambda m: setattr(m[0], "weight", nn.Parameter(m[0].weight.detach().clone())),
+            r"'0.weight' was replaced by another Parameter")  # fmt: skip
+    refused(lambda m: m.double(), r"'0.weight' changed from torch.float32 to torch.float64")
+    refused(lambda m: m[0].bias.requires_grad_(False), r"'0.bias' was frozen")
+    refused(lambda m: m[1].register_parameter("bias", None), r"'1.bias' was removed", False)
+    refused(lambda m: setattr(m[1].weight, "data", torch.zeros(2, 4)),
+            r"'1.weight' changed from shape \[2, 3\] to \[2, 4\]", False)  # fmt: skip
+
+
+def test_a_parameter_shared_by_two_modules_is_one_parameter_to_the_watch() -> None:
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    watch = ParameterWatch(model)
+    watch.check(1)
+    model[2] = nn.Linear(3, 3)  # no longer shared: two more parameters
+    with pytest.raises(UsageError, match="'2.weight' was added"):
+        watch.check(2)
+    watch.release()
+
+
+def test_a_released_watch_leaves_torchs_registration_hooks_as_they_were() -> None:
+    hooks = torch.nn.modules.module
+    before = (len(hooks._global_parameter_registration_hooks),
+              len(hooks._global_module_registration_hooks))  # fmt: skip
+    ParameterWatch(nn.Linear(2, 2)).release()
+    assert (len(hooks._global_parameter_registration_hooks),
+            len(hooks._global_module_registration_hooks)) == before  # fmt: skip

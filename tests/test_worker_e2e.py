@@ -312,6 +312,30 @@ def test_a_loop_that_freezes_or_unfreezes_a_parameter_is_refused_at_the_next_com
     assert "lr to 0" in line, line
 
 
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [("replace", "was replaced by another Parameter"),
+     ("retype", "changed from torch.float32 to torch.float64")],
+)  # fmt: skip
+def test_a_loop_that_replaces_or_retypes_a_parameter_is_refused_at_the_next_commit(
+    workers: Workers, plane: ControlPlane, change: str, said: str
+):
+    """The runtime reduces, transfers and checkpoints the Parameter objects
+    the model held when ``Elastic`` was built. One the loop replaces (a
+    rebuilt layer, even put in the optimizer in the old one's place) would
+    be updated with this worker's own gradient while the runtime reduced a
+    stale one; ``model.double()`` changes what every buffer and peer
+    expects. Either is refused at the next commit, naming the parameter."""
+    worker = changing_worker(workers, plane, change)
+    assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
+    worker.wait_line(lambda x: '"step": 2,' in x, timeout=PATIENCE)
+    with pytest.raises(RuntimeError, match="process exited"):
+        worker.wait_line(lambda x: '"step": 3,' in x, timeout=PATIENCE)
+    text = worker.log_path.read_text(errors="replace")
+    (line,) = [x for x in text.splitlines() if "UsageError: step 3:" in x]
+    assert said in line and "before building Elastic" in line, line
+
+
 def test_a_param_group_of_parameters_outside_the_model_is_refused_at_the_next_commit(
     workers: Workers, plane: ControlPlane
 ):

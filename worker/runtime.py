@@ -86,6 +86,7 @@ from rollcall.worker.checkpoint import (
 from rollcall.worker.contract import (
     GradientWatch,
     Ownership,
+    ParameterWatch,
     ShardedStateGuard,
     check_extras,
     check_optimizer_params,
@@ -437,9 +438,6 @@ class Elastic:
         self.plan = self._loader.plan
         self.member_id: str | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
-        #: Every parameter, named, with whether it required grad when built
-        #: (``_check_trainable``).
-        self._trainable = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
         #: The optimizer's parameter count per group when last checked.
         self._groups_seen = _group_sizes(optimizer)
         self._buffers = BufferSync(model) if sync_buffers else None
@@ -563,6 +561,9 @@ class Elastic:
             if checkpoint_dir is not None
             else None
         )
+        #: The parameters as built (``_check_trainable``); holds torch's
+        #: registration hooks until ``close``.
+        self._parameter_watch = ParameterWatch(model)
         if handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._signals[sig] = signal.signal(sig, self._on_signal)
@@ -572,6 +573,7 @@ class Elastic:
             self._report.ended(sys.exc_info()[1])
             self._restore_signals()
             self._ownership.release()
+            self._parameter_watch.release()
             if self._guard is not None:
                 self._guard.release()
             self._stop_loop()
@@ -2109,32 +2111,14 @@ class Elastic:
         self._gradients.forget()
 
     def _check_trainable(self, step: Step) -> None:
-        """(Every step, before the reduction.) The reduction covers the
-        parameters that required grad when ``Elastic`` was built. One frozen
-        since would get a zero gradient that the optimizer still applies
-        (weight decay, momentum); one unfrozen since would be updated with
-        this worker's own partial gradient, and the replicas would part.
-        Either is refused before this step changes anything; so is a
+        """(Every step, before the reduction.) The model's parameters as
+        ``Elastic`` was built with them (``ParameterWatch``), and no
         parameter added to the optimizer that the model does not hold."""
         sizes = _group_sizes(self._optimizer)
         if sizes != self._groups_seen:
             check_optimizer_params(self._model, self._optimizer)
             self._groups_seen = sizes
-        for name, param, trainable in self._trainable:
-            if param.requires_grad != trainable:
-                verb = "unfrozen" if param.requires_grad else "frozen"
-                raise UsageError(
-                    f"step {step.number}: parameter {name!r} was {verb} (requires_grad set to "
-                    f"{param.requires_grad}) after Elastic was built; the runtime reduces the "
-                    "gradients of the parameters that required grad then, so this one would "
-                    + ("be updated with this worker's own partial gradient"
-                       if param.requires_grad else
-                       "get a zero gradient, which the optimizer still applies (weight decay, "
-                       "momentum)")
-                    + ". Set requires_grad before building Elastic; to freeze parameters for "
-                    "a while, keep them trainable in a param group of their own and set its "
-                    "lr to 0 (and back)"
-                )  # fmt: skip
+        self._parameter_watch.check(step.number, full=self._check_due(step.number))
 
     def _check_parameters_kept(self, step: Step) -> None:
         """(Sharded, every ``drift_check_every`` steps, before the
@@ -2392,6 +2376,7 @@ class Elastic:
         self._report.ended(sys.exc_info()[1] or self._client.ended)
         self._restore_signals()
         self._ownership.release()
+        self._parameter_watch.release()
         if self._guard is not None:
             self._guard.release()
         if self.checkpoints is not None and not self.checkpoints.wait(
