@@ -11,7 +11,8 @@ after step 2); ``drop_param`` (take the optimizer's last parameter out of
 its group after step 2); ``replace`` (put a new Parameter, same values,
 in place of the first one, in the model and the optimizer, after step 2,
 as a loop that rebuilds a layer does); ``retype`` (``model.double()``
-after step 2).
+after step 2); ``hook_scale`` (``scale`` in ``before_update``, after the
+reduction, before the update).
 ``--sharded``: redundancy 2. The checks run every 5 steps. Token from
 $ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker --json` does."""
 
@@ -32,7 +33,7 @@ def main() -> None:
     parser.add_argument("rendezvous")
     parser.add_argument("job")
     changes = ["none", "scale", "freeze", "unfreeze", "add_group", "drop_param", "replace",
-               "retype"]  # fmt: skip
+               "retype", "hook_scale"]  # fmt: skip
     parser.add_argument("change", choices=changes)
     parser.add_argument("--sharded", action="store_true")
     args = parser.parse_args()
@@ -42,7 +43,7 @@ def main() -> None:
         first.requires_grad_(False)
 
     def change(step: Step) -> None:
-        if args.change == "scale":
+        if args.change in ("scale", "hook_scale"):
             with torch.no_grad():
                 for parameter in model.parameters():
                     parameter.mul_(0.5)
@@ -65,8 +66,9 @@ def main() -> None:
         model, optimizer, corpus, global_batch=32, micro_batch=8, rendezvous=args.rendezvous,
         job=args.job, shard_redundancy=2 if args.sharded else None,
         config=Config(drift_check_every=5),
+        before_update=change if args.change == "hook_scale" else None,
     ) as elastic:  # fmt: skip
-        train(elastic, model, change)
+        train(elastic, model, change if args.change != "hook_scale" else lambda step: None)
 
 
 if __name__ == "__main__":

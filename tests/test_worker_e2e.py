@@ -389,6 +389,24 @@ def test_a_sharded_loop_that_changes_the_parameters_after_commit_is_refused(
     assert "changed outside the optimizer" not in steady.log_path.read_text(errors="replace")
 
 
+def test_a_sharded_jobs_before_update_that_changes_the_parameters_is_refused(
+    workers: Workers, plane: ControlPlane
+):
+    """``before_update`` runs after the reduction, before the update, which
+    in a sharded job starts from the owners' copies: a change it makes to
+    the model's parameters is lost at this very step's all-gather, so no
+    later comparison could see it. It is compared right after the hook, at
+    the check steps (every 5 here), and refused."""
+    worker = changing_worker(workers, plane, "hook_scale", "--sharded")
+    assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
+    worker.wait_line(lambda x: '"step": 3,' in x, timeout=PATIENCE)  # committed before
+    with pytest.raises(RuntimeError, match="process exited"):  # every line read, none for 4
+        worker.wait_line(lambda x: '"step": 4,' in x, timeout=PATIENCE)
+    text = worker.log_path.read_text(errors="replace")
+    (line,) = [x for x in text.splitlines() if "UsageError: step 4:" in x]
+    assert "changed in before_update" in line and "lost at this step" in line, line
+
+
 def test_kills_and_joins_consume_exactly_the_samples_of_an_uninterrupted_run(
     plane: ControlPlane, tmp_path: Path
 ):

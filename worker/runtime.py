@@ -2095,6 +2095,7 @@ class Elastic:
             self._scaler.unscale_(self._optimizer)
         if self._before_update is not None:
             self._before_update(step)
+            self._check_parameters_kept(step, in_hook=True)
         with self._ownership.applying():
             if self._sharded is not None:
                 self._sharded.update()  # this rank's partitions; the others' arrive next
@@ -2120,31 +2121,38 @@ class Elastic:
             self._groups_seen = sizes
         self._parameter_watch.check(step.number, full=self._check_due(step.number))
 
-    def _check_parameters_kept(self, step: Step) -> None:
-        """(Sharded, every ``drift_check_every`` steps, before the
-        reduction.) A sharded job's parameters are its optimizer's: each
-        update starts from the owners' copies, and the all-gather writes
-        them into the model. A change the loop made to the model's
-        parameters since (after ``commit()``: a clamp, a renormalisation)
-        would be lost at this step's update, on every rank alike, with no
-        error; refused instead. Each rank checks the partitions it sends."""
+    def _check_parameters_kept(self, step: Step, in_hook: bool = False) -> None:
+        """(Sharded, every ``drift_check_every`` steps: before the reduction,
+        and after ``before_update`` if there is one.) A sharded job's
+        parameters are its optimizer's: each update starts from the owners'
+        copies, and the all-gather writes them into the model. A change the
+        loop made to the model's parameters since (after ``commit()``: a
+        clamp, a renormalisation; or in ``before_update``, whose change this
+        very step's all-gather overwrites) would be lost, on every rank
+        alike, with no error; refused instead. Each rank checks the
+        partitions it sends."""
         sharded, view = self._sharded, self._shard_view
         if sharded is None or view is None or not self._check_due(step.number):
             return
         changed = sharded.changed(view.ids)
-        if changed:
-            named = ", ".join(map(str, changed[:8]))
-            if len(changed) > 8:
-                named += f" and {len(changed) - 8} more"
-            raise UsageError(
-                f"step {step.number}: the model's parameters were changed outside the "
-                f"optimizer since the last update (partitions {named} differ from this "
-                "rank's copy): in a sharded job the parameters are the optimizer's, and each "
-                "update starts from its copies, so a change the loop makes to them after "
-                "commit() is lost at the next step. Run a job whose loop changes its "
-                "parameters unsharded (without shard_redundancy) (docs/sharding.md, \"What is "
-                "refused\")"
-            )
+        if not changed:
+            return
+        named = ", ".join(map(str, changed[:8]))
+        if len(changed) > 8:
+            named += f" and {len(changed) - 8} more"
+        when, lost = (
+            ("in before_update", "lost at this step's all-gather")
+            if in_hook
+            else ("outside the optimizer since the last update", "lost at the next step")
+        )
+        raise UsageError(
+            f"step {step.number}: the model's parameters were changed {when} (partitions "
+            f"{named} differ from this rank's copy): in a sharded job the parameters are the "
+            f"optimizer's, and each update starts from its copies, so such a change is {lost}. "
+            "Change only the gradients in before_update, and run a job whose loop changes its "
+            "parameters unsharded (without shard_redundancy) (docs/sharding.md, \"What is "
+            "refused\")"
+        )
 
     def _check_scheduler_registered(self) -> None:
         """A scheduler built on the optimizer after ``Elastic`` was, or the
