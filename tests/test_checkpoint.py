@@ -12,6 +12,7 @@ import os
 import stat
 import subprocess
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from rollcall.membership.checkpoint import (
     manifest_file_name,
     next_failure,
     parse_file_name,
+    part_file_name,
     progress_limit,
     record,
     superseded,
@@ -158,6 +160,53 @@ def test_the_writer_deletes_its_files_the_record_no_longer_names(tmp_path: Path)
     names = sorted(p.name for p in tmp_path.iterdir())
     kept = [file_name(JOB, 9, "w-1"), file_name(JOB, 14, "w-1")]
     assert names == sorted([*kept, *map(manifest_file_name, kept)])  # the copies go too
+
+
+def test_a_new_writer_removes_what_kills_left_of_its_job_and_nothing_else(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """A worker killed while it wrote a checkpoint leaves its temporary
+    (checkpoint-sized), one killed between deleting a superseded file and
+    its manifest copy leaves a bare copy. Nothing names either and nobody
+    else would delete them: over a run with many kills they would fill the
+    disk. A writer removes them when it starts, once they are an hour old
+    (a temporary younger may be another worker's write in progress)."""
+    name = file_name(JOB, 8, "w-1")
+    hour = 3600.0
+
+    def put(file: str, data: bytes = b"x" * 100, age: float = 2 * hour) -> Path:
+        path = tmp_path / file
+        path.write_bytes(data)
+        os.utime(path, (time.time() - age, time.time() - age))
+        return path
+
+    stale = [
+        put(f".{name}.4242.0badc0de.tmp"),  # a checkpoint file being written
+        put(f".{manifest_file_name(name)}.4242.0badc0de.tmp"),  # its manifest copy
+        put(f".{part_file_name(JOB, 8, 'w-2')}.77.12345678.tmp"),  # a sharded part
+        put(manifest_file_name(file_name(JOB, 3, "w-1"))),  # a copy whose file is gone
+    ]
+    kept = [
+        put(f".{name}.4243.0badc0de.tmp", age=60.0),  # young: maybe a write in progress
+        put(name),  # a checkpoint named in no record: kept for adoption
+        put(manifest_file_name(name)),  # and its copy
+        put(f".{file_name('other', 8, 'w-1')}.1.0badc0de.tmp"),  # another job's
+        put(manifest_file_name(file_name("other", 3, "w-1"))),
+        put(".notes.1.0badc0de.tmp"),  # not a checkpoint's
+        put("mine.txt"),
+    ]
+    directory = tmp_path / f".{file_name(JOB, 10, 'w-1')}.1.0badc0de.tmp"
+    directory.mkdir()  # not a regular file
+    link = tmp_path / f".{file_name(JOB, 9, 'w-1')}.5.0badc0de.tmp"
+    link.symlink_to(tmp_path / "mine.txt")
+    with caplog.at_level("INFO", logger="rollcall.checkpoint"):
+        CheckpointWriter(tmp_path, JOB, Published())
+    assert not any(p.exists() for p in stale)
+    assert all(p.exists() for p in kept) and link.is_symlink() and directory.is_dir()
+    said = [r.getMessage() for r in caplog.records if "left by" in r.getMessage()]
+    assert said == [
+        f"removed 4 files of job {JOB} left by killed writers (400 bytes) in {tmp_path}"
+    ]
 
 
 def test_a_failed_publish_is_reported_and_the_next_checkpoint_still_written(tmp_path: Path):

@@ -43,6 +43,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 import threading
@@ -55,6 +56,7 @@ from typing import Any
 import psutil
 
 from rollcall.membership.checkpoint import (
+    MANIFEST_SUFFIX,
     MAX_REASON_LENGTH,
     CheckpointManifest,
     CheckpointPart,
@@ -320,6 +322,60 @@ def find_orphans(directory: Path, job: str) -> Orphans:
     return Orphans(tuple(manifests), tuple(unchecked), fingerprints)
 
 
+#: A temporary of one of the job's checkpoint files untouched this long is
+#: a killed writer's, not a write in progress (``remove_leftovers``).
+LEFTOVER_AGE = 3600.0
+#: ``.<name>.<pid>.<8 hex>.tmp``: ``_write_atomically``'s temporary for ``name``.
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.\d+\.[0-9a-f]{8}\.tmp")
+
+
+def remove_leftovers(directory: Path, job: str, older_than: float = LEFTOVER_AGE) -> None:
+    """Delete what killed writers left of ``job``'s checkpoints in
+    ``directory``: temporaries (a write that never reached its rename; as
+    large as a checkpoint) and manifest copies whose file is gone (a kill
+    between the two deletions), each untouched for ``older_than`` seconds,
+    a regular file, owned by this user. Nothing names them and nothing else
+    deletes them; files named in no record are kept (a worker adopts them
+    if etcd loses the job's record). Logged; an error only warned of."""
+
+    def ours(name: str) -> bool:
+        if name.endswith(MANIFEST_SUFFIX):
+            name = name[: -len(MANIFEST_SUFFIX)]
+        return parse_file_name(name, job) is not None or parse_part_name(name, job) is not None
+
+    removed = size = 0
+    try:
+        names = os.listdir(directory)
+    except OSError as exc:
+        log.warning("could not look for leftover checkpoint files in %s: %s", directory, exc)
+        return
+    for name in names:
+        temporary = _TEMPORARY.fullmatch(name)
+        if temporary is not None:
+            if not ours(temporary.group("name")):
+                continue
+        elif not name.endswith(MANIFEST_SUFFIX) or not ours(name):
+            continue
+        elif (directory / name[: -len(MANIFEST_SUFFIX)]).exists():
+            continue  # a copy beside its file
+        path = directory / name
+        try:
+            info = os.lstat(path)
+            if (
+                stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
+                and time.time() - info.st_mtime >= older_than
+            ):  # fmt: skip
+                path.unlink()
+                removed, size = removed + 1, size + info.st_size
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not delete the leftover checkpoint file %s: %s", path, exc)
+    if removed:
+        log.info("removed %d files of job %s left by killed writers (%d bytes) in %s",
+                 removed, job, size, directory)  # fmt: skip
+
+
 def process_age() -> float:
     """Seconds since this process started."""
     return max(0.0, time.time() - psutil.Process().create_time())
@@ -373,6 +429,7 @@ class CheckpointWriter:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.directory = directory.resolve()
         self.job = job
+        remove_leftovers(self.directory, job)
         self._publish = publish
         self._on_failure = on_failure
         self._on_durable = on_durable
