@@ -43,6 +43,10 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'rollcall' has no attribute {name!r}")
+    if module.startswith("rollcall.worker."):
+        from rollcall.worker.startup import import_torch
+
+        import_torch()
     value = getattr(import_module(module), name)
     globals()[name] = value
     return value

@@ -46,16 +46,16 @@ def run_with_hook(tmp_path: Path, sig: str, *argv: str) -> subprocess.CompletedP
 
 def test_torch_itself_loses_a_sigint_sent_while_it_imports_numpy(tmp_path: Path):
     """The hazard, shown: if this starts failing, torch fixed it, and the
-    deferral in rollcall.worker is no longer needed."""
+    deferral of rollcall.worker.startup is no longer needed."""
     done = run_with_hook(tmp_path, "SIGINT", "-c", "import torch; print('imported')")
     assert done.returncode == 0 and "imported" in done.stdout, done.stderr
 
 
-def test_rollcall_worker_runtime_import_keeps_a_sigint_for_after_torch(tmp_path: Path):
+def test_importing_elastic_keeps_a_sigint_for_after_torch(tmp_path: Path):
     program = (
         "import sys\n"
         "try:\n"
-        "    import rollcall.worker\n"
+        "    from rollcall import Elastic\n"
         "    print('imported')\n"
         "except KeyboardInterrupt:\n"
         "    torch = sys.modules['torch']\n"
@@ -80,3 +80,19 @@ def test_a_worker_signalled_while_it_imports_torch_stops_instead_of_joining(
     )  # fmt: skip
     assert done.returncode == code, done.stderr[-2000:]
     assert "cannot reach the rendezvous" not in done.stderr
+
+
+def test_the_operators_commands_start_without_torch():
+    """Holding signals while torch imports must not make the commands that
+    need no torch import it (a second or more per command)."""
+    modules = ["rollcall.cli", "rollcall.local", "rollcall.checkpoints", "rollcall.live",
+               "rollcall.report.command", "rollcall.cli.up", "rollcall.worker.startup"]  # fmt: skip
+    program = (
+        "import importlib, sys\n"
+        + "".join(f"importlib.import_module({m!r})\n" for m in modules)
+        + "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -561,7 +561,7 @@ class Elastic:
             if checkpoint_dir is not None
             else None
         )
-        #: The parameters as built (``_check_trainable``); holds torch's
+        #: The parameters as built (``_check_model``); holds torch's
         #: registration hooks until ``close``.
         self._parameter_watch = ParameterWatch(model)
         if handle_signals and threading.current_thread() is threading.main_thread():
@@ -1791,7 +1791,7 @@ class Elastic:
             except StepAborted:
                 return False
         self._gradients.check()
-        self._check_trainable(step)
+        self._check_model(step)
         self._check_scheduler_registered()
         if self._sharded is not None:
             self._sharded.check_groups()  # before the reduction: nothing changed yet
@@ -2111,7 +2111,7 @@ class Elastic:
         self._optimizer.zero_grad(set_to_none=True)
         self._gradients.forget()
 
-    def _check_trainable(self, step: Step) -> None:
+    def _check_model(self, step: Step) -> None:
         """(Every step, before the reduction.) The model's parameters as
         ``Elastic`` was built with them (``ParameterWatch``), and no
         parameter added to the optimizer that the model does not hold."""

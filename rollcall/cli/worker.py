@@ -202,6 +202,9 @@ def worker(
         StateDrifted,
         UnsafeTiming,
     )
+    from rollcall.worker.startup import import_torch
+
+    import_torch()
     from rollcall.worker.examples.lm import LMConfig
     from rollcall.worker.examples.lm_loop import LMRun, train
 
