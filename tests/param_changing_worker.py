@@ -12,7 +12,9 @@ its group after step 2); ``replace`` (put a new Parameter, same values,
 in place of the first one, in the model and the optimizer, after step 2,
 as a loop that rebuilds a layer does); ``retype`` (``model.double()``
 after step 2); ``hook_scale`` (``scale`` in ``before_update``, after the
-reduction, before the update).
+reduction, before the update); ``counter_lr`` (``before_update`` sets the
+learning rate from a count of its own updates, as a warm-up written
+against a loop's own iteration counter does: a joiner counts from 0).
 ``--sharded``: redundancy 2. The checks run every 5 steps. Token from
 $ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker --json` does."""
 
@@ -33,7 +35,7 @@ def main() -> None:
     parser.add_argument("rendezvous")
     parser.add_argument("job")
     changes = ["none", "scale", "freeze", "unfreeze", "add_group", "drop_param", "replace",
-               "retype", "hook_scale"]  # fmt: skip
+               "retype", "hook_scale", "counter_lr"]  # fmt: skip
     parser.add_argument("change", choices=changes)
     parser.add_argument("--sharded", action="store_true")
     args = parser.parse_args()
@@ -42,8 +44,15 @@ def main() -> None:
     if args.change == "unfreeze":
         first.requires_grad_(False)
 
+    updates = 0
+
     def change(step: Step) -> None:
-        if args.change in ("scale", "hook_scale"):
+        nonlocal updates
+        if args.change == "counter_lr":
+            for group in optimizer.param_groups:
+                group["lr"] = 1e-3 * min(1.0, (updates + 1) / 1000)
+            updates += 1
+        elif args.change in ("scale", "hook_scale"):
             with torch.no_grad():
                 for parameter in model.parameters():
                     parameter.mul_(0.5)
@@ -62,13 +71,14 @@ def main() -> None:
         elif args.change == "retype" and step.number == 2:
             model.double()
 
+    hooks = ("hook_scale", "counter_lr")
     with Elastic(
         model, optimizer, corpus, global_batch=32, micro_batch=8, rendezvous=args.rendezvous,
         job=args.job, shard_redundancy=2 if args.sharded else None,
         config=Config(drift_check_every=5),
-        before_update=change if args.change == "hook_scale" else None,
+        before_update=change if args.change in hooks else None,
     ) as elastic:  # fmt: skip
-        train(elastic, model, change if args.change != "hook_scale" else lambda step: None)
+        train(elastic, model, change if args.change not in hooks else lambda step: None)
 
 
 if __name__ == "__main__":

@@ -3,18 +3,23 @@ a user trial is refused with a UsageError that says what to change."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from rollcall.membership.errors import UsageError
 from rollcall.worker.contract import (
+    Agreement,
     GradientWatch,
     Ownership,
     ParameterWatch,
     check_extras,
     check_optimizer_params,
     check_scheduler,
+    learning_rates,
+    settings_tag,
 )
 
 
@@ -218,3 +223,37 @@ def test_a_released_watch_leaves_torchs_registration_hooks_as_they_were() -> Non
     ParameterWatch(nn.Linear(2, 2)).release()
     assert (len(hooks._global_parameter_registration_hooks),
             len(hooks._global_module_registration_hooks)) == before  # fmt: skip
+
+
+def test_the_settings_tag_follows_every_numeric_setting_of_every_group_and_nothing_else() -> None:
+    def optimizer(**changes: object) -> torch.optim.Optimizer:
+        a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+        settings = {"lr": 0.1, "weight_decay": 0.01, **changes}
+        return torch.optim.AdamW([{"params": a.parameters()}, {"params": b.parameters(),
+                                  "lr": 0.05}], **settings)  # type: ignore[arg-type]  # fmt: skip
+
+    tag = settings_tag(optimizer())
+    assert tag == settings_tag(optimizer()) and 0 <= tag < 1 << 16  # not the parameters
+    assert settings_tag(optimizer(lr=0.1 + 1e-12)) != tag
+    assert settings_tag(optimizer(betas=(0.9, 0.99))) != tag
+    second = optimizer()
+    second.param_groups[1]["lr"] = 0.06
+    assert settings_tag(second) != tag
+    tensor_lr = optimizer(lr=torch.tensor(0.1, dtype=torch.float64))
+    assert settings_tag(tensor_lr) == tag  # a 0-d tensor counts by its value
+    assert learning_rates(second) == "0.1, 0.06"
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 1000])
+def test_agreement_of_the_sums_is_exact_at_the_largest_tags(ranks: int) -> None:
+    def sums(tags: list[int | None]) -> list[float]:
+        terms = [Agreement.sum_terms(t) for t in tags]
+        return [math.fsum(column) for column in zip(*terms, strict=True)]
+
+    top = (1 << 16) - 1
+    assert Agreement.agreed_sums(*sums([top] * ranks))
+    assert Agreement.agreed_sums(*sums([top] * ranks + [None]))
+    assert Agreement.agreed_sums(*sums([None] * ranks))
+    if ranks > 1:
+        assert not Agreement.agreed_sums(*sums([top] * (ranks - 1) + [top - 1]))
+        assert not Agreement.agreed_sums(*sums([0] * (ranks - 1) + [1]))

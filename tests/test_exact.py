@@ -19,7 +19,7 @@ import torch
 
 from rollcall.membership.errors import UsageError
 from rollcall.worker.buffers import BufferSync
-from rollcall.worker.contract import GradientWatch
+from rollcall.worker.contract import Agreement, GradientWatch
 from rollcall.worker.exact import (
     NO_EXPONENT,
     ExactStep,
@@ -271,3 +271,36 @@ def test_the_fingerprint_of_exact_mode_names_what_the_bits_depend_on():
     assert one.startswith("true (torch ") and "1 intra-op threads" in one
     assert one != two  # workers with other thread counts are refused at join
     JobFingerprint.of({"exact": one})  # a valid field value
+
+
+@pytest.mark.parametrize(
+    ("tags", "agreed"),
+    [((7, 7, 7), True), ((7, None, 7), True), ((None, None, None), True),
+     ((7, 9, 7), False), ((0, None, 65535), False)],
+)  # fmt: skip
+def test_the_ranks_settings_tags_ride_on_the_max_and_every_rank_reads_one_verdict(
+    tags: tuple[int | None, ...], agreed: bool
+) -> None:
+    base = make_model()
+    reduce = Collective(len(tags))
+    verdicts: list[bool] = []
+
+    def rank(i: int) -> None:
+        model = copy.deepcopy(base)
+        exact = ExactStep(list(model.parameters()), BufferSync(model), MICROBATCHES)
+        exact.begin()
+        exact.start()
+        inputs, targets = batch(i)
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum")
+        loss.backward()
+        exact.took(i, float(loss.detach()), len(targets))
+        reduced = exact.reduce(reduce, also_max=Agreement.max_terms(tags[i]))
+        verdicts.append(Agreement.agreed_maxima(*reduced.also_max))
+        assert reduced.count == 5 * len(tags)  # the step itself reduced as ever
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(tags))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert verdicts == [agreed] * len(tags)

@@ -279,12 +279,15 @@ def test_a_sharded_copy_that_drifted_stops_its_worker_and_the_others_train_on(
         group.close()
 
 
-def changing_worker(workers: Workers, plane: ControlPlane, change: str, *flags: str) -> Process:
-    """A ``tests.param_changing_worker`` process whose loop makes ``change``."""
+def changing_worker(
+    workers: Workers, plane: ControlPlane, change: str, *flags: str, log: str = ""
+) -> Process:
+    """A ``tests.param_changing_worker`` process whose loop makes ``change``
+    (its log ``<change><log>.log``)."""
     process = Process(
         [sys.executable, "-m", "tests.param_changing_worker", ",".join(plane.addresses),
          plane.job, change, *flags],
-        {"ROLLCALL_TOKEN": plane.token}, workers.tmp_path / f"{change}.log",
+        {"ROLLCALL_TOKEN": plane.token}, workers.tmp_path / f"{change}{log}.log",
     )  # fmt: skip
     workers.all.append(process)  # type: ignore[arg-type]
     return process
@@ -405,6 +408,25 @@ def test_a_sharded_jobs_before_update_that_changes_the_parameters_is_refused(
     text = worker.log_path.read_text(errors="replace")
     (line,) = [x for x in text.splitlines() if "UsageError: step 4:" in x]
     assert "changed in before_update" in line and "lost at this step" in line, line
+
+
+def test_a_learning_rate_counted_by_the_loop_itself_is_refused_when_a_joiner_counts_anew(
+    workers: Workers, plane: ControlPlane
+):
+    """A warm-up written against a count the loop keeps itself (here in
+    ``before_update``) gives a worker that joins another learning rate
+    than the others': every rank applies the same reduced gradient, and
+    the replicas part. The ranks compare the settings of their last updates
+    in each step's reduction: every rank refuses, with the learning rates."""
+    first = changing_worker(workers, plane, "counter_lr")
+    first.wait_line(lambda x: '"step": 5,' in x, timeout=PATIENCE)  # alone: nothing to compare
+    joiner = changing_worker(workers, plane, "counter_lr", log="-joiner")
+    for worker in (first, joiner):
+        assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
+        text = worker.log_path.read_text(errors="replace")
+        (line,) = [x for x in text.splitlines() if "UsageError: step" in x]
+        assert "with different optimizer settings (this rank's learning rates: " in line, line
+        assert "registered LR scheduler" in line, line
 
 
 def test_kills_and_joins_consume_exactly_the_samples_of_an_uninterrupted_run(

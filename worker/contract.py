@@ -18,6 +18,7 @@ step pre-hook on the optimizer) and are removed by ``release()``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -26,7 +27,8 @@ import torch
 from rollcall.membership.errors import UsageError
 
 __all__ = [
-    "GradientWatch", "Ownership", "ParameterWatch", "Stateful", "check_extras", "check_scheduler",
+    "Agreement", "GradientWatch", "Ownership", "ParameterWatch", "Stateful", "check_extras",
+    "check_scheduler", "learning_rates", "settings_tag",
 ]  # fmt: skip
 
 
@@ -186,6 +188,73 @@ def _change(
     if then[2] != now[2]:
         parts.append(f"from shape {list(then[2])} to {list(now[2])}")
     return ", ".join(parts)
+
+
+def settings_tag(optimizer: torch.optim.Optimizer) -> int:
+    """A 16-bit digest of the numeric settings of ``optimizer``'s param
+    groups (lr, betas, weight decay, momentum...; not the parameters), in
+    order: the same settings give the same tag in every process. The ranks
+    compare the tags of the settings their last updates used (``Agreement``)."""
+    parts = []
+    for g, group in enumerate(optimizer.param_groups):
+        for key in sorted(group):
+            value = group[key]
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if key != "params" and _numeric(value):
+                parts.append(f"{g}.{key}={value!r}")
+    digest = hashlib.blake2b("\n".join(parts).encode(), digest_size=2).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _numeric(value: Any) -> bool:
+    if isinstance(value, tuple | list):
+        return all(_numeric(v) for v in value)
+    return isinstance(value, bool | int | float)
+
+
+def learning_rates(optimizer: torch.optim.Optimizer) -> str:
+    """This rank's learning rates, for a message: "0.001" or "0.001, 0.0005"."""
+    rates = []
+    for group in optimizer.param_groups:
+        lr = group.get("lr")
+        rates.append(repr(lr.item() if isinstance(lr, torch.Tensor) else lr))
+    return ", ".join(rates)
+
+
+class Agreement:
+    """Whether the ranks' last updates used the same optimizer settings.
+
+    Every rank applies the same reduced gradient; one whose learning rate
+    (or any other setting) differs, set from a count the loop keeps itself
+    (a worker that joins or restarts counts from 0) or from anything else
+    that differs by rank, parts from the others with no error. Each rank
+    adds the tag (``settings_tag``) of the settings its previous update
+    used to the step's reduction, none if it did not apply that update
+    itself (it loaded the state): in the float64 SUM of the default and
+    overlapped modes as (1, t, t²), whose sums (n, s, q) are all equal
+    exactly when n·q = s² (exact in float64: t < 2**16); in exact mode's
+    int64 MAX as (t, -t), all equal when the two maxima are opposite.
+    Every rank sees the same sums, so every rank decides alike."""
+
+    #: The MAX entries of a rank that adds no tag: below any tag.
+    NONE_MAX = (-1, -(1 << 17))
+
+    @staticmethod
+    def sum_terms(tag: int | None) -> list[float]:
+        return [0.0, 0.0, 0.0] if tag is None else [1.0, float(tag), float(tag * tag)]
+
+    @staticmethod
+    def agreed_sums(n: float, s: float, q: float) -> bool:
+        return n == 0 or n * q == s * s
+
+    @staticmethod
+    def max_terms(tag: int | None) -> list[int]:
+        return list(Agreement.NONE_MAX) if tag is None else [tag, -tag]
+
+    @staticmethod
+    def agreed_maxima(most: int, least_negated: int) -> bool:
+        return most < 0 or most == -least_negated
 
 
 def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -149,6 +149,8 @@ class Reduced:
     #: A rank asked, in this reduction, that the view's members stop after
     #: the step (a roll call held only for joiners waits for it).
     stop: bool = False
+    #: The maxima over the ranks of the caller's ``also_max`` entries.
+    also_max: tuple[int, ...] = ()
 
     def apply(self) -> None:
         for p, grad in zip(self.params, self.grads, strict=True):
@@ -218,17 +220,22 @@ class ExactStep:
             loss, count = earlier.loss + loss, earlier.count + count
         self._taken[index] = _Microbatch(grads, buffers, loss, count)
 
-    def reduce(self, reduce: Reduce, stop: bool = False) -> Reduced:
+    def reduce(self, reduce: Reduce, stop: bool = False, also_max: Sequence[int] = ()) -> Reduced:
         """Reduce the step across the view with ``reduce`` (two collectives:
         a MAX of exponents, a SUM of integers; ``stop``, this rank asks the
         view's members to stop after the step, rides on the MAX, and the
-        result's ``stop`` says whether any rank asked). The result's ``apply`` sets
+        result's ``stop`` says whether any rank asked; so do the caller's
+        ``also_max`` integers, whose maxima the result carries). The result's ``apply`` sets
         every parameter's ``.grad`` (in its dtype) to the step's gradient
         divided by the global count, and the buffers to their combination.
         Raises whatever ``reduce`` raises (the step is then not applied), and
         ``UsageError`` if the global count is not positive."""
-        exponents = torch.cat([self._exponents(), torch.tensor([int(stop)], dtype=torch.int64)])
+        tail = torch.tensor([int(stop), *also_max], dtype=torch.int64)
+        exponents = torch.cat([self._exponents(), tail])
         reduce([exponents], "max")
+        extra = len(also_max)
+        maxima = tuple(int(e) for e in exponents[len(exponents) - extra :])
+        exponents = exponents[: len(exponents) - extra]
         scales = [int(e) for e in exponents[:-2]]
         self._nonfinite = bool(int(exponents[-2]))
         stopped = bool(int(exponents[-1]))
@@ -252,7 +259,7 @@ class ExactStep:
         ]
         buffers = self._combined(payload[n:-3], present) if self._buffers is not None else None
         self._taken.clear()
-        return Reduced(count, loss, self._params, grads, self._buffers, buffers, stopped)
+        return Reduced(count, loss, self._params, grads, self._buffers, buffers, stopped, maxima)
 
     # --- the parts --------------------------------------------------------------
 

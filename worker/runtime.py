@@ -84,6 +84,7 @@ from rollcall.worker.checkpoint import (
     process_age,
 )
 from rollcall.worker.contract import (
+    Agreement,
     GradientWatch,
     Ownership,
     ParameterWatch,
@@ -91,6 +92,8 @@ from rollcall.worker.contract import (
     check_extras,
     check_optimizer_params,
     check_scheduler,
+    learning_rates,
+    settings_tag,
 )
 from rollcall.worker.digest import digest, hash_threads, tree_digest
 from rollcall.worker.environment import (
@@ -440,6 +443,9 @@ class Elastic:
         self._params = [p for p in model.parameters() if p.requires_grad]
         #: The optimizer's parameter count per group when last checked.
         self._groups_seen = _group_sizes(optimizer)
+        #: (step, ``settings_tag``) of the last update this rank applied
+        #: itself, compared with the others' at the next reduction (``Agreement``).
+        self._applied_settings: tuple[int, int] | None = None
         self._buffers = BufferSync(model) if sync_buffers else None
         self._exact = (
             ExactStep(self._params, self._buffers, self._loader.plan.num_microbatches)
@@ -1799,20 +1805,25 @@ class Elastic:
         # This rank asks, in the step's reduction, that the view's members
         # stop after it (a roll call held for joiners waits for it).
         ask = self._member.stop_asked
+        applied = self._applied_settings
+        tag = applied[1] if applied is not None and applied[0] == step.number - 1 else None
         try:
             if self._exact is not None:
                 reduced = self._exact.reduce(
-                    lambda tensors, op: group.allreduce(tensors, _REDUCE_OPS[op]), stop=ask
-                )
+                    lambda tensors, op: group.allreduce(tensors, _REDUCE_OPS[op]), stop=ask,
+                    also_max=Agreement.max_terms(tag),
+                )  # fmt: skip
                 count, loss, stop = float(reduced.count), reduced.loss, reduced.stop
+                agreed = Agreement.agreed_maxima(*reduced.also_max)
                 finish = reduced.apply
             elif self._buckets is not None:
-                count, loss, stop, finish = self._reduce_buckets(step, group, ask)
+                count, loss, stop, agreed, finish = self._reduce_buckets(step, group, ask, tag)
             else:
-                tensors, buffer_slots = self._reduction(step, ask)
+                tensors, buffer_slots = self._reduction(step, ask, tag)
                 group.allreduce_sum(tensors)
                 totals = tensors[-1]
                 count, loss, stop = float(totals[0]), float(totals[1]), bool(totals[2] > 0)
+                agreed = Agreement.agreed_sums(*map(float, totals[3:6]))
 
                 def finish() -> None:
                     self._normalise(tensors, buffer_slots, count)
@@ -1828,6 +1839,16 @@ class Elastic:
             raise UsageError(
                 f"step {step.number}: the global sample count is {count:g}: step.backward "
                 "must be given the number of samples (or tokens) its loss sums over"
+            )
+        if not agreed:
+            raise UsageError(
+                f"step {step.number}: the ranks of view {step.epoch} applied step "
+                f"{step.number - 1} with different optimizer settings (this rank's learning "
+                f"rates: {learning_rates(self._optimizer)}): every rank applies the same reduced "
+                "gradient, so the replicas part. Set the learning rate and the other settings "
+                "with a registered LR scheduler (Elastic(scheduler=...)) or from step.number in "
+                "before_update, never from a count the loop keeps itself (a worker that joins "
+                "or restarts counts from 0)"
             )
         if self._faults.slow_land():
             time.sleep(SLOW_LAND_S)
@@ -2017,11 +2038,12 @@ class Elastic:
         return launch
 
     def _reduce_buckets(
-        self, step: Step, group: EpochGroup, ask: bool
-    ) -> tuple[float, float, bool, Callable[[], None]]:
+        self, step: Step, group: EpochGroup, ask: bool, tag: int | None
+    ) -> tuple[float, float, bool, bool, Callable[[], None]]:
         """(overlap=True) Start what the last backward pass did not, sum the
-        buffers' changes and (count, loss), wait for the buckets; the
-        gradients are the buckets' views, divided in place by ``finish``."""
+        buffers' changes and (count, loss, ``Agreement``), wait for the
+        buckets; the gradients are the buckets' views, divided in place by
+        ``finish``."""
         buckets = self._buckets
         assert buckets is not None
         pending = buckets.flush(self._launcher(step))
@@ -2031,7 +2053,10 @@ class Elastic:
         small = self._buffers.contributions(step._microbatches, torch.float32) if (
             self._buffers is not None
         ) else []  # fmt: skip
-        totals = torch.tensor([float(step._count), step._loss, float(ask)], dtype=torch.float64)
+        totals = torch.tensor(
+            [float(step._count), step._loss, float(ask), *Agreement.sum_terms(tag)],
+            dtype=torch.float64,
+        )
         # Started after the buckets, as on every rank, and waited for with
         # them: an abandoned wait parks every buffer with the group.
         pending.append(group.start_allreduce_sum(totals))
@@ -2053,13 +2078,16 @@ class Elastic:
                     offset += change.numel()
                 self._buffers.apply(small, self.plan.num_microbatches)
 
-        return count, float(totals[1]), bool(totals[2] > 0), finish
+        agreed = Agreement.agreed_sums(*map(float, totals[3:6]))
+        return count, float(totals[1]), bool(totals[2] > 0), agreed, finish
 
-    def _reduction(self, step: Step, ask: bool) -> tuple[list[torch.Tensor], slice]:
+    def _reduction(
+        self, step: Step, ask: bool, tag: int | None
+    ) -> tuple[list[torch.Tensor], slice]:
         """What the step's one all-reduce sums: every gradient (zeros for a
         parameter without one), the buffers' changes, and (count, loss, the
-        ranks asking to stop after the step) last. Returns them and where
-        the buffers' entries sit."""
+        ranks asking to stop after the step, ``Agreement``'s terms) last.
+        Returns them and where the buffers' entries sit."""
         grads = []
         for p in self._params:
             if p.grad is None:
@@ -2074,7 +2102,10 @@ class Elastic:
         # float64 (a second, tiny collective when gradients are float32):
         # a count of samples or tokens stays exact up to 2**53, where
         # float32 would round it above 2**24.
-        totals = torch.tensor([float(step._count), step._loss, float(ask)], dtype=torch.float64)
+        totals = torch.tensor(
+            [float(step._count), step._loss, float(ask), *Agreement.sum_terms(tag)],
+            dtype=torch.float64,
+        )
         slots = slice(len(grads), len(grads) + len(buffers))
         return [*grads, *buffers, totals], slots
 
@@ -2096,6 +2127,7 @@ class Elastic:
         if self._before_update is not None:
             self._before_update(step)
             self._check_parameters_kept(step, in_hook=True)
+        self._applied_settings = (step.number, settings_tag(self._optimizer))
         with self._ownership.applying():
             if self._sharded is not None:
                 self._sharded.update()  # this rank's partitions; the others' arrive next
