@@ -293,6 +293,18 @@ def changing_worker(
     return process
 
 
+def refused_at(worker: Process, step: int) -> str:
+    """The ``UsageError`` line of a worker that committed ``step - 1``, then
+    was refused at ``step`` and exited."""
+    assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
+    worker.wait_line(lambda x: f'"step": {step - 1},' in x, timeout=PATIENCE)  # committed
+    with pytest.raises(RuntimeError, match="process exited"):  # every line read, none for step
+        worker.wait_line(lambda x: f'"step": {step},' in x, timeout=PATIENCE)
+    text = worker.log_path.read_text(errors="replace")
+    (line,) = [x for x in text.splitlines() if "UsageError: " in x]
+    return line
+
+
 @pytest.mark.parametrize("change", ["freeze", "unfreeze"])
 def test_a_loop_that_freezes_or_unfreezes_a_parameter_is_refused_at_the_next_commit(
     workers: Workers, plane: ControlPlane, change: str
@@ -303,13 +315,8 @@ def test_a_loop_that_freezes_or_unfreezes_a_parameter_is_refused_at_the_next_com
     one unfrozen later would be updated with this worker's own partial
     gradient. Either would be silently wrong: the commit after the change
     raises ``UsageError`` naming the parameter and what to do instead."""
-    worker = changing_worker(workers, plane, change)
-    assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
-    worker.wait_line(lambda x: '"step": 2,' in x, timeout=PATIENCE)  # committed before
-    with pytest.raises(RuntimeError, match="process exited"):  # every line read, none for 3
-        worker.wait_line(lambda x: '"step": 3,' in x, timeout=PATIENCE)
-    text = worker.log_path.read_text(errors="replace")
-    (line,) = [x for x in text.splitlines() if "UsageError: step 3:" in x]
+    line = refused_at(changing_worker(workers, plane, change), 3)
+    assert "UsageError: step 3:" in line, line
     verb = "frozen" if change == "freeze" else "unfrozen"
     assert f"was {verb} (requires_grad set to {change == 'unfreeze'})" in line, line
     assert "lr to 0" in line, line
@@ -329,14 +336,9 @@ def test_a_loop_that_replaces_or_retypes_a_parameter_is_refused_at_the_next_comm
     be updated with this worker's own gradient while the runtime reduced a
     stale one; ``model.double()`` changes what every buffer and peer
     expects. Either is refused at the next commit, naming the parameter."""
-    worker = changing_worker(workers, plane, change)
-    assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
-    worker.wait_line(lambda x: '"step": 2,' in x, timeout=PATIENCE)
-    with pytest.raises(RuntimeError, match="process exited"):
-        worker.wait_line(lambda x: '"step": 3,' in x, timeout=PATIENCE)
-    text = worker.log_path.read_text(errors="replace")
-    (line,) = [x for x in text.splitlines() if "UsageError: step 3:" in x]
-    assert said in line and "before building Elastic" in line, line
+    line = refused_at(changing_worker(workers, plane, change), 3)
+    assert "UsageError: step 3:" in line and said in line, line
+    assert "before building Elastic" in line, line
 
 
 def test_a_param_group_of_parameters_outside_the_model_is_refused_at_the_next_commit(
@@ -345,13 +347,8 @@ def test_a_param_group_of_parameters_outside_the_model_is_refused_at_the_next_co
     """Replicated: a group of the model's parameters may be added to the
     optimizer in the loop, but one of a parameter the model does not hold
     (whose gradient the runtime never reduces) is refused at the next commit."""
-    worker = changing_worker(workers, plane, "add_group")
-    assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
-    worker.wait_line(lambda x: '"step": 2,' in x, timeout=PATIENCE)
-    with pytest.raises(RuntimeError, match="process exited"):
-        worker.wait_line(lambda x: '"step": 3,' in x, timeout=PATIENCE)
-    said = "of the optimizer's param group 1 is not a parameter of the model"
-    assert said in worker.log_tail(40)
+    line = refused_at(changing_worker(workers, plane, "add_group"), 3)
+    assert "of the optimizer's param group 1 is not a parameter of the model" in line, line
 
 
 def test_a_parameter_taken_out_of_a_sharded_optimizer_is_refused_at_the_next_commit(
@@ -360,12 +357,8 @@ def test_a_parameter_taken_out_of_a_sharded_optimizer_is_refused_at_the_next_com
     """The sharded state is cut from the optimizer's parameters when it was
     sharded: one taken out later would still be updated (one added, never).
     The commit after the loop takes one out raises ``UsageError``."""
-    worker = changing_worker(workers, plane, "drop_param", "--sharded")
-    assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
-    worker.wait_line(lambda x: '"step": 2,' in x, timeout=PATIENCE)
-    with pytest.raises(RuntimeError, match="process exited"):
-        worker.wait_line(lambda x: '"step": 3,' in x, timeout=PATIENCE)
-    assert "UsageError: the optimizer's param groups changed after" in worker.log_tail(40)
+    line = refused_at(changing_worker(workers, plane, "drop_param", "--sharded"), 3)
+    assert "UsageError: the optimizer's param groups changed after" in line, line
 
 
 def test_a_sharded_loop_that_changes_the_parameters_after_commit_is_refused(
@@ -400,13 +393,8 @@ def test_a_sharded_jobs_before_update_that_changes_the_parameters_is_refused(
     the model's parameters is lost at this very step's all-gather, so no
     later comparison could see it. It is compared right after the hook, at
     the check steps (every 5 here), and refused."""
-    worker = changing_worker(workers, plane, "hook_scale", "--sharded")
-    assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
-    worker.wait_line(lambda x: '"step": 3,' in x, timeout=PATIENCE)  # committed before
-    with pytest.raises(RuntimeError, match="process exited"):  # every line read, none for 4
-        worker.wait_line(lambda x: '"step": 4,' in x, timeout=PATIENCE)
-    text = worker.log_path.read_text(errors="replace")
-    (line,) = [x for x in text.splitlines() if "UsageError: step 4:" in x]
+    line = refused_at(changing_worker(workers, plane, "hook_scale", "--sharded"), 4)
+    assert "UsageError: step 4:" in line, line
     assert "changed in before_update" in line and "lost at this step" in line, line
 
 
