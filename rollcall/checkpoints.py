@@ -3,7 +3,8 @@ checkpoint record without etcdctl.
 
 - ``list``: the recorded manifests (step, epoch, writer, size, file) and,
   for each file this machine can see, whether it is there with its size;
-  then the job's durability.
+  the job's files beside them that no record names; then the job's
+  durability.
 - ``verify``: reads every recorded file and checks what a resuming worker
   checks (size, SHA-256, that it loads as a replica state, digest, step).
   Exit 1 if any fails.
@@ -86,6 +87,33 @@ def file_state(manifest: CheckpointManifest | CheckpointPart) -> str:
     return f"present, with its {len(manifest.parts)} parts"
 
 
+def unrecorded_files(job: str, recorded: Sequence[CheckpointManifest]) -> list[tuple[Path, int]]:
+    """``job``'s checkpoint and part files (path, size) that no recorded
+    manifest names, in the directories the recorded ones are in (as far as
+    this machine can list them): what a kill between writing a checkpoint
+    and publishing it leaves, or what ``forget`` kept. A worker adopts them
+    only if etcd loses the job's record; nothing deletes them."""
+    named = {m.uri for m in recorded} | {p.uri for m in recorded for p in m.parts}
+    found = []
+    for directory in sorted({Path(m.uri).parent for m in recorded}):
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for name in names:
+            path = directory / name
+            ours = parse_file_name(name, job) is not None or parse_part_name(name, job) is not None
+            if not ours or str(path) in named:
+                continue
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                found.append((path, info.st_size))
+    return found
+
+
 def _one_file_state(manifest: CheckpointManifest | CheckpointPart) -> str:
     try:
         info = os.stat(manifest.uri)
@@ -150,8 +178,10 @@ def build(resolve: Resolve, target_options: Decorator, token_option: Decorator) 
         addresses: str | None, job: str | None, token_file: Path | None, timeout: float,
         as_json: bool,
     ) -> None:  # fmt: skip
-        """The recorded checkpoints, newest first, and the job's durability."""
+        """The recorded checkpoints, newest first, the job's files beside them
+        that no record names, and the job's durability."""
         name, status = _run(resolve, addresses, job, token_file, timeout, lambda c: c.status())
+        unrecorded = unrecorded_files(name, status.checkpoints)
         if as_json:
             records = [{**m.to_dict(), "file": file_state(m)} for m in status.checkpoints]
             click.echo(
@@ -160,6 +190,7 @@ def build(resolve: Resolve, target_options: Decorator, token_option: Decorator) 
                         "job": name,
                         "last_step": status.last_step,
                         "checkpoints": records,
+                        "unrecorded": [{"path": str(p), "size": n} for p, n in unrecorded],
                         "durability": durability_json(status.durability),
                     }  # fmt: skip
                 )
@@ -174,6 +205,15 @@ def build(resolve: Resolve, target_options: Decorator, token_option: Decorator) 
                 f"  step {m.step:>8}  epoch {m.epoch:>4}  {m.size:>11} bytes  "
                 f"{_when(m.created_unix)}  by {m.writer}\n      {m.uri}  [{file_state(m)}]"
             )
+        if unrecorded:
+            click.echo(
+                f"{len(unrecorded)} files of job {name} beside them are named in no record "
+                f"({sum(n for _, n in unrecorded)} bytes): left by a kill between writing and "
+                "publishing, or kept by forget. Workers adopt them only if etcd loses the "
+                "job's record; delete them by hand if you do not need them:"
+            )
+            for path, _ in unrecorded:
+                click.echo(f"      {path}")
         line = durability_line(status.durability)
         if line is not None:
             click.echo(f"warning: {line}")

@@ -65,6 +65,21 @@ def test_an_operator_inspects_repairs_and_gets_a_job_out_of_exit_4(
         steps = [m["step"] for m in record["checkpoints"]]
         text = command(plane, "list")
         assert text.returncode == 0 and f"step {steps[0]:>8}" in text.stdout, text.stdout
+        # Files of this job no record names are shown (the kill's, if any,
+        # and one planted), never another job's or a file of another name.
+        planted = directory / "ckpt+job1+000000000999+w-planted.rcs"
+        others = [directory / "ckpt+job2+000000000999+w-planted.rcs", directory / "notes.txt"]
+        planted.write_bytes(b"x" * 1000)
+        for other in others:
+            other.write_bytes(b"x")
+        shown = listed(plane)["unrecorded"]
+        assert sorted(u["path"] for u in shown) == sorted([*unrecorded, str(planted)])
+        assert {u["path"]: u["size"] for u in shown}[str(planted)] == 1000
+        text = command(plane, "list")
+        assert f"{len(shown)} files of job job1 beside them are named in no record" in text.stdout
+        assert f"      {planted}\n" in text.stdout, text.stdout
+        for extra in (planted, *others):
+            extra.unlink()
         verified = command(plane, "verify")
         assert verified.returncode == 0 and "all 3 checkpoints of job job1 verify" in (
             verified.stdout
