@@ -86,6 +86,11 @@ def parse_part_name(name: str, job: str) -> int | None:
     return int(match.group("step"))
 
 
+def is_job_file(name: str, job: str) -> bool:
+    """Whether ``name`` is one of ``job``'s checkpoint or part files."""
+    return parse_file_name(name, job) is not None or parse_part_name(name, job) is not None
+
+
 @dataclass(frozen=True)
 class CheckpointPart:
     """One file of a sharded checkpoint's optimizer state: the partitions

@@ -34,6 +34,7 @@ from rollcall.membership.checkpoint import (
     CheckpointManifest,
     CheckpointPart,
     Durability,
+    is_job_file,
     manifest_file_name,
     parse_file_name,
     parse_part_name,
@@ -102,8 +103,7 @@ def unrecorded_files(job: str, recorded: Sequence[CheckpointManifest]) -> list[t
             continue
         for name in names:
             path = directory / name
-            ours = parse_file_name(name, job) is not None or parse_part_name(name, job) is not None
-            if not ours or str(path) in named:
+            if not is_job_file(name, job) or str(path) in named:
                 continue
             try:
                 info = os.lstat(path)

@@ -29,6 +29,7 @@ class _SignalAtNumpy:
     def find_spec(self, name, path=None, target=None):
         if name == "numpy":
             sys.meta_path.remove(self)
+            sys.stderr.write("hook: {sig} sent\\n")
             os.kill(os.getpid(), signal.{sig})
         return None
 
@@ -39,9 +40,11 @@ sys.meta_path.insert(0, _SignalAtNumpy())
 def run_with_hook(tmp_path: Path, sig: str, *argv: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "sitecustomize.py").write_text(HOOK.format(sig=sig))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
-    return subprocess.run(
+    done = subprocess.run(
         [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
+    assert f"hook: {sig} sent" in done.stderr, done.stderr  # the signal came, at that moment
+    return done
 
 
 def test_torch_itself_loses_a_sigint_sent_while_it_imports_numpy(tmp_path: Path):

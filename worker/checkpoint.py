@@ -61,6 +61,7 @@ from rollcall.membership.checkpoint import (
     CheckpointManifest,
     CheckpointPart,
     file_name,
+    is_job_file,
     manifest_file_name,
     parse_file_name,
     parse_part_name,
@@ -339,9 +340,7 @@ def remove_leftovers(directory: Path, job: str, older_than: float = LEFTOVER_AGE
     if etcd loses the job's record). Logged; an error only warned of."""
 
     def ours(name: str) -> bool:
-        if name.endswith(MANIFEST_SUFFIX):
-            name = name[: -len(MANIFEST_SUFFIX)]
-        return parse_file_name(name, job) is not None or parse_part_name(name, job) is not None
+        return is_job_file(name.removesuffix(MANIFEST_SUFFIX), job)
 
     removed = size = 0
     try:

@@ -240,6 +240,25 @@ def _group_sizes(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     return tuple(len(group["params"]) for group in optimizer.param_groups)
 
 
+def _totals(step: Step, ask: bool, tag: int | None) -> torch.Tensor:
+    """What every rank adds to a step's SUM besides the gradients and
+    buffers: (count, loss, asks to stop, ``Agreement``'s three terms). In
+    float64 (a second, tiny collective when gradients are float32): a count
+    of samples or tokens stays exact up to 2**53, where float32 would round
+    it above 2**24."""
+    return torch.tensor(
+        [float(step._count), step._loss, float(ask), *Agreement.sum_terms(tag)],
+        dtype=torch.float64,
+    )
+
+
+def _read_totals(totals: torch.Tensor) -> tuple[float, float, bool, bool]:
+    """(count, loss, some rank asked to stop, the ranks' settings agreed)
+    from ``_totals`` summed over the view."""
+    values = totals.tolist()
+    return values[0], values[1], values[2] > 0, Agreement.agreed_sums(*values[3:6])
+
+
 def _check_sharding(
     redundancy: int | None, partitions: int, optimizer: torch.optim.Optimizer, scaler: Any
 ) -> Sharding | None:
@@ -1821,9 +1840,7 @@ class Elastic:
             else:
                 tensors, buffer_slots = self._reduction(step, ask, tag)
                 group.allreduce_sum(tensors)
-                totals = tensors[-1]
-                count, loss, stop = float(totals[0]), float(totals[1]), bool(totals[2] > 0)
-                agreed = Agreement.agreed_sums(*map(float, totals[3:6]))
+                count, loss, stop, agreed = _read_totals(tensors[-1])
 
                 def finish() -> None:
                     self._normalise(tensors, buffer_slots, count)
@@ -2053,10 +2070,7 @@ class Elastic:
         small = self._buffers.contributions(step._microbatches, torch.float32) if (
             self._buffers is not None
         ) else []  # fmt: skip
-        totals = torch.tensor(
-            [float(step._count), step._loss, float(ask), *Agreement.sum_terms(tag)],
-            dtype=torch.float64,
-        )
+        totals = _totals(step, ask, tag)
         # Started after the buckets, as on every rank, and waited for with
         # them: an abandoned wait parks every buffer with the group.
         pending.append(group.start_allreduce_sum(totals))
@@ -2065,7 +2079,7 @@ class Elastic:
             pending.append(group.start_allreduce_sum(changes))
         group.finish(pending)
         step._reduced = True
-        count = float(totals[0])
+        count, loss, stop, agreed = _read_totals(totals)
 
         def finish() -> None:
             for param in self._params:
@@ -2078,8 +2092,7 @@ class Elastic:
                     offset += change.numel()
                 self._buffers.apply(small, self.plan.num_microbatches)
 
-        agreed = Agreement.agreed_sums(*map(float, totals[3:6]))
-        return count, float(totals[1]), bool(totals[2] > 0), agreed, finish
+        return count, loss, stop, agreed, finish
 
     def _reduction(
         self, step: Step, ask: bool, tag: int | None
@@ -2099,13 +2112,7 @@ class Elastic:
             if self._buffers is not None
             else []
         )
-        # float64 (a second, tiny collective when gradients are float32):
-        # a count of samples or tokens stays exact up to 2**53, where
-        # float32 would round it above 2**24.
-        totals = torch.tensor(
-            [float(step._count), step._loss, float(ask), *Agreement.sum_terms(tag)],
-            dtype=torch.float64,
-        )
+        totals = _totals(step, ask, tag)
         slots = slice(len(grads), len(grads) + len(buffers))
         return [*grads, *buffers, totals], slots
 
