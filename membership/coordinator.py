@@ -57,6 +57,11 @@ class Answer:
     #: moved to (the copies it took there count though no step committed
     #: since); None if it does not say.
     shard_epoch: int | None = None
+    #: It answered before the loop's code after that step's ``commit()``
+    #: ran (a sharded step whose all-gather failed enters the next view
+    #: inside ``commit()``): the registered state it serves lacks what that
+    #: code changes, so nobody may take it (``decide_view``).
+    unsettled: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,13 @@ class CommitView:
     causes: tuple[Cause, ...]
     #: Roll-call answers whose step the view does not resume from.
     refused: tuple[RefusedClaim, ...] = ()
+    #: Kept out because the holders of the resume step answered before
+    #: their loop's code ran (``decide_view``, ``unsettled``): the joiners
+    #: put off to the next roll call, and the members of ``previous`` that
+    #: would have fetched (also in ``removed``).
+    put_off: tuple[str, ...] = ()
+    #: The holders that answered so.
+    unsettled: tuple[str, ...] = ()
 
 
 Action = RequestAnswers | CommitView
@@ -269,15 +281,38 @@ def plan_resume(
     return ResumePlan(step, digest, fetch, tuple(refused), tuple(holders))
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What ``decide_view`` decided: the view, the claims refused, and the
+    candidates kept out of it because the holders of its resume step
+    answered ``unsettled`` (those holders in ``unsettled``)."""
+
+    view: View
+    refused: tuple[RefusedClaim, ...] = ()
+    put_off: tuple[str, ...] = ()
+    unsettled: tuple[str, ...] = ()
+
+
 def decide_view(
     rollcall: RollCall,
     previous: View,
     reports: Mapping[str, int] | None = None,
     sharding: Sharding | None = None,
-) -> tuple[View, tuple[RefusedClaim, ...]]:
+) -> Decision:
     """The new view after ``previous``: candidates that answered, in
     candidate order (survivors keep their relative order, joiners come after
     them), resuming as ``plan_resume`` decides; and the claims refused.
+
+    When a holder of the resume step answered ``unsettled`` (before its
+    loop's code after that step's ``commit()`` ran), the state it serves
+    lacks what that code changes in registered state, and only its own loop
+    can still run that code: the view holds the holders alone and moves no
+    state between them (one with another digest keeps its own: the sharded
+    step's completion makes their parameters alike, and their loops their
+    registered state). Every other candidate is ``put_off``: a joiner waits
+    for the next roll call, a survivor that would have fetched loses its
+    place (it would train on with registered state that missed a step's
+    update).
 
     In a sharded job (``sharding``) the view also says who owns which
     partition (``decide_shards``, hosts taken from the members' addresses).
@@ -290,6 +325,14 @@ def decide_view(
         ids, rollcall.answers, survivors=previous.ids, resume=previous.resume_step,
         reports=reports,
     )  # fmt: skip
+    unsettled = tuple(i for i in plan.holders if rollcall.answers[i].unsettled)
+    put_off: tuple[str, ...] = ()
+    if unsettled:
+        kept = frozenset(plan.holders)
+        put_off = tuple(i for i in ids if i not in kept)
+        members = tuple(m for m in members if m.id in kept)
+        ids = [m.id for m in members]
+        plan = replace(plan, fetch={}, refused=())
     view = View(
         epoch=rollcall.epoch, members=members, resume_step=plan.step, digest=plan.digest,
         fetch=plan.fetch,
@@ -308,7 +351,7 @@ def decide_view(
             view = View(epoch=rollcall.epoch, members=members, shards=shards)
         else:
             view = replace(view, shards=shards)
-    return view, plan.refused
+    return Decision(view, plan.refused, put_off, unsettled)
 
 
 class Coordinator:
@@ -509,7 +552,7 @@ class Coordinator:
 
     def answer(
         self, member_id: str, epoch: int, step: int | None, digest: str, now: float,
-        shard_epoch: int | None = None,
+        shard_epoch: int | None = None, unsettled: bool = False,
     ) -> None:  # fmt: skip
         """A candidate answers roll call ``epoch``."""
         rollcall = self._rollcall
@@ -525,7 +568,7 @@ class Coordinator:
             raise NotAMember(f"member {member_id!r} is not called in roll call {epoch}")
         if step is not None and step < 0:
             raise InvalidRequest(f"step must be >= 0, got {step}")
-        rollcall.answers[member_id] = Answer(member_id, step, digest, shard_epoch)
+        rollcall.answers[member_id] = Answer(member_id, step, digest, shard_epoch, unsettled)
         self.tick(now)
 
     def progress(self, member_id: str, epoch: int, step: int) -> None:
@@ -542,7 +585,7 @@ class Coordinator:
         rollcall = self._rollcall
         if rollcall is not None:
             if rollcall.complete or now >= rollcall.deadline:
-                self._decide(rollcall)
+                self._decide(rollcall, now)
             return
         if (
             self._proposal is None
@@ -621,12 +664,32 @@ class Coordinator:
         self._actions.append(RequestAnswers(base.epoch + 1, tuple(c.id for c in candidates)))
         self.tick(now)
 
-    def _decide(self, rollcall: RollCall) -> None:
-        view, refused = decide_view(rollcall, self._view, self._reports, self.sharding)
+    def _decide(self, rollcall: RollCall, now: float) -> None:
+        decision = decide_view(rollcall, self._view, self._reports, self.sharding)
+        view = decision.view
         kept = set(view.ids)
+        # Joiners put off (the view's holders answered unsettled) wait for
+        # the next roll call, which their joins cause again, a roll call's
+        # deadline later: the loop's code after commit() should be done by
+        # then (a worker warns when a roll call waits half that for it),
+        # and while it is not, every such roll call would be another view.
+        waiting = [c for c in rollcall.candidates if c.id in decision.put_off
+                   and c.id not in self._view]  # fmt: skip
+        later = {c.id for c in waiting}
         removed = tuple(m.id for m in self._view.members if m.id not in kept) + tuple(
-            c.id for c in rollcall.candidates if c.id not in kept and c.id not in self._view
-        )
+            c.id for c in rollcall.candidates
+            if c.id not in kept and c.id not in self._view and c.id not in later
+        )  # fmt: skip
+        causes = tuple(c for c in rollcall.causes if not (c.kind is CauseKind.JOIN
+                                                          and c.member_id in later))  # fmt: skip
         self._rollcall = None
-        self._proposal = CommitView(view, self._view, removed, rollcall.causes, refused)
+        self._proposal = CommitView(
+            view, self._view, removed, causes, decision.refused, decision.put_off,
+            decision.unsettled,
+        )  # fmt: skip
         self._actions.append(self._proposal)
+        # Ahead of the joins that came during the roll call: arrival order.
+        self._joiners = {**{j.id: j for j in waiting}, **self._joiners}
+        self._causes.extend(Cause.join(j.id) for j in waiting)
+        if waiting:
+            self._schedule(now + self._config.rollcall_deadline)

@@ -360,13 +360,13 @@ class Leader:
 
     def answer(
         self, member_id: str, epoch: int, step: int | None, digest: str, now: float,
-        shard_epoch: int | None = None,
+        shard_epoch: int | None = None, unsettled: bool = False,
     ) -> None:  # fmt: skip
         """A candidate answers roll call ``epoch`` (``Coordinator.answer``'s
         errors pass through: the answer changed nothing)."""
         self.heard(member_id, now)
         try:
-            self.coordinator.answer(member_id, epoch, step, digest, now, shard_epoch)
+            self.coordinator.answer(member_id, epoch, step, digest, now, shard_epoch, unsettled)
         finally:
             self._pull()
 

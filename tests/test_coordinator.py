@@ -669,6 +669,79 @@ def test_no_committed_step_means_no_resume_step_and_nothing_to_fetch() -> None:
     assert view.fetch == {}
 
 
+# --- holders that answered before their loop's code ran ---------------------------
+
+
+def answered_unsettled(
+    answers: Mapping[str, tuple[int | None, str, bool]],
+) -> tuple[Coordinator, CommitView]:
+    """View 1 of a, b, c resumed step 9; d joins; each candidate answers
+    roll call 2 with (step, digest, unsettled)."""
+    coordinator = Coordinator(CONFIG, View(1, tuple(worker(i) for i in "abc"), resume_step=9),
+                              now=0.0)  # fmt: skip
+    epoch = rollcall_over(coordinator, "d", 0.0)
+    for member_id, (step, digest, unsettled) in answers.items():
+        coordinator.answer(member_id, epoch, step, digest, 1.0, unsettled=unsettled)
+    return coordinator, only_commit(coordinator.take_actions())
+
+
+def test_no_one_takes_the_state_of_holders_that_answered_before_their_loops_code_ran() -> None:
+    """a and b landed step 10 and answered before their loops' code after
+    that commit() ran (a sharded step whose all-gather failed): the state
+    they serve lacks what that code changes in registered state. The
+    joiner d is put off to the next roll call (not evicted), and c, which
+    missed step 10 and would fetch it, is left out: it would train on with
+    registered state that missed a step's update."""
+    coordinator, proposal = answered_unsettled(
+        {"a": (10, "x", True), "b": (10, "x", True), "c": (9, "w", False), "d": (None, "", False)}
+    )
+
+    assert proposal.view.ids == ("a", "b") and proposal.view.resume_step == 10
+    assert proposal.view.fetch == {}
+    assert proposal.unsettled == ("a", "b") and proposal.put_off == ("c", "d")
+    assert proposal.removed == ("c",), "the joiner put off keeps its place in the queue"
+    assert Cause.join("d") not in proposal.causes, "d did not join in this view"
+
+    assert [m.id for m in coordinator.pending_joiners] == ["d"]
+    # Called again a roll call's deadline after the decision (at 1.0): by
+    # then the loops' code should have run.
+    coordinator.committed(proposal.view, 1.5)
+    assert coordinator.rollcall is None and coordinator.next_wakeup() == 1.0 + DEADLINE
+    coordinator.tick(1.0 + DEADLINE)
+    rollcall = coordinator.rollcall
+    assert rollcall is not None and [c.id for c in rollcall.candidates] == ["a", "b", "d"]
+    coordinator.take_actions()
+    for member_id in ("a", "b"):
+        coordinator.answer(member_id, rollcall.epoch, 11, "y", 3.0)
+    coordinator.answer("d", rollcall.epoch, None, "", 3.0)
+    view = only_commit(coordinator.take_actions()).view
+    assert view.ids == ("a", "b", "d") and view.fetch == {"d": ("a", "b")}
+
+
+def test_holders_that_answered_before_their_loops_code_ran_keep_their_own_states() -> None:
+    """Two holders of the resume step with other digests, one unsettled:
+    neither takes the other's state (the settled one's registered state
+    already has the step's update, the other's loop is about to make it;
+    the sharded step's completion makes their parameters alike)."""
+    _, proposal = answered_unsettled(
+        {"a": (10, "x", True), "b": (10, "z", False), "c": (10, "x", True), "d": (None, "", False)}
+    )
+
+    assert proposal.view.ids == ("a", "b", "c") and proposal.view.fetch == {}
+    assert proposal.put_off == ("d",) and proposal.removed == ()
+
+
+def test_unsettled_answers_of_members_behind_the_resume_step_change_nothing() -> None:
+    """Only the holders of the resume step serve state: a member one step
+    behind that answered unsettled fetches from them as usual."""
+    _, proposal = answered_unsettled(
+        {"a": (10, "x", False), "b": (10, "x", False), "c": (9, "w", True), "d": (None, "", False)}
+    )
+
+    assert proposal.view.ids == ("a", "b", "c", "d") and proposal.put_off == ()
+    assert proposal.view.fetch == {"c": ("a", "b"), "d": ("a", "b")}
+
+
 # --- answers are claims -------------------------------------------------------------
 
 
@@ -1201,6 +1274,7 @@ class RollCallMachine(RuleBasedStateMachine):
         self.views: list[View] = [EMPTY_VIEW]  # committed, in order
         self.called: dict[int, tuple[str, ...]] = {}  # epoch -> candidates at start
         self.answers: dict[int, dict[str, tuple[int | None, str]]] = {}
+        self.unsettled: dict[int, set[str]] = {}  # epoch -> who answered unsettled
         #: Progress reported by members of the view in force, in it.
         self.reports: dict[str, int] = {}
         self.pending: CommitView | None = None
@@ -1228,6 +1302,7 @@ class RollCallMachine(RuleBasedStateMachine):
         assert survivors == [i for i in previous.ids if i in survivors]
         self.called[request.epoch] = ids
         self.answers[request.epoch] = {}
+        self.unsettled[request.epoch] = set()
         self.queued.clear()
 
     def on_commit_view(self, proposal: CommitView) -> None:
@@ -1241,8 +1316,31 @@ class RollCallMachine(RuleBasedStateMachine):
         assert view.ids == tuple(i for i in called if i in view), "view is not in call order"
         assert not set(view.ids) & self.departed, "departed member kept"
         assert set(self.views[-1].ids) - set(view.ids) <= set(proposal.removed)
-        check_resume_plan(view, {i: answered[i] for i in view.ids}, self.views[-1], self.reports)
-        self.dropped |= set(called) - set(view.ids)
+        unsettled = self.unsettled[view.epoch]
+        later: set[str] = set()
+        if proposal.unsettled:
+            # Nobody takes the state of holders that answered before their
+            # loop's code ran: the view is those holders, nobody fetches,
+            # joiners wait for the next roll call, other survivors go.
+            assert set(proposal.unsettled) == unsettled & set(view.ids)
+            assert view.fetch == {}
+            assert all(answered[i][0] == view.resume_step for i in view.ids)
+            assert proposal.put_off == tuple(
+                i for i in called if i in answered and i not in view and i not in self.departed
+            )
+            later = {i for i in proposal.put_off if i not in self.views[-1]}
+            assert not later & set(proposal.removed), "a joiner put off was evicted"
+            for joiner in later:  # waits for the next roll call a deadline from now
+                self.joined_at[joiner] = self.now + DEADLINE - SETTLE
+        else:
+            check_resume_plan(
+                view, {i: answered[i] for i in view.ids}, self.views[-1], self.reports
+            )
+            sources = [i for i in view.ids if i not in view.fetch]
+            assert view.resume_step is None or not unsettled & set(sources), (
+                "state taken from a holder that answered unsettled"
+            )
+        self.dropped |= set(called) - set(view.ids) - later
         self.pending = proposal
 
     def commit(self) -> None:
@@ -1268,11 +1366,18 @@ class RollCallMachine(RuleBasedStateMachine):
         for member_id in rollcall.missing:
             self.answer_as(member_id, data.draw(STEPS), data.draw(DIGESTS))
 
-    def answer_as(self, member_id: str, step: int | None, digest: str) -> None:
+    def answer_as(
+        self, member_id: str, step: int | None, digest: str, unsettled: bool = False
+    ) -> None:
         rollcall = self.coordinator.rollcall
         assert rollcall is not None
-        self.coordinator.answer(member_id, rollcall.epoch, step, digest, self.now)
+        self.coordinator.answer(
+            member_id, rollcall.epoch, step, digest, self.now, unsettled=unsettled
+        )
         self.answers[rollcall.epoch][member_id] = (step, digest)
+        self.unsettled[rollcall.epoch].discard(member_id)
+        if unsettled:
+            self.unsettled[rollcall.epoch].add(member_id)
         self.drain()
 
     def last_called_epoch(self) -> int:
@@ -1367,13 +1472,14 @@ class RollCallMachine(RuleBasedStateMachine):
         assert self.coordinator.take_actions() == []
 
     @precondition(lambda self: self.coordinator.rollcall is not None)
-    @rule(data=st.data(), step=STEPS, digest=DIGESTS)
-    def answer(self, data: st.DataObject, step: int | None, digest: str) -> None:
+    @rule(data=st.data(), step=STEPS, digest=DIGESTS, unsettled=st.booleans())
+    def answer(self, data: st.DataObject, step: int | None, digest: str, unsettled: bool) -> None:
         rollcall = self.coordinator.rollcall
         assert rollcall is not None
         self.answer_as(
-            data.draw(st.sampled_from([c.id for c in rollcall.candidates])), step, digest
-        )
+            data.draw(st.sampled_from([c.id for c in rollcall.candidates])), step, digest,
+            unsettled,
+        )  # fmt: skip
 
     @precondition(lambda self: self.coordinator.rollcall is not None)
     @rule(data=st.data())

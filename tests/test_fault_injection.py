@@ -87,5 +87,5 @@ def test_worker_with_a_misspelt_fault_stops_with_one_clear_line(tmp_path: Path) 
     assert done.stderr.strip() == (
         "rollcall: error: ROLLCALL_FAULTS: unknown fault 'corupt=1' "
         "(known: corrupt_serves, slow_describes, slow_answers, slow_lands, slow_builds, "
-        "failed_leaves, diverge_steps, as name=count)"
+        "failed_leaves, diverge_steps, held_gather_exits, as name=count)"
     )

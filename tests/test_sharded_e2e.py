@@ -308,3 +308,47 @@ def test_killing_both_owners_of_a_partition_resumes_from_the_checkpoint_with_the
     assert differing(models, want) == {}, "the parameters differ from the replicated run's"
     # The steps after the checkpoint were trained again on the same samples.
     assert Ledger.compare(ledger, want_ledger) == []
+
+
+@pytest.mark.timeout(600)
+def test_a_joiner_of_a_view_entered_inside_commit_gets_the_registered_state_after_the_loops_code(
+    etcd, tmp_path: Path, reference: Reference
+) -> None:
+    """A member is killed at a step's parameter all-gather while a joiner's
+    roll call waits for that step's end: the others' step landed without its
+    all-gather, so their ``commit()`` enters the next view (which completes
+    the parameters) before it returns, and they answer that roll call before
+    the loop's code after ``commit()`` has run (the test program updates its
+    registered EMA there). The joiner must not train on with an EMA that
+    missed that step's update (it did: its replica parted from the others'
+    with no error): that view admits it not, the next one does, and every
+    replica's whole state (the EMA included) is the same at every step."""
+    want, _ = reference
+    three = ("--shard-redundancy", "2", "--shard-partitions", str(PARTITIONS), "--min-workers",
+             "3", "--microbatch-pause", "0.05", "--slow-until", str(STEPS))  # fmt: skip
+    with run(etcd, tmp_path, "unsettled") as job:
+        team = [job.start(*three) for _ in range(2)]
+        victim = job.start(*three, env={FAULTS: "held_gather_exits=1"})
+        wait_for(lambda: min(p.last_step() for p in (*team, victim)) >= 5, "step 5", PATIENCE,
+                 explain=job.logs)  # fmt: skip
+        joiner = job.start(*three)
+        assert victim.proc.wait(timeout=PATIENCE) == 9, victim.log_tail()
+        for program in (*team, joiner):
+            assert program.proc.wait(timeout=PATIENCE) == 0, job.logs()
+        models = job.models()
+        digests: dict[int, set[str]] = {}
+        for program in (*team, joiner):
+            for event in program.events("step"):
+                digests.setdefault(event["step"], set()).add(event["digest"])
+        completed = [p.log_path.read_text().count("parameter all-gather did not complete")
+                     for p in team]  # fmt: skip
+        joined_at = joiner.events("step")[0]["step"]
+        leader_log = job.plane.replicas[0].log_path.read_text()
+
+    assert completed == [1, 1], "the kill must land at the all-gather"
+    put_off = [line for line in leader_log.splitlines() if "are put off" in line]
+    assert len(put_off) == 1 and member_of(joiner) in put_off[0], leader_log[-3000:]
+    assert differing(models, want) == {}, "the parameters differ from the replicated run's"
+    assert joined_at < STEPS - 1
+    parted = {step: sorted(d) for step, d in digests.items() if len(d) > 1}
+    assert parted == {}, f"the replicas' states part from step {min(parted, default=None)}"

@@ -132,7 +132,7 @@ def _decide(
         step = steps[m]
         held = (shard_epochs or {}).get(m)
         rollcall.answers[m] = Answer(m, step, "" if step is None else f"d{step}", held)
-    view, _ = decide_view(rollcall, previous, {}, sharding)
+    view = decide_view(rollcall, previous, {}, sharding).view
     return view
 
 

@@ -31,6 +31,13 @@ list of ``name=count`` items:
   drifts from the others' without anything in a step showing it (in a
   sharded job, its first copy of a partition drifts from the other
   owners').
+- ``held_gather_exits=N``: in a sharded job, the worker's process exits
+  (``os._exit``, no cleanup: a kill) at the parameter all-gather of a step
+  that a roll call held at that step's end waits for (a joiner's), once
+  its update landed: the others' all-gather fails, their step landed, and
+  the roll call is answered before their loop's code after ``commit()``
+  has run (a kill at the worst moment of a hot-add). N is at most 1 in
+  effect.
 
 Every injected fault is logged at WARNING. An unknown name or a malformed
 count is an error at start: a misspelt fault must not pass silently as "no
@@ -72,6 +79,7 @@ class Faults:
     slow_builds: int = 0
     failed_leaves: int = 0
     diverge_steps: int = 0
+    held_gather_exits: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -121,6 +129,11 @@ class Faults:
         """Whether to nudge this replica's parameters after the step just
         landed (using a ``diverge_steps`` fault up if one is left)."""
         return self._used("diverge_steps", "this replica's parameters drift from the others'")
+
+    def held_gather_exit(self) -> bool:
+        """Whether to exit at this all-gather, a roll call waiting for the
+        step's end (using a ``held_gather_exits`` fault up if one is left)."""
+        return self._used("held_gather_exits", "the process exits at the all-gather")
 
     def _late(self, name: str, what: str, seconds: float) -> bool:
         return self._used(name, f"{what} {seconds:.1f} s late")

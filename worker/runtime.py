@@ -483,6 +483,10 @@ class Elastic:
         self._shard_view: View | None = None
         #: A sharded step landed without its all-gather (``_complete_step``).
         self._incomplete = False
+        #: The step whose roll calls are answered before the loop's code
+        #: after its ``commit()`` ran (``_complete_step``), until that code
+        #: ran (``_loop_code_ran``).
+        self._unsettled: int | None = None
         #: What this rank finished of an aborted step (``_set_aside``).
         self._carry: _Carry | None = None
         #: The view entered last and this rank in it.
@@ -923,7 +927,10 @@ class Elastic:
                 # answer's way (in a crash, nobody does).
                 self._served.serve_captured(step, held[1], state, live=live)
             moved = self._shard_view if self._sharded is not None else None
-            return RollCallAnswer(step, held[1], None if moved is None else moved.epoch)
+            return RollCallAnswer(
+                step, held[1], None if moved is None else moved.epoch,
+                unsettled=step == self._unsettled,
+            )  # fmt: skip
 
     def _answer_waiting(self, step: int | None) -> None:
         """(Training side.) Hand the step that just landed (or not) to the
@@ -1097,6 +1104,7 @@ class Elastic:
                 try:
                     yield step
                 finally:
+                    self._loop_code_ran()
                     if step.committed:
                         self._settle()
                     else:
@@ -1157,11 +1165,27 @@ class Elastic:
             "next view to complete it", step.number,
         )  # fmt: skip
         # The roll call of that view cannot wait for the loop's code after
-        # this commit (it is the loop's next step): answered now.
+        # this commit (it is the loop's next step): answered now, saying so
+        # (the leader lets nobody take the registered state served then,
+        # which lacks what that code changes: docs/worker.md).
+        with self._lock:
+            self._unsettled = step.number
         self._settle()
         while not self._enter_next():
             pass
         return self.committed_step >= step.number
+
+    def _loop_code_ran(self) -> None:
+        """(Training side.) The loop's code after a ``commit()`` that entered
+        a view before it returned (``_complete_step``) ran: roll calls are
+        answered as settled again, with the registered state captured anew."""
+        if self._unsettled is None:
+            return
+        with self._lock:
+            step, self._unsettled = self._unsettled, None
+            held = self._served.held()
+            if held is not None and held[0] == step:
+                self._served.serve(None)
 
     def _settle(self) -> None:
         """(Training side.) The loop finished the step that landed last: it
@@ -1614,6 +1638,9 @@ class Elastic:
         sharded, view = self._sharded, self._shard_view
         assert sharded is not None and view is not None
         compare = self._check_due(step.number)
+        if self._member.ending is not None and self._faults.held_gather_exit():
+            logging.shutdown()
+            os._exit(9)
         try:
             drifted = sharded.publish(group.allgather, view.ids, compare=compare)
         except StepAborted as exc:

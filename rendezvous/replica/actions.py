@@ -84,6 +84,8 @@ class LeaderActions(ReplicaBase):
             elif isinstance(action, CommitView):
                 for claim in action.refused:
                     self._log_refused(action.view, claim)
+                if action.put_off:
+                    self._log_put_off(action)
                 asyncio.create_task(
                     self._counted_commit(lead, action), name=f"commit-{action.view.epoch}"
                 )
@@ -110,6 +112,28 @@ class LeaderActions(ReplicaBase):
                 "it fetches step %s from the survivors",
                 view.epoch, claim.member_id, claim.step, view.resume_step,
             )  # fmt: skip
+
+    @staticmethod
+    def _log_put_off(action: CommitView) -> None:
+        """Candidates kept out of a view whose holders answered before
+        their loop's code after commit() ran (``decide_view``)."""
+        view, previous = action.view, action.previous
+        joiners = [i for i in action.put_off if i not in previous]
+        members = [i for i in action.put_off if i in previous]
+        kept_out = []
+        if joiners:
+            kept_out.append(f"joiners {', '.join(joiners)} are put off to the next roll call")
+        if members:
+            kept_out.append(
+                f"{', '.join(members)}, which would have fetched it, lose their place (a "
+                "worker so evicted starts again and joins anew)"
+            )
+        log.warning(
+            "roll call %d: %s answered step %s before their training loop's code after "
+            "commit() ran (a sharded step whose all-gather failed completes in the next "
+            "view): nobody may take their registered state yet; %s",
+            view.epoch, ", ".join(action.unsettled), view.resume_step, "; ".join(kept_out),
+        )  # fmt: skip
 
     def _ask(self, session: MemberSession, epoch: int) -> None:
         if session.asked_epoch >= epoch:

@@ -375,7 +375,9 @@ class Sessions(CheckpointCalls):
             if shards is not None:
                 check.check_counter(shards, "shard_epoch")
             try:
-                lead.leader.answer(member_id, answer.epoch, held, answer.digest, now, shards)
+                lead.leader.answer(
+                    member_id, answer.epoch, held, answer.digest, now, shards, answer.unsettled
+                )
             except (StaleEpoch, NotAMember) as late:
                 # A known member answering a roll call that already closed:
                 # harmless, the view it missed will evict or include it.

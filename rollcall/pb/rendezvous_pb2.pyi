@@ -202,16 +202,18 @@ class Progress(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class RollCallAnswer(_message.Message):
-    __slots__ = ("epoch", "step", "digest", "shard_epoch")
+    __slots__ = ("epoch", "step", "digest", "shard_epoch", "unsettled")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SHARD_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    UNSETTLED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     digest: str
     shard_epoch: int
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., shard_epoch: _Optional[int] = ...) -> None: ...
+    unsettled: bool
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., shard_epoch: _Optional[int] = ..., unsettled: _Optional[bool] = ...) -> None: ...
 
 class FailureReport(_message.Message):
     __slots__ = ("epoch", "peer_id", "reason")

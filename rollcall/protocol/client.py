@@ -72,12 +72,15 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class RollCallAnswer:
     """What a member answers at a roll call: its last committed step (None:
-    none), the digest of its state, and in a sharded job the epoch of the
-    view whose shard plan it moved to (None: not sharded, nothing held)."""
+    none), the digest of its state, in a sharded job the epoch of the view
+    whose shard plan it moved to (None: not sharded, nothing held), and
+    whether it answers before the loop's code after that step's ``commit()``
+    ran (``unsettled``: nobody may take the state it serves)."""
 
     step: int | None
     digest: str
     shard_epoch: int | None = None
+    unsettled: bool = False
 
 
 #: Called with the roll call's epoch and its causes (``Cause`` values, for
@@ -1001,6 +1004,7 @@ class RendezvousClient(ReplicaSet):
             answer.step = step
         if reply.shard_epoch is not None:
             answer.shard_epoch = reply.shard_epoch
+        answer.unsettled = reply.unsettled
         self._queue(pb.SessionRequest(answer=answer))
 
     async def _write_session(self, call: Any) -> None:
