@@ -14,7 +14,12 @@ as a loop that rebuilds a layer does); ``retype`` (``model.double()``
 after step 2); ``hook_scale`` (``scale`` in ``before_update``, after the
 reduction, before the update); ``counter_lr`` (``before_update`` sets the
 learning rate from a count of its own updates, as a warm-up written
-against a loop's own iteration counter does: a joiner counts from 0).
+against a loop's own iteration counter does: a joiner counts from 0);
+``busy_state`` (a registered tally counted inside ``job.busy()`` after
+step 2); ``after_busy`` (counted after a ``job.busy()`` block, before the
+next step, after step 2); ``busy_ok`` (every step: the tally counted after
+``commit()`` and before ``job.busy()``, and inside it changed and put
+back, as an evaluation that swaps weights in and out does).
 ``--sharded``: redundancy 2. The checks run every 5 steps. Token from
 $ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker --json` does."""
 
@@ -30,12 +35,26 @@ from rollcall.worker.runtime import Elastic, Step
 from tests.raising_worker import train
 
 
+class Tally:
+    """Registered user state (``state=``): a count the loop keeps."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.count = state["count"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rendezvous")
     parser.add_argument("job")
     changes = ["none", "scale", "freeze", "unfreeze", "add_group", "drop_param", "replace",
-               "retype", "hook_scale", "counter_lr"]  # fmt: skip
+               "retype", "hook_scale", "counter_lr", "busy_state", "after_busy",
+               "busy_ok"]  # fmt: skip
     parser.add_argument("change", choices=changes)
     parser.add_argument("--sharded", action="store_true")
     args = parser.parse_args()
@@ -45,10 +64,22 @@ def main() -> None:
         first.requires_grad_(False)
 
     updates = 0
+    tally = Tally()
+    job: list[Elastic] = []
 
     def change(step: Step) -> None:
         nonlocal updates
-        if args.change == "counter_lr":
+        if args.change in ("busy_state", "after_busy") and step.number == 2:
+            with job[0].busy("evaluation"):
+                if args.change == "busy_state":
+                    tally.count += 1
+            tally.count += args.change == "after_busy"
+        elif args.change == "busy_ok":
+            tally.count += 1
+            with job[0].busy("evaluation"):
+                tally.count += 10
+                tally.count -= 10
+        elif args.change == "counter_lr":
             for group in optimizer.param_groups:
                 group["lr"] = 1e-3 * min(1.0, (updates + 1) / 1000)
             updates += 1
@@ -77,7 +108,9 @@ def main() -> None:
         job=args.job, shard_redundancy=2 if args.sharded else None,
         config=Config(drift_check_every=5),
         before_update=change if args.change in hooks else None,
+        state={"tally": tally} if "busy" in args.change else None,
     ) as elastic:  # fmt: skip
+        job.append(elastic)
         train(elastic, model, change if args.change not in hooks else lambda step: None)
 
 

@@ -417,6 +417,32 @@ def test_a_learning_rate_counted_by_the_loop_itself_is_refused_when_a_joiner_cou
         assert "registered LR scheduler" in line, line
 
 
+@pytest.mark.parametrize("change", ["busy_state", "after_busy"])
+def test_registered_state_changed_after_busy_began_is_refused_when_the_loop_asks_for_a_step(
+    workers: Workers, plane: ControlPlane, change: str
+):
+    """From ``job.busy()`` on, roll calls are answered with the registered
+    state of then: a worker that joins meanwhile takes it. A tally the loop
+    counts inside the ``with`` block, or after it before the next step,
+    would be missing on that worker for ever. The loop is refused when it
+    asks for the next step (before, it trained on)."""
+    line = refused_at(changing_worker(workers, plane, change), 3)
+    assert "UsageError: step 2: registered state (state=, scheduler or grad scaler) " in line
+    assert "changed after job.busy('evaluation') began" in line, line
+    assert "after commit() and before job.busy()" in line, line
+
+
+def test_registered_state_changed_before_busy_or_put_back_inside_it_trains_on(
+    workers: Workers, plane: ControlPlane
+):
+    """The tally counted after ``commit()`` and before ``job.busy()``, and
+    changed and put back inside it (an evaluation that swaps weights in and
+    out), at every step: nothing to refuse."""
+    worker = changing_worker(workers, plane, "busy_ok")
+    worker.wait_line(lambda x: '"step": 6,' in x, timeout=PATIENCE)
+    assert worker.proc.poll() is None, worker.log_tail(40)
+
+
 def test_kills_and_joins_consume_exactly_the_samples_of_an_uninterrupted_run(
     plane: ControlPlane, tmp_path: Path
 ):

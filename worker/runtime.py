@@ -487,6 +487,11 @@ class Elastic:
         #: after its ``commit()`` ran (``_complete_step``), until that code
         #: ran (``_loop_code_ran``).
         self._unsettled: int | None = None
+        #: (step, reason, digest of ``_loop_state``) when the first
+        #: ``job.busy()`` after that step's commit began: roll calls are
+        #: answered from then on, so that state must not change before the
+        #: loop asks for the next step (``_check_loop_state``).
+        self._busy_began: tuple[int, str, str] | None = None
         #: What this rank finished of an aborted step (``_set_aside``).
         self._carry: _Carry | None = None
         #: The view entered last and this rank in it.
@@ -696,6 +701,10 @@ class Elastic:
         # while it is busy is answered at once, with the step's state.
         self._settle()
         reason = str(reason)[:200]
+        if self._busy_began is None or self._busy_began[0] != self.committed_step:
+            self._busy_began = (self.committed_step, reason, self._loop_state())
+        else:
+            self._check_loop_state(until_next=False)
         started = time.monotonic()
         self._loop.call_soon_threadsafe(self._client.declare_busy, seconds, reason)
         try:
@@ -1105,6 +1114,8 @@ class Elastic:
                     yield step
                 finally:
                     self._loop_code_ran()
+                    if sys.exc_info()[0] is None:  # the loop asks for the next step
+                        self._check_loop_state()
                     if step.committed:
                         self._settle()
                     else:
@@ -1186,6 +1197,42 @@ class Elastic:
             held = self._served.held()
             if held is not None and held[0] == step:
                 self._served.serve(None)
+
+    def _loop_state(self) -> str:
+        """Digest of the registered state a roll call's answer copies rather
+        than shares (``state=`` objects, scheduler, grad scaler): what the
+        loop's code may change between steps."""
+        tree = {
+            "state": {name: obj.state_dict() for name, obj in self._extras.items()},
+            "scheduler": None if self._scheduler is None else self._scheduler.state_dict(),
+            "grad_scaler": None if self._scaler is None else self._scaler.state_dict(),
+        }
+        return tree_digest(tree)
+
+    def _check_loop_state(self, until_next: bool = True) -> None:
+        """(Training side.) Since a ``job.busy()`` began, roll calls were
+        answered with the registered state of then, and a worker that
+        joined meanwhile took it: raise ``UsageError`` if the loop changed
+        it since (inside the ``with`` block, or after it before the next
+        step), which that worker would never see. ``until_next``: the loop
+        asks for the next step, and a later ``busy()`` starts anew."""
+        began = self._busy_began
+        if began is None:
+            return
+        if until_next:
+            self._busy_began = None
+        step, reason, held = began
+        if self.committed_step != step or self._loop_state() == held:
+            return
+        raise UsageError(
+            f"step {step}: registered state (state=, scheduler or grad scaler) changed after "
+            f"job.busy({reason!r}) began, inside the with block or after it before the next "
+            "step. From job.busy() on, roll calls are answered with the state as it was then "
+            "(the loop is not in a step), so a worker that joins meanwhile would train on "
+            "without the change, its replica parting from the others'. Change registered state "
+            "after commit() and before job.busy() (keep what the busy work found, an "
+            "evaluation's loss, in a variable, and record it after the next commit())"
+        )
 
     def _settle(self) -> None:
         """(Training side.) The loop finished the step that landed last: it
