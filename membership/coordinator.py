@@ -376,6 +376,9 @@ class Coordinator:
         self._joiners: dict[str, Member] = {}  # in arrival order
         #: Joiners that cannot be asked yet (no session open): not called.
         self._unready: set[str] = set()
+        #: Roll calls in a row that put off the joins still pending
+        #: (``_decide``): each waits twice as long as the one before.
+        self._put_offs = 0
         self._departed: dict[str, Cause] = {}  # view member id -> cause
         self._causes: list[Cause] = []
         self._trigger_at: float | None = None
@@ -671,8 +674,9 @@ class Coordinator:
         # Joiners put off (the view's holders answered unsettled) wait for
         # the next roll call, which their joins cause again, a roll call's
         # deadline later: the loop's code after commit() should be done by
-        # then (a worker warns when a roll call waits half that for it),
-        # and while it is not, every such roll call would be another view.
+        # then (a worker warns when a roll call waits half that for it).
+        # While it is not (or a member keeps answering so), every such roll
+        # call is another view: each waits twice as long, up to 32 times.
         waiting = [c for c in rollcall.candidates if c.id in decision.put_off
                    and c.id not in self._view]  # fmt: skip
         later = {c.id for c in waiting}
@@ -692,4 +696,7 @@ class Coordinator:
         self._joiners = {**{j.id: j for j in waiting}, **self._joiners}
         self._causes.extend(Cause.join(j.id) for j in waiting)
         if waiting:
-            self._schedule(now + self._config.rollcall_deadline)
+            self._schedule(now + self._config.rollcall_deadline * 2 ** min(self._put_offs, 5))
+            self._put_offs += 1
+        else:
+            self._put_offs = 0

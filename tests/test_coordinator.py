@@ -718,6 +718,33 @@ def test_no_one_takes_the_state_of_holders_that_answered_before_their_loops_code
     assert view.ids == ("a", "b", "d") and view.fetch == {"d": ("a", "b")}
 
 
+def test_joiners_put_off_again_and_again_wait_twice_as_long_each_time() -> None:
+    """A loop whose code after commit() runs for long (or a member that
+    keeps answering unsettled) must not make a view change every second:
+    each roll call that puts the joins off again waits twice as long, up to
+    32 roll-call deadlines, and one that admits them starts the count anew."""
+    coordinator, proposal = answered_unsettled(
+        {"a": (10, "x", True), "b": (10, "x", True), "c": (10, "x", True), "d": (None, "", False)}
+    )
+    now, waits = 1.0, []
+    for _ in range(7):
+        assert proposal.put_off == ("d",)
+        coordinator.committed(proposal.view, now)
+        wakeup = coordinator.next_wakeup()
+        assert wakeup is not None
+        waits.append(wakeup - now)
+        now = wakeup
+        coordinator.tick(now)
+        rollcall = coordinator.rollcall
+        assert rollcall is not None
+        coordinator.take_actions()
+        for member_id in "abc":
+            coordinator.answer(member_id, rollcall.epoch, 10, "x", now, unsettled=True)
+        coordinator.answer("d", rollcall.epoch, None, "", now)
+        proposal = only_commit(coordinator.take_actions())
+    assert waits == [DEADLINE * f for f in (1, 2, 4, 8, 16, 32, 32)]
+
+
 def test_holders_that_answered_before_their_loops_code_ran_keep_their_own_states() -> None:
     """Two holders of the resume step with other digests, one unsettled:
     neither takes the other's state (the settled one's registered state
@@ -1275,6 +1302,7 @@ class RollCallMachine(RuleBasedStateMachine):
         self.called: dict[int, tuple[str, ...]] = {}  # epoch -> candidates at start
         self.answers: dict[int, dict[str, tuple[int | None, str]]] = {}
         self.unsettled: dict[int, set[str]] = {}  # epoch -> who answered unsettled
+        self.put_offs = 0  # views in a row that put joins off
         #: Progress reported by members of the view in force, in it.
         self.reports: dict[str, int] = {}
         self.pending: CommitView | None = None
@@ -1330,8 +1358,11 @@ class RollCallMachine(RuleBasedStateMachine):
             )
             later = {i for i in proposal.put_off if i not in self.views[-1]}
             assert not later & set(proposal.removed), "a joiner put off was evicted"
-            for joiner in later:  # waits for the next roll call a deadline from now
-                self.joined_at[joiner] = self.now + DEADLINE - SETTLE
+            # They wait for the next roll call a deadline from now, twice
+            # as long for each view in a row that put joins off (at most 32).
+            wait = DEADLINE * 2 ** min(self.put_offs, 5)
+            for joiner in later:
+                self.joined_at[joiner] = self.now + wait - SETTLE
         else:
             check_resume_plan(
                 view, {i: answered[i] for i in view.ids}, self.views[-1], self.reports
@@ -1340,6 +1371,7 @@ class RollCallMachine(RuleBasedStateMachine):
             assert view.resume_step is None or not unsettled & set(sources), (
                 "state taken from a holder that answered unsettled"
             )
+        self.put_offs = self.put_offs + 1 if later else 0
         self.dropped |= set(called) - set(view.ids) - later
         self.pending = proposal
 
