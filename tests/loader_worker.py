@@ -1,8 +1,9 @@
 """A training process fed by a DataLoader with worker processes (for the
 end-to-end loader test): python -m tests.loader_worker RENDEZVOUS JOB LEDGER
-[mutate] [overlap]; with "mutate" the loop counts its steps in registered
-state before commit() (which the state contract refuses), with "overlap"
-it trains with Elastic(overlap=True).
+[mutate|nudge] [overlap]; with "mutate" the loop counts its steps in
+registered state before commit(), with "nudge" it moves a parameter before
+commit() (both of which the state contract refuses), with "overlap" it
+trains with Elastic(overlap=True).
 Token from $ROLLCALL_TOKEN. Prints JSON lines: "joined" (with the pids of
 its loader workers) and, for every committed step, the sample ids of each
 microbatch it trained on, as read from the batches themselves (including
@@ -52,8 +53,9 @@ class Identified(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 def main() -> None:
     rendezvous, job, ledger = sys.argv[1], sys.argv[2], sys.argv[3]
     options = set(sys.argv[4:])
-    if options - {"mutate", "overlap"}:
-        sys.exit(f"unknown options {sorted(options - {'mutate', 'overlap'})}")
+    known = {"mutate", "nudge", "overlap"}
+    if options - known:
+        sys.exit(f"unknown options {sorted(options - known)}")
     mutate = "mutate" in options
     counter = Counter()
     torch.manual_seed(0)
@@ -83,6 +85,9 @@ def main() -> None:
                     step.backward(loss, len(ids))
                 if mutate:
                     counter.n += 1  # before commit(): what the contract refuses
+                if "nudge" in options:
+                    with torch.no_grad():
+                        model.bias.add_(1e-3)  # likewise
                 if step.commit():
                     say(event="step", step=step.number, epoch=step.epoch, rank=step.rank,
                         world=step.world_size, idle=sorted(step.idle),

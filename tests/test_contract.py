@@ -4,6 +4,7 @@ a user trial is refused with a UsageError that says what to change."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from rollcall.worker.contract import (
     GradientWatch,
     Ownership,
     ParameterWatch,
+    RegisteredWatch,
     check_extras,
     check_optimizer_params,
     check_scheduler,
@@ -257,3 +259,64 @@ def test_agreement_of_the_sums_is_exact_at_the_largest_tags(ranks: int) -> None:
     if ranks > 1:
         assert not Agreement.agreed_sums(*sums([top] * (ranks - 1) + [top - 1]))
         assert not Agreement.agreed_sums(*sums([0] * (ranks - 1) + [1]))
+
+
+class _Ema:
+    """User state whose state_dict() hands out its live tensors."""
+
+    def __init__(self) -> None:
+        self.weights = {"a": torch.zeros(4), "b": torch.zeros(2)}
+        self.decay = 0.9
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "weights": self.weights}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.decay, self.weights = state["decay"], state["weights"]
+
+
+class _Copies(_Ema):
+    """User state whose state_dict() hands out copies."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "weights": {k: v.clone() for k, v in self.weights.items()}}
+
+
+def test_the_registered_watch_sees_in_place_and_value_changes_between_hold_and_changed() -> None:
+    ema, copies = _Ema(), _Copies()
+    scheduler = torch.optim.lr_scheduler.StepLR(
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), step_size=2
+    )
+    watch = RegisteredWatch({"ema": ema, "copies": copies, "scheduler": scheduler, "none": None})
+    assert watch.changed() == [], "nothing is held before hold()"
+    watch.hold()
+    assert watch.changed() == []
+    with torch.no_grad():
+        ema.weights["b"].mul_(0.5)  # an in-place update moves the version counter
+    copies.decay = 0.5  # copies cannot be watched so: left to the joiner's check
+    assert watch.changed() == ["ema"]
+    watch.hold()
+    ema.decay = 0.99
+    scheduler.last_epoch += 1
+    assert watch.changed() == ["ema", "scheduler"]
+    watch.hold()
+    ema.load_state_dict({"decay": 0.99, "weights": {"a": torch.ones(4), "b": torch.ones(2)}})
+    assert watch.changed() == ["ema"], "tensors put in another's place"
+
+
+def test_the_registered_watch_digests_every_object_by_content() -> None:
+    ema, copies = _Ema(), _Copies()
+    scaler = torch.amp.GradScaler("cpu")
+    watch = RegisteredWatch({"ema": ema, "copies": copies, "scaler": scaler}, synced=("scaler",))
+    before = watch.digest()
+    with torch.no_grad():
+        copies.weights["a"].add_(1.0)
+    assert watch.digest() != before
+    with torch.no_grad():
+        copies.weights["a"].sub_(1.0)
+    assert watch.digest() == before, "a change put back is no change"
+    watch.hold()
+    scaler.scale(torch.ones(1))
+    scaler.update(new_scale=2.0)
+    assert watch.changed() == [], "a synced object is not watched at every step"
+    assert watch.digest() != before

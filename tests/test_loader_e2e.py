@@ -30,12 +30,13 @@ PATIENCE = 60.0
 
 class LoaderWorker(Process):
     def __init__(
-        self, plane: ControlPlane, tmp_path: Path, index: int, mutate: bool = False,
+        self, plane: ControlPlane, tmp_path: Path, index: int, mutate: str = "",
         faults: str = "", overlap: bool = False,
     ) -> None:  # fmt: skip
+        """``mutate``: "mutate" or "nudge" (``tests.loader_worker``)."""
         self.ledger = tmp_path / f"ledger{index}.jsonl"
         argv = [sys.executable, "-m", "tests.loader_worker", ",".join(plane.addresses), plane.job,
-                str(self.ledger), *(["mutate"] if mutate else []),
+                str(self.ledger), *([mutate] if mutate else []),
                 *(["overlap"] if overlap else [])]  # fmt: skip
         env = {"ROLLCALL_TOKEN": plane.token, FAULTS: faults}
         super().__init__(argv, env, tmp_path / f"worker{index}.log")
@@ -136,22 +137,44 @@ def test_microbatches_loaded_ahead_hold_the_plans_samples_through_a_kill_and_a_j
     print(f"\n{len(records)} step records checked against the plan, {last + 1} steps")
 
 
-def test_a_joiner_refuses_a_loop_that_changes_registered_state_before_commit(
+def test_a_loop_that_changes_registered_state_before_commit_is_refused_at_its_first_commit(
+    control_plane: ControlPlane, tmp_path: Path
+):
+    """A count kept in registered state (``state=``) before ``commit()``: a
+    step aborted and handed out again would count twice, and a worker that
+    joins during the step would drop the count. Refused at the first
+    commit, on any worker, whatever happens in the job (before, only a
+    joiner that loaded the state at its commit refused it; the others
+    counted on)."""
+    worker = LoaderWorker(control_plane, tmp_path, 0, mutate="mutate")
+    try:
+        assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail()
+        text = worker.log_tail()
+        assert "UsageError: step 0: registered state (state 'counter') changed in the loop " \
+            "before commit()" in text, text
+        assert not worker.steps(), "a step was committed"
+    finally:
+        with contextlib.suppress(Exception):
+            worker.stop(timeout=20)
+
+
+def test_a_joiner_refuses_a_loop_that_changes_the_parameters_before_commit(
     control_plane: ControlPlane, tmp_path: Path
 ):
     """A worker that joins fetches the state during its view's first step
     and, when the fetch outlasts its group build (here: the peer answers
     1 s late, an injected fault), loads it at that step's commit: a change
-    the loop made to registered state before commit() would be lost on it
-    alone, so it refuses with the contract's UsageError instead of training
-    on a state that differs from the others'; the others train on."""
+    the loop made to the parameters before commit() (which alike loops make
+    alike on every rank) would be lost on it alone, so it refuses with the
+    contract's UsageError instead of training on a state that differs from
+    the others'; the others train on."""
     plane = control_plane
     team: list[LoaderWorker] = []
     try:
-        first = LoaderWorker(plane, tmp_path, 0, mutate=True, faults="slow_describes=1")
+        first = LoaderWorker(plane, tmp_path, 0, mutate="nudge", faults="slow_describes=1")
         team.append(first)
         first.step(lambda e: e["step"] >= 3)
-        joiner = LoaderWorker(plane, tmp_path, 1, mutate=True)
+        joiner = LoaderWorker(plane, tmp_path, 1, mutate="nudge")
         team.append(joiner)
         assert joiner.proc.wait(timeout=PATIENCE) != 0, joiner.log_tail()
         assert "changed in the loop before commit()" in joiner.log_tail(), joiner.log_tail()

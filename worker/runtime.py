@@ -88,6 +88,7 @@ from rollcall.worker.contract import (
     GradientWatch,
     Ownership,
     ParameterWatch,
+    RegisteredWatch,
     ShardedStateGuard,
     check_extras,
     check_optimizer_params,
@@ -410,6 +411,11 @@ class Elastic:
         self._optimizer = optimizer
         self._scheduler = scheduler
         self._scaler = grad_scaler
+        #: What the loop's code may change (``_check_registered``, ``busy``).
+        self._registered = RegisteredWatch({
+            **{f"state {name!r}": obj for name, obj in self._extras.items()},
+            "the scheduler": scheduler, "the grad scaler": grad_scaler,
+        }, synced=("the grad scaler",))  # fmt: skip
         self._before_update = before_update
         self._host = host
         self._min_workers = min_workers
@@ -487,7 +493,7 @@ class Elastic:
         #: after its ``commit()`` ran (``_complete_step``), until that code
         #: ran (``_loop_code_ran``).
         self._unsettled: int | None = None
-        #: (step, reason, digest of ``_loop_state``) when the first
+        #: (step, reason, ``RegisteredWatch.digest``) when the first
         #: ``job.busy()`` after that step's commit began: roll calls are
         #: answered from then on, so that state must not change before the
         #: loop asks for the next step (``_check_loop_state``).
@@ -702,7 +708,7 @@ class Elastic:
         self._settle()
         reason = str(reason)[:200]
         if self._busy_began is None or self._busy_began[0] != self.committed_step:
-            self._busy_began = (self.committed_step, reason, self._loop_state())
+            self._busy_began = (self.committed_step, reason, self._registered.digest())
         else:
             self._check_loop_state(until_next=False)
         started = time.monotonic()
@@ -984,6 +990,7 @@ class Elastic:
             )
         for name, obj in self._extras.items():
             obj.load_state_dict(extras[name])
+        self._registered.hold()  # the runtime's change, not the loop's
         if self._sharding is not None:
             # A checkpoint holds the whole optimizer state (a peer's snapshot
             # none): the shards take their part of it on entering the view.
@@ -1110,11 +1117,14 @@ class Elastic:
                         "step %d: computing while the group of view %d builds",
                         step.number, view.epoch,
                     )  # fmt: skip
+                self._registered.hold()
                 try:
                     yield step
                 finally:
                     self._loop_code_ran()
                     if sys.exc_info()[0] is None:  # the loop asks for the next step
+                        if not step.committed:
+                            self._check_registered(step)
                         self._check_loop_state()
                     if step.committed:
                         self._settle()
@@ -1198,16 +1208,19 @@ class Elastic:
             if held is not None and held[0] == step:
                 self._served.serve(None)
 
-    def _loop_state(self) -> str:
-        """Digest of the registered state a roll call's answer copies rather
-        than shares (``state=`` objects, scheduler, grad scaler): what the
-        loop's code may change between steps."""
-        tree = {
-            "state": {name: obj.state_dict() for name, obj in self._extras.items()},
-            "scheduler": None if self._scheduler is None else self._scheduler.state_dict(),
-            "grad_scaler": None if self._scaler is None else self._scaler.state_dict(),
-        }
-        return tree_digest(tree)
+    def _check_registered(self, step: Step) -> None:
+        """(Training side, at ``commit()`` or when an aborted step ends.)
+        Refuse registered state the loop changed since ``step`` was handed
+        out (``RegisteredWatch``), on every rank, whatever happens next."""
+        changed = self._registered.changed()
+        if changed:
+            raise UsageError(
+                f"step {step.number}: registered state ({', '.join(changed)}) changed in the "
+                "loop before commit(). A step aborted and handed out again runs that code "
+                "twice, and a worker that joins during the step loads the job's state at its "
+                "commit, dropping the change there alone. Change registered state only after "
+                "a successful commit() (as an EMA update does)"
+            )
 
     def _check_loop_state(self, until_next: bool = True) -> None:
         """(Training side.) Since a ``job.busy()`` began, roll calls were
@@ -1222,7 +1235,7 @@ class Elastic:
         if until_next:
             self._busy_began = None
         step, reason, held = began
-        if self.committed_step != step or self._loop_state() == held:
+        if self.committed_step != step or self._registered.digest() == held:
             return
         raise UsageError(
             f"step {step}: registered state (state=, scheduler or grad scaler) changed after "
@@ -1877,6 +1890,7 @@ class Elastic:
                 raise StepAborted(f"{what} failed: {exc}") from exc
 
     def _commit(self, step: Step) -> bool:
+        self._check_registered(step)
         group = self._ready_group()
         if step.aborted or self._aborting() or group is None:
             return False
