@@ -88,6 +88,8 @@ KINDS = (
 #: cluster) lasts a seeded draw from this range, in seconds: longer than
 #: every lease of the cluster's settings at its upper end.
 ETCD_STALL = (5.0, 30.0)
+#: The most faults ``--min-episodes`` may ask for: a loop bounded in count.
+MAX_MIN_EPISODES = 50
 #: A worker's log line when it serves a corrupted state range
 #: (rollcall.worker.faults), and the lines of a fetch that caught one.
 CORRUPTED = "fault injection: corrupting"
@@ -471,7 +473,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"soak: {args.workers} workers trained; faults for {args.duration:.0f} s "
               f"(seed {args.seed}, logs in {workdir})", flush=True)  # fmt: skip
         number = 0
-        while time.monotonic() - origin < args.duration:
+        # The schedule's first --min-episodes faults run whatever the
+        # machine's speed (a loaded machine fits fewer into the duration).
+        while time.monotonic() - origin < args.duration or number < args.min_episodes:
             number += 1
             kind = schedule.choice(kinds)
             episode = soak.episode(number, kind)
@@ -517,6 +521,11 @@ def main() -> int:
         help="seconds of faults (the fault in progress then finishes)",
     )
     parser.add_argument("--seed", type=int, default=0, help="schedule seed (default 0)")
+    parser.add_argument(
+        "--min-episodes", type=int, default=0,
+        help="run at least this many faults of the schedule even past the duration "
+        f"(at most {MAX_MIN_EPISODES}; default 0)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--workers", type=int, default=4, help="training workers (default 4)")
     parser.add_argument(
@@ -537,6 +546,8 @@ def main() -> int:
     args = parser.parse_args()  # fmt: skip
     if args.duration <= 0 or args.workers < 2 or args.gap < 0.5:
         parser.error("--duration must be positive, --workers at least 2, --gap at least 0.5")
+    if not 0 <= args.min_episodes <= MAX_MIN_EPISODES:
+        parser.error(f"--min-episodes must be within 0-{MAX_MIN_EPISODES}")
     if not 0 < args.etcd_stall[0] <= args.etcd_stall[1] <= 600:
         parser.error("--etcd-stall needs 0 < MIN <= MAX <= 600 seconds")
     if args.kinds and not set(args.kinds.split(",")) <= set(KINDS):
