@@ -32,20 +32,8 @@ import torch
 from rollcall.membership.config import Config
 from rollcall.worker.examples.lm import LMConfig, build
 from rollcall.worker.runtime import Elastic, Step
+from tests.loader_worker import Counter
 from tests.raising_worker import train
-
-
-class Tally:
-    """Registered user state (``state=``): a count the loop keeps."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"count": self.count}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.count = state["count"]
 
 
 def main() -> None:
@@ -64,7 +52,7 @@ def main() -> None:
         first.requires_grad_(False)
 
     updates = 0
-    tally = Tally()
+    tally = Counter()
     job: list[Elastic] = []
 
     def change(step: Step) -> None:
@@ -72,13 +60,13 @@ def main() -> None:
         if args.change in ("busy_state", "after_busy") and step.number == 2:
             with job[0].busy("evaluation"):
                 if args.change == "busy_state":
-                    tally.count += 1
-            tally.count += args.change == "after_busy"
+                    tally.n += 1
+            tally.n += args.change == "after_busy"
         elif args.change == "busy_ok":
-            tally.count += 1
+            tally.n += 1
             with job[0].busy("evaluation"):
-                tally.count += 10
-                tally.count -= 10
+                tally.n += 10
+                tally.n -= 10
         elif args.change == "counter_lr":
             for group in optimizer.param_groups:
                 group["lr"] = 1e-3 * min(1.0, (updates + 1) / 1000)
