@@ -345,7 +345,8 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         raise UsageError(
             "ReduceLROnPlateau needs a metric at every step, so the runtime cannot step it: "
             "register it as state={'plateau': scheduler} and call scheduler.step(metric) "
-            "yourself with a metric that is the same on every worker (Elastic.all_reduce it)"
+            "yourself with a metric that is the same on every worker (Elastic.all_reduce it), "
+            "after a successful commit() and before any job.busy() of that step"
         )
     for method in ("step", "state_dict", "load_state_dict"):
         if not callable(getattr(scheduler, method, None)):
