@@ -150,8 +150,8 @@ def test_a_loop_that_changes_registered_state_before_commit_is_refused_at_its_fi
     try:
         assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail()
         text = worker.log_tail()
-        assert "UsageError: step 0: registered state (state 'counter') changed in the loop " \
-            "before commit()" in text, text
+        said = "UsageError: step 0: registered state (state 'counter') changed in the loop "
+        assert said + "before commit()" in text, text
         assert not worker.steps(), "a step was committed"
     finally:
         with contextlib.suppress(Exception):
