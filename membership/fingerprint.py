@@ -54,6 +54,12 @@ FIELDS: tuple[FingerprintField, ...] = (
     FingerprintField("grad_scaler", "class of the grad scaler, or none"),
     FingerprintField("extras", "names of the registered user state"),
     FingerprintField(
+        "before_update",
+        "the hook between the reduced gradient and the update (its module and name), or none",
+        "another gradient hook (clipping): the ranks would apply other updates to the same "
+        "reduced gradient, and the replicas would part",
+    ),
+    FingerprintField(
         "torch",
         "the torch build (torch.__version__)",
         "other torch versions compute differently and the replicas drift apart: run one "

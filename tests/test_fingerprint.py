@@ -37,6 +37,7 @@ JOB = JobFingerprint.of(
         "scheduler_settings": "none",
         "grad_scaler": "none",
         "extras": "[]",
+        "before_update": "__main__.main.<locals>.clip",
         "initial_state": "sha256:" + "b" * 64,
         "torch": "2.13.0+cpu",
         "min_workers": "1",

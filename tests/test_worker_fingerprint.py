@@ -208,6 +208,32 @@ def test_registered_extras_are_named_sorted() -> None:
     assert example(extras={"ema": {}, "step_counter": 1}) == extras
 
 
+def _clip(step: Any) -> None:
+    """A before_update hook."""
+
+
+class _Clip:
+    """A before_update hook that is an object."""
+
+    def __call__(self, step: Any) -> None:
+        pass
+
+
+def test_the_before_update_hook_is_named_by_its_module_and_name() -> None:
+    """A worker whose loop has another hook between the reduced gradient and
+    the update (clipping, or none) applies other updates: the replicas part
+    (before, only the drift check noticed, every 100 steps)."""
+    hooked = example(before_update=_clip)
+    assert example().get("before_update") == "none"
+    assert hooked.get("before_update") == f"{__name__}._clip"
+    assert example(before_update=_Clip()).get("before_update") == f"{__name__}._Clip"
+    assert differing(hooked, example()) == ["before_update"]
+    assert example(before_update=lambda step: None).get("before_update") == (
+        f"{__name__}.test_the_before_update_hook_is_named_by_its_module_and_name.<locals>.<lambda>"
+    )
+    assert example(before_update=_clip) == hooked
+
+
 def test_runtime_flags_are_fields_of_their_own() -> None:
     flagged = example(flags={"min_workers": "2", "exact": "true"})
     assert flagged.get("min_workers") == "2" and flagged.get("exact") == "true"

@@ -39,11 +39,13 @@ def job_fingerprint(
     scheduler: Any = None,
     grad_scaler: Any = None,
     extras: Mapping[str, Any] | None = None,
+    before_update: Any = None,
     flags: Mapping[str, str] | None = None,
 ) -> JobFingerprint:
     """The fingerprint of a job run with these objects, as they are now.
 
-    ``extras`` is the registered user state (only its names count).
+    ``extras`` is the registered user state (only its names count);
+    ``before_update`` the hook, by its module and qualified name.
     ``flags`` are settings of the runtime itself, by field name (e.g.
     ``{"min_workers": "2"}``); each must be a field that
     ``rollcall.membership.fingerprint.FIELDS`` declares and this function does not
@@ -60,6 +62,7 @@ def job_fingerprint(
         "scheduler_settings": scheduler_settings(scheduler),
         "grad_scaler": class_name(grad_scaler),
         "extras": json.dumps(sorted(str(name) for name in extras or {}), separators=(",", ":")),
+        "before_update": callable_name(before_update),
         "initial_state": tree_digest(model.state_dict()),
         "torch": torch.__version__,
     }
@@ -76,6 +79,19 @@ def class_name(obj: Any) -> str:
         return NONE
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def callable_name(fn: Any) -> str:
+    """``train.clip`` for a function (``main.<locals>.clip`` for one defined
+    in ``main``), the class's name for a callable object; ``none`` for None.
+    The same in every process that runs the same script; its code and the
+    values it closes over are not compared."""
+    if fn is None:
+        return NONE
+    name = getattr(fn, "__qualname__", None)
+    if isinstance(name, str) and getattr(fn, "__module__", None) is not None:
+        return f"{fn.__module__}.{name}"
+    return class_name(fn)
 
 
 def model_structure(model: torch.nn.Module) -> str:

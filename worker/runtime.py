@@ -457,7 +457,7 @@ class Elastic:
                          checkpoints="on" if writes else "off")  # fmt: skip
         self.fingerprint = job_fingerprint(
             model, optimizer, self._loader.plan, scheduler=scheduler, grad_scaler=grad_scaler,
-            extras=self._extras, flags=flags,
+            extras=self._extras, before_update=before_update, flags=flags,
         )  # fmt: skip
         # Forked loader workers must start before any socket or thread exists,
         # and must not keep the supervisor's channel open after we are gone.
