@@ -28,8 +28,8 @@ from rollcall.membership.errors import UsageError
 from rollcall.worker.digest import tree_digest
 
 __all__ = [
-    "Agreement", "GradientWatch", "Ownership", "ParameterWatch", "Stateful", "check_extras",
-    "check_scheduler", "learning_rates", "settings_tag",
+    "Agreement", "GradientWatch", "Ownership", "ParameterWatch", "RegisteredWatch", "Stateful",
+    "check_extras", "check_scheduler", "learning_rates", "settings_tag",
 ]  # fmt: skip
 
 

@@ -709,8 +709,6 @@ class Elastic:
         reason = str(reason)[:200]
         if self._busy_began is None or self._busy_began[0] != self.committed_step:
             self._busy_began = (self.committed_step, reason, self._registered.digest())
-        else:
-            self._check_loop_state(until_next=False)
         started = time.monotonic()
         self._loop.call_soon_threadsafe(self._client.declare_busy, seconds, reason)
         try:
@@ -1222,18 +1220,15 @@ class Elastic:
                 "a successful commit() (as an EMA update does)"
             )
 
-    def _check_loop_state(self, until_next: bool = True) -> None:
-        """(Training side.) Since a ``job.busy()`` began, roll calls were
-        answered with the registered state of then, and a worker that
-        joined meanwhile took it: raise ``UsageError`` if the loop changed
-        it since (inside the ``with`` block, or after it before the next
-        step), which that worker would never see. ``until_next``: the loop
-        asks for the next step, and a later ``busy()`` starts anew."""
-        began = self._busy_began
+    def _check_loop_state(self) -> None:
+        """(Training side, the loop asks for the next step.) Since the
+        step's first ``job.busy()`` began, roll calls were answered with
+        the registered state of then, and a worker that joined meanwhile
+        took it: raise ``UsageError`` if the loop changed it since (inside a
+        ``with`` block, or after it), which that worker would never see."""
+        began, self._busy_began = self._busy_began, None
         if began is None:
             return
-        if until_next:
-            self._busy_began = None
         step, reason, held = began
         if self.committed_step != step or self._registered.digest() == held:
             return
