@@ -43,6 +43,15 @@ FIELDS: tuple[FingerprintField, ...] = (
     FingerprintField("seed", "seed of the data order and of the microbatch RNG"),
     FingerprintField("num_samples", "length of the data set"),
     FingerprintField(
+        "data",
+        "digest of the data plan's first microbatch as this worker loaded it (twice), "
+        "'varies between reads', or off",
+        "other samples under the same length and seed (other files, another preprocessing "
+        "or tokenizer) or a sample that holds something of the host (a path): train every "
+        "worker on the same data; if the samples differ between hosts by design, pass "
+        "data_probe=False on every worker",
+    ),
+    FingerprintField(
         "model",
         "names, shapes and dtypes of the parameters and buffers",
         "another model architecture",

@@ -30,6 +30,7 @@ JOB = JobFingerprint.of(
         "micro_batch": "8",
         "seed": "0",
         "num_samples": "30769",
+        "data": "sha256:" + "c" * 64,
         "model": "30 tensors, 137,216 elements, sha256:" + "a" * 64,
         "optimizer": "torch.optim.adamw.AdamW",
         "optimizer_settings": "betas=(0.9,0.999) eps=1e-08 lr=0.003 weight_decay=0.01",
@@ -65,6 +66,14 @@ def test_a_worker_of_another_torch_version_is_told_why_it_matters() -> None:
     said = describe_mismatch("run1", (difference,))
     assert "torch is 2.12.1+cpu but job run1's is 2.13.0+cpu" in said
     assert "replicas drift apart: run one version on every worker" in said
+
+
+def test_a_worker_that_read_other_samples_is_told_what_to_do() -> None:
+    (difference,) = compare(changed("data", "sha256:" + "d" * 64), JOB)
+    said = describe_mismatch("run1", (difference,))
+    assert "data is sha256:ddd" in said
+    assert "train every worker on the same data" in said
+    assert "data_probe=False on every worker" in said
 
 
 # --- validation ------------------------------------------------------------------

@@ -24,7 +24,8 @@ from rollcall.membership.fingerprint import JobFingerprint
 from rollcall.membership.view import View
 from rollcall.protocol.client import RendezvousClient
 from rollcall.worker.examples.lm import LMConfig, build
-from rollcall.worker.fingerprint import job_fingerprint
+from rollcall.worker.fingerprint import data_probe, job_fingerprint
+from rollcall.worker.loader import MicrobatchLoader
 from rollcall.worker.plan import DIVISION, DataPlan
 from tests.harness import ControlPlane, WorkerProcess, wait_for
 
@@ -77,8 +78,10 @@ def example_fingerprint() -> JobFingerprint:
     """What the first worker computes (`rollcall worker` builds this)."""
     model, optimizer, corpus = build(LMConfig(), SEED)
     plan = DataPlan(len(corpus), GLOBAL_BATCH, MICRO_BATCH, SEED)
+    with MicrobatchLoader(corpus, plan) as loader:
+        data = data_probe(loader.probe())
     return job_fingerprint(
-        model, optimizer, plan,
+        model, optimizer, plan, data=data,
         flags={"min_workers": "1", "sync_buffers": "true", "exact": "false",
                "data_division": DIVISION, "drift_check": str(Config().drift_check_every)},
     )  # fmt: skip

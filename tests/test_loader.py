@@ -457,6 +457,57 @@ def test_a_microbatch_is_bit_identical_whichever_process_or_rank_loads_it() -> N
     assert len(set(draws)) == len(draws), "torch, random and numpy drew alike"
 
 
+# --- the probe of the job's fingerprint --------------------------------------------------
+
+
+class ByProcess(Numbers):
+    """Sample ``i`` is ``([i], pid of the process that loaded it)``."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([float(i)]), torch.tensor(os.getpid())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_the_probe_reads_the_plans_first_microbatch_as_steps_do_and_leaves_them_alone(
+    num_workers: int,
+) -> None:
+    dataset = Augmented(600)
+    with MicrobatchLoader(dataset, SIX, options=workers(num_workers, prefetch=1)) as loader:
+        loader.start()
+        reads = loader.probe()
+        loader.enter_view(rank=0, world_size=2, next_step=0)
+        served = {index: loader.get(0, index) for index in SIX.assignment(0, 2)[0]}
+
+    first = load_microbatch(dataset, default_collate, SIX.microbatches(0)[0].sample_ids,
+                            load_seed(SIX.seed, 0, 0))  # fmt: skip
+    assert len(reads) == 2 and all(same(read, first) for read in reads)
+    for index, batch in served.items():
+        ids, seed = SIX.microbatches(0)[index].sample_ids, load_seed(SIX.seed, 0, index)
+        assert same(batch, load_microbatch(dataset, default_collate, ids, seed)), index
+
+
+@pytest.mark.integration
+def test_with_workers_the_probe_is_read_by_two_of_them_and_never_by_the_training_process() -> None:
+    """The training process opens none of the data set's files before its
+    workers fork (an HDF5 or LMDB handle must not be shared with them)."""
+    with MicrobatchLoader(ByProcess(600), SIX, options=workers(2)) as loader:
+        loader.start()
+        pids = {int(read[1][0]) for read in loader.probe()}
+    assert len(pids) == 2 and os.getpid() not in pids
+
+
+@pytest.mark.integration
+def test_an_error_reading_the_probe_is_raised_and_stops_the_loader() -> None:
+    bad = SIX.microbatches(0)[0].sample_ids[1]
+    with MicrobatchLoader(RaisesOn(600, bad), SIX, options=workers(1)) as loader:
+        loader.start()
+        with pytest.raises(ValueError, match=f"bad sample {bad}"):
+            loader.probe()
+        with pytest.raises(LoaderClosed):
+            loader.enter_view(rank=0, world_size=1, next_step=0)
+
+
 # --- the loader with worker processes ---------------------------------------------------
 
 

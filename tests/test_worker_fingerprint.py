@@ -4,15 +4,18 @@ workers shows up in the field that names it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from rollcall.membership.fingerprint import (
     MAX_VALUE_LENGTH,
@@ -21,7 +24,8 @@ from rollcall.membership.fingerprint import (
     describe_mismatch,
 )
 from rollcall.worker.examples.lm import LMConfig, build
-from rollcall.worker.fingerprint import bounded, job_fingerprint
+from rollcall.worker.fingerprint import DATA_OFF, VARYING, bounded, data_probe, job_fingerprint
+from rollcall.worker.loader import MicrobatchLoader
 from rollcall.worker.plan import DataPlan
 from tests.harness import ROOT
 
@@ -232,6 +236,84 @@ def test_the_before_update_hook_is_named_by_its_module_and_name() -> None:
         f"{__name__}.test_the_before_update_hook_is_named_by_its_module_and_name.<locals>.<lambda>"
     )
     assert example(before_update=_clip) == hooked
+
+
+class _Text(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sample ``i``: ``(bytes i..i+3 of text, i)``; ``noise`` adds bytes drawn
+    from the OS (no seed reaches them); ``host`` adds a path string."""
+
+    def __init__(self, text: bytes, noise: bool = False, host: str = "") -> None:
+        self.text, self.noise, self.host = text, noise, host
+
+    def __len__(self) -> int:
+        return len(self.text) - 3
+
+    def __getitem__(self, i: int) -> Any:
+        chunk = torch.frombuffer(bytearray(self.text[i : i + 3]), dtype=torch.uint8)
+        if self.noise:
+            chunk = chunk + torch.frombuffer(bytearray(os.urandom(3)), dtype=torch.uint8)
+        if self.host:
+            return chunk, torch.tensor(i), f"/mnt/{self.host}/text"
+        return chunk, torch.tensor(i)
+
+
+def read(dataset: Any, seed: int = 3) -> str:
+    """The ``data`` field of a worker reading ``dataset`` (no loader process)."""
+    plan = DataPlan(len(dataset), 32, 8, seed)
+    loader = MicrobatchLoader(dataset, plan, collate=lambda samples: list(samples))
+    with loader:
+        return data_probe(loader.probe())
+
+
+TEXT = bytes(range(256)) * 4
+
+
+def test_workers_reading_the_same_samples_agree_on_the_data_field() -> None:
+    value = read(_Text(TEXT))
+    assert value.startswith("sha256:") and value == read(_Text(bytes(TEXT)))
+    assert example().get("data") == DATA_OFF  # computed only from a loader's reads
+
+
+def test_another_data_set_of_the_same_length_is_named_in_the_data_field() -> None:
+    """Same length and seed, other samples (another preprocessing, another
+    Python's stdlib for the example's corpus): before, nothing compared them."""
+    other = bytes((b + 1) % 256 for b in TEXT)
+    assert len(_Text(other)) == len(_Text(TEXT))
+    assert read(_Text(other)) != read(_Text(TEXT))
+    assert read(_Text(TEXT), seed=4) != read(_Text(TEXT))  # another first microbatch
+
+
+def test_samples_that_hold_something_of_the_host_differ_in_the_data_field() -> None:
+    assert read(_Text(TEXT, host="a")) != read(_Text(TEXT, host="b"))
+    assert read(_Text(TEXT, host="a")) == read(_Text(TEXT, host="a"))
+
+
+def test_reads_that_differ_are_said_alike_on_every_worker() -> None:
+    assert read(_Text(TEXT, noise=True)) == VARYING == read(_Text(bytes(TEXT), noise=True))
+    assert data_probe([torch.zeros(2), torch.ones(2)]) == VARYING
+
+
+@dataclasses.dataclass
+class _Record:
+    tokens: Any
+    note: Any
+
+
+def test_values_other_than_tensors_are_read_by_content_or_by_class() -> None:
+    """numpy arrays and scalars, bytes and dataclasses by content; any other
+    object by its class alone (never its repr, which holds an address)."""
+
+    def sample(array: Any, blob: bytes) -> Any:
+        return [{"array": array, "scalar": numpy.float32(0.5), "blob": blob,
+                 "record": _Record(torch.arange(3), object()), object(): object()}]  # fmt: skip
+
+    one = data_probe([sample(numpy.arange(4), b"ab"), sample(numpy.arange(4), b"ab")])
+    assert one.startswith("sha256:")
+    assert data_probe([sample(numpy.arange(4), b"ab")] * 2) == one
+    assert data_probe([sample(numpy.arange(1, 5), b"ab")] * 2) != one
+    assert data_probe([sample(numpy.arange(4), b"ac")] * 2) != one
+    strings = numpy.array(["a", "b"])
+    assert data_probe([strings, numpy.array(["c"])]).startswith("sha256:")  # by class
 
 
 def test_runtime_flags_are_fields_of_their_own() -> None:

@@ -14,9 +14,10 @@ ms for 50 MB of them on this 2-core machine (``docs/worker.md``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +28,10 @@ from rollcall.worker.plan import DataPlan
 
 #: Value of a class field when the job has no such object.
 NONE = "none"
+#: ``data`` when the reads of the probe differed (:func:`data_probe`).
+VARYING = "varies between reads"
+#: ``data`` of a worker that does not compare what it reads (``data_probe=False``).
+DATA_OFF = "off"
 #: Hex digits of the digest kept when a value is shortened.
 _SHORTENED_DIGEST = 16
 
@@ -40,12 +45,14 @@ def job_fingerprint(
     grad_scaler: Any = None,
     extras: Mapping[str, Any] | None = None,
     before_update: Any = None,
+    data: str = DATA_OFF,
     flags: Mapping[str, str] | None = None,
 ) -> JobFingerprint:
     """The fingerprint of a job run with these objects, as they are now.
 
     ``extras`` is the registered user state (only its names count);
-    ``before_update`` the hook, by its module and qualified name.
+    ``before_update`` the hook, by its module and qualified name; ``data``
+    what the worker read of the data set (:func:`data_probe`, or ``off``).
     ``flags`` are settings of the runtime itself, by field name (e.g.
     ``{"min_workers": "2"}``); each must be a field that
     ``rollcall.membership.fingerprint.FIELDS`` declares and this function does not
@@ -55,6 +62,7 @@ def job_fingerprint(
         "micro_batch": str(plan.micro_batch),
         "seed": str(plan.seed),
         "num_samples": str(plan.num_samples),
+        "data": data,
         "model": model_structure(model),
         "optimizer": class_name(optimizer),
         "optimizer_settings": optimizer_settings(optimizer),
@@ -71,6 +79,56 @@ def job_fingerprint(
             raise ValueError(f"{name!r} is not a fingerprint flag (see membership/fingerprint.py)")
         values[name] = value
     return JobFingerprint.of({name: bounded(value) for name, value in values.items()})
+
+
+def data_probe(reads: Sequence[Any]) -> str:
+    """What a worker read of the data set: the digest of the plan's first
+    microbatch as loaded (``MicrobatchLoader.probe``), the same on every
+    worker that reads the same samples, whatever its rank. ``VARYING`` when
+    the reads differ (augmentation from a generator the runtime does not
+    seed, a sample that holds the worker process's id): such a data set
+    cannot be compared this way, and every worker says so alike. Values
+    that are neither tensors, arrays, numbers, text nor containers of them
+    count by their class alone."""
+    digests = {tree_digest(_comparable(read)) for read in reads}
+    return digests.pop() if len(digests) == 1 else VARYING
+
+
+def _comparable(obj: Any) -> Any:
+    """``obj`` as a tree ``tree_digest`` takes: containers of dense tensors
+    and scalars; anything else as the name of its class."""
+    if isinstance(obj, torch.Tensor):
+        dense = obj.layout == torch.strided and not obj.is_quantized
+        return obj if dense else f"<tensor {obj.layout}>"
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return "bytes:" + hashlib.sha256(obj).hexdigest()
+    if isinstance(obj, Mapping):
+        return {_key(k): _comparable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_comparable(item) for item in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: _comparable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return [class_name(obj), fields]
+    if type(obj).__module__ == "numpy" and hasattr(obj, "dtype"):
+        try:  # an array or a numpy scalar of a numeric type
+            return torch.from_numpy(_numpy_array(obj))
+        except TypeError:
+            pass
+    return f"<{class_name(obj)}>"
+
+
+def _key(key: Any) -> Any:
+    scalar = key is None or isinstance(key, (bool, int, float, str))
+    return key if scalar else f"<{class_name(key)}>"  # never a repr: it may hold an address
+
+
+def _numpy_array(obj: Any) -> Any:
+    """A numpy array or scalar as a contiguous array torch can wrap."""
+    import numpy
+
+    return numpy.ascontiguousarray(numpy.asarray(obj))
 
 
 def class_name(obj: Any) -> str:

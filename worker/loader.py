@@ -578,6 +578,8 @@ class _Task(NamedTuple):
     sample_ids: tuple[int, ...]
     seed: int
     """:func:`rollcall.worker.plan.load_seed` of the microbatch."""
+    probe: bool = False
+    """Loaded for :meth:`MicrobatchLoader.probe`, not for a step."""
 
 
 class _Loaded(NamedTuple):
@@ -586,6 +588,7 @@ class _Loaded(NamedTuple):
 
     key: Key
     data: Any
+    probe: bool = False
 
 
 class _Microbatches(Dataset[Any]):
@@ -602,7 +605,7 @@ class _Microbatches(Dataset[Any]):
         if task is None:
             return None
         data = _load_seeded(self.dataset, self.collate, task.sample_ids, task.seed)
-        return _Loaded(task.key, data)
+        return _Loaded(task.key, data, task.probe)
 
 
 class _Tasks:
@@ -696,6 +699,8 @@ class MicrobatchLoader:
         self._loaded: dict[Key, Any] = {}
         self._pipeline: Iterator[_Loaded | None] | None = None
         self._closed: str | None = None  # why, once closed
+        self._probes_to_issue = 0
+        self._probed: list[Any] = []
         self._pin_device = self._pinning_device()
 
     @classmethod
@@ -798,6 +803,28 @@ class MicrobatchLoader:
                 self._stop(f"the loader stopped after an error: {exc!r}")
             raise
 
+    def probe(self, reads: int = 2) -> list[Any]:
+        """The plan's first microbatch (step 0, microbatch 0), loaded
+        ``reads`` times as steps load theirs, each time seeded alike: by the
+        worker processes in turn (so by as many of them as there are reads),
+        or on the calling thread without workers. Nothing is kept for a step.
+        For the job's fingerprint, which compares what the workers read
+        (``rollcall.worker.fingerprint.data_probe``); call it after
+        :meth:`start` and before :meth:`enter_view`. An error loading it
+        stops the loader, as in :meth:`get`."""
+        self._check_open()
+        if self._pipeline is None:
+            return [self._load_here(Key(0, 0)) for _ in range(reads)]
+        self._probes_to_issue, self._probed = reads, []
+        try:
+            while len(self._probed) < reads:
+                self._receive()
+        except BaseException as exc:
+            self._stop(f"the loader stopped after an error: {exc!r}")
+            raise
+        probed, self._probed = self._probed, []
+        return probed
+
     def cached(self) -> frozenset[Key]:
         """Keys loaded ahead and kept (for tests and diagnostics)."""
         return frozenset(self._loaded)
@@ -825,6 +852,10 @@ class MicrobatchLoader:
     def _next_task(self) -> _Task | None:
         # Called by the DataLoader, on the thread calling get() or start().
         key = self._schedule.issue()
+        if key is None and self._probes_to_issue:
+            # An idle slot to the schedule, which it comes back as (_receive).
+            self._probes_to_issue -= 1
+            return self._task(Key(0, 0))._replace(probe=True)
         return None if key is None else self._task(key)
 
     def _task(self, key: Key) -> _Task:
@@ -835,6 +866,10 @@ class MicrobatchLoader:
     def _receive(self) -> None:
         assert self._pipeline is not None  # RECEIVE needs something in flight
         item = next(self._pipeline)
+        if item is not None and item.probe:
+            self._schedule.arrived(None)
+            self._probed.append(item.data)
+            return
         key = None if item is None else item.key
         if self._schedule.arrived(key):
             assert item is not None and key is not None  # only real keys are kept

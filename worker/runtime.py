@@ -108,7 +108,8 @@ from rollcall.worker.environment import (
 from rollcall.worker.exact import ExactStep
 from rollcall.worker.exact import fingerprint_value as exact_fingerprint
 from rollcall.worker.faults import SLOW_ANSWER_S, SLOW_BUILD_S, SLOW_LAND_S, Faults
-from rollcall.worker.fingerprint import job_fingerprint
+from rollcall.worker.fingerprint import DATA_OFF, VARYING, job_fingerprint
+from rollcall.worker.fingerprint import data_probe as probed_data
 from rollcall.worker.group import EpochGroup
 from rollcall.worker.ledger import Ledger
 from rollcall.worker.loader import (
@@ -370,6 +371,7 @@ class Elastic:
         pin_memory: bool = False,
         shard_redundancy: int | None = None,
         shard_partitions: int = 64,
+        data_probe: bool = True,
     ) -> None:
         if messages:
             install_default_handler()
@@ -438,7 +440,7 @@ class Elastic:
             ), config=self._config,
         )  # fmt: skip
         # What every worker of the job must match, checked at join: taken
-        # before anything trains the model (and before loader processes exist).
+        # before anything trains the model.
         flags = {"min_workers": str(min_workers), "sync_buffers": str(sync_buffers).lower(),
                  "exact": exact_fingerprint(exact), "data_division": DIVISION,
                  "drift_check": str(self._config.drift_check_every)}  # fmt: skip
@@ -455,14 +457,24 @@ class Elastic:
                 )
             flags.update(self._sharding.fields(), checkpoint_every=str(checkpoint_every),
                          checkpoints="on" if writes else "off")  # fmt: skip
-        self.fingerprint = job_fingerprint(
-            model, optimizer, self._loader.plan, scheduler=scheduler, grad_scaler=grad_scaler,
-            extras=self._extras, before_update=before_update, flags=flags,
-        )  # fmt: skip
         # Forked loader workers must start before any socket or thread exists,
         # and must not keep the supervisor's channel open after we are gone.
         channel = self._report.fileno()
         self._loader.start(not_inherited=() if channel is None else (channel,))
+        # What the workers read is compared too, read as steps read it: by
+        # the loader's processes, so that this one opens none of the data
+        # set's files before they fork.
+        data = probed_data(self._loader.probe()) if data_probe else DATA_OFF
+        if data == VARYING:
+            log.info(
+                "the data plan's first microbatch read twice gave other values (augmentation "
+                "from a generator the runtime does not seed, or a sample that holds the "
+                "process's id): what the workers read is not compared at join"
+            )
+        self.fingerprint = job_fingerprint(
+            model, optimizer, self._loader.plan, scheduler=scheduler, grad_scaler=grad_scaler,
+            extras=self._extras, before_update=before_update, data=data, flags=flags,
+        )  # fmt: skip
         self.plan = self._loader.plan
         self.member_id: str | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]

@@ -114,8 +114,9 @@ class CharCorpus(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def __init__(self, config: LMConfig) -> None:
         text = _read_stdlib_text(config.corpus_bytes)
-        #: SHA-256 (hex) of the corpus bytes: workers compare it to make sure
-        #: they train on the same text (same Python version, same stdlib).
+        #: SHA-256 (hex) of the corpus bytes, which depend on the Python
+        #: version's stdlib. Workers do not compare it: the job's fingerprint
+        #: compares what they read (its ``data`` field, docs/worker.md).
         self.fingerprint: str = hashlib.sha256(text).hexdigest()
         #: Length of the corpus text in bytes.
         self.num_bytes: int = len(text)
