@@ -19,7 +19,9 @@ against a loop's own iteration counter does: a joiner counts from 0);
 step 2); ``after_busy`` (counted after a ``job.busy()`` block, before the
 next step, after step 2); ``busy_ok`` (every step: the tally counted after
 ``commit()`` and before ``job.busy()``, and inside it changed and put
-back, as an evaluation that swaps weights in and out does).
+back, as an evaluation that swaps weights in and out does); ``clip``
+(``before_update`` clips the gradient's global norm to ``--clip-norm``,
+a setting each worker is started with).
 ``--sharded``: redundancy 2. The checks run every 5 steps. Token from
 $ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker --json` does."""
 
@@ -42,9 +44,10 @@ def main() -> None:
     parser.add_argument("job")
     changes = ["none", "scale", "freeze", "unfreeze", "add_group", "drop_param", "replace",
                "retype", "hook_scale", "counter_lr", "busy_state", "after_busy",
-               "busy_ok"]  # fmt: skip
+               "busy_ok", "clip"]  # fmt: skip
     parser.add_argument("change", choices=changes)
     parser.add_argument("--sharded", action="store_true")
+    parser.add_argument("--clip-norm", type=float, default=1.0)
     args = parser.parse_args()
     model, optimizer, corpus = build(LMConfig(), seed=0)
     first = next(model.parameters())
@@ -71,6 +74,8 @@ def main() -> None:
             for group in optimizer.param_groups:
                 group["lr"] = 1e-3 * min(1.0, (updates + 1) / 1000)
             updates += 1
+        elif args.change == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
         elif args.change in ("scale", "hook_scale"):
             with torch.no_grad():
                 for parameter in model.parameters():
@@ -90,7 +95,7 @@ def main() -> None:
         elif args.change == "retype" and step.number == 2:
             model.double()
 
-    hooks = ("hook_scale", "counter_lr")
+    hooks = ("hook_scale", "counter_lr", "clip")
     with Elastic(
         model, optimizer, corpus, global_batch=32, micro_batch=8, rendezvous=args.rendezvous,
         job=args.job, shard_redundancy=2 if args.sharded else None,

@@ -14,6 +14,7 @@ from rollcall.membership.errors import UsageError
 from rollcall.worker.contract import (
     Agreement,
     GradientWatch,
+    HookAgreement,
     Ownership,
     ParameterWatch,
     RegisteredWatch,
@@ -259,6 +260,65 @@ def test_agreement_of_the_sums_is_exact_at_the_largest_tags(ranks: int) -> None:
     if ranks > 1:
         assert not Agreement.agreed_sums(*sums([top] * (ranks - 1) + [top - 1]))
         assert not Agreement.agreed_sums(*sums([0] * (ranks - 1) + [1]))
+
+
+def _hook_sums(probes: list[float | None]) -> list[float]:
+    terms = [HookAgreement.sum_terms(p) for p in probes]
+    return [math.fsum(column) for column in zip(*terms, strict=True)]
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 1000])
+def test_gradient_probes_agree_within_the_spread_of_machines_and_not_beyond(ranks: int) -> None:
+    """Machines of other kinds round the same computation apart by ~1e-7:
+    that is agreement; a clip norm a per mille or more apart is not."""
+    probe = 0.7318
+    assert HookAgreement.agreed_sums(*_hook_sums([probe] * ranks))
+    assert HookAgreement.agreed_sums(*_hook_sums([probe] * ranks + [None]))
+    assert HookAgreement.agreed_sums(*_hook_sums([None] * ranks))
+    assert HookAgreement.agreed_sums(*_hook_sums([probe] * (ranks - 1) + [probe * (1 + 1e-7)]))
+    assert not HookAgreement.agreed_sums(*_hook_sums([probe] * (ranks - 1) + [probe * 1.01]))
+    assert not HookAgreement.agreed_sums(*_hook_sums([probe] * (ranks - 1) + [probe / 100]))
+    assert not HookAgreement.agreed_sums(*_hook_sums([0.0] * (ranks - 1) + [1e-3]))
+    tiny, huge = 1e-30, 1e100
+    assert HookAgreement.agreed_sums(*_hook_sums([tiny] * ranks))
+    assert not HookAgreement.agreed_sums(*_hook_sums([tiny] * (ranks - 1) + [2 * tiny]))
+    assert HookAgreement.agreed_sums(*_hook_sums([huge] * ranks))
+
+
+def test_a_gradient_probe_that_is_not_finite_counts_as_none() -> None:
+    assert HookAgreement.read(torch.tensor(float("inf"), dtype=torch.float64)) is None
+    assert HookAgreement.read(torch.tensor(float("nan"), dtype=torch.float64)) is None
+    assert HookAgreement.read(None) is None
+    assert HookAgreement.read(torch.tensor(0.5, dtype=torch.float64)) == 0.5
+
+
+def test_exact_modes_gradient_digests_agree_only_when_equal() -> None:
+    def maxima(probes: list[float | None]) -> list[int]:
+        terms = [HookAgreement.max_terms(p) for p in probes]
+        return [max(column) for column in zip(*terms, strict=True)]
+
+    assert HookAgreement.agreed_maxima(*maxima([0.25, 0.25, None]))
+    assert HookAgreement.agreed_maxima(*maxima([None, None]))
+    assert not HookAgreement.agreed_maxima(*maxima([0.25, 0.25 * (1 + 2**-52)]))
+
+
+def test_the_gradient_probe_follows_what_a_hook_does_to_the_gradients() -> None:
+    model = nn.Sequential(nn.Linear(300, 40), nn.ReLU(), nn.Linear(40, 3))
+    params = list(model.parameters())
+    assert HookAgreement.probe(params) is None  # no gradients yet
+    model(torch.randn(8, 300)).sum().backward()
+    grads = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+    probe = HookAgreement.read(HookAgreement.probe(params))
+    assert probe is not None and probe > 0
+    again = HookAgreement.read(HookAgreement.probe(params))
+    assert again == probe
+    torch.nn.utils.clip_grad_norm_(params, 1e-3)  # clipping scales every element alike
+    clipped = HookAgreement.read(HookAgreement.probe(params))
+    norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))
+    assert clipped == pytest.approx(probe * 1e-3 / float(norm), rel=1e-4)
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad + torch.randn_like(grad)  # noise (DP-SGD): another probe
+    assert HookAgreement.read(HookAgreement.probe(params)) != pytest.approx(probe, rel=1e-3)
 
 
 class _Ema:

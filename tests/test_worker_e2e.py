@@ -417,6 +417,27 @@ def test_a_learning_rate_counted_by_the_loop_itself_is_refused_when_a_joiner_cou
         assert "registered LR scheduler" in line, line
 
 
+def test_a_joiner_whose_before_update_clips_to_another_norm_is_refused_by_every_rank(
+    workers: Workers, plane: ControlPlane
+):
+    """The fingerprint names the hook, not the values it closes over: a
+    worker started with another clip norm joins, and from then on applies
+    other updates than the others to the same reduced gradient (before,
+    both trained on, the replicas apart, with no error). The ranks compare
+    a probe of the gradients their hooks left in each step's reduction:
+    every rank refuses, naming the hook."""
+    first = changing_worker(workers, plane, "clip", "--clip-norm", "1.0")
+    first.wait_line(lambda x: '"step": 5,' in x, timeout=PATIENCE)  # alone: nothing to compare
+    joiner = changing_worker(workers, plane, "clip", "--clip-norm", "0.01", log="-joiner")
+    for worker in (first, joiner):
+        assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
+        text = worker.log_path.read_text(errors="replace")
+        (line,) = [x for x in text.splitlines() if "UsageError: step" in x]
+        assert "with different gradients after before_update (this rank's hook: " in line, line
+        assert "main.<locals>.change)" in line, line
+        assert "another clip norm" in line, line
+
+
 @pytest.mark.parametrize("change", ["busy_state", "after_busy"])
 def test_registered_state_changed_after_busy_began_is_refused_when_the_loop_asks_for_a_step(
     workers: Workers, plane: ControlPlane, change: str

@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import torch
@@ -86,6 +86,7 @@ from rollcall.worker.checkpoint import (
 from rollcall.worker.contract import (
     Agreement,
     GradientWatch,
+    HookAgreement,
     Ownership,
     ParameterWatch,
     RegisteredWatch,
@@ -108,7 +109,7 @@ from rollcall.worker.environment import (
 from rollcall.worker.exact import ExactStep
 from rollcall.worker.exact import fingerprint_value as exact_fingerprint
 from rollcall.worker.faults import SLOW_ANSWER_S, SLOW_BUILD_S, SLOW_LAND_S, Faults
-from rollcall.worker.fingerprint import DATA_OFF, VARYING, job_fingerprint
+from rollcall.worker.fingerprint import DATA_OFF, VARYING, callable_name, job_fingerprint
 from rollcall.worker.fingerprint import data_probe as probed_data
 from rollcall.worker.group import EpochGroup
 from rollcall.worker.ledger import Ledger
@@ -242,23 +243,35 @@ def _group_sizes(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     return tuple(len(group["params"]) for group in optimizer.param_groups)
 
 
-def _totals(step: Step, ask: bool, tag: int | None) -> torch.Tensor:
+def _totals(step: Step, ask: bool, tag: int | None, probe: float | None) -> torch.Tensor:
     """What every rank adds to a step's SUM besides the gradients and
-    buffers: (count, loss, asks to stop, ``Agreement``'s three terms). In
+    buffers: (count, loss, asks to stop, ``Agreement``'s three terms,
+    ``HookAgreement``'s three). In
     float64 (a second, tiny collective when gradients are float32): a count
     of samples or tokens stays exact up to 2**53, where float32 would round
     it above 2**24."""
     return torch.tensor(
-        [float(step._count), step._loss, float(ask), *Agreement.sum_terms(tag)],
+        [float(step._count), step._loss, float(ask), *Agreement.sum_terms(tag),
+         *HookAgreement.sum_terms(probe)],
         dtype=torch.float64,
     )
 
 
-def _read_totals(totals: torch.Tensor) -> tuple[float, float, bool, bool]:
-    """(count, loss, some rank asked to stop, the ranks' settings agreed)
-    from ``_totals`` summed over the view."""
+def _read_totals(totals: torch.Tensor) -> tuple[float, float, bool, Agreed]:
+    """(count, loss, some rank asked to stop, what the ranks' last updates
+    agreed on) from ``_totals`` summed over the view."""
     values = totals.tolist()
-    return values[0], values[1], values[2] > 0, Agreement.agreed_sums(*values[3:6])
+    agreed = Agreed(Agreement.agreed_sums(*values[3:6]), HookAgreement.agreed_sums(*values[6:9]))
+    return values[0], values[1], values[2] > 0, agreed
+
+
+class Agreed(NamedTuple):
+    """Whether the ranks' last updates used the same optimizer settings
+    (``Agreement``) and the same gradients after ``before_update``
+    (``HookAgreement``)."""
+
+    settings: bool
+    gradients: bool
 
 
 def _check_sharding(
@@ -483,6 +496,9 @@ class Elastic:
         #: (step, ``settings_tag``) of the last update this rank applied
         #: itself, compared with the others' at the next reduction (``Agreement``).
         self._applied_settings: tuple[int, int] | None = None
+        #: (step, ``HookAgreement.probe``) of the gradients that update left
+        #: after ``before_update``, compared likewise (``HookAgreement``).
+        self._applied_probe: tuple[int, torch.Tensor | None] | None = None
         self._buffers = BufferSync(model) if sync_buffers else None
         self._exact = (
             ExactStep(self._params, self._buffers, self._loader.plan.num_microbatches)
@@ -1921,19 +1937,26 @@ class Elastic:
         ask = self._member.stop_asked
         applied = self._applied_settings
         tag = applied[1] if applied is not None and applied[0] == step.number - 1 else None
+        probed = self._applied_probe
+        probe = HookAgreement.read(
+            probed[1] if probed is not None and probed[0] == step.number - 1 else None
+        )
         try:
             if self._exact is not None:
                 reduced = self._exact.reduce(
                     lambda tensors, op: group.allreduce(tensors, _REDUCE_OPS[op]), stop=ask,
-                    also_max=Agreement.max_terms(tag),
+                    also_max=[*Agreement.max_terms(tag), *HookAgreement.max_terms(probe)],
                 )  # fmt: skip
                 count, loss, stop = float(reduced.count), reduced.loss, reduced.stop
-                agreed = Agreement.agreed_maxima(*reduced.also_max)
+                agreed = Agreed(Agreement.agreed_maxima(*reduced.also_max[:2]),
+                                HookAgreement.agreed_maxima(*reduced.also_max[2:]))  # fmt: skip
                 finish = reduced.apply
             elif self._buckets is not None:
-                count, loss, stop, agreed, finish = self._reduce_buckets(step, group, ask, tag)
+                count, loss, stop, agreed, finish = self._reduce_buckets(
+                    step, group, ask, tag, probe
+                )
             else:
-                tensors, buffer_slots = self._reduction(step, ask, tag)
+                tensors, buffer_slots = self._reduction(step, ask, tag, probe)
                 group.allreduce_sum(tensors)
                 count, loss, stop, agreed = _read_totals(tensors[-1])
 
@@ -1952,7 +1975,17 @@ class Elastic:
                 f"step {step.number}: the global sample count is {count:g}: step.backward "
                 "must be given the number of samples (or tokens) its loss sums over"
             )
-        if not agreed:
+        if not agreed.gradients:
+            raise UsageError(
+                f"step {step.number}: the ranks of view {step.epoch} applied step "
+                f"{step.number - 1} with different gradients after before_update (this rank's "
+                f"hook: {callable_name(self._before_update)}): every rank gives it the same "
+                "reduced gradient, so a hook that differs between workers (another clip norm "
+                "from a worker's settings, noise from a generator each rank seeds its own way) "
+                "makes the replicas part. Run every worker with the same hook and settings, and "
+                "draw any randomness in it from a generator seeded from step.number"
+            )
+        if not agreed.settings:
             raise UsageError(
                 f"step {step.number}: the ranks of view {step.epoch} applied step "
                 f"{step.number - 1} with different optimizer settings (this rank's learning "
@@ -2150,8 +2183,8 @@ class Elastic:
         return launch
 
     def _reduce_buckets(
-        self, step: Step, group: EpochGroup, ask: bool, tag: int | None
-    ) -> tuple[float, float, bool, bool, Callable[[], None]]:
+        self, step: Step, group: EpochGroup, ask: bool, tag: int | None, probe: float | None
+    ) -> tuple[float, float, bool, Agreed, Callable[[], None]]:
         """(overlap=True) Start what the last backward pass did not, sum the
         buffers' changes and (count, loss, ``Agreement``), wait for the
         buckets; the gradients are the buckets' views, divided in place by
@@ -2165,7 +2198,7 @@ class Elastic:
         small = self._buffers.contributions(step._microbatches, torch.float32) if (
             self._buffers is not None
         ) else []  # fmt: skip
-        totals = _totals(step, ask, tag)
+        totals = _totals(step, ask, tag, probe)
         # Started after the buckets, as on every rank, and waited for with
         # them: an abandoned wait parks every buffer with the group.
         pending.append(group.start_allreduce_sum(totals))
@@ -2190,7 +2223,7 @@ class Elastic:
         return count, loss, stop, agreed, finish
 
     def _reduction(
-        self, step: Step, ask: bool, tag: int | None
+        self, step: Step, ask: bool, tag: int | None, probe: float | None
     ) -> tuple[list[torch.Tensor], slice]:
         """What the step's one all-reduce sums: every gradient (zeros for a
         parameter without one), the buffers' changes, and (count, loss, the
@@ -2207,7 +2240,7 @@ class Elastic:
             if self._buffers is not None
             else []
         )
-        totals = _totals(step, ask, tag)
+        totals = _totals(step, ask, tag, probe)
         slots = slice(len(grads), len(grads) + len(buffers))
         return [*grads, *buffers, totals], slots
 
@@ -2229,6 +2262,7 @@ class Elastic:
         if self._before_update is not None:
             self._before_update(step)
             self._check_parameters_kept(step, in_hook=True)
+            self._applied_probe = (step.number, HookAgreement.probe(self._params))
         self._applied_settings = (step.number, settings_tag(self._optimizer))
         with self._ownership.applying():
             if self._sharded is not None:
