@@ -293,6 +293,14 @@ def changing_worker(
     return process
 
 
+def usage_error_of(worker: Process) -> str:
+    """The one ``UsageError: step`` line of a worker that exited with an error."""
+    assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
+    text = worker.log_path.read_text(errors="replace")
+    (line,) = [x for x in text.splitlines() if "UsageError: step" in x]
+    return line
+
+
 def refused_at(worker: Process, step: int) -> str:
     """The ``UsageError`` line of a worker that committed ``step - 1``, then
     was refused at ``step`` and exited."""
@@ -410,9 +418,7 @@ def test_a_learning_rate_counted_by_the_loop_itself_is_refused_when_a_joiner_cou
     first.wait_line(lambda x: '"step": 5,' in x, timeout=PATIENCE)  # alone: nothing to compare
     joiner = changing_worker(workers, plane, "counter_lr", log="-joiner")
     for worker in (first, joiner):
-        assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
-        text = worker.log_path.read_text(errors="replace")
-        (line,) = [x for x in text.splitlines() if "UsageError: step" in x]
+        line = usage_error_of(worker)
         assert "with different optimizer settings (this rank's learning rates: " in line, line
         assert "registered LR scheduler" in line, line
 
@@ -430,9 +436,7 @@ def test_a_joiner_whose_before_update_clips_to_another_norm_is_refused_by_every_
     first.wait_line(lambda x: '"step": 5,' in x, timeout=PATIENCE)  # alone: nothing to compare
     joiner = changing_worker(workers, plane, "clip", "--clip-norm", "0.01", log="-joiner")
     for worker in (first, joiner):
-        assert worker.proc.wait(timeout=PATIENCE) != 0, worker.log_tail(40)
-        text = worker.log_path.read_text(errors="replace")
-        (line,) = [x for x in text.splitlines() if "UsageError: step" in x]
+        line = usage_error_of(worker)
         assert "with different gradients after before_update (this rank's hook: " in line, line
         assert "main.<locals>.change)" in line, line
         assert "another clip norm" in line, line
