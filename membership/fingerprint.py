@@ -56,6 +56,13 @@ FIELDS: tuple[FingerprintField, ...] = (
         "names, shapes and dtypes of the parameters and buffers",
         "another model architecture",
     ),
+    FingerprintField(
+        "modules",
+        "class and settings of every module (torch's own by their attributes, others by "
+        "extra_repr())",
+        "another module setting (a dropout rate, a norm's eps or momentum, an activation) or "
+        "another module class with the same parameters",
+    ),
     FingerprintField("optimizer", "class of the optimizer"),
     FingerprintField("optimizer_settings", "hyperparameters of each parameter group"),
     FingerprintField("scheduler", "class of the LR scheduler, or none"),

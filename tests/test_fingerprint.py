@@ -32,6 +32,7 @@ JOB = JobFingerprint.of(
         "num_samples": "30769",
         "data": "sha256:" + "c" * 64,
         "model": "30 tensors, 137,216 elements, sha256:" + "a" * 64,
+        "modules": "29 modules, sha256:" + "e" * 64,
         "optimizer": "torch.optim.adamw.AdamW",
         "optimizer_settings": "betas=(0.9,0.999) eps=1e-08 lr=0.003 weight_decay=0.01",
         "scheduler": "none",

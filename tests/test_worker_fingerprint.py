@@ -124,7 +124,62 @@ def test_another_data_set_length_is_named() -> None:
 
 def test_another_model_shape_is_named() -> None:
     config = LMConfig(d_model=32, layers=1, corpus_bytes=20_000)
-    assert differing(example(config=config), example()) == ["model", "initial_state"]
+    assert differing(example(config=config), example()) == ["model", "modules", "initial_state"]
+
+
+def _net(activation: nn.Module, dropout: float = 0.1, eps: float = 1e-5) -> JobFingerprint:
+    torch.manual_seed(0)
+    layers = (nn.Linear(4, 8), activation, nn.Dropout(dropout), nn.LayerNorm(8, eps=eps))
+    model = nn.Sequential(*layers)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return job_fingerprint(model, optimizer, DataPlan(64, 8, 4, 0))
+
+
+def test_module_settings_the_parameters_do_not_show_are_named_in_the_modules_field() -> None:
+    """Another dropout rate, norm eps or activation leaves every parameter
+    alike: before, nothing compared them, and such a worker's gradients
+    were averaged with the others'."""
+    base = _net(nn.ReLU())
+    assert str(base.get("modules")).startswith("5 modules, sha256:")
+    assert _net(nn.ReLU()) == base
+    assert differing(_net(nn.GELU()), base) == ["modules"]
+    assert differing(_net(nn.GELU(approximate="tanh")), _net(nn.GELU())) == ["modules"]
+    assert differing(_net(nn.ReLU(), dropout=0.2), base) == ["modules"]
+    assert differing(_net(nn.ReLU(), eps=1e-6), base) == ["modules"]
+
+
+def test_torch_modules_count_by_their_attributes_even_where_extra_repr_is_silent() -> None:
+    def layer(**options: Any) -> JobFingerprint:
+        torch.manual_seed(0)
+        model = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, **options)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return job_fingerprint(model, optimizer, DataPlan(64, 8, 4, 0))
+
+    assert nn.TransformerEncoderLayer(16, 2).extra_repr() == ""
+    assert differing(layer(activation="gelu"), layer()) == ["modules"]
+    assert differing(layer(norm_first=True), layer()) == ["modules"]
+
+
+class _Logged(nn.Module):
+    """A user module whose attribute holds something of the process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.log_name = f"run-{os.getpid()}-{id(self)}"
+
+
+def test_a_user_modules_own_attributes_are_not_compared_only_its_extra_repr() -> None:
+    torch.manual_seed(0)
+    first, second = _Logged(), _Logged()
+    second.load_state_dict(first.state_dict())
+    assert first.log_name != second.log_name
+    plan = DataPlan(64, 8, 4, 0)
+
+    def of(model: nn.Module) -> JobFingerprint:
+        return job_fingerprint(model, torch.optim.SGD(model.parameters(), lr=0.1), plan)
+
+    assert of(first) == of(second)
 
 
 def test_a_frozen_parameter_changes_the_model_field() -> None:

@@ -64,6 +64,7 @@ def job_fingerprint(
         "num_samples": str(plan.num_samples),
         "data": data,
         "model": model_structure(model),
+        "modules": module_settings(model),
         "optimizer": class_name(optimizer),
         "optimizer_settings": optimizer_settings(optimizer),
         "scheduler": class_name(scheduler),
@@ -171,6 +172,32 @@ def model_structure(model: torch.nn.Module) -> str:
             lines.append(f"{name} {type(tensor).__qualname__}")
     structure = hashlib.sha256("\n".join(lines).encode("utf-8", "surrogatepass")).hexdigest()
     return f"{len(lines)} tensors, {elements:,} elements, sha256:{structure}"
+
+
+def module_settings(model: torch.nn.Module) -> str:
+    """The class and settings of every module, in order, which the
+    parameters' shapes do not show (a dropout rate, a norm's eps or
+    momentum, an activation, a module without parameters): torch's own
+    modules by their public attributes (``p``, ``eps``, ``norm_first``, an
+    activation function by name), any other module by its
+    ``extra_repr()``, the text torch prints for it (its own attributes may
+    hold anything, a path or a process id). A count and the digest of the
+    whole list."""
+    lines = []
+    for name, module in model.named_modules():
+        cls = type(module)
+        words = [name, cls.__qualname__, module.extra_repr()]
+        if cls.__module__.startswith("torch."):
+            for key, value in sorted(vars(module).items()):
+                if key.startswith("_") or key == "training":
+                    continue
+                if callable(value) and not isinstance(value, torch.nn.Module):
+                    words.append(f"{key}={callable_name(value)}")
+                elif value is None or isinstance(value, (bool, int, float, str, tuple)):
+                    words.append(f"{key}={_text(value)}")
+        lines.append(" ".join(words))
+    digest = hashlib.sha256("\n".join(lines).encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{len(lines)} modules, sha256:{digest}"
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> str:
