@@ -788,7 +788,7 @@ class MicrobatchLoader:
         error raised here (theirs, or one loading here) stops the loader."""
         self._check_open()
         key = Key(step, index)
-        try:
+        with self._stopped_by_errors():
             while True:
                 take = self._schedule.request(key)
                 if take is Take.CACHED:
@@ -796,9 +796,15 @@ class MicrobatchLoader:
                 if take is Take.LOAD_HERE:
                     return self._load_here(key)
                 self._receive()
+
+    @contextlib.contextmanager
+    def _stopped_by_errors(self) -> Iterator[None]:
+        """With workers, an error raised inside stops the loader. The
+        DataLoader's SIGCHLD handler raises a worker's death at any point of
+        the main thread, so not only from inside ``_receive``."""
+        try:
+            yield
         except BaseException as exc:
-            # The DataLoader's SIGCHLD handler raises a worker's death at any
-            # point of the main thread, so not only from inside _receive.
             if self._pipeline is not None:
                 self._stop(f"the loader stopped after an error: {exc!r}")
             raise
@@ -816,12 +822,9 @@ class MicrobatchLoader:
         if self._pipeline is None:
             return [self._load_here(Key(0, 0)) for _ in range(reads)]
         self._probes_to_issue, self._probed = reads, []
-        try:
+        with self._stopped_by_errors():
             while len(self._probed) < reads:
                 self._receive()
-        except BaseException as exc:
-            self._stop(f"the loader stopped after an error: {exc!r}")
-            raise
         probed, self._probed = self._probed, []
         return probed
 
