@@ -21,7 +21,9 @@ next step, after step 2); ``busy_ok`` (every step: the tally counted after
 ``commit()`` and before ``job.busy()``, and inside it changed and put
 back, as an evaluation that swaps weights in and out does); ``clip``
 (``before_update`` clips the gradient's global norm to ``--clip-norm``,
-a setting each worker is started with).
+a setting each worker is started with); ``commit_twice`` (``step.commit()``
+called again after step 2's commit); ``backward_after`` (``step.backward``
+after step 2's commit, as a loop that computes an extra loss there does).
 ``--sharded``: redundancy 2. The checks run every 5 steps. Token from
 $ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker --json` does."""
 
@@ -32,7 +34,7 @@ import argparse
 import torch
 
 from rollcall.membership.config import Config
-from rollcall.worker.examples.lm import LMConfig, build
+from rollcall.worker.examples.lm import LMConfig, build, loss_sum
 from rollcall.worker.runtime import Elastic, Step
 from tests.loader_worker import Counter
 from tests.raising_worker import train
@@ -44,12 +46,13 @@ def main() -> None:
     parser.add_argument("job")
     changes = ["none", "scale", "freeze", "unfreeze", "add_group", "drop_param", "replace",
                "retype", "hook_scale", "counter_lr", "busy_state", "after_busy",
-               "busy_ok", "clip"]  # fmt: skip
+               "busy_ok", "clip", "commit_twice", "backward_after"]  # fmt: skip
     parser.add_argument("change", choices=changes)
     parser.add_argument("--sharded", action="store_true")
     parser.add_argument("--clip-norm", type=float, default=1.0)
     args = parser.parse_args()
     model, optimizer, corpus = build(LMConfig(), seed=0)
+    corpus_batches = torch.utils.data.DataLoader(corpus, batch_size=8)
     first = next(model.parameters())
     if args.change == "unfreeze":
         first.requires_grad_(False)
@@ -74,6 +77,12 @@ def main() -> None:
             for group in optimizer.param_groups:
                 group["lr"] = 1e-3 * min(1.0, (updates + 1) / 1000)
             updates += 1
+        elif args.change == "commit_twice" and step.number == 2:
+            step.commit()
+        elif args.change == "backward_after" and step.number == 2:
+            batch = next(iter(corpus_batches))
+            loss, count = loss_sum(model, batch[0], batch[1])
+            step.backward(loss, count)
         elif args.change == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
         elif args.change in ("scale", "hook_scale"):

@@ -442,6 +442,22 @@ def test_a_joiner_whose_before_update_clips_to_another_norm_is_refused_by_every_
         assert "another clip norm" in line, line
 
 
+@pytest.mark.parametrize("change", ["commit_twice", "backward_after"])
+def test_a_step_used_after_its_commit_is_refused_before_it_changes_anything(
+    workers: Workers, plane: ControlPlane, change: str
+):
+    """A second ``commit()`` of a step reduced and applied again (alone, a
+    second update and scheduler step; with others, its all-reduce met their
+    next step's); a ``backward`` after ``commit()`` left its gradients for
+    the next step's sum. Either is refused at the call, before it does
+    anything."""
+    line = refused_at(changing_worker(workers, plane, change), 3)
+    assert "UsageError: step 2: " in line, line
+    said = "commit() was called again" if change == "commit_twice" else "step.backward after"
+    assert said in line, line
+    assert "each step commits once" in line, line
+
+
 @pytest.mark.parametrize("change", ["busy_state", "after_busy"])
 def test_registered_state_changed_after_busy_began_is_refused_when_the_loop_asks_for_a_step(
     workers: Workers, plane: ControlPlane, change: str

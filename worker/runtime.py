@@ -177,6 +177,8 @@ class Step:
         self._pending: list[Any] = []
         self.aborted = False
         self.committed = False
+        #: ``commit()`` was called (whatever it returned): the step is done.
+        self._commit_called = False
         #: Mean loss over the global batch, known after a successful commit.
         self.loss: float | None = None
         kept = job._take_carry(self)
@@ -214,6 +216,7 @@ class Step:
     def backward(self, loss_sum: torch.Tensor, count: int) -> None:
         """Accumulate gradients of a loss *summed* over ``count`` samples or
         tokens (not averaged: the runtime divides by the step's global count)."""
+        self._refuse_after_commit("step.backward after commit()")
         count = _check_count(count)
         job = self._job
         buckets = job._buckets if self._final else None
@@ -235,8 +238,21 @@ class Step:
     def commit(self) -> bool:
         """Sum gradients over the view and apply the update. False if the step
         was aborted (nothing was applied; the step will be handed out again)."""
+        self._refuse_after_commit("commit() was called again")
+        self._commit_called = True
         self.committed = self._job._commit(self)
         return self.committed
+
+    def _refuse_after_commit(self, what: str) -> None:
+        # A second reduction would meet the others' next step's all-reduce,
+        # and gradients after it would be summed into the next step's.
+        if self._commit_called:
+            raise UsageError(
+                f"step {self.number}: {what}: each step commits once, and nothing of it runs "
+                "after: commit() returned "
+                f"{self.committed} ({'applied' if self.committed else 'nothing was applied'})"
+                "; job.steps() hands out the next step, or this one again if it was aborted"
+            )
 
 
 def _group_sizes(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
