@@ -359,8 +359,6 @@ class HookAgreement:
     SPREAD = 1e-3
     #: Elements of each gradient the probe takes, about.
     ELEMENTS = 64
-    #: The MAX entries of a rank that adds no probe: below any digest.
-    NONE_MAX = (-1, -(1 << 17))
 
     @staticmethod
     def probe(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -409,15 +407,13 @@ class HookAgreement:
 
     @staticmethod
     def max_terms(probe: float | None) -> list[int]:
+        """``Agreement.max_terms`` of a 16-bit digest of the probe's bits."""
         if probe is None:
-            return list(HookAgreement.NONE_MAX)
+            return Agreement.max_terms(None)
         digest = hashlib.blake2b(struct.pack("<d", probe), digest_size=2).digest()
-        tag = int.from_bytes(digest, "big")
-        return [tag, -tag]
+        return Agreement.max_terms(int.from_bytes(digest, "big"))
 
-    @staticmethod
-    def agreed_maxima(most: int, least_negated: int) -> bool:
-        return most < 0 or most == -least_negated
+    agreed_maxima = staticmethod(Agreement.agreed_maxima)
 
 
 def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -113,8 +113,10 @@ def _comparable(obj: Any) -> Any:
         fields = {f.name: _comparable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         return [class_name(obj), fields]
     if type(obj).__module__ == "numpy" and hasattr(obj, "dtype"):
+        import numpy
+
         try:  # an array or a numpy scalar of a numeric type
-            return torch.from_numpy(_numpy_array(obj))
+            return torch.from_numpy(numpy.ascontiguousarray(numpy.asarray(obj)))
         except TypeError:
             pass
     return f"<{class_name(obj)}>"
@@ -123,13 +125,6 @@ def _comparable(obj: Any) -> Any:
 def _key(key: Any) -> Any:
     scalar = key is None or isinstance(key, (bool, int, float, str))
     return key if scalar else f"<{class_name(key)}>"  # never a repr: it may hold an address
-
-
-def _numpy_array(obj: Any) -> Any:
-    """A numpy array or scalar as a contiguous array torch can wrap."""
-    import numpy
-
-    return numpy.ascontiguousarray(numpy.asarray(obj))
 
 
 def class_name(obj: Any) -> str:

@@ -281,6 +281,16 @@ def _read_totals(totals: torch.Tensor) -> tuple[float, float, bool, Agreed]:
     return values[0], values[1], values[2] > 0, agreed
 
 
+class _Applied(NamedTuple):
+    """An update this rank applied itself: its step, the ``settings_tag``
+    of its optimizer settings and the ``HookAgreement.probe`` of the
+    gradients ``before_update`` left (None without a hook)."""
+
+    step: int
+    settings: int
+    probe: torch.Tensor | None
+
+
 class Agreed(NamedTuple):
     """Whether the ranks' last updates used the same optimizer settings
     (``Agreement``) and the same gradients after ``before_update``
@@ -509,12 +519,9 @@ class Elastic:
         self._params = [p for p in model.parameters() if p.requires_grad]
         #: The optimizer's parameter count per group when last checked.
         self._groups_seen = _group_sizes(optimizer)
-        #: (step, ``settings_tag``) of the last update this rank applied
-        #: itself, compared with the others' at the next reduction (``Agreement``).
-        self._applied_settings: tuple[int, int] | None = None
-        #: (step, ``HookAgreement.probe``) of the gradients that update left
-        #: after ``before_update``, compared likewise (``HookAgreement``).
-        self._applied_probe: tuple[int, torch.Tensor | None] | None = None
+        #: The last update this rank applied itself, compared with the
+        #: others' at the next reduction (``Agreement``, ``HookAgreement``).
+        self._applied: _Applied | None = None
         self._buffers = BufferSync(model) if sync_buffers else None
         self._exact = (
             ExactStep(self._params, self._buffers, self._loader.plan.num_microbatches)
@@ -1951,12 +1958,10 @@ class Elastic:
         # This rank asks, in the step's reduction, that the view's members
         # stop after it (a roll call held for joiners waits for it).
         ask = self._member.stop_asked
-        applied = self._applied_settings
-        tag = applied[1] if applied is not None and applied[0] == step.number - 1 else None
-        probed = self._applied_probe
-        probe = HookAgreement.read(
-            probed[1] if probed is not None and probed[0] == step.number - 1 else None
-        )
+        applied = self._applied
+        last = applied if applied is not None and applied.step == step.number - 1 else None
+        tag = None if last is None else last.settings
+        probe = None if last is None else HookAgreement.read(last.probe)
         try:
             if self._exact is not None:
                 reduced = self._exact.reduce(
@@ -2275,11 +2280,12 @@ class Elastic:
         finish()
         if self._scaler is not None:
             self._scaler.unscale_(self._optimizer)
+        probe = None
         if self._before_update is not None:
             self._before_update(step)
             self._check_parameters_kept(step, in_hook=True)
-            self._applied_probe = (step.number, HookAgreement.probe(self._params))
-        self._applied_settings = (step.number, settings_tag(self._optimizer))
+            probe = HookAgreement.probe(self._params)
+        self._applied = _Applied(step.number, settings_tag(self._optimizer), probe)
         with self._ownership.applying():
             if self._sharded is not None:
                 self._sharded.update()  # this rank's partitions; the others' arrive next
