@@ -256,6 +256,30 @@ def test_a_step_waits_out_a_leader_failover_for_its_acknowledgement_and_lands() 
     assert member.step == 3
 
 
+def test_past_its_patience_a_step_waits_while_a_new_leader_may_still_hold_the_member() -> None:
+    # The failover outlasts fence_patience (a loaded machine, a slow
+    # election). Landing stays safe (only an acknowledgement lets a step
+    # land); dropping it while the members whose sessions reopened sooner
+    # land it would part them. The session says until when a new leader
+    # may still hold the member (its record's lease).
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    member.acked(sent_at=10.0)
+    assert member.reduced(3, epoch=1) is None
+    since = 10.0 + CONFIG.fence_window + 0.05
+    late = since + CONFIG.fence_patience + 1.0
+    until = 10.0 + CONFIG.member_lease_ttl
+    assert late < until
+    assert member.fence(now=late, since=since) is Fence.EXPIRED  # not between leaders
+    assert member.fence(now=late, since=since, failover_until=until) is Fence.WAIT
+    assert member.fence(now=until, since=since, failover_until=until) is Fence.EXPIRED
+    member.acked(sent_at=late)  # the new leader acknowledges
+    assert member.fence(now=late + 0.1, since=since, failover_until=until) is Fence.OK
+    assert member.applied(3, landed=True) is None
+    assert member.step == 3
+
+
 def test_an_evicted_member_does_not_wait_for_an_acknowledgement() -> None:
     member = joined()
     member.view_committed(view(1, ME))

@@ -22,10 +22,18 @@ from pathlib import Path
 import pytest
 
 from rollcall.etcd_local import LocalEtcd
+from rollcall.membership.config import Config
 from rollcall.membership.shards import ShardPlan, least_moves
 from rollcall.worker.faults import ENV as FAULTS
 from rollcall.worker.ledger import Ledger, merge_ledgers
-from tests.harness import ControlPlane, ProgramProcess, log_tails, wait_for
+from tests.harness import (
+    TEST_SETTINGS,
+    ControlPlane,
+    ProgramProcess,
+    ReplicaProcess,
+    log_tails,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -68,10 +76,12 @@ class Run:
 
 
 @contextlib.contextmanager
-def run(etcd, tmp_path: Path, job: str, replicas: int = 1) -> Iterator[Run]:
+def run(
+    etcd, tmp_path: Path, job: str, replicas: int = 1, settings: tuple[str, ...] = TEST_SETTINGS
+) -> Iterator[Run]:
     directory = tmp_path / job
     directory.mkdir()
-    plane = ControlPlane([etcd.endpoint], directory, job=job, replicas=replicas)
+    plane = ControlPlane([etcd.endpoint], directory, job=job, replicas=replicas, settings=settings)
     group = Run(plane, directory)
     try:
         yield group
@@ -220,6 +230,59 @@ def owners(table: dict) -> list[set[str]]:
 
 def _plan(owners: list[set[str]]) -> ShardPlan:
     return ShardPlan(tuple(tuple(sorted(o)) for o in owners), 2)
+
+
+def test_a_leader_failover_longer_than_fence_patience_drops_the_step_in_flight_on_no_rank(
+    etcd, tmp_path: Path, reference: Reference
+) -> None:
+    """The only replica of the rendezvous service dies while the team
+    trains and comes back (restarted on its address) only after every
+    rank's step in flight has waited at its fence longer than
+    ``fence_patience``: under load a failover can take that long. Landing
+    the step stays safe (only a new leader's acknowledgement lets it land);
+    dropping it is what parts sharded state, when ranks whose sessions
+    reopened sooner land it (seen in the test above: two ranks landed a
+    step two dropped, and the partitions only those two held were lost).
+    Every rank waits while its session is between leaders, as long as a
+    new leader may still hold it (the member records' lease, long here),
+    and lands the step: no step is dropped, no view changes, and the bits
+    are the replicated run's. Before, each rank dropped its step after
+    ``fence_patience`` and a roll call followed."""
+    want, want_ledger = reference
+    settings = tuple(s for s in TEST_SETTINGS if not s.startswith("member_lease_ttl="))
+    settings += ("member_lease_ttl=20",)
+    pair = ("--shard-redundancy", "1", "--shard-partitions", str(PARTITIONS), "--min-workers", "2")
+    with run(etcd, tmp_path, "slowfailover", settings=settings) as job:
+        team = [job.start(*pair) for _ in range(2)]
+        wait_for(lambda: min(p.last_step() for p in team) >= 6, "step 6", PATIENCE,
+                 explain=job.logs)  # fmt: skip
+        (job.directory / "hold").touch()
+        epoch = job.plane.status_json()["epoch"]
+        [replica] = job.plane.replicas
+        port = int(replica.address.rsplit(":", 1)[1])
+        replica.kill()
+        time.sleep(1.0)  # past fence_window: the next step waits at its fence
+        (job.directory / "hold").unlink()
+        time.sleep(Config().fence_patience + 1.5)  # past fence_patience with no leader
+        assert all(p.proc.poll() is None for p in team), job.logs()
+        job.plane.replicas.append(ReplicaProcess(
+            job.plane.etcd, job.plane.job, job.plane.token_file, port,
+            job.directory / "replica-restarted.log", settings,
+        ))  # fmt: skip
+        for program in team:
+            assert program.proc.wait(timeout=PATIENCE) == 0, job.logs()
+        epochs = {e["epoch"] for p in team for e in p.events("step")}
+        models = job.models()
+        ledger = merge_ledgers(Ledger.load(path).steps() for path in job.ledgers())
+        logs = [p.log_path.read_text() for p in team]
+
+    assert epochs == {epoch}, "the failover cost a view change"
+    for text in logs:
+        assert "not applying the step" not in text, text[-3000:]
+        assert "still failing over" in text, text[-3000:]
+    assert sorted(models) == list(range(STEPS))
+    assert differing(models, want) == {}, "the parameters differ from the replicated run's"
+    assert Ledger.compare(ledger, want_ledger) == []
 
 
 def test_a_member_slow_to_land_the_last_step_is_not_left_behind_when_the_others_leave(

@@ -2521,27 +2521,39 @@ class Elastic:
         acknowledgement and must not commit in its old epoch; a live one
         gets the next within a heartbeat interval, or, while the service
         fails over to a new leader, within seconds: this waits up to
-        ``fence_patience`` for it, so that every member that completed the
+        ``fence_patience`` for it, and past that as long as the session is
+        between leaders and a new one may still hold this member
+        (``failover_until``), so that every member that completed the
         reduction lands the step alike."""
         since = time.monotonic()
-        said = False
+        said = extended = False
         while True:
+            failover_until = self._client.failover_until()
+            now = time.monotonic()
             with self._state:
                 self._member.acked(self._client.last_acked)
-                verdict = self._member.fence(time.monotonic(), since)
+                verdict = self._member.fence(now, since, failover_until)
             if verdict is Fence.OK:
                 if said:
-                    log.info("acknowledged after %.2f s: applying the step",
-                             time.monotonic() - since)  # fmt: skip
+                    log.info("acknowledged after %.2f s: applying the step", now - since)
                 return True
             if verdict is Fence.EXPIRED:
                 log.warning("no recent heartbeat acknowledgement: not applying the step")
                 return False
-            if not said and time.monotonic() - since > self._config.fence_window:
+            if not said and now - since > self._config.fence_window:
                 said = True
                 log.info(
                     "waiting up to %.0f s for the rendezvous service to acknowledge a heartbeat "
                     "before applying the step (a leader failover?)", self._config.fence_patience,
+                )  # fmt: skip
+            patient = now - since <= self._config.fence_patience
+            if not extended and failover_until is not None and not patient:
+                extended = True
+                log.warning(
+                    "the rendezvous service is still failing over after %.1f s: waiting up to "
+                    "%.1f s more, as long as a new leader may still hold this member (its record's "
+                    "lease), rather than drop a step that the other members may land",
+                    now - since, failover_until - now,
                 )  # fmt: skip
             time.sleep(self._config.abort_poll)
 

@@ -288,7 +288,7 @@ class SessionCarrier(ReplicaSet):
                 now = time.monotonic()
                 for member, slot in seated:
                     await call.write(self._open_request(member, slot))
-                    self._open_sent[id(member)] = now
+                    self._opened_at(member, now)
                 # Its acknowledgement says the replica answered.
                 await call.write(pb.SessionRequest(heartbeat=pb.Heartbeat(sent_at=now)))
                 event = await call.read()
@@ -303,6 +303,9 @@ class SessionCarrier(ReplicaSet):
                 self._answering.check()
         finally:
             self._streaming = self.connected = False
+            for member in self._members:
+                if isinstance(member, RendezvousClient):
+                    member.session_opened = None
             call.cancel()
             await self._answering.stop()
             if writer is not None:
@@ -361,9 +364,15 @@ class SessionCarrier(ReplicaSet):
             slot = self._slot_of.get(id(item.member))
             if slot is not None:  # (not detached again meanwhile)
                 batch.append(self._open_request(item.member, slot))
-                self._open_sent[id(item.member)] = now
+                self._opened_at(item.member, now)
         elif isinstance(item, _Closing) and item.stream == self._stream:
             batch.append(item.request)
+
+    def _opened_at(self, member: Carried, now: float) -> None:
+        """``member``'s Open was written on the stream at ``now``."""
+        self._open_sent[id(member)] = now
+        if isinstance(member, RendezvousClient):
+            member.session_opened = now
 
     def _open_request(self, member: Carried, slot: int) -> pb.SessionRequest:
         if not isinstance(member, RendezvousClient):

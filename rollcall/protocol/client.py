@@ -399,6 +399,12 @@ class RendezvousClient(ReplicaSet):
             self._config.rollcall_deadline,
             self._config.rollcall_step_end_wait,
         )
+        #: The service's member_lease_ttl, once its Join answer said it
+        #: (``failover_until``; 0: not said).
+        self._member_lease_ttl = 0.0
+        #: Monotonic time this member's Open was sent on the session stream
+        #: now up (its own, or a carrier's); None while none is up.
+        self.session_opened: float | None = None
         self._session_task: asyncio.Task[None] | None = None
         #: Whether the member's session runs (its own stream, or its place
         #: on the carrier's).
@@ -606,9 +612,27 @@ class RendezvousClient(ReplicaSet):
         return None
 
     def _keep_timing(self, timing: pb.JoinResponse | pb.ServiceTiming) -> None:
-        """The service's roll-call timing, for ``answer_deadline``."""
+        """The service's roll-call timing, for ``answer_deadline``, and its
+        member lease, for ``failover_until``."""
         if timing.rollcall_deadline_s:
             self._rollcall_timing = (timing.rollcall_deadline_s, timing.rollcall_step_end_wait_s)
+        if timing.member_lease_ttl_s:
+            self._member_lease_ttl = timing.member_lease_ttl_s
+
+    def failover_until(self) -> float | None:
+        """While this member's session is between leaders (no stream up, or
+        one up on which no heartbeat was acknowledged yet): the monotonic
+        time until which a new leader may still hold the member, the
+        service's member lease after its last acknowledgement (the leader
+        renews that lease; with no leader it runs out, and the member with
+        it). None while a leader acknowledges this member, or if the
+        service did not say its lease."""
+        opened = self.session_opened
+        if opened is not None and self.last_acked >= opened:
+            return None
+        if not self._member_lease_ttl:
+            return None
+        return self.last_acked + self._member_lease_ttl
 
     def _check_timing(self, timing: pb.ServiceTiming) -> None:
         """The timing of the leader this member's session opened on. The
@@ -882,6 +906,7 @@ class RendezvousClient(ReplicaSet):
         writer: asyncio.Task[None] | None = None
         try:
             async with asyncio.timeout(self._config.session_open_timeout):
+                self.session_opened = time.monotonic()
                 await call.write(pb.SessionRequest(open=self._opening()))
                 event = await call.read()
             writer = asyncio.create_task(self._write_session(call))
@@ -895,6 +920,7 @@ class RendezvousClient(ReplicaSet):
                 event = await call.read()
                 self._answering.check()
         finally:
+            self.session_opened = None
             call.cancel()
             await self._answering.stop()
             if writer is not None:
