@@ -76,6 +76,15 @@ FIELDS: tuple[FingerprintField, ...] = (
         "reduced gradient, and the replicas would part",
     ),
     FingerprintField(
+        "code",
+        "digests of the source of the modules the job's code comes from (the one that "
+        "constructs Elastic, and those defining the model's modules, the optimizer, the "
+        "scheduler, the data set, the registered state and the hook), or off",
+        "other code under the same names (another version of the training script, or of a "
+        "module that defines the model or the data set): run every worker from the same "
+        "code; if it differs between hosts by design, pass code_check=False on every worker",
+    ),
+    FingerprintField(
         "torch",
         "the torch build (torch.__version__)",
         "other torch versions compute differently and the replicas drift apart: run one "

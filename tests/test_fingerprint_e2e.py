@@ -24,7 +24,7 @@ from rollcall.membership.fingerprint import JobFingerprint
 from rollcall.membership.view import View
 from rollcall.protocol.client import RendezvousClient
 from rollcall.worker.examples.lm import LMConfig, build
-from rollcall.worker.fingerprint import data_probe, job_fingerprint
+from rollcall.worker.fingerprint import code_digests, data_probe, job_fingerprint
 from rollcall.worker.loader import MicrobatchLoader
 from rollcall.worker.plan import DIVISION, DataPlan
 from tests.harness import ControlPlane, WorkerProcess, wait_for
@@ -80,8 +80,11 @@ def example_fingerprint() -> JobFingerprint:
     plan = DataPlan(len(corpus), GLOBAL_BATCH, MICRO_BATCH, SEED)
     with MicrobatchLoader(corpus, plan) as loader:
         data = data_probe(loader.probe())
+    # Its code is rollcall's own: no module of it is compared.
+    code = code_digests([*model.modules(), optimizer, corpus], "rollcall.worker.examples.lm_loop")
+    assert code == "none"
     return job_fingerprint(
-        model, optimizer, plan, data=data,
+        model, optimizer, plan, data=data, code=code,
         flags={"min_workers": "1", "sync_buffers": "true", "exact": "false",
                "data_division": DIVISION, "drift_check": str(Config().drift_check_every)},
     )  # fmt: skip

@@ -3,6 +3,7 @@ and real `rollcall worker` processes training the example LM."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -18,6 +19,7 @@ from rollcall.membership.config import Config
 from rollcall.worker.ledger import Ledger, merge_ledgers
 from rollcall.worker.plan import DataPlan
 from tests.harness import (
+    ROOT,
     AgentProcess,
     ControlPlane,
     Process,
@@ -440,6 +442,40 @@ def test_a_joiner_whose_before_update_clips_to_another_norm_is_refused_by_every_
         assert "with different gradients after before_update (this rank's hook: " in line, line
         assert "main.<locals>.change)" in line, line
         assert "another clip norm" in line, line
+
+
+def test_a_joiner_running_another_version_of_the_training_script_is_refused_at_join(
+    workers: Workers, plane: ControlPlane, tmp_path: Path
+):
+    """A host started from another version of the script (here its loss
+    weighted twice; a changed loss, a label smoothing, a fixed bug): every
+    setting the fingerprint compared was alike, and its gradients were
+    averaged with the others' with no error. The fingerprint compares the
+    source of the module that constructs ``Elastic`` (and of those that
+    define the model, data set, state and hook): the joiner is refused at
+    join, naming the module, and the job trains on."""
+    first = changing_worker(workers, plane, "none")
+    first.wait_line(lambda x: '"step": 3,' in x, timeout=PATIENCE)
+    source = (ROOT / "tests" / "param_changing_worker.py").read_text()
+    line = "            loss, count = loss_sum(model, batch[0], batch[1])\n"
+    assert source.count(line) == 1
+    edited = tmp_path / "param_changing_worker_v2.py"
+    edited.write_text(source.replace(line, line + "            loss = loss * 2.0\n"))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    joiner = Process(
+        [sys.executable, str(edited), ",".join(plane.addresses), plane.job, "none"],
+        {"ROLLCALL_TOKEN": plane.token, "PYTHONPATH": path}, tmp_path / "v2.log",
+    )  # fmt: skip
+    workers.all.append(joiner)  # type: ignore[arg-type]
+    assert joiner.proc.wait(timeout=PATIENCE) != 0, joiner.log_tail(40)
+    text = joiner.log_path.read_text(errors="replace")
+    (said,) = [x for x in text.splitlines() if "ConfigurationMismatch: " in x]
+    assert re.search(r"this worker's code is __main__=\w{8} but job \S+'s is __main__=\w{8} ",
+                     said), said  # fmt: skip
+    assert "other code under the same names" in said and "code_check=False" in said, said
+    assert '"step"' not in "".join(joiner.seen), "the joiner must not train"
+    last = max(int(m) for m in re.findall(r'"step": (\d+),', "".join(first.seen)) or [0])
+    first.wait_line(lambda x: f'"step": {last + 3},' in x, timeout=PATIENCE)  # trains on
 
 
 @pytest.mark.parametrize("change", ["commit_twice", "backward_after"])

@@ -5,8 +5,11 @@ workers shows up in the field that names it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -24,10 +27,18 @@ from rollcall.membership.fingerprint import (
     describe_mismatch,
 )
 from rollcall.worker.examples.lm import LMConfig, build
-from rollcall.worker.fingerprint import DATA_OFF, VARYING, bounded, data_probe, job_fingerprint
+from rollcall.worker.fingerprint import (
+    DATA_OFF,
+    VARYING,
+    bounded,
+    code_digests,
+    data_probe,
+    job_fingerprint,
+)
 from rollcall.worker.loader import MicrobatchLoader
 from rollcall.worker.plan import DataPlan
 from tests.harness import ROOT
+from tests.loader_worker import Counter
 
 SMALL = LMConfig(d_model=16, layers=1, corpus_bytes=20_000)
 
@@ -393,3 +404,110 @@ def test_a_long_value_is_shortened_and_two_long_values_still_differ() -> None:
 def test_a_value_outside_printable_ascii_is_escaped() -> None:
     escaped = example(extras={"\u00e9t\u00e9\n": 0}).get("extras")
     assert escaped is not None and escaped.isascii() and "\n" not in escaped
+
+
+# --- the code a worker runs ---------------------------------------------------------
+
+#: A user's model module and training script; the script prints its code field.
+USER_MODEL = """
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+"""
+USER_SCRIPT = """
+import functools
+import torch
+import usermodel
+from rollcall.worker.fingerprint import code_digests
+
+
+def clip(step, norm):
+    pass
+
+
+model = torch.nn.Sequential(usermodel.Block(), torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+print(code_digests([*model.modules(), optimizer, functools.partial(clip, norm=1.0)], __name__))
+"""
+
+
+def code_of(directory: Any, hash_seed: str = "0") -> str:
+    path = os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [sys.executable, str(directory / "train.py")], cwd=directory,
+        env={**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": path},
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return result.stdout.strip()
+
+
+def user_code(directory: Any, model: str = USER_MODEL, script: str = USER_SCRIPT) -> Any:
+    directory.mkdir()
+    (directory / "usermodel.py").write_text(model)
+    (directory / "train.py").write_text(script)
+    return directory
+
+
+@pytest.mark.integration
+def test_code_names_each_user_module_with_the_digest_of_its_source(tmp_path: Any) -> None:
+    # Two hosts with the same files (other directories, other hash seeds).
+    here = code_of(user_code(tmp_path / "a"), "1")
+    there = code_of(user_code(tmp_path / "b"), "2")
+    assert here == there
+    # The script, and the module defining a model's class; not torch's.
+    assert re.fullmatch(r"__main__=[0-9a-f]{8} usermodel=[0-9a-f]{8}", here), here
+    main = hashlib.sha256(USER_SCRIPT.encode()).hexdigest()[:8]
+    assert here.startswith(f"__main__={main} ")
+    # Another version of the model's module: its digest alone differs, and
+    # the mismatch names it.
+    changed = USER_MODEL.replace("torch.relu(", "torch.tanh(")
+    other = code_of(user_code(tmp_path / "c", model=changed))
+    assert other.split()[0] == here.split()[0] and other.split()[1] != here.split()[1]
+    ours = JobFingerprint.of({**example().as_dict(), "code": other})
+    job = JobFingerprint.of({**example().as_dict(), "code": here})
+    said = describe_mismatch("run1", compare(ours, job))
+    assert f"this worker's code has {other.split()[1]} but job run1's has {here.split()[1]}" in said
+    # A comment counts: the file is another version.
+    assert code_of(user_code(tmp_path / "d", script=USER_SCRIPT + "# v2\n")) != here
+
+
+class _UserBase(nn.Module):
+    pass
+
+
+class _UserNet(_UserBase):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def hook(self, step: Any) -> None:
+        pass
+
+
+def test_code_takes_functions_methods_partials_and_bases_and_leaves_out_torch_and_python() -> None:
+    net = _UserNet()
+    this = __name__
+    assert code_digests([net.linear, torch.optim.SGD(net.parameters(), lr=0.1)], None) == "none"
+    assert code_digests([dataclasses.replace], "json") == "none"  # Python's own
+    for obj in (net, net.hook, functools.partial(net.hook), _user_function):
+        assert code_digests([obj], None).split("=")[0] == this, obj
+    # A class's bases count where they are defined.
+    names = [word.split("=")[0] for word in code_digests([_Derived()], None).split()]
+    assert names == ["tests.loader_worker", this]
+    # Every process whose module has no source says so alike.
+    assert code_digests([], "no_such_module_anywhere") == "no_such_module_anywhere=nosource"
+
+
+def _user_function() -> None:
+    pass
+
+
+class _Derived(Counter):  # defined in tests.loader_worker
+    pass

@@ -15,9 +15,12 @@ ms for 50 MB of them on this 2-core machine (``docs/worker.md``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,8 +33,15 @@ from rollcall.worker.plan import DataPlan
 NONE = "none"
 #: ``data`` when the reads of the probe differed (:func:`data_probe`).
 VARYING = "varies between reads"
-#: ``data`` of a worker that does not compare what it reads (``data_probe=False``).
-DATA_OFF = "off"
+#: ``data`` of a worker that does not compare what it reads (``data_probe=False``),
+#: ``code`` of one that does not compare its code (``code_check=False``).
+DATA_OFF = CODE_OFF = "off"
+#: Top-level packages whose source ``code`` does not compare: Python's own
+#: (its version is the interpreter's), torch (the ``torch`` field names its
+#: build) and rollcall itself.
+_NOT_USER_CODE = frozenset({"torch", "rollcall"}) | sys.stdlib_module_names
+#: Hex digits of each module's source digest in ``code``.
+_CODE_DIGEST = 8
 #: Hex digits of the digest kept when a value is shortened.
 _SHORTENED_DIGEST = 16
 
@@ -46,13 +56,15 @@ def job_fingerprint(
     extras: Mapping[str, Any] | None = None,
     before_update: Any = None,
     data: str = DATA_OFF,
+    code: str = CODE_OFF,
     flags: Mapping[str, str] | None = None,
 ) -> JobFingerprint:
     """The fingerprint of a job run with these objects, as they are now.
 
     ``extras`` is the registered user state (only its names count);
     ``before_update`` the hook, by its module and qualified name; ``data``
-    what the worker read of the data set (:func:`data_probe`, or ``off``).
+    what the worker read of the data set (:func:`data_probe`, or ``off``);
+    ``code`` the source it runs (:func:`code_digests`, or ``off``).
     ``flags`` are settings of the runtime itself, by field name (e.g.
     ``{"min_workers": "2"}``); each must be a field that
     ``rollcall.membership.fingerprint.FIELDS`` declares and this function does not
@@ -72,6 +84,7 @@ def job_fingerprint(
         "grad_scaler": class_name(grad_scaler),
         "extras": json.dumps(sorted(str(name) for name in extras or {}), separators=(",", ":")),
         "before_update": callable_name(before_update),
+        "code": code,
         "initial_state": tree_digest(model.state_dict()),
         "torch": torch.__version__,
     }
@@ -93,6 +106,46 @@ def data_probe(reads: Sequence[Any]) -> str:
     count by their class alone."""
     digests = {tree_digest(_comparable(read)) for read in reads}
     return digests.pop() if len(digests) == 1 else VARYING
+
+
+def code_digests(objects: Iterable[Any], caller: str | None) -> str:
+    """The source the job runs: ``NAME=DIGEST ...`` (``none`` if empty),
+    the first hex digits of the SHA-256 of the source of each module that ``caller``
+    (the module that constructs ``Elastic``) names or that defines the
+    class of one of ``objects`` or any of its bases (a function: its own
+    module), in order of name; Python's own modules, torch's and
+    rollcall's are left out. A module without source (typed in, or loaded
+    from bytecode alone) reads ``nosource``. Comments count: the same file
+    gives the same digest on every host, another version of it another."""
+    names = {caller} if caller else set()
+    for obj in objects:
+        names.update(_defining_modules(obj))
+    kept = sorted(n for n in names if n.partition(".")[0] not in _NOT_USER_CODE)
+    return " ".join(f"{n}={_source_digest(n)}" for n in kept) or NONE
+
+
+def _defining_modules(obj: Any) -> set[str]:
+    """The modules that define ``obj``'s code: a function's own (a bound
+    method's, a partial's target's), else those of its class's bases."""
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    obj = getattr(obj, "__func__", obj)
+    if inspect.isfunction(obj):
+        return {obj.__module__} if isinstance(obj.__module__, str) else set()
+    if obj is None:
+        return set()
+    return {c.__module__ for c in type(obj).__mro__ if isinstance(c.__module__, str)}
+
+
+def _source_digest(name: str) -> str:
+    module = sys.modules.get(name)
+    try:
+        source = inspect.getsource(module) if module is not None else None
+    except (OSError, TypeError):
+        source = None
+    if not source:
+        return "nosource"
+    return hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()[:_CODE_DIGEST]
 
 
 def _comparable(obj: Any) -> Any:
@@ -138,8 +191,9 @@ def class_name(obj: Any) -> str:
 def callable_name(fn: Any) -> str:
     """``train.clip`` for a function (``main.<locals>.clip`` for one defined
     in ``main``), the class's name for a callable object; ``none`` for None.
-    The same in every process that runs the same script; its code and the
-    values it closes over are not compared."""
+    The same in every process that runs the same script; its module's
+    source is compared in ``code`` (:func:`code_digests`), the values it
+    closes over are not compared."""
     if fn is None:
         return NONE
     name = getattr(fn, "__qualname__", None)

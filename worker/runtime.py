@@ -109,7 +109,14 @@ from rollcall.worker.environment import (
 from rollcall.worker.exact import ExactStep
 from rollcall.worker.exact import fingerprint_value as exact_fingerprint
 from rollcall.worker.faults import SLOW_ANSWER_S, SLOW_BUILD_S, SLOW_LAND_S, Faults
-from rollcall.worker.fingerprint import DATA_OFF, VARYING, callable_name, job_fingerprint
+from rollcall.worker.fingerprint import (
+    CODE_OFF,
+    DATA_OFF,
+    VARYING,
+    callable_name,
+    code_digests,
+    job_fingerprint,
+)
 from rollcall.worker.fingerprint import data_probe as probed_data
 from rollcall.worker.group import EpochGroup
 from rollcall.worker.ledger import Ledger
@@ -411,7 +418,10 @@ class Elastic:
         shard_redundancy: int | None = None,
         shard_partitions: int = 64,
         data_probe: bool = True,
+        code_check: bool = True,
     ) -> None:
+        # The module that constructs the job: its source is compared at join.
+        caller = sys._getframe(1).f_globals.get("__name__")
         if messages:
             install_default_handler()
         addresses = rendezvous if rendezvous is not None else os.environ.get(ENV_RENDEZVOUS, "")
@@ -510,9 +520,16 @@ class Elastic:
                 "from a generator the runtime does not seed, or a sample that holds the "
                 "process's id): what the workers read is not compared at join"
             )
+        code = CODE_OFF
+        if code_check:
+            code = code_digests([
+                *model.modules(), optimizer, scheduler, grad_scaler, *self._extras.values(),
+                before_update, dataset, getattr(dataset, "dataset", None),
+                getattr(dataset, "collate_fn", None), collate, worker_init_fn,
+            ], caller if isinstance(caller, str) else None)  # fmt: skip
         self.fingerprint = job_fingerprint(
             model, optimizer, self._loader.plan, scheduler=scheduler, grad_scaler=grad_scaler,
-            extras=self._extras, before_update=before_update, data=data, flags=flags,
+            extras=self._extras, before_update=before_update, data=data, code=code, flags=flags,
         )  # fmt: skip
         self.plan = self._loader.plan
         self.member_id: str | None = None
