@@ -421,9 +421,15 @@ class Block(torch.nn.Module):
     def forward(self, x):
         return torch.relu(self.linear(x))
 """
+USER_LOSS = """
+def loss(out, target):
+    return ((out - target) ** 2).mean()
+"""
 USER_SCRIPT = """
 import functools
+import pathlib
 import torch
+import userloss
 import usermodel
 from rollcall.worker.fingerprint import code_digests
 
@@ -434,7 +440,8 @@ def clip(step, norm):
 
 model = torch.nn.Sequential(usermodel.Block(), torch.nn.Linear(4, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-print(code_digests([*model.modules(), optimizer, functools.partial(clip, norm=1.0)], __name__))
+objects = [*model.modules(), optimizer, functools.partial(clip, norm=1.0)]
+print(code_digests(objects, __name__, pathlib.Path(__file__).resolve().parent))
 """
 
 
@@ -448,9 +455,12 @@ def code_of(directory: Any, hash_seed: str = "0") -> str:
     return result.stdout.strip()
 
 
-def user_code(directory: Any, model: str = USER_MODEL, script: str = USER_SCRIPT) -> Any:
+def user_code(
+    directory: Any, model: str = USER_MODEL, script: str = USER_SCRIPT, loss: str = USER_LOSS
+) -> Any:
     directory.mkdir()
     (directory / "usermodel.py").write_text(model)
+    (directory / "userloss.py").write_text(loss)
     (directory / "train.py").write_text(script)
     return directory
 
@@ -461,21 +471,28 @@ def test_code_names_each_user_module_with_the_digest_of_its_source(tmp_path: Any
     here = code_of(user_code(tmp_path / "a"), "1")
     there = code_of(user_code(tmp_path / "b"), "2")
     assert here == there
-    # The script, and the module defining a model's class; not torch's.
-    assert re.fullmatch(r"__main__=[0-9a-f]{8} usermodel=[0-9a-f]{8}", here), here
+    # The script, the module defining a model's class, and a module the
+    # script imported from its directory (its loss); not torch's.
+    assert re.fullmatch(r"__main__=\w{8} userloss=\w{8} usermodel=\w{8}", here), here
     main = hashlib.sha256(USER_SCRIPT.encode()).hexdigest()[:8]
     assert here.startswith(f"__main__={main} ")
-    # Another version of the model's module: its digest alone differs, and
-    # the mismatch names it.
+    # Another version of the model's module, or of the loss: its digest
+    # alone differs, and the mismatch names it.
     changed = USER_MODEL.replace("torch.relu(", "torch.tanh(")
-    other = code_of(user_code(tmp_path / "c", model=changed))
-    assert other.split()[0] == here.split()[0] and other.split()[1] != here.split()[1]
-    ours = JobFingerprint.of({**example().as_dict(), "code": other})
-    job = JobFingerprint.of({**example().as_dict(), "code": here})
-    said = describe_mismatch("run1", compare(ours, job))
-    assert f"this worker's code has {other.split()[1]} but job run1's has {here.split()[1]}" in said
+    versions = [(2, user_code(tmp_path / "c", model=changed)),
+                (1, user_code(tmp_path / "d", loss=USER_LOSS + "# v2\n"))]  # fmt: skip
+    for index, directory in versions:
+        other = code_of(directory)
+        pairs = zip(other.split(), here.split(), strict=True)
+        differ = [i for i, (a, b) in enumerate(pairs) if a != b]
+        assert differ == [index], (other, here)
+        ours = JobFingerprint.of({**example().as_dict(), "code": other})
+        job = JobFingerprint.of({**example().as_dict(), "code": here})
+        said = describe_mismatch("run1", compare(ours, job))
+        mine, theirs = other.split()[index], here.split()[index]
+        assert f"this worker's code has {mine} but job run1's has {theirs}" in said
     # A comment counts: the file is another version.
-    assert code_of(user_code(tmp_path / "d", script=USER_SCRIPT + "# v2\n")) != here
+    assert code_of(user_code(tmp_path / "e", script=USER_SCRIPT + "# v2\n")) != here
 
 
 class _UserBase(nn.Module):
@@ -501,6 +518,8 @@ def test_code_takes_functions_methods_partials_and_bases_and_leaves_out_torch_an
     # A class's bases count where they are defined.
     names = [word.split("=")[0] for word in code_digests([_Derived()], None).split()]
     assert names == ["tests.loader_worker", this]
+    # An empty file is source too (tests/__init__.py).
+    assert code_digests([], "tests") == "tests=" + hashlib.sha256(b"").hexdigest()[:8]
     # Every process whose module has no source says so alike.
     assert code_digests([], "no_such_module_anywhere") == "no_such_module_anywhere=nosource"
 

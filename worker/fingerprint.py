@@ -19,8 +19,10 @@ import functools
 import hashlib
 import inspect
 import json
+import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,8 +40,11 @@ VARYING = "varies between reads"
 DATA_OFF = CODE_OFF = "off"
 #: Top-level packages whose source ``code`` does not compare: Python's own
 #: (its version is the interpreter's), torch (the ``torch`` field names its
-#: build) and rollcall itself.
-_NOT_USER_CODE = frozenset({"torch", "rollcall"}) | sys.stdlib_module_names
+#: build) and rollcall itself; ``__mp_main__``, multiprocessing's other
+#: name for ``__main__``.
+_NOT_USER_CODE = frozenset({"torch", "rollcall", "__mp_main__"}) | sys.stdlib_module_names
+#: Directories that hold installed packages, not a project's own code.
+_INSTALLED = frozenset({"site-packages", "dist-packages"})
 #: Hex digits of each module's source digest in ``code``.
 _CODE_DIGEST = 8
 #: Hex digits of the digest kept when a value is shortened.
@@ -108,20 +113,41 @@ def data_probe(reads: Sequence[Any]) -> str:
     return digests.pop() if len(digests) == 1 else VARYING
 
 
-def code_digests(objects: Iterable[Any], caller: str | None) -> str:
+def code_digests(
+    objects: Iterable[Any], caller: str | None, project: Path | None = None
+) -> str:
     """The source the job runs: ``NAME=DIGEST ...`` (``none`` if empty),
-    the first hex digits of the SHA-256 of the source of each module that ``caller``
-    (the module that constructs ``Elastic``) names or that defines the
-    class of one of ``objects`` or any of its bases (a function: its own
-    module), in order of name; Python's own modules, torch's and
-    rollcall's are left out. A module without source (typed in, or loaded
-    from bytecode alone) reads ``nosource``. Comments count: the same file
-    gives the same digest on every host, another version of it another."""
+    the first hex digits of the SHA-256 of the source of each module that
+    ``caller`` (the module that constructs ``Elastic``) names, that
+    defines the class of one of ``objects`` or any of its bases (a
+    function: its own module), or that was imported from a file under
+    ``project`` (the directory of the caller's file: a loss in a module
+    beside the script), but installed packages there; in order of name.
+    Python's own modules, torch's and rollcall's are left out. A module
+    without source (typed in, or loaded from bytecode alone) reads
+    ``nosource``. Comments count: the same file gives the same digest on
+    every host, another version of it another."""
     names = {caller} if caller else set()
     for obj in objects:
         names.update(_defining_modules(obj))
+    if project is not None:
+        names.update(_imported_from(project))
     kept = sorted(n for n in names if n.partition(".")[0] not in _NOT_USER_CODE)
     return " ".join(f"{n}={_source_digest(n)}" for n in kept) or NONE
+
+
+def _imported_from(project: Path) -> set[str]:
+    """The modules imported so far from files under ``project``, but
+    installed packages (a virtual environment kept there)."""
+    found = set()
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str):
+            continue
+        path = Path(os.path.realpath(file))
+        if path.is_relative_to(project) and not _INSTALLED & set(path.parts):
+            found.add(name)
+    return found
 
 
 def _defining_modules(obj: Any) -> set[str]:
@@ -138,14 +164,24 @@ def _defining_modules(obj: Any) -> set[str]:
 
 
 def _source_digest(name: str) -> str:
+    """The digest of module ``name``'s source file as it is on disk (an
+    empty one too), else of the source ``inspect`` finds (a zip import)."""
     module = sys.modules.get(name)
-    try:
-        source = inspect.getsource(module) if module is not None else None
-    except (OSError, TypeError):
-        source = None
-    if not source:
+    file = getattr(module, "__file__", None)
+    source: bytes | None = None
+    if isinstance(file, str) and file.endswith(".py"):
+        try:
+            source = Path(file).read_bytes()
+        except OSError:
+            source = None
+    if source is None and module is not None:
+        try:
+            source = inspect.getsource(module).encode("utf-8", "surrogatepass")
+        except (OSError, TypeError):
+            return "nosource"
+    if source is None:
         return "nosource"
-    return hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()[:_CODE_DIGEST]
+    return hashlib.sha256(source).hexdigest()[:_CODE_DIGEST]
 
 
 def _comparable(obj: Any) -> Any:

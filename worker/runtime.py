@@ -420,8 +420,9 @@ class Elastic:
         data_probe: bool = True,
         code_check: bool = True,
     ) -> None:
-        # The module that constructs the job: its source is compared at join.
-        caller = sys._getframe(1).f_globals.get("__name__")
+        # The module that constructs the job, and the modules imported from
+        # its directory: their source is compared at join.
+        caller = sys._getframe(1).f_globals
         if messages:
             install_default_handler()
         addresses = rendezvous if rendezvous is not None else os.environ.get(ENV_RENDEZVOUS, "")
@@ -522,11 +523,14 @@ class Elastic:
             )
         code = CODE_OFF
         if code_check:
+            module, file = caller.get("__name__"), caller.get("__file__")
             code = code_digests([
                 *model.modules(), optimizer, scheduler, grad_scaler, *self._extras.values(),
                 before_update, dataset, getattr(dataset, "dataset", None),
                 getattr(dataset, "collate_fn", None), collate, worker_init_fn,
-            ], caller if isinstance(caller, str) else None)  # fmt: skip
+            ], module if isinstance(module, str) else None,
+                Path(os.path.realpath(file)).parent if isinstance(file, str) else None,
+            )  # fmt: skip
         self.fingerprint = job_fingerprint(
             model, optimizer, self._loader.plan, scheduler=scheduler, grad_scaler=grad_scaler,
             extras=self._extras, before_update=before_update, data=data, code=code, flags=flags,
