@@ -237,16 +237,23 @@ def test_without_a_fresh_acknowledgement_the_fence_waits_then_expires() -> None:
     assert member.step == -1
 
 
+def reduced_step_3(acked_at: float) -> Member:
+    """A member of view 1 whose step 3 was reduced, with a heartbeat sent
+    at ``acked_at`` acknowledged."""
+    member = joined()
+    member.view_committed(view(1, ME))
+    member.enter(view(1, ME))
+    member.acked(sent_at=acked_at)
+    assert member.reduced(3, epoch=1) is None
+    return member
+
+
 def test_a_step_waits_out_a_leader_failover_for_its_acknowledgement_and_lands() -> None:
     # The leader died just after the reduction: acknowledgements stop for
     # the election and a reconnection, much longer than fence_window. A
     # member that gave up would drop a step that members whose last
     # acknowledgement was a little younger landed.
-    member = joined()
-    member.view_committed(view(1, ME))
-    member.enter(view(1, ME))
-    member.acked(sent_at=10.0)
-    assert member.reduced(3, epoch=1) is None
+    member = reduced_step_3(acked_at=10.0)
     since = 10.0 + CONFIG.fence_window + 0.05
     failover = CONFIG.election_ttl + CONFIG.session_open_timeout
     assert member.fence(now=since + failover - 0.1, since=since) is Fence.WAIT
@@ -262,11 +269,7 @@ def test_past_its_patience_a_step_waits_while_a_new_leader_may_still_hold_the_me
     # land); dropping it while the members whose sessions reopened sooner
     # land it would part them. The session says until when a new leader
     # may still hold the member (its record's lease).
-    member = joined()
-    member.view_committed(view(1, ME))
-    member.enter(view(1, ME))
-    member.acked(sent_at=10.0)
-    assert member.reduced(3, epoch=1) is None
+    member = reduced_step_3(acked_at=10.0)
     since = 10.0 + CONFIG.fence_window + 0.05
     late = since + CONFIG.fence_patience + 1.0
     until = 10.0 + CONFIG.member_lease_ttl
