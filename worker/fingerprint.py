@@ -132,8 +132,12 @@ def code_digests(
         names.update(_defining_modules(obj))
     if project is not None:
         names.update(_imported_from(project))
-    kept = sorted(n for n in names if n.partition(".")[0] not in _NOT_USER_CODE)
+    kept = sorted(n for n in names if _user_code(n))
     return " ".join(f"{n}={_source_digest(n)}" for n in kept) or NONE
+
+
+def _user_code(module: str) -> bool:
+    return module.partition(".")[0] not in _NOT_USER_CODE
 
 
 def _imported_from(project: Path) -> set[str]:
@@ -142,7 +146,7 @@ def _imported_from(project: Path) -> set[str]:
     found = set()
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if not isinstance(file, str):
+        if not isinstance(file, str) or not _user_code(name):
             continue
         path = Path(os.path.realpath(file))
         if path.is_relative_to(project) and not _INSTALLED & set(path.parts):
@@ -168,18 +172,14 @@ def _source_digest(name: str) -> str:
     empty one too), else of the source ``inspect`` finds (a zip import)."""
     module = sys.modules.get(name)
     file = getattr(module, "__file__", None)
-    source: bytes | None = None
-    if isinstance(file, str) and file.endswith(".py"):
-        try:
+    try:
+        if isinstance(file, str) and file.endswith(".py"):
             source = Path(file).read_bytes()
-        except OSError:
-            source = None
-    if source is None and module is not None:
-        try:
+        elif module is not None:
             source = inspect.getsource(module).encode("utf-8", "surrogatepass")
-        except (OSError, TypeError):
+        else:
             return "nosource"
-    if source is None:
+    except (OSError, TypeError):
         return "nosource"
     return hashlib.sha256(source).hexdigest()[:_CODE_DIGEST]
 
