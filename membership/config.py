@@ -69,10 +69,9 @@ class Config:
     #: would drop a step that members whose last acknowledgement was a
     #: little younger landed, and with sharded optimizer state the
     #: partitions only it and such members held would be lost. Past it, a
-    #: member whose session is between leaders waits on as long as a new
-    #: leader may still hold it (the service's ``member_lease_ttl`` after
-    #: its last acknowledgement). An evicted member does not wait: its
-    #: session's end is an answer at once.
+    #: member whose session is between leaders waits on until a leader
+    #: answers (a failover can outlast any bound on a loaded machine). An
+    #: evicted member does not wait: its session's end is an answer at once.
     fence_patience: float = 5.0
 
     # --- collectives and busy members ---------------------------------------
@@ -407,7 +406,6 @@ class Config:
             "rollcall_deadline_s": self.rollcall_deadline,
             "rollcall_step_end_wait_s": self.rollcall_step_end_wait,
             "election_ttl_s": self.election_ttl,
-            "member_lease_ttl_s": self.member_lease_ttl,
         }
 
     def heartbeat_interval_for(self, members: int) -> float:

@@ -20,11 +20,11 @@ The rules (DESIGN.md, "Steps, commits and coherent state"; docs/worker.md,
 * a step whose reduction completed is applied only if no roll call newer
   than its epoch was answered (that answer named the previous step) and the
   leader acknowledged a heartbeat sent within ``fence_window``; it waits up
-  to ``fence_patience`` for such an acknowledgement, and longer while its
-  session is between leaders, as long as a new leader may still hold it
-  (a leader failover stops acknowledgements for seconds: every member that
-  completed the reduction waits it out and lands the step, rather than some
-  landing it and some not);
+  to ``fence_patience`` for such an acknowledgement, and past that for as
+  long as its session is between leaders (a leader failover stops
+  acknowledgements for seconds, longer on a loaded machine: every member
+  that completed the reduction waits it out and lands the step, rather
+  than some landing it and some not);
 * a roll call that arrives while such a step is being applied is answered
   once it has landed, so the answer names it (and every member that
   completed the reduction answers alike);
@@ -88,9 +88,9 @@ class Drop(enum.Enum):
     #: The session ended (evicted) or the member is leaving.
     GONE = "the member's session ended"
     #: No heartbeat acknowledgement sent within ``fence_window`` arrived in
-    #: ``fence_patience`` (nor, while the session was between leaders, as
-    #: long as a new leader could still hold the member): it may have been
-    #: evicted meanwhile; a roll call must realign the view.
+    #: ``fence_patience`` (and the session was not between leaders): the
+    #: member may have been evicted meanwhile; a roll call must realign the
+    #: view.
     NO_ACK = "no fresh heartbeat acknowledgement"
 
 
@@ -271,20 +271,20 @@ class Member:
             self._stop_after = step
         return None
 
-    def fence(self, now: float, since: float, failover_until: float | None = None) -> Fence:
+    def fence(self, now: float, since: float, between_leaders: bool = False) -> Fence:
         """May the step being applied land? Only with an acknowledgement of
         a heartbeat sent within ``fence_window``; ``since``: when the fence
-        check began. It waits ``fence_patience`` for one, and past that
-        until ``failover_until`` while the member's session is between
-        leaders (``RendezvousClient.failover_until``: the latest time at
-        which a new leader may still hold the member)."""
+        check began. It waits ``fence_patience`` for one, and past that as
+        long as the member's session is ``between_leaders``
+        (``RendezvousClient.between_leaders``: its next answer is a
+        leader's, an acknowledgement or its end), unless it is leaving."""
         if self.ended or self.leaving:
             return Fence.EXPIRED
         if now - self.last_acked <= self._config.fence_window:
             return Fence.OK
         if now - since <= self._config.fence_patience:
             return Fence.WAIT
-        return Fence.WAIT if failover_until is not None and now < failover_until else Fence.EXPIRED
+        return Fence.WAIT if between_leaders and not self.finishing else Fence.EXPIRED
 
     def applied(self, step: int, landed: bool) -> Answer | None:
         """The step being applied landed (``landed``: it settles next) or was

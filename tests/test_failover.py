@@ -203,37 +203,31 @@ def test_standby_takes_over_when_leader_is_killed_without_evicting_members(
         _assert_one_member_list_per_epoch([*members, newcomer])
 
 
-def test_a_session_between_leaders_says_until_when_a_new_leader_may_still_hold_the_member(
-    etcd: LocalEtcd, tmp_path: Path
-) -> None:
+def test_a_session_says_when_it_is_between_leaders(etcd: LocalEtcd, tmp_path: Path) -> None:
     """What a worker's fence waits for past ``fence_patience``
-    (docs/worker.md, "Fencing"): while the member's session is between
-    leaders, ``failover_until`` is its last acknowledgement plus the
-    service's member lease, which the Join answer carries (the leader
-    renews that lease; with no leader it runs out). While a leader
-    acknowledges the member, and again once the new one does, None."""
+    (docs/worker.md, "Fencing"): a session is between leaders from the
+    leader's death until the next leader acknowledges one of its
+    heartbeats, and not while a leader does."""
     with closing(ControlPlane([etcd.endpoint], tmp_path, replicas=2)) as plane:
         leader = next(r for r in plane.replicas if r.address == plane.status_json()["leader"])
 
-        async def until_changes(client: RendezvousClient, between: bool) -> float | None:
+        async def until(client: RendezvousClient, between: bool) -> None:
             deadline = time.monotonic() + BOUND
-            while (client.failover_until() is not None) != between:
-                assert time.monotonic() < deadline, f"failover_until stayed {not between}"
+            while client.between_leaders() != between:
+                assert time.monotonic() < deadline, f"between_leaders() stayed {not between}"
                 await asyncio.sleep(0.02)
-            return client.failover_until()
 
         async def scenario() -> None:
             client = RendezvousClient(plane.addresses, plane.job, plane.token)
             try:
                 await client.join("127.0.0.1:1", name="client")
                 await client.wait_member(BOUND)
-                assert await until_changes(client, between=False) is None
-                assert client.last_acked > 0
+                await until(client, between=False)
+                acked = client.last_acked
                 leader.kill()
-                until = await until_changes(client, between=True)
-                assert until == client.last_acked + SETTINGS.member_lease_ttl
-                assert time.monotonic() < until
-                assert await until_changes(client, between=False) is None  # the standby leads
+                await until(client, between=True)
+                await until(client, between=False)  # the standby leads and acknowledges
+                assert client.last_acked > acked
                 assert client.ended is None
             finally:
                 await client.close()

@@ -263,24 +263,32 @@ def test_a_step_waits_out_a_leader_failover_for_its_acknowledgement_and_lands() 
     assert member.step == 3
 
 
-def test_past_its_patience_a_step_waits_while_a_new_leader_may_still_hold_the_member() -> None:
+def test_past_its_patience_a_step_waits_while_the_session_is_between_leaders() -> None:
     # The failover outlasts fence_patience (a loaded machine, a slow
-    # election). Landing stays safe (only an acknowledgement lets a step
-    # land); dropping it while the members whose sessions reopened sooner
-    # land it would part them. The session says until when a new leader
-    # may still hold the member (its record's lease).
+    # election, the only replica restarted). Landing stays safe (only an
+    # acknowledgement lets a step land); dropping it while the members
+    # whose sessions reopened sooner land it would part them.
     member = reduced_step_3(acked_at=10.0)
     since = 10.0 + CONFIG.fence_window + 0.05
-    late = since + CONFIG.fence_patience + 1.0
-    until = 10.0 + CONFIG.member_lease_ttl
-    assert late < until
-    assert member.fence(now=late, since=since) is Fence.EXPIRED  # not between leaders
-    assert member.fence(now=late, since=since, failover_until=until) is Fence.WAIT
-    assert member.fence(now=until, since=since, failover_until=until) is Fence.EXPIRED
-    member.acked(sent_at=late)  # the new leader acknowledges
-    assert member.fence(now=late + 0.1, since=since, failover_until=until) is Fence.OK
+    late = since + CONFIG.fence_patience + 60.0
+    assert member.fence(now=late, since=since) is Fence.EXPIRED  # a leader is there: cut off
+    assert member.fence(now=late, since=since, between_leaders=True) is Fence.WAIT
+    member.acked(sent_at=late)  # the next leader acknowledges
+    assert member.fence(now=late + 0.1, since=since, between_leaders=False) is Fence.OK
     assert member.applied(3, landed=True) is None
     assert member.step == 3
+
+
+def test_a_member_leaving_or_evicted_does_not_wait_for_the_next_leader() -> None:
+    since = 10.0 + CONFIG.fence_window + 0.05
+    late = since + CONFIG.fence_patience + 1.0
+    leaving = reduced_step_3(acked_at=10.0)
+    leaving.leave(after_step=True)  # SIGTERM while it waits: it leaves, the others land it
+    assert leaving.fence(now=since + 1.0, since=since, between_leaders=True) is Fence.WAIT
+    assert leaving.fence(now=late, since=since, between_leaders=True) is Fence.EXPIRED
+    evicted = reduced_step_3(acked_at=10.0)
+    evicted.session_ended()  # the next leader no longer holds it
+    assert evicted.fence(now=since, since=since, between_leaders=True) is Fence.EXPIRED
 
 
 def test_an_evicted_member_does_not_wait_for_an_acknowledgement() -> None:

@@ -479,9 +479,10 @@ def test_code_names_each_user_module_with_the_digest_of_its_source(tmp_path: Any
     assert here.startswith(f"__main__={main} ")
     # Another version of the model's module, or of the loss: its digest
     # alone differs, and the mismatch names it.
-    changed = USER_MODEL.replace("torch.relu(", "torch.tanh(")
-    versions = [(2, user_code(tmp_path / "c", model=changed)),
-                (1, user_code(tmp_path / "d", loss=USER_LOSS.replace("mean()", "sum()")))]  # fmt: skip
+    model = USER_MODEL.replace("torch.relu(", "torch.tanh(")
+    loss = USER_LOSS.replace("mean()", "sum()")
+    versions = [(2, user_code(tmp_path / "c", model=model)),
+                (1, user_code(tmp_path / "d", loss=loss))]  # fmt: skip
     for index, directory in versions:
         other = code_of(directory)
         pairs = zip(other.split(), here.split(), strict=True)

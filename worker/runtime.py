@@ -2542,18 +2542,20 @@ class Elastic:
         acknowledgement and must not commit in its old epoch; a live one
         gets the next within a heartbeat interval, or, while the service
         fails over to a new leader, within seconds: this waits up to
-        ``fence_patience`` for it, and past that as long as the session is
-        between leaders and a new one may still hold this member
-        (``failover_until``), so that every member that completed the
-        reduction lands the step alike."""
+        ``fence_patience`` for it, and past that for as long as the session
+        is between leaders (a failover can take longer on a loaded machine),
+        so that every member that completed the reduction lands the step
+        alike. The next leader's answer ends that wait: an acknowledgement,
+        or the end of a session it no longer holds."""
         since = time.monotonic()
-        said = extended = False
+        said = False
+        told = since + self._config.fence_patience  # when the long wait was last said
         while True:
-            failover_until = self._client.failover_until()
+            between = self._client.between_leaders()
             now = time.monotonic()
             with self._state:
                 self._member.acked(self._client.last_acked)
-                verdict = self._member.fence(now, since, failover_until)
+                verdict = self._member.fence(now, since, between)
             if verdict is Fence.OK:
                 if said:
                     log.info("acknowledged after %.2f s: applying the step", now - since)
@@ -2565,16 +2567,16 @@ class Elastic:
                 said = True
                 log.info(
                     "waiting up to %.0f s for the rendezvous service to acknowledge a heartbeat "
-                    "before applying the step (a leader failover?)", self._config.fence_patience,
+                    "before applying the step (a leader failover?), longer while no leader answers",
+                    self._config.fence_patience,
                 )  # fmt: skip
-            patient = now - since <= self._config.fence_patience
-            if not extended and failover_until is not None and not patient:
-                extended = True
+            if between and now >= told:
+                told = now + self._config.unreachable_notice
                 log.warning(
-                    "the rendezvous service is still failing over after %.1f s: waiting up to "
-                    "%.1f s more, as long as a new leader may still hold this member (its record's "
-                    "lease), rather than drop a step that the other members may land",
-                    now - since, failover_until - now,
+                    "no rendezvous leader has acknowledged this worker for %.0f s (a failover?): "
+                    "the step waits for the next leader rather than be dropped where other "
+                    "members land it, and lands once it acknowledges this worker (the session "
+                    "ends if it no longer holds it)", now - self._client.last_acked,
                 )  # fmt: skip
             time.sleep(self._config.abort_poll)
 

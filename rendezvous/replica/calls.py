@@ -74,7 +74,6 @@ class MemberCalls(LeaderActions):
                 rollcall_deadline_s=self._timing.rollcall_deadline_s,
                 rollcall_step_end_wait_s=self._timing.rollcall_step_end_wait_s,
                 election_ttl_s=self._timing.election_ttl_s,
-                member_lease_ttl_s=self._timing.member_lease_ttl_s,
                 member_secret=secret,
             )
             if not request.view_on_session:

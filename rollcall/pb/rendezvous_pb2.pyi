@@ -94,7 +94,7 @@ class JoinRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., address: _Optional[str] = ..., name: _Optional[str] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., view_on_session: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("member_id", "view", "heartbeat_interval_ms", "earliest_suspicion_s", "member_secret", "rollcall_deadline_s", "rollcall_step_end_wait_s", "election_ttl_s", "member_lease_ttl_s")
+    __slots__ = ("member_id", "view", "heartbeat_interval_ms", "earliest_suspicion_s", "member_secret", "rollcall_deadline_s", "rollcall_step_end_wait_s", "election_ttl_s")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -103,7 +103,6 @@ class JoinResponse(_message.Message):
     ROLLCALL_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     ROLLCALL_STEP_END_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     ELECTION_TTL_S_FIELD_NUMBER: _ClassVar[int]
-    MEMBER_LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     view: View
     heartbeat_interval_ms: int
@@ -112,8 +111,7 @@ class JoinResponse(_message.Message):
     rollcall_deadline_s: float
     rollcall_step_end_wait_s: float
     election_ttl_s: float
-    member_lease_ttl_s: float
-    def __init__(self, member_id: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., earliest_suspicion_s: _Optional[float] = ..., member_secret: _Optional[str] = ..., rollcall_deadline_s: _Optional[float] = ..., rollcall_step_end_wait_s: _Optional[float] = ..., election_ttl_s: _Optional[float] = ..., member_lease_ttl_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, member_id: _Optional[str] = ..., view: _Optional[_Union[View, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., earliest_suspicion_s: _Optional[float] = ..., member_secret: _Optional[str] = ..., rollcall_deadline_s: _Optional[float] = ..., rollcall_step_end_wait_s: _Optional[float] = ..., election_ttl_s: _Optional[float] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "heartbeat", "progress", "answer", "failure", "view_report", "busy", "checkpoint_failure", "view_request", "close", "batch", "slot")
@@ -338,18 +336,16 @@ class Pace(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class ServiceTiming(_message.Message):
-    __slots__ = ("earliest_suspicion_s", "rollcall_deadline_s", "rollcall_step_end_wait_s", "election_ttl_s", "member_lease_ttl_s")
+    __slots__ = ("earliest_suspicion_s", "rollcall_deadline_s", "rollcall_step_end_wait_s", "election_ttl_s")
     EARLIEST_SUSPICION_S_FIELD_NUMBER: _ClassVar[int]
     ROLLCALL_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     ROLLCALL_STEP_END_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     ELECTION_TTL_S_FIELD_NUMBER: _ClassVar[int]
-    MEMBER_LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     earliest_suspicion_s: float
     rollcall_deadline_s: float
     rollcall_step_end_wait_s: float
     election_ttl_s: float
-    member_lease_ttl_s: float
-    def __init__(self, earliest_suspicion_s: _Optional[float] = ..., rollcall_deadline_s: _Optional[float] = ..., rollcall_step_end_wait_s: _Optional[float] = ..., election_ttl_s: _Optional[float] = ..., member_lease_ttl_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, earliest_suspicion_s: _Optional[float] = ..., rollcall_deadline_s: _Optional[float] = ..., rollcall_step_end_wait_s: _Optional[float] = ..., election_ttl_s: _Optional[float] = ...) -> None: ...
 
 class EpochSecret(_message.Message):
     __slots__ = ("epoch", "secret")

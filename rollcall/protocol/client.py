@@ -399,9 +399,6 @@ class RendezvousClient(ReplicaSet):
             self._config.rollcall_deadline,
             self._config.rollcall_step_end_wait,
         )
-        #: The service's member_lease_ttl, once its Join answer said it
-        #: (``failover_until``; 0: not said).
-        self._member_lease_ttl = 0.0
         #: Monotonic time this member's Open was sent on the session stream
         #: now up (its own, or a carrier's); None while none is up.
         self.session_opened: float | None = None
@@ -612,27 +609,18 @@ class RendezvousClient(ReplicaSet):
         return None
 
     def _keep_timing(self, timing: pb.JoinResponse | pb.ServiceTiming) -> None:
-        """The service's roll-call timing, for ``answer_deadline``, and its
-        member lease, for ``failover_until``."""
+        """The service's roll-call timing, for ``answer_deadline``."""
         if timing.rollcall_deadline_s:
             self._rollcall_timing = (timing.rollcall_deadline_s, timing.rollcall_step_end_wait_s)
-        if timing.member_lease_ttl_s:
-            self._member_lease_ttl = timing.member_lease_ttl_s
 
-    def failover_until(self) -> float | None:
-        """While this member's session is between leaders (no stream up, or
-        one up on which no heartbeat was acknowledged yet): the monotonic
-        time until which a new leader may still hold the member, the
-        service's member lease after its last acknowledgement (the leader
-        renews that lease; with no leader it runs out, and the member with
-        it). None while a leader acknowledges this member, or if the
-        service did not say its lease."""
+    def between_leaders(self) -> bool:
+        """Whether this member's session is between leaders: no stream is
+        up, or none of its heartbeats was acknowledged on the one up (a
+        failover, or the only replica restarting). Its next answer is a
+        leader's: an acknowledgement, or the refusal of a member it no
+        longer holds (the session then ends)."""
         opened = self.session_opened
-        if opened is not None and self.last_acked >= opened:
-            return None
-        if not self._member_lease_ttl:
-            return None
-        return self.last_acked + self._member_lease_ttl
+        return opened is None or self.last_acked < opened
 
     def _check_timing(self, timing: pb.ServiceTiming) -> None:
         """The timing of the leader this member's session opened on. The
