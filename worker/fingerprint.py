@@ -113,9 +113,7 @@ def data_probe(reads: Sequence[Any]) -> str:
     return digests.pop() if len(digests) == 1 else VARYING
 
 
-def code_digests(
-    objects: Iterable[Any], caller: str | None, project: Path | None = None
-) -> str:
+def code_digests(objects: Iterable[Any], caller: str | None, project: Path | None = None) -> str:
     """The source the job runs: ``NAME=DIGEST ...`` (``none`` if empty),
     the first hex digits of the SHA-256 of the source of each module that
     ``caller`` (the module that constructs ``Elastic``) names, that
