@@ -23,7 +23,9 @@ back, as an evaluation that swaps weights in and out does); ``clip``
 (``before_update`` clips the gradient's global norm to ``--clip-norm``,
 a setting each worker is started with); ``commit_twice`` (``step.commit()``
 called again after step 2's commit); ``backward_after`` (``step.backward``
-after step 2's commit, as a loop that computes an extra loss there does).
+after step 2's commit, as a loop that computes an extra loss there does);
+``forget_train`` (``model.eval()`` after each commit, as a rank that
+evaluates and does not call ``model.train()`` again).
 ``--sharded``: redundancy 2. The checks run every 5 steps. Token from
 $ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker --json` does."""
 
@@ -46,7 +48,7 @@ def main() -> None:
     parser.add_argument("job")
     changes = ["none", "scale", "freeze", "unfreeze", "add_group", "drop_param", "replace",
                "retype", "hook_scale", "counter_lr", "busy_state", "after_busy",
-               "busy_ok", "clip", "commit_twice", "backward_after"]  # fmt: skip
+               "busy_ok", "clip", "commit_twice", "backward_after", "forget_train"]  # fmt: skip
     parser.add_argument("change", choices=changes)
     parser.add_argument("--sharded", action="store_true")
     parser.add_argument("--clip-norm", type=float, default=1.0)
@@ -85,6 +87,8 @@ def main() -> None:
             step.backward(loss, count)
         elif args.change == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
+        elif args.change == "forget_train":
+            model.eval()
         elif args.change in ("scale", "hook_scale"):
             with torch.no_grad():
                 for parameter in model.parameters():

@@ -12,7 +12,9 @@ from torch import nn
 
 from rollcall.membership.errors import UsageError
 from rollcall.worker.contract import (
+    Agreed,
     Agreement,
+    Agreements,
     GradientWatch,
     HookAgreement,
     Ownership,
@@ -21,7 +23,9 @@ from rollcall.worker.contract import (
     check_extras,
     check_optimizer_params,
     check_scheduler,
+    in_eval_mode,
     learning_rates,
+    modes_tag,
     settings_tag,
 )
 
@@ -300,6 +304,37 @@ def test_exact_modes_gradient_digests_agree_only_when_equal() -> None:
     assert HookAgreement.agreed_maxima(*maxima([0.25, 0.25, None]))
     assert HookAgreement.agreed_maxima(*maxima([None, None]))
     assert not HookAgreement.agreed_maxima(*maxima([0.25, 0.25 * (1 + 2**-52)]))
+
+
+def test_the_modes_tag_sees_any_module_out_of_the_others_training_mode() -> None:
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.BatchNorm1d(4))
+
+    training, evaluating, one_off = model(), model().eval(), model()
+    one_off[1].eval()  # a user's own toggle of one module
+    modules = [list(m.modules()) for m in (training, evaluating, one_off)]
+    tags = [modes_tag(m) for m in modules]
+    assert len(set(tags)) == 3
+    assert modes_tag(list(model().modules())) == tags[0]  # the same modes, the same tag
+    assert in_eval_mode(dict(training.named_modules())) == "0 of 4"
+    assert in_eval_mode(dict(evaluating.named_modules())) == "4 of 4 (the model, 0, 1, 2)"
+    assert in_eval_mode(dict(one_off.named_modules())) == "1 of 4 (1)"
+
+
+def test_agreements_judge_settings_gradients_and_modes_apart_in_both_reductions() -> None:
+    def verdict(ranks: list[Agreements]) -> tuple[Agreed, Agreed]:
+        sums = [math.fsum(c) for c in zip(*(r.sum_terms() for r in ranks), strict=True)]
+        maxima = [max(c) for c in zip(*(r.max_terms() for r in ranks), strict=True)]
+        return Agreements.agreed_sums(sums), Agreements.agreed_maxima(maxima)
+
+    alike = Agreements(settings=7, probe=0.5, modes=3)
+    assert verdict([alike, alike, alike._replace(settings=None, probe=None)]) == (
+        Agreed(True, True, True), Agreed(True, True, True)
+    )  # fmt: skip
+    for field, value, want in (("settings", 8, Agreed(False, True, True)),
+                               ("probe", 0.75, Agreed(True, False, True)),
+                               ("modes", 4, Agreed(True, True, False))):  # fmt: skip
+        assert verdict([alike, alike._replace(**{field: value})]) == (want, want), field
 
 
 def test_the_gradient_probe_follows_what_a_hook_does_to_the_gradients() -> None:

@@ -444,6 +444,26 @@ def test_a_joiner_whose_before_update_clips_to_another_norm_is_refused_by_every_
         assert "another clip norm" in line, line
 
 
+def test_a_rank_left_in_eval_mode_after_evaluating_is_refused_by_every_rank(
+    workers: Workers, plane: ControlPlane
+):
+    """A rank that evaluates (``model.eval()``) and does not call
+    ``model.train()`` again trains on with dropout off and batch norms on
+    their running statistics while the others do not, and its gradients
+    were averaged with theirs with no error. The ranks compare which of
+    their modules are in training mode at every step: every rank refuses
+    at the next step, and says what to do."""
+    first = changing_worker(workers, plane, "none")
+    first.wait_line(lambda x: '"step": 3,' in x, timeout=PATIENCE)
+    joiner = changing_worker(workers, plane, "forget_train")
+    for worker in (first, joiner):
+        line = usage_error_of(worker)
+        assert "ran it with their modules in different training modes" in line, line
+        assert "Call model.train() after evaluating" in line, line
+    assert "modules in eval mode: 0 of " in usage_error_of(first)
+    assert re.search(r"modules in eval mode: (\d+) of \1 \(the model, ", usage_error_of(joiner))
+
+
 def test_a_joiner_running_another_version_of_the_training_script_is_refused_at_join(
     workers: Workers, plane: ControlPlane, tmp_path: Path
 ):

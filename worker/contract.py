@@ -22,7 +22,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -30,9 +30,9 @@ from rollcall.membership.errors import UsageError
 from rollcall.worker.digest import tree_digest
 
 __all__ = [
-    "Agreement", "GradientWatch", "HookAgreement", "Ownership", "ParameterWatch",
-    "RegisteredWatch", "Stateful", "check_extras", "check_scheduler", "learning_rates",
-    "settings_tag",
+    "Agreed", "Agreement", "Agreements", "GradientWatch", "HookAgreement", "Ownership",
+    "ParameterWatch", "RegisteredWatch", "Stateful", "check_extras", "check_scheduler",
+    "in_eval_mode", "learning_rates", "modes_tag", "settings_tag",
 ]  # fmt: skip
 
 
@@ -414,6 +414,67 @@ class HookAgreement:
         return Agreement.max_terms(int.from_bytes(digest, "big"))
 
     agreed_maxima = staticmethod(Agreement.agreed_maxima)
+
+
+def modes_tag(modules: Sequence[torch.nn.Module]) -> int:
+    """A 16-bit digest of which of ``modules`` are in training mode, in
+    order. The ranks compare it at every step (``Agreements``): a rank that
+    evaluated (``model.eval()``) and did not call ``model.train()`` again
+    trains with dropout off and batch norms on their running statistics
+    while the others do not, and its gradients are averaged with theirs."""
+    flags = bytes(m.training for m in modules)
+    return int.from_bytes(hashlib.blake2b(flags, digest_size=2).digest(), "big")
+
+
+def in_eval_mode(modules: Mapping[str, torch.nn.Module]) -> str:
+    """This rank's modules in eval mode, for a message: "2 of 30 (drop, norm)"."""
+    names = [name or "the model" for name, module in modules.items() if not module.training]
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return f"{len(names)} of {len(modules)}" + (f" ({shown})" if names else "")
+
+
+class Agreed(NamedTuple):
+    """Whether the ranks' last updates used the same optimizer settings
+    (``Agreement``) and the same gradients after ``before_update``
+    (``HookAgreement``), and whether they ran this step with the same
+    modules in training mode (``modes_tag``)."""
+
+    settings: bool
+    gradients: bool
+    modes: bool
+
+
+class Agreements(NamedTuple):
+    """What a rank adds to a step's reduction for the ranks to compare:
+    the ``settings_tag`` and ``HookAgreement`` probe of its previous update
+    (None where it did not apply that update itself, or ran no hook) and
+    the ``modes_tag`` of this step; as float64 SUM terms (default and
+    overlapped modes) or int64 MAX terms (exact mode)."""
+
+    settings: int | None
+    probe: float | None
+    modes: int
+
+    def sum_terms(self) -> list[float]:
+        return [*Agreement.sum_terms(self.settings), *HookAgreement.sum_terms(self.probe),
+                *Agreement.sum_terms(self.modes)]  # fmt: skip
+
+    def max_terms(self) -> list[int]:
+        return [*Agreement.max_terms(self.settings), *HookAgreement.max_terms(self.probe),
+                *Agreement.max_terms(self.modes)]  # fmt: skip
+
+    @staticmethod
+    def agreed_sums(sums: Sequence[float]) -> Agreed:
+        """The verdict on ``sum_terms`` summed over the ranks."""
+        return Agreed(Agreement.agreed_sums(*sums[0:3]), HookAgreement.agreed_sums(*sums[3:6]),
+                      Agreement.agreed_sums(*sums[6:9]))  # fmt: skip
+
+    @staticmethod
+    def agreed_maxima(maxima: Sequence[int]) -> Agreed:
+        """The verdict on ``max_terms`` maximised over the ranks."""
+        return Agreed(Agreement.agreed_maxima(*maxima[0:2]),
+                      HookAgreement.agreed_maxima(*maxima[2:4]),
+                      Agreement.agreed_maxima(*maxima[4:6]))  # fmt: skip
 
 
 def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -84,7 +84,8 @@ from rollcall.worker.checkpoint import (
     process_age,
 )
 from rollcall.worker.contract import (
-    Agreement,
+    Agreed,
+    Agreements,
     GradientWatch,
     HookAgreement,
     Ownership,
@@ -94,7 +95,9 @@ from rollcall.worker.contract import (
     check_extras,
     check_optimizer_params,
     check_scheduler,
+    in_eval_mode,
     learning_rates,
+    modes_tag,
     settings_tag,
 )
 from rollcall.worker.digest import digest, hash_threads, tree_digest
@@ -266,26 +269,23 @@ def _group_sizes(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     return tuple(len(group["params"]) for group in optimizer.param_groups)
 
 
-def _totals(step: Step, ask: bool, tag: int | None, probe: float | None) -> torch.Tensor:
+def _totals(step: Step, ask: bool, agreements: Agreements) -> torch.Tensor:
     """What every rank adds to a step's SUM besides the gradients and
-    buffers: (count, loss, asks to stop, ``Agreement``'s three terms,
-    ``HookAgreement``'s three). In
+    buffers: (count, loss, asks to stop, ``Agreements``' terms). In
     float64 (a second, tiny collective when gradients are float32): a count
     of samples or tokens stays exact up to 2**53, where float32 would round
     it above 2**24."""
     return torch.tensor(
-        [float(step._count), step._loss, float(ask), *Agreement.sum_terms(tag),
-         *HookAgreement.sum_terms(probe)],
+        [float(step._count), step._loss, float(ask), *agreements.sum_terms()],
         dtype=torch.float64,
     )
 
 
 def _read_totals(totals: torch.Tensor) -> tuple[float, float, bool, Agreed]:
-    """(count, loss, some rank asked to stop, what the ranks' last updates
-    agreed on) from ``_totals`` summed over the view."""
+    """(count, loss, some rank asked to stop, what the ranks agreed on)
+    from ``_totals`` summed over the view."""
     values = totals.tolist()
-    agreed = Agreed(Agreement.agreed_sums(*values[3:6]), HookAgreement.agreed_sums(*values[6:9]))
-    return values[0], values[1], values[2] > 0, agreed
+    return values[0], values[1], values[2] > 0, Agreements.agreed_sums(values[3:])
 
 
 class _Applied(NamedTuple):
@@ -296,15 +296,6 @@ class _Applied(NamedTuple):
     step: int
     settings: int
     probe: torch.Tensor | None
-
-
-class Agreed(NamedTuple):
-    """Whether the ranks' last updates used the same optimizer settings
-    (``Agreement``) and the same gradients after ``before_update``
-    (``HookAgreement``)."""
-
-    settings: bool
-    gradients: bool
 
 
 def _check_sharding(
@@ -538,6 +529,10 @@ class Elastic:
         self.plan = self._loader.plan
         self.member_id: str | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
+        #: The model's modules, whose training modes the ranks compare at
+        #: every step (``modes_tag``).
+        self._named_modules = dict(model.named_modules())
+        self._modules = list(self._named_modules.values())
         #: The optimizer's parameter count per group when last checked.
         self._groups_seen = _group_sizes(optimizer)
         #: The last update this rank applied itself, compared with the
@@ -1981,24 +1976,26 @@ class Elastic:
         ask = self._member.stop_asked
         applied = self._applied
         last = applied if applied is not None and applied.step == step.number - 1 else None
-        tag = None if last is None else last.settings
-        probe = None if last is None else HookAgreement.read(last.probe)
+        agreements = Agreements(
+            settings=None if last is None else last.settings,
+            probe=None if last is None else HookAgreement.read(last.probe),
+            modes=modes_tag(self._modules),
+        )
         try:
             if self._exact is not None:
                 reduced = self._exact.reduce(
                     lambda tensors, op: group.allreduce(tensors, _REDUCE_OPS[op]), stop=ask,
-                    also_max=[*Agreement.max_terms(tag), *HookAgreement.max_terms(probe)],
+                    also_max=agreements.max_terms(),
                 )  # fmt: skip
                 count, loss, stop = float(reduced.count), reduced.loss, reduced.stop
-                agreed = Agreed(Agreement.agreed_maxima(*reduced.also_max[:2]),
-                                HookAgreement.agreed_maxima(*reduced.also_max[2:]))  # fmt: skip
+                agreed = Agreements.agreed_maxima(reduced.also_max)
                 finish = reduced.apply
             elif self._buckets is not None:
                 count, loss, stop, agreed, finish = self._reduce_buckets(
-                    step, group, ask, tag, probe
+                    step, group, ask, agreements
                 )
             else:
-                tensors, buffer_slots = self._reduction(step, ask, tag, probe)
+                tensors, buffer_slots = self._reduction(step, ask, agreements)
                 group.allreduce_sum(tensors)
                 count, loss, stop, agreed = _read_totals(tensors[-1])
 
@@ -2026,6 +2023,16 @@ class Elastic:
                 "from a worker's settings, noise from a generator each rank seeds its own way) "
                 "makes the replicas part. Run every worker with the same hook and settings, and "
                 "draw any randomness in it from a generator seeded from step.number"
+            )
+        if not agreed.modes:
+            raise UsageError(
+                f"step {step.number}: the ranks of view {step.epoch} ran it with their modules in "
+                f"different training modes (this rank's modules in eval mode: "
+                f"{in_eval_mode(self._named_modules)}): a rank that evaluated (model.eval()) and "
+                "did not call model.train() again trains with dropout off and batch norms on "
+                "their running statistics while the others do not, and its gradients are "
+                "averaged with theirs. Call model.train() after evaluating, before the next step, "
+                "on every rank (or put every rank in the same mode)"
             )
         if not agreed.settings:
             raise UsageError(
@@ -2225,10 +2232,10 @@ class Elastic:
         return launch
 
     def _reduce_buckets(
-        self, step: Step, group: EpochGroup, ask: bool, tag: int | None, probe: float | None
+        self, step: Step, group: EpochGroup, ask: bool, agreements: Agreements
     ) -> tuple[float, float, bool, Agreed, Callable[[], None]]:
         """(overlap=True) Start what the last backward pass did not, sum the
-        buffers' changes and (count, loss, ``Agreement``), wait for the
+        buffers' changes and (count, loss, ``Agreements``), wait for the
         buckets; the gradients are the buckets' views, divided in place by
         ``finish``."""
         buckets = self._buckets
@@ -2240,7 +2247,7 @@ class Elastic:
         small = self._buffers.contributions(step._microbatches, torch.float32) if (
             self._buffers is not None
         ) else []  # fmt: skip
-        totals = _totals(step, ask, tag, probe)
+        totals = _totals(step, ask, agreements)
         # Started after the buckets, as on every rank, and waited for with
         # them: an abandoned wait parks every buffer with the group.
         pending.append(group.start_allreduce_sum(totals))
@@ -2265,11 +2272,11 @@ class Elastic:
         return count, loss, stop, agreed, finish
 
     def _reduction(
-        self, step: Step, ask: bool, tag: int | None, probe: float | None
+        self, step: Step, ask: bool, agreements: Agreements
     ) -> tuple[list[torch.Tensor], slice]:
         """What the step's one all-reduce sums: every gradient (zeros for a
         parameter without one), the buffers' changes, and (count, loss, the
-        ranks asking to stop after the step, ``Agreement``'s terms) last.
+        ranks asking to stop after the step, ``Agreements``' terms) last.
         Returns them and where the buffers' entries sit."""
         grads = []
         for p in self._params:
@@ -2282,7 +2289,7 @@ class Elastic:
             if self._buffers is not None
             else []
         )
-        totals = _totals(step, ask, tag, probe)
+        totals = _totals(step, ask, agreements)
         slots = slice(len(grads), len(grads) + len(buffers))
         return [*grads, *buffers, totals], slots
 
