@@ -30,6 +30,7 @@ def train(elastic: Elastic, model: torch.nn.Module, after: Callable[[Step], None
 
 def main() -> None:
     rendezvous, job, fail_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    torch.set_num_threads(1)  # as `rollcall worker` does: several share the 2 cores
     model, optimizer, corpus = build(LMConfig(), seed=0)
 
     def fail(step: Step) -> None:

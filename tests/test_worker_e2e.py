@@ -8,7 +8,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -812,20 +812,31 @@ def test_a_worker_whose_steps_outlast_the_step_end_wait_says_so_once(plane, tmp_
 
 
 def test_an_exception_in_user_code_leaves_and_the_others_continue(workers: Workers, plane):
-    team = workers.start_together(2)
-    for worker in team:
-        wait_step(worker, lambda e: e["world"] == 2 and e["step"] >= 3)
-    before = epoch_now(team)
-    fail_at = max(e["step"] for e in team[0].steps()) + 150  # past its start-up
-    buggy = Process(
-        [sys.executable, "-m", "tests.raising_worker", ",".join(plane.addresses), plane.job,
-         str(fail_at)],
-        {"ROLLCALL_TOKEN": plane.token}, workers.tmp_path / "buggy.log",
-    )  # fmt: skip
-    workers.all.append(buggy)  # type: ignore[arg-type]
+    # Three copies of one program (the job compares its code): two that
+    # never raise, and one whose loop raises at step fail_at.
+    def raising(fail_at: int, log: str) -> Process:
+        process = Process(
+            [sys.executable, "-m", "tests.raising_worker", ",".join(plane.addresses), plane.job,
+             str(fail_at)],
+            {"ROLLCALL_TOKEN": plane.token}, workers.tmp_path / f"{log}.log",
+        )  # fmt: skip
+        workers.all.append(process)  # type: ignore[arg-type]
+        return process
+
+    def is_step(predicate: Callable[[dict], bool]) -> Callable[[dict], bool]:
+        return lambda e: e["event"] == "step" and predicate(e)
+
+    team = [raising(10**9, f"w{i}") for i in range(2)]
+    steps = [w.wait_event(is_step(lambda e: e["world"] == 2 and e["step"] >= 3), PATIENCE)
+             for w in team]  # fmt: skip
+    before = max(e["epoch"] for e in steps)
+    fail_at = max(e["step"] for e in steps) + 150  # past its start-up
+    buggy = raising(fail_at, "buggy")
     buggy.wait_line(lambda line: f'"step": {fail_at},' in line, timeout=PATIENCE)
     raised_at = time.monotonic()
-    after = wait_step(team[0], lambda e: e["epoch"] > before + 1 and e["world"] == 2)
+    after = team[0].wait_event(
+        is_step(lambda e: e["epoch"] > before + 1 and e["world"] == 2), PATIENCE
+    )
     took = time.monotonic() - raised_at
     print(f"\nexception in user code -> next committed step of the others: {took * 1000:.0f} ms")
     assert buggy.proc.wait(timeout=PATIENCE) != 0
