@@ -638,6 +638,25 @@ def test_ctrl_c_leaves_cleanly(workers: Workers):
     assert took < Config().detection_bound() + 5
 
 
+def test_ctrl_c_while_the_training_thread_holds_the_protocol_state_still_leaves(
+    workers: Workers,
+):
+    """A signal is handled on the training thread, between two of its
+    bytecodes: also while that thread holds the lock of the worker's
+    protocol state (a fence check; an injected fault holds it 1 s at every
+    step here, after the step's event). The handler must not take that
+    lock itself: it did, and the worker hung for good, its peers'
+    all-reduce failing 30 s later (seen once in the full suite), until a
+    second signal killed it."""
+    (worker,) = workers.start_together(1, faults=("held_states=100000",))
+    wait_step(worker, lambda e: e["step"] >= 2)
+    time.sleep(0.5)  # the next step computes (~0.1 s) and holds the lock for 1 s
+    worker.signal(signal.SIGINT)
+    assert worker.proc.wait(timeout=PATIENCE) == 130, worker.log_tail()
+    assert "SIGINT: leaving job" in worker.log_tail(40)
+    assert "second SIGINT" not in worker.log_tail(40)
+
+
 def test_ctrl_c_lets_the_step_in_flight_land_with_the_leavers_part(workers: Workers):
     """A worker asked to leave (SIGINT) runs its step in flight on to its
     reduction and leaves without applying it: the others land that step

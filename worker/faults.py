@@ -38,6 +38,10 @@ list of ``name=count`` items:
   the roll call is answered before their loop's code after ``commit()``
   has run (a kill at the worst moment of a hot-add). N is at most 1 in
   effect.
+- ``held_states=N``: the training thread holds the lock of the worker's
+  protocol state ``HELD_STATE_S`` longer at each of its next N fence
+  checks (a thread descheduled inside it): a signal that arrives then is
+  handled while this thread holds that lock.
 
 Every injected fault is logged at WARNING. An unknown name or a malformed
 count is an error at start: a misspelt fault must not pass silently as "no
@@ -66,6 +70,8 @@ SLOW_ANSWER_S = 0.8
 SLOW_LAND_S = 0.3
 #: How late a ``slow_builds`` fault starts a group build.
 SLOW_BUILD_S = 1.0
+#: How much longer a ``held_states`` fault holds the protocol state's lock.
+HELD_STATE_S = 1.0
 
 
 @dataclass
@@ -80,6 +86,7 @@ class Faults:
     failed_leaves: int = 0
     diverge_steps: int = 0
     held_gather_exits: int = 0
+    held_states: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -134,6 +141,11 @@ class Faults:
         """Whether to exit at this all-gather, a roll call waiting for the
         step's end (using a ``held_gather_exits`` fault up if one is left)."""
         return self._used("held_gather_exits", "the process exits at the all-gather")
+
+    def held_state(self) -> bool:
+        """Whether to hold the protocol state's lock longer at this fence
+        check (using a ``held_states`` fault up if one is left)."""
+        return self._late("held_states", "releasing the protocol state's lock", HELD_STATE_S)
 
     def _late(self, name: str, what: str, seconds: float) -> bool:
         return self._used(name, f"{what} {seconds:.1f} s late")

@@ -111,7 +111,13 @@ from rollcall.worker.environment import (
 )
 from rollcall.worker.exact import ExactStep
 from rollcall.worker.exact import fingerprint_value as exact_fingerprint
-from rollcall.worker.faults import SLOW_ANSWER_S, SLOW_BUILD_S, SLOW_LAND_S, Faults
+from rollcall.worker.faults import (
+    HELD_STATE_S,
+    SLOW_ANSWER_S,
+    SLOW_BUILD_S,
+    SLOW_LAND_S,
+    Faults,
+)
 from rollcall.worker.fingerprint import (
     CODE_OFF,
     DATA_OFF,
@@ -1105,22 +1111,28 @@ class Elastic:
         # A sharded step goes on after its reduction (the parameters'
         # all-gather), which a member that applies nothing cannot serve.
         after_step = self._sharding is None
-        with self._state:
-            self._member.leave(after_step=after_step)
         log.warning("%s: leaving job %s (send it again to exit at once)", name, self.job_name)
+        # This handler runs on the training thread, between two of its
+        # bytecodes, maybe while it holds ``_state`` (not reentrant): the
+        # member leaves on the event loop's thread, which waits for it.
+        self._loop.call_soon_threadsafe(self._leave_member, after_step)
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._leave_now()))
         if after_step:
             self._loop.call_soon_threadsafe(
                 self._loop.call_later, self._config.rollcall_step_end_wait, self._stop_step
             )
+
+    def _leave_member(self, after_step: bool) -> None:
+        """The member leaves (``Member.leave``), from a thread that does not
+        hold ``_state``."""
+        with self._state:
+            self._member.leave(after_step=after_step)
         self._wake()
 
     def _stop_step(self) -> None:
         """A step in flight that did not reach its reduction within
         ``rollcall_step_end_wait`` of a signal to leave: stopped now."""
-        with self._state:
-            self._member.leave()
-        self._wake()
+        self._leave_member(after_step=False)
 
     async def _leave_now(self) -> None:
         if self._left or self._client.ended is not None:
@@ -2563,6 +2575,8 @@ class Elastic:
             with self._state:
                 self._member.acked(self._client.last_acked)
                 verdict = self._member.fence(now, since, between)
+                if self._faults.held_state():
+                    time.sleep(HELD_STATE_S)
             if verdict is Fence.OK:
                 if said:
                     log.info("acknowledged after %.2f s: applying the step", now - since)
