@@ -40,6 +40,11 @@ def test_a_slow_build_is_used_up() -> None:
     assert [faults.slow_build() for _ in range(2)] == [True, False]
 
 
+def test_a_held_state_is_used_up() -> None:
+    faults = Faults.parse("held_states=1")
+    assert [faults.held_state() for _ in range(2)] == [True, False]
+
+
 def test_a_failed_leave_is_used_up() -> None:
     faults = Faults.parse("failed_leaves=1")
     assert [faults.failed_leave() for _ in range(2)] == [True, False]
@@ -87,5 +92,5 @@ def test_worker_with_a_misspelt_fault_stops_with_one_clear_line(tmp_path: Path) 
     assert done.stderr.strip() == (
         "rollcall: error: ROLLCALL_FAULTS: unknown fault 'corupt=1' "
         "(known: corrupt_serves, slow_describes, slow_answers, slow_lands, slow_builds, "
-        "failed_leaves, diverge_steps, held_gather_exits, as name=count)"
+        "failed_leaves, diverge_steps, held_gather_exits, held_states, as name=count)"
     )
