@@ -91,6 +91,17 @@ class Process:
 
         return dict(json.loads(self.wait_line(match, timeout)))
 
+    def read_all(self, exited: bool = False) -> list[str]:
+        """Every stdout line so far (``seen``, with those that arrived since
+        moved into it). ``exited``: the process exited; its last lines are
+        waited for (up to 5 s: a child it left may hold its stdout open)."""
+        if exited:
+            assert self.proc.poll() is not None, "the process is still running"
+            self._reader.join(timeout=5)
+        while not self.lines.empty():
+            self.seen.append(self.lines.get_nowait())
+        return self.seen
+
     def log_tail(self, lines: int = 15) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -217,9 +228,7 @@ class MemberProcess(Process):
         self.secret: str = joined["secret"]
 
     def views(self) -> list[dict[str, Any]]:
-        while not self.lines.empty():
-            self.seen.append(self.lines.get_nowait())
-        events = [json.loads(line) for line in self.seen if line.startswith("{")]
+        events = [json.loads(line) for line in self.read_all() if line.startswith("{")]
         return [e for e in events if e["event"] == "view"]
 
 
@@ -371,9 +380,7 @@ class WorkerProcess(Process):
         return self.member_id
 
     def events(self) -> list[dict[str, Any]]:
-        while not self.lines.empty():
-            self.seen.append(self.lines.get_nowait())
-        return [json.loads(line) for line in self.seen if line.startswith("{")]
+        return [json.loads(line) for line in self.read_all() if line.startswith("{")]
 
     def steps(self) -> list[dict[str, Any]]:
         return [e for e in self.events() if e["event"] == "step"]
@@ -400,9 +407,7 @@ class ProgramProcess(Process):
         return int(steps[-1]["world"]) if steps else 0
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
-        while not self.lines.empty():
-            self.seen.append(self.lines.get_nowait())
-        found = [json.loads(line) for line in self.seen if line.startswith("{")]
+        found = [json.loads(line) for line in self.read_all() if line.startswith("{")]
         return [e for e in found if kind is None or e["event"] == kind]
 
 

@@ -48,9 +48,7 @@ class LoaderWorker(Process):
         return self.wait_event(lambda e: e["event"] == "step" and predicate(e), PATIENCE)
 
     def steps(self) -> list[dict[str, Any]]:
-        while not self.lines.empty():
-            self.seen.append(self.lines.get_nowait())
-        return [e for e in map(_parse, self.seen) if e is not None and e["event"] == "step"]
+        return [e for e in map(_parse, self.read_all()) if e is not None and e["event"] == "step"]
 
 
 def _parse(line: str) -> dict[str, Any] | None:
