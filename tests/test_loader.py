@@ -732,6 +732,8 @@ def test_a_dataloader_brings_its_dataset_collate_fn_and_worker_settings(
         assert loader.options == LoaderOptions(
             num_workers=2, prefetch_factor=3, worker_init_fn=init, timeout=30
         )
+        # What the job's fingerprint compares the code of (its `code` field).
+        assert loader.user_objects == (dataset, as_dict, init)
         loader.enter_view(rank=0, world_size=1, next_step=0)
         batch = loader.get(0, 1)
         assert same(batch, direct(dataset, loader.plan, Key(0, 1), as_dict))

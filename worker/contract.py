@@ -21,7 +21,7 @@ import contextlib
 import hashlib
 import math
 import struct
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -278,8 +278,13 @@ def settings_tag(optimizer: torch.optim.Optimizer) -> int:
                 value = value.item()
             if key != "params" and _numeric(value):
                 parts.append(f"{g}.{key}={value!r}")
-    digest = hashlib.blake2b("\n".join(parts).encode(), digest_size=2).digest()
-    return int.from_bytes(digest, "big")
+    return tag16("\n".join(parts).encode())
+
+
+def tag16(data: bytes) -> int:
+    """A 16-bit digest of ``data``, the same in every process: what the
+    ranks' agreements compare (``Agreement``)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=2).digest(), "big")
 
 
 def _numeric(value: Any) -> bool:
@@ -410,20 +415,18 @@ class HookAgreement:
         """``Agreement.max_terms`` of a 16-bit digest of the probe's bits."""
         if probe is None:
             return Agreement.max_terms(None)
-        digest = hashlib.blake2b(struct.pack("<d", probe), digest_size=2).digest()
-        return Agreement.max_terms(int.from_bytes(digest, "big"))
+        return Agreement.max_terms(tag16(struct.pack("<d", probe)))
 
     agreed_maxima = staticmethod(Agreement.agreed_maxima)
 
 
-def modes_tag(modules: Sequence[torch.nn.Module]) -> int:
+def modes_tag(modules: Iterable[torch.nn.Module]) -> int:
     """A 16-bit digest of which of ``modules`` are in training mode, in
     order. The ranks compare it at every step (``Agreements``): a rank that
     evaluated (``model.eval()``) and did not call ``model.train()`` again
     trains with dropout off and batch norms on their running statistics
     while the others do not, and its gradients are averaged with theirs."""
-    flags = bytes(m.training for m in modules)
-    return int.from_bytes(hashlib.blake2b(flags, digest_size=2).digest(), "big")
+    return tag16(bytes(m.training for m in modules))
 
 
 def in_eval_mode(modules: Mapping[str, torch.nn.Module]) -> str:

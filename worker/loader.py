@@ -809,6 +809,13 @@ class MicrobatchLoader:
                 self._stop(f"the loader stopped after an error: {exc!r}")
             raise
 
+    @property
+    def user_objects(self) -> tuple[Any, ...]:
+        """The user's objects whose code the loader runs: the data set, the
+        collate function (a ``DataLoader``'s, given one) and the worker
+        init function."""
+        return (self._source.dataset, self._source.collate, self.options.worker_init_fn)
+
     def probe(self, reads: int = 2) -> list[Any]:
         """The plan's first microbatch (step 0, microbatch 0), loaded
         ``reads`` times as steps load theirs, each time seeded alike: by the

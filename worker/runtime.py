@@ -523,8 +523,7 @@ class Elastic:
             module, file = caller.get("__name__"), caller.get("__file__")
             code = code_digests([
                 *model.modules(), optimizer, scheduler, grad_scaler, *self._extras.values(),
-                before_update, dataset, getattr(dataset, "dataset", None),
-                getattr(dataset, "collate_fn", None), collate, worker_init_fn,
+                before_update, *self._loader.user_objects,
             ], module if isinstance(module, str) else None,
                 Path(os.path.realpath(file)).parent if isinstance(file, str) else None,
             )  # fmt: skip
@@ -538,7 +537,6 @@ class Elastic:
         #: The model's modules, whose training modes the ranks compare at
         #: every step (``modes_tag``).
         self._named_modules = dict(model.named_modules())
-        self._modules = list(self._named_modules.values())
         #: The optimizer's parameter count per group when last checked.
         self._groups_seen = _group_sizes(optimizer)
         #: The last update this rank applied itself, compared with the
@@ -1991,7 +1989,7 @@ class Elastic:
         agreements = Agreements(
             settings=None if last is None else last.settings,
             probe=None if last is None else HookAgreement.read(last.probe),
-            modes=modes_tag(self._modules),
+            modes=modes_tag(self._named_modules.values()),
         )
         try:
             if self._exact is not None:
