@@ -106,6 +106,14 @@ class ViewChanged(RollcallError):
     The step in flight is aborted too; carry on with the next step."""
 
 
+class NonFiniteGradient(RollcallError):
+    """A step's reduced gradient holds NaN or infinity, in a job without a
+    grad scaler. Applied, it would make every replica's weights NaN for the
+    rest of the run, and every checkpoint after it. Every rank raises it at
+    that step's commit, before anything of the step is applied, so the
+    model, its replicas and the checkpoints keep the step before."""
+
+
 class StateDrifted(RollcallError):
     """This worker's copy of a partition of the sharded optimizer state is
     not bit for bit the copy another owner computed and the job's model

@@ -28,6 +28,7 @@ _EXPORTS = {
     "CannotResume": "rollcall.membership.errors",
     "ProgressLost": "rollcall.membership.errors",
     "StateDrifted": "rollcall.membership.errors",
+    "NonFiniteGradient": "rollcall.membership.errors",
     "ConfigurationMismatch": "rollcall.membership.errors",
     "UnsafeTiming": "rollcall.membership.errors",
     "UnsafeFenceWindow": "rollcall.membership.errors",

@@ -26,6 +26,8 @@ from rollcall.worker.contract import (
     in_eval_mode,
     learning_rates,
     modes_tag,
+    not_finite,
+    not_finite_names,
     settings_tag,
 )
 
@@ -304,6 +306,24 @@ def test_exact_modes_gradient_digests_agree_only_when_equal() -> None:
     assert HookAgreement.agreed_maxima(*maxima([0.25, 0.25, None]))
     assert HookAgreement.agreed_maxima(*maxima([None, None]))
     assert not HookAgreement.agreed_maxima(*maxima([0.25, 0.25 * (1 + 2**-52)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_the_finite_check_sees_one_bad_element_in_any_tensor_and_changes_no_bit(
+    dtype: torch.dtype, bad: float
+) -> None:
+    finite = [torch.tensor([1.5, -0.0, 3e-38, -7.25]), torch.randn(1000, dtype=torch.float64)]
+    grads = [*finite, torch.randn(300).to(dtype)]
+    before = [g.clone() for g in grads]
+    assert not not_finite(grads)
+    for g, b in zip(grads, before, strict=True):  # the same bits, -0.0 included
+        assert torch.equal(g.view(torch.uint8), b.view(torch.uint8))
+    grads[2][123] = bad
+    assert not_finite(grads)
+    assert not not_finite(grads[:2])  # a group of another dtype does not see it
+    named = {"a": grads[0], "b.weight": grads[1], "c.bias": grads[2]}
+    assert not_finite_names(named) == "1 of 3 (c.bias)"
 
 
 def test_the_modes_tag_sees_any_module_out_of_the_others_training_mode() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -289,6 +290,47 @@ def test_a_grad_scaler_changes_nothing_but_the_scale(programs: Programs) -> None
     reference = reference_steps("--steps", "25")
     losses = [(e["step"], e["loss"]) for e in program.events("step")]
     assert losses == [(s, reference[s]["loss"]) for s in range(25)]
+
+
+NAN_AT = 5
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["--overlap"], ["--exact"], ["--shard-redundancy", "1"]],
+    ids=["default", "overlap", "exact", "sharded"],
+)
+def test_a_step_whose_gradient_is_not_finite_stops_every_rank_before_it_is_applied(
+    programs: Programs, mode: list[str]
+) -> None:
+    # Rank 0's loss is NaN at one step: the reduced gradient of that step is
+    # NaN on every rank. Applied, it would make every replica's weights NaN
+    # for the rest of the run, with no error.
+    args = ["--steps", "12", "--min-workers", "2", "--loader-workers", "0",
+            "--nan-at", str(NAN_AT), *mode]  # fmt: skip
+    team = [programs.start(*args) for _ in range(2)]
+    for program in team:
+        assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+    for program in team:
+        steps = program.events("step")
+        # Every step before stays applied; that one and none after.
+        assert [e["step"] for e in steps] == list(range(NAN_AT)), program.log_tail()
+        assert all(math.isfinite(e["loss"]) for e in steps)
+        log = program.log_tail(60)
+        assert "NonFiniteGradient" in log and f"step {NAN_AT}: the reduced gradient" in log, log
+        assert f"hold step {NAN_AT - 1}" in log, log
+
+
+def test_a_grad_scaler_skips_a_step_whose_gradient_is_not_finite(programs: Programs) -> None:
+    # With a grad scaler a non-finite step is expected (mixed precision): the
+    # scaler skips it and lowers its scale, and the run goes on.
+    program = programs.start("--steps", "10", "--grad-scaler", "--loader-workers", "0",
+                             "--nan-at", str(NAN_AT))  # fmt: skip
+    assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+    losses = {e["step"]: e["loss"] for e in program.events("step")}
+    assert sorted(losses) == list(range(10))
+    assert math.isnan(losses[NAN_AT])
+    assert all(math.isfinite(loss) for step, loss in losses.items() if step != NAN_AT)
 
 
 def test_an_unreachable_rendezvous_is_said_within_seconds(plane: ControlPlane) -> None:

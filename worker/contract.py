@@ -32,7 +32,8 @@ from rollcall.worker.digest import tree_digest
 __all__ = [
     "Agreed", "Agreement", "Agreements", "GradientWatch", "HookAgreement", "Ownership",
     "ParameterWatch", "RegisteredWatch", "Stateful", "check_extras", "check_scheduler",
-    "in_eval_mode", "learning_rates", "modes_tag", "settings_tag",
+    "in_eval_mode", "learning_rates", "modes_tag", "not_finite", "not_finite_names",
+    "settings_tag",
 ]  # fmt: skip
 
 
@@ -432,8 +433,37 @@ def modes_tag(modules: Iterable[torch.nn.Module]) -> int:
 def in_eval_mode(modules: Mapping[str, torch.nn.Module]) -> str:
     """This rank's modules in eval mode, for a message: "2 of 30 (drop, norm)"."""
     names = [name or "the model" for name, module in modules.items() if not module.training]
+    return _some_of(names, len(modules))
+
+
+def _some_of(names: Sequence[str], total: int) -> str:
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    return f"{len(names)} of {len(modules)}" + (f" ({shown})" if names else "")
+    return f"{len(names)} of {total}" + (f" ({shown})" if names else "")
+
+
+def not_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether any element of ``tensors`` is NaN or infinite. One fused pass
+    per device and dtype: torch's own check for a grad scaler, unscaling by
+    1.0, which changes no value (~30 us for the example's 30 gradients here,
+    ~5 ms for 25 M elements)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    for (device, _), group in groups.items():
+        found = torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            group, found, torch.ones(1, device=device)
+        )
+        if found.item():
+            return True
+    return False
+
+
+def not_finite_names(named: Mapping[str, torch.Tensor]) -> str:
+    """The tensors of ``named`` holding NaN or infinity, for a message:
+    "2 of 30 (head.weight, head.bias)"."""
+    names = [name for name, tensor in named.items() if not bool(torch.isfinite(tensor).all())]
+    return _some_of(names, len(named))
 
 
 class Agreed(NamedTuple):

@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import grpc
 import torch
@@ -58,6 +58,7 @@ from rollcall.membership.errors import (
     Interrupted,
     InvalidRequest,
     JobRecordLost,
+    NonFiniteGradient,
     ProgressLost,
     RollcallError,
     StateDrifted,
@@ -98,6 +99,8 @@ from rollcall.worker.contract import (
     in_eval_mode,
     learning_rates,
     modes_tag,
+    not_finite,
+    not_finite_names,
     settings_tag,
 )
 from rollcall.worker.digest import digest, hash_threads, tree_digest
@@ -1999,15 +2002,17 @@ class Elastic:
                 )  # fmt: skip
                 count, loss, stop = float(reduced.count), reduced.loss, reduced.stop
                 agreed = Agreements.agreed_maxima(reduced.also_max)
-                finish = reduced.apply
+                finish, grads = reduced.apply, reduced.grads
             elif self._buckets is not None:
                 count, loss, stop, agreed, finish = self._reduce_buckets(
                     step, group, ask, agreements
                 )
+                grads = [p.grad for p in self._params if p.grad is not None]
             else:
                 tensors, buffer_slots = self._reduction(step, ask, agreements)
                 group.allreduce_sum(tensors)
                 count, loss, stop, agreed = _read_totals(tensors[-1])
+                grads = tensors[: buffer_slots.start]
 
                 def finish() -> None:
                     self._normalise(tensors, buffer_slots, count)
@@ -2054,6 +2059,8 @@ class Elastic:
                 "before_update, never from a count the loop keeps itself (a worker that joins "
                 "or restarts counts from 0)"
             )
+        if self._scaler is None and not_finite(grads):
+            self._refuse_not_finite(step, grads)
         if self._faults.slow_land():
             time.sleep(SLOW_LAND_S)
         with self._state:
@@ -2240,6 +2247,23 @@ class Elastic:
                 return None
 
         return launch
+
+    def _refuse_not_finite(self, step: Step, grads: Sequence[torch.Tensor]) -> NoReturn:
+        """Every rank holds the same reduced gradient, so every rank raises
+        here at the same step, before anything of it is applied."""
+        names = [n for n, p in self._model.named_parameters() if p.requires_grad]
+        raise NonFiniteGradient(
+            f"step {step.number}: the reduced gradient is not finite (NaN or infinity in "
+            f"{not_finite_names(dict(zip(names, grads, strict=True)))}; this rank's loss "
+            f"for the step: {step._loss:g} over {step._count:g} samples): nothing of the step "
+            f"was applied and every rank stops here, so the model and its replicas hold "
+            f"step {step.number - 1}, and no checkpoint holds anything later. Applied, it would "
+            "make every replica's weights NaN for the rest of the run. Either the run "
+            "diverged (lower the learning rate, clip the gradients in before_update, look "
+            "for a log of 0 or a division by 0 in the loss), or a worker computes wrongly "
+            "(a faulty device: compare the ranks' losses). To skip such steps instead, as "
+            "mixed precision does, register a grad scaler (Elastic(grad_scaler=...))"
+        )
 
     def _reduce_buckets(
         self, step: Step, group: EpochGroup, ask: bool, agreements: Agreements
@@ -2795,6 +2819,7 @@ __all__ = [
     "Elastic",
     "Evicted",
     "Interrupted",
+    "NonFiniteGradient",
     "ProgressLost",
     "StateDrifted",
     "Step",

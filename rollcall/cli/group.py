@@ -20,6 +20,9 @@ EXIT_MISMATCH = 5
 #: ``rollcall worker``: etcd lost the job's data and no replica remembered it
 #: (JobRecordLost): the worker cannot rejoin under its old id.
 EXIT_RECORD_LOST = 6
+#: ``rollcall worker``: a step's reduced gradient was not finite
+#: (NonFiniteGradient): started again as it was, the run meets it again.
+EXIT_NOT_FINITE = 7
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:

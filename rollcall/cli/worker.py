@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from rollcall.cli.group import EXIT_MISMATCH, EXIT_RECORD_LOST, fail
+from rollcall.cli.group import EXIT_MISMATCH, EXIT_NOT_FINITE, EXIT_RECORD_LOST, fail
 from rollcall.cli.options import (
     check_job,
     config_option,
@@ -188,6 +188,10 @@ def worker(
     suspicion of a silent member, its rollcall_step_end_wait is above the
     service's, or its fence_patience is shorter than a failover of the
     service's leader; the service sends what it needs at join.
+
+    If a step's reduced gradient holds NaN or infinity (a diverged run),
+    every worker stops at that step before applying it and exits with
+    code 7: the job's state stays that of the step before.
     """
     from rollcall.protocol.wire import read_token
 
@@ -199,6 +203,7 @@ def worker(
         ConfigurationMismatch,
         Evicted,
         JobRecordLost,
+        NonFiniteGradient,
         StateDrifted,
         UnsafeTiming,
     )
@@ -242,6 +247,8 @@ def worker(
         fail(f"evicted from job {job}: {exc}; this worker's state is stale, start it again", 3)
     except StateDrifted as exc:
         fail(f"left job {job}: {exc}", 3)
+    except NonFiniteGradient as exc:
+        fail(f"left job {job}: {exc}", EXIT_NOT_FINITE)
     except CannotResume as exc:
         fail(f"job {job} cannot resume: {exc}", 4)
     except JobRecordLost as exc:

@@ -171,6 +171,8 @@ def train(args: argparse.Namespace) -> None:
                 time.sleep(0.05)  # a test holds the team until a joiner is in
             for batch in step.microbatches():
                 loss, count = loss_sum(model, batch.inputs, batch.targets)
+                if step.number == args.nan_at and step.rank == 0:
+                    loss = loss * float("nan")  # a step that diverges, on one rank
                 step.backward(loss, count)
                 if args.misuse_scheduler:
                     scheduler.step()
@@ -286,6 +288,9 @@ def main() -> None:
         "--after-commit-pause", type=float, default=0.0,
         help="seconds between commit() and the EMA update (registered state changed late)",
     )  # fmt: skip
+    parser.add_argument(
+        "--nan-at", type=int, default=-1, help="rank 0's loss is NaN at this step"
+    )
     parser.add_argument("--hold-while", help="before each step, wait while this file exists")
     parser.add_argument(
         "--microbatch-pause", type=float, default=0.0,
