@@ -321,6 +321,26 @@ def test_a_step_whose_gradient_is_not_finite_stops_every_rank_before_it_is_appli
         assert f"hold step {NAN_AT - 1}" in log, log
 
 
+def test_a_gradient_before_update_leaves_not_finite_stops_every_rank_before_the_update(
+    programs: Programs,
+) -> None:
+    # The reduced gradient is finite; the hook (a division by a norm of 0)
+    # makes it NaN. The optimizer would apply it on every rank.
+    args = ["--steps", "12", "--min-workers", "2", "--loader-workers", "0",
+            "--hook-nan-at", str(NAN_AT)]  # fmt: skip
+    team = [programs.start(*args) for _ in range(2)]
+    for program in team:
+        assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+    for program in team:
+        steps = program.events("step")
+        assert [e["step"] for e in steps] == list(range(NAN_AT)), program.log_tail()
+        assert all(math.isfinite(e["loss"]) for e in steps)
+        log = program.log_tail(60)
+        assert "NonFiniteGradient" in log, log
+        assert f"step {NAN_AT}: the gradient before_update (__main__.Clip) left" in log, log
+        assert "1 of 10 (head.bias)" in log, log
+
+
 def test_a_grad_scaler_skips_a_step_whose_gradient_is_not_finite(programs: Programs) -> None:
     # With a grad scaler a non-finite step is expected (mixed precision): the
     # scaler skips it and lowers its scale, and the run goes on.

@@ -2060,7 +2060,7 @@ class Elastic:
                 "or restarts counts from 0)"
             )
         if self._scaler is None and not_finite(grads):
-            self._refuse_not_finite(step, grads)
+            self._refuse_not_finite(step, grads, "the reduced gradient")
         if self._faults.slow_land():
             time.sleep(SLOW_LAND_S)
         with self._state:
@@ -2248,15 +2248,19 @@ class Elastic:
 
         return launch
 
-    def _refuse_not_finite(self, step: Step, grads: Sequence[torch.Tensor]) -> NoReturn:
-        """Every rank holds the same reduced gradient, so every rank raises
-        here at the same step, before anything of it is applied."""
+    def _refuse_not_finite(
+        self, step: Step, grads: Sequence[torch.Tensor | None], what: str
+    ) -> NoReturn:
+        """Every rank holds the same reduced gradient (and gives it to the
+        same hook), so every rank raises here at the same step, before the
+        optimizer steps."""
         names = [n for n, p in self._model.named_parameters() if p.requires_grad]
+        named = {n: g for n, g in zip(names, grads, strict=True) if g is not None}
         raise NonFiniteGradient(
-            f"step {step.number}: the reduced gradient is not finite (NaN or infinity in "
-            f"{not_finite_names(dict(zip(names, grads, strict=True)))}; this rank's loss "
-            f"for the step: {step._loss:g} over {step._count:g} samples): nothing of the step "
-            f"was applied and every rank stops here, so the model and its replicas hold "
+            f"step {step.number}: {what} is not finite (NaN or infinity in "
+            f"{not_finite_names(named)}; this rank's loss "
+            f"for the step: {step._loss:g} over {step._count:g} samples): the optimizer did "
+            f"not step and every rank stops here, so the model and its replicas hold "
             f"step {step.number - 1}, and no checkpoint holds anything later. Applied, it would "
             "make every replica's weights NaN for the rest of the run. Either the run "
             "diverged (lower the learning rate, clip the gradients in before_update, look "
@@ -2346,6 +2350,11 @@ class Elastic:
         if self._before_update is not None:
             self._before_update(step)
             self._check_parameters_kept(step, in_hook=True)
+            left = [p.grad for p in self._params]
+            if self._scaler is None and not_finite(g for g in left if g is not None):
+                # The reduced gradient was finite: the hook made it not.
+                hook = callable_name(self._before_update)
+                self._refuse_not_finite(step, left, f"the gradient before_update ({hook}) left")
             probe = HookAgreement.probe(self._params)
         self._applied = _Applied(step.number, settings_tag(self._optimizer), probe)
         with self._ownership.applying():

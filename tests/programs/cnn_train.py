@@ -120,12 +120,17 @@ class Clip:
     """Gradient clipping by global norm, run by the runtime between the
     reduced, normalised gradient and the optimizer step."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, nan_at: int = -1) -> None:
         self.model = model
         self.norm = 0.0
+        self.nan_at = nan_at
 
     def __call__(self, step: Any) -> None:
         self.norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
+        if step.number == self.nan_at:  # a gradient divided by a norm of 0
+            head = self.model.head.bias.grad
+            assert head is not None
+            head.div_(torch.zeros_like(head))
 
 
 @torch.no_grad()
@@ -151,7 +156,7 @@ def train(args: argparse.Namespace) -> None:
     model, optimizer, scheduler, data, validation = build(args)
     loader = DataLoader(data, batch_size=args.micro_batch, num_workers=args.loader_workers)
     ema = EMA(model)
-    clip = Clip(model)
+    clip = Clip(model, args.hook_nan_at)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if args.grad_scaler else None
     config = None
     if args.collective_timeout is not None:
@@ -291,6 +296,10 @@ def main() -> None:
     parser.add_argument(
         "--nan-at", type=int, default=-1, help="rank 0's loss is NaN at this step"
     )
+    parser.add_argument(
+        "--hook-nan-at", type=int, default=-1,
+        help="the clipping hook leaves a NaN gradient at this step",
+    )  # fmt: skip
     parser.add_argument("--hold-while", help="before each step, wait while this file exists")
     parser.add_argument(
         "--microbatch-pause", type=float, default=0.0,
