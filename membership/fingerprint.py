@@ -86,6 +86,14 @@ FIELDS: tuple[FingerprintField, ...] = (
         "code; if it differs between hosts by design, pass code_check=False on every worker",
     ),
     FingerprintField(
+        "settings",
+        "the training script's own settings passed as Elastic(settings=...), as sorted "
+        "name=value words",
+        "another value of a setting of the training script's own (its command line: a loss "
+        "weight, a label smoothing): start every worker with the same settings, and leave "
+        "what differs by design (paths, host names) out of settings=",
+    ),
+    FingerprintField(
         "torch",
         "the torch build (torch.__version__)",
         "other torch versions compute differently and the replicas drift apart: run one "

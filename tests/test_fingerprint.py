@@ -41,6 +41,7 @@ JOB = JobFingerprint.of(
         "extras": "[]",
         "before_update": "__main__.main.<locals>.clip",
         "code": "__main__=1a2b3c4d models=5e6f7a8b",
+        "settings": "amp=true label_smoothing=0.1",
         "initial_state": "sha256:" + "b" * 64,
         "torch": "2.13.0+cpu",
         "min_workers": "1",

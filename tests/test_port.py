@@ -292,6 +292,27 @@ def test_a_grad_scaler_changes_nothing_but_the_scale(programs: Programs) -> None
     assert losses == [(s, reference[s]["loss"]) for s in range(25)]
 
 
+def test_a_worker_started_with_another_value_of_the_scripts_own_setting_is_refused_at_join(
+    programs: Programs,
+) -> None:
+    # The label smoothing is the script's own (its loss), which no other
+    # field sees; the script passes it as Elastic(settings=...). Its ledger
+    # path differs between the workers and is left out.
+    args = ["--steps", "100000", "--loader-workers", "0"]
+    first = programs.start(*args)
+    wait_step(first, lambda e: e["step"] >= 2)
+    other = programs.start(*args, "--label-smoothing", "0.1")
+    assert other.proc.wait(timeout=PATIENCE) != 0, other.log_tail()
+    log = other.log_tail(30)
+    assert "ConfigurationMismatch" in log, log
+    assert "this worker's settings is label_smoothing=0.1 but job job1's is " in log, log
+    assert "label_smoothing=0.0" in log and "a label smoothing" in log, log
+    assert not other.events("step")
+    at = first.events("step")[-1]["step"]
+    later = wait_step(first, lambda e: e["step"] > at + 3)
+    assert later["world"] == 1
+
+
 NAN_AT = 5
 
 

@@ -4,6 +4,7 @@ workers shows up in the field that names it."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import hashlib
@@ -34,6 +35,7 @@ from rollcall.worker.fingerprint import (
     code_digests,
     data_probe,
     job_fingerprint,
+    user_settings,
 )
 from rollcall.worker.loader import MicrobatchLoader
 from rollcall.worker.plan import DataPlan
@@ -530,3 +532,44 @@ def _user_function() -> None:
 
 class _Derived(Counter):
     """A class of this module whose base is defined in tests.loader_worker."""
+
+
+def test_the_scripts_own_settings_read_alike_from_a_dict_or_a_namespace() -> None:
+    given = {"smoothing": 0.1, "amp": True, "loss": "focal loss", "layers": [2, 4], "tag": None}
+    value = user_settings(given)
+    assert value == (
+        'amp=true layers=[2,4] loss="focal\\u0020loss" smoothing=0.1 tag=null'
+    )
+    assert user_settings(argparse.Namespace(**given)) == value
+    assert user_settings({}) == "none"
+    field = {"settings": value}
+    other = {"settings": user_settings({**given, "smoothing": 0.0})}
+    message = describe_mismatch(
+        "run1", compare(JobFingerprint.of(other), JobFingerprint.of(field))
+    )
+    # The words that differ, alone.
+    assert "this worker's settings has smoothing=0.0 but job run1's has smoothing=0.1:" in message
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "says"),
+    [
+        ({"out": object()}, TypeError, "settings['out'] is a object"),
+        ({"path": os}, TypeError, "settings['path'] is a module"),
+        ({"a b": 1}, ValueError, "names are words"),
+        ({"a=b": 1}, ValueError, "names are words"),
+        ([("lr", 1)], TypeError, "settings= is a list"),
+    ],
+)
+def test_a_setting_that_cannot_be_compared_is_refused_naming_it(
+    settings: Any, error: type[Exception], says: str
+) -> None:
+    with pytest.raises(error, match=re.escape(says)):
+        user_settings(settings)
+
+
+def test_long_settings_are_cut_with_a_digest_of_the_whole() -> None:
+    many = {f"setting_{i}": i for i in range(40)}
+    value = bounded(user_settings(many))
+    assert len(value) <= MAX_VALUE_LENGTH
+    assert value != bounded(user_settings({**many, "setting_39": -1}))

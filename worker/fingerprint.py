@@ -14,6 +14,7 @@ ms for 50 MB of them on this 2-core machine (``docs/worker.md``).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import hashlib
@@ -98,6 +99,41 @@ def job_fingerprint(
             raise ValueError(f"{name!r} is not a fingerprint flag (see membership/fingerprint.py)")
         values[name] = value
     return JobFingerprint.of({name: bounded(value) for name, value in values.items()})
+
+
+def user_settings(settings: Mapping[str, Any] | argparse.Namespace) -> str:
+    """The ``settings`` field: settings of the training script's own that
+    every worker must share (a loss weight, a label smoothing, an AMP flag
+    from its command line), as ``name=value`` words sorted by name, each
+    value as compact JSON (a space inside text as ``\\u0020``, so that a
+    mismatch names the words that differ). Values are numbers, text,
+    booleans, None, and lists and dicts of them; anything else is a
+    ``TypeError`` naming the setting, and a name that is not a non-empty
+    word without ``=`` a ``ValueError``."""
+    if isinstance(settings, argparse.Namespace):
+        settings = vars(settings)
+    if not isinstance(settings, Mapping):
+        raise TypeError(
+            f"settings= is a {type(settings).__name__}: give a dict of the training script's "
+            "own settings, or its argparse.Namespace"
+        )
+    words = []
+    for name in sorted(settings, key=str):
+        if not isinstance(name, str) or not name or "=" in name or not name.isprintable() or (
+            any(c.isspace() for c in name)
+        ):  # fmt: skip
+            raise ValueError(f"settings= name {name!r}: names are words without '=' or spaces")
+        try:
+            text = json.dumps(
+                settings[name], sort_keys=True, separators=(",", ":"), allow_nan=True
+            )
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"settings[{name!r}] is a {type(settings[name]).__name__}: give numbers, text, "
+                "booleans, None, or lists and dicts of them (a path as text, if it must match)"
+            ) from exc
+        words.append(f"{name}={text.replace(' ', chr(92) + 'u0020')}")
+    return " ".join(words) if words else "none"
 
 
 def data_probe(reads: Sequence[Any]) -> str:

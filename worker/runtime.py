@@ -24,6 +24,7 @@ once the new view is in place.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -128,6 +129,7 @@ from rollcall.worker.fingerprint import (
     callable_name,
     code_digests,
     job_fingerprint,
+    user_settings,
 )
 from rollcall.worker.fingerprint import data_probe as probed_data
 from rollcall.worker.group import EpochGroup
@@ -419,6 +421,7 @@ class Elastic:
         shard_partitions: int = 64,
         data_probe: bool = True,
         code_check: bool = True,
+        settings: Mapping[str, Any] | argparse.Namespace | None = None,
     ) -> None:
         # The module that constructs the job, and the modules imported from
         # its directory: their source is compared at join.
@@ -497,6 +500,8 @@ class Elastic:
         if overlap:
             # Absent otherwise: a job of workers from before the option matches.
             flags["overlap"] = "true"
+        if settings is not None:
+            flags["settings"] = user_settings(settings)  # absent otherwise, as overlap
         if self._sharding is not None:
             # Every rank takes part in gathering a checkpoint's state.
             writes = checkpoint_dir is not None or bool(os.environ.get(ENV_CHECKPOINT_DIR))

@@ -90,8 +90,11 @@ class EMA:
         self.weights = {k: v.clone() for k, v in state["weights"].items()}
 
 
-def loss_sum(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[Any, int]:
-    return F.cross_entropy(model(images), labels, reduction="sum"), len(labels)
+def loss_sum(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0
+) -> tuple[Any, int]:
+    loss = F.cross_entropy(model(images), labels, reduction="sum", label_smoothing=smoothing)
+    return loss, len(labels)
 
 
 @torch.no_grad()
@@ -169,13 +172,15 @@ def train(args: argparse.Namespace) -> None:
         overlap=args.overlap,
         shard_redundancy=args.shard_redundancy, shard_partitions=args.shard_partitions,
         checkpoint_every=args.checkpoint_every,
+        # The script's own setting every worker must share; its paths differ.
+        settings={"label_smoothing": args.label_smoothing},
     ) as job:  # fmt: skip
         say(event="joined", member_id=job.member_id)
         for step in job.steps(args.steps):
             while args.hold_while and os.path.exists(args.hold_while):
                 time.sleep(0.05)  # a test holds the team until a joiner is in
             for batch in step.microbatches():
-                loss, count = loss_sum(model, batch.inputs, batch.targets)
+                loss, count = loss_sum(model, batch.inputs, batch.targets, args.label_smoothing)
                 if step.number == args.nan_at and step.rank == 0:
                     loss = loss * float("nan")  # a step that diverges, on one rank
                 step.backward(loss, count)
@@ -242,7 +247,7 @@ def reference(args: argparse.Namespace) -> None:
                 data, default_collate, mb.sample_ids, load_seed(args.seed, number, mb.index)
             )
             torch.manual_seed(mb.seed)
-            loss, n = loss_sum(model, images, labels)
+            loss, n = loss_sum(model, images, labels, args.label_smoothing)
             loss.backward()
             total += float(loss.detach())
             count += n
@@ -300,6 +305,7 @@ def main() -> None:
         "--hook-nan-at", type=int, default=-1,
         help="the clipping hook leaves a NaN gradient at this step",
     )  # fmt: skip
+    parser.add_argument("--label-smoothing", type=float, default=0.0)
     parser.add_argument("--hold-while", help="before each step, wait while this file exists")
     parser.add_argument(
         "--microbatch-pause", type=float, default=0.0,
