@@ -91,6 +91,27 @@ def test_an_lr_scheduler_not_passed_to_the_runtime_is_refused() -> None:
         check_scheduler(None, optimizer)
 
 
+def test_a_second_lr_scheduler_beside_the_registered_one_is_refused() -> None:
+    # A warm-up stepped by the loop beside the registered main schedule: the
+    # runtime never sees it step, a joiner's starts from 0.
+    _, optimizer = _model_and_optimizer()
+    lr = torch.optim.lr_scheduler
+    cosine = lr.CosineAnnealingLR(optimizer, T_max=10)
+    check_scheduler(cosine, optimizer)  # alone: fine
+    warmup = lr.LinearLR(optimizer, start_factor=0.1, total_iters=5)
+    warmup.state_dict()  # its __dict__ is a dict object now, as after any state_dict()
+    with pytest.raises(UsageError, match=r"another LR scheduler \(LinearLR\) is attached"):
+        check_scheduler(cosine, optimizer)
+    # The same two combined into one registered scheduler: fine.
+    check_scheduler(lr.SequentialLR(optimizer, [warmup, cosine], milestones=[5]), optimizer)
+    # A scheduler registered as state (a ReduceLROnPlateau stepped with a metric): fine.
+    plateau = lr.ReduceLROnPlateau(optimizer)
+    chained = lr.ChainedScheduler([cosine, warmup])
+    check_scheduler(chained, optimizer, registered=[plateau])
+    with pytest.raises(UsageError, match=r"\(ReduceLROnPlateau\)"):
+        check_scheduler(chained, optimizer)
+
+
 def test_reduce_lr_on_plateau_is_refused_with_what_to_do_instead() -> None:
     _, optimizer = _model_and_optimizer()
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)

@@ -342,13 +342,15 @@ def test_a_step_whose_gradient_is_not_finite_stops_every_rank_before_it_is_appli
         assert f"hold step {NAN_AT - 1}" in log, log
 
 
+@pytest.mark.parametrize("scaler", [[], ["--grad-scaler"]], ids=["no scaler", "grad scaler"])
 def test_a_gradient_before_update_leaves_not_finite_stops_every_rank_before_the_update(
-    programs: Programs,
+    programs: Programs, scaler: list[str]
 ) -> None:
     # The reduced gradient is finite; the hook (a division by a norm of 0)
-    # makes it NaN. The optimizer would apply it on every rank.
+    # makes it NaN. The optimizer would apply it on every rank; so would a
+    # grad scaler, which found nothing when it unscaled.
     args = ["--steps", "12", "--min-workers", "2", "--loader-workers", "0",
-            "--hook-nan-at", str(NAN_AT)]  # fmt: skip
+            "--hook-nan-at", str(NAN_AT), *scaler]  # fmt: skip
     team = [programs.start(*args) for _ in range(2)]
     for program in team:
         assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()

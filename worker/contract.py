@@ -18,6 +18,7 @@ step pre-hook on the optimizer) and are removed by ``release()``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import math
 import struct
@@ -510,9 +511,25 @@ class Agreements(NamedTuple):
                       Agreement.agreed_maxima(*maxima[4:6]))  # fmt: skip
 
 
-def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+def check_scheduler(
+    scheduler: Any, optimizer: torch.optim.Optimizer, registered: Iterable[Any] = ()
+) -> None:
     """Refuse a scheduler the runtime cannot step for the user, and an LR
-    scheduler attached to ``optimizer`` but not registered."""
+    scheduler attached to ``optimizer`` but not registered: neither passed
+    as ``scheduler`` (nor combined in it), nor among the objects
+    ``registered`` as user state."""
+    if scheduler is not None:
+        others = _unregistered_schedulers(optimizer, [scheduler, *registered])
+        if others:
+            raise UsageError(
+                f"another LR scheduler ({type(others[0]).__name__}) is attached to this "
+                f"optimizer besides the one passed to Elastic ({type(scheduler).__name__}): "
+                "the runtime steps only the one passed, and a worker that joins gets only its "
+                "state, so the other's schedule would start again from step 0 there. Combine "
+                "them into one (torch.optim.lr_scheduler.SequentialLR for a warm-up then a "
+                "decay, ChainedScheduler for both at once), pass that as scheduler=, and "
+                "remove the other's step() from the loop"
+            )
     if scheduler is None:
         if _has_scheduler(optimizer):
             raise UsageError(
@@ -535,6 +552,49 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     attached = getattr(scheduler, "optimizer", optimizer)
     if attached is not optimizer:
         raise UsageError("the scheduler passed to Elastic drives another optimizer")
+
+
+def _unregistered_schedulers(
+    optimizer: torch.optim.Optimizer, registered: Iterable[Any]
+) -> list[Any]:
+    """The LR schedulers built on ``optimizer`` that are neither in
+    ``registered`` nor combined in one of them (``SequentialLR``,
+    ``ChainedScheduler``). Found among the objects that refer to the
+    optimizer (``gc.get_referrers``: ~20 ms once, at construction); a
+    scheduler's instance dict stands for it once it has been made a dict
+    object. Unreachable ones left in a reference cycle are collected
+    before they count."""
+    known: set[int] = set()
+    todo = [r for r in registered if r is not None]
+    while todo:
+        item = todo.pop()
+        if id(item) not in known:
+            known.add(id(item))
+            todo.extend(getattr(item, "_schedulers", None) or ())
+
+    def found() -> list[Any]:
+        out: list[Any] = []
+        for referrer in gc.get_referrers(optimizer):
+            if isinstance(referrer, dict):
+                if referrer.get("optimizer") is not optimizer:
+                    continue
+                owners = [o for o in gc.get_referrers(referrer)
+                          if getattr(o, "__dict__", None) is referrer]  # fmt: skip
+            else:
+                owners = [referrer]
+            for owner in owners:
+                if (
+                    isinstance(owner, torch.optim.lr_scheduler.LRScheduler)
+                    and id(owner) not in known
+                    and all(owner is not o for o in out)
+                ):
+                    out.append(owner)
+        return out
+
+    if not found():
+        return []
+    gc.collect()  # rare: then a scheduler left unreachable does not count
+    return found()
 
 
 def _has_scheduler(optimizer: torch.optim.Optimizer) -> bool:

@@ -454,10 +454,10 @@ class Elastic:
                 "exact=True reduces every microbatch's gradients as integers at commit: it "
                 "cannot be combined with overlap=True"
             )
-        check_scheduler(scheduler, optimizer)
+        self._extras = check_extras(state or {})
+        check_scheduler(scheduler, optimizer, registered=self._extras.values())
         check_optimizer_params(model, optimizer)
         self._sharding = _check_sharding(shard_redundancy, shard_partitions, optimizer, grad_scaler)
-        self._extras = check_extras(state or {})
         self._token = token or read_token(None)
         self._config = config or Config()
         self._faults = Faults.from_env()
@@ -2064,7 +2064,10 @@ class Elastic:
                 "before_update, never from a count the loop keeps itself (a worker that joins "
                 "or restarts counts from 0)"
             )
-        if self._scaler is None and not_finite(grads):
+        # A grad scaler skips a step whose gradient is not finite; without
+        # one, applying it would make every replica's weights NaN.
+        finite = not not_finite(grads)
+        if self._scaler is None and not finite:
             self._refuse_not_finite(step, grads, "the reduced gradient")
         if self._faults.slow_land():
             time.sleep(SLOW_LAND_S)
@@ -2087,7 +2090,7 @@ class Elastic:
                     )
                 return False
             with self._lock:
-                self._apply(step, finish)
+                self._apply(step, finish, finite)
                 landed = True
                 if self._faults.diverge():
                     self._drift()
@@ -2344,9 +2347,12 @@ class Elastic:
         if self._buffers is not None:
             self._buffers.apply(tensors[buffer_slots], self.plan.num_microbatches)
 
-    def _apply(self, step: Step, finish: Callable[[], None]) -> None:
+    def _apply(self, step: Step, finish: Callable[[], None], finite: bool) -> None:
         """The update, under ``_lock``: the reduction's gradients and buffers
-        (``finish``), hook, optimizer, scaler, scheduler."""
+        (``finish``), hook, optimizer, scaler, scheduler. ``finite``: the
+        reduced gradient was (a gradient the hook leaves is then too, or the
+        step is refused: a grad scaler would apply it, having found nothing
+        when it unscaled)."""
         self._served.release_live()  # a capture sharing what changes now
         finish()
         if self._scaler is not None:
@@ -2356,7 +2362,7 @@ class Elastic:
             self._before_update(step)
             self._check_parameters_kept(step, in_hook=True)
             left = [p.grad for p in self._params]
-            if self._scaler is None and not_finite(g for g in left if g is not None):
+            if finite and not_finite(g for g in left if g is not None):
                 # The reduced gradient was finite: the hook made it not.
                 hook = callable_name(self._before_update)
                 self._refuse_not_finite(step, left, f"the gradient before_update ({hook}) left")
