@@ -108,10 +108,12 @@ class ViewChanged(RollcallError):
 
 class NonFiniteGradient(RollcallError):
     """A step's reduced gradient holds NaN or infinity, in a job without a
-    grad scaler. Applied, it would make every replica's weights NaN for the
-    rest of the run, and every checkpoint after it. Every rank raises it at
-    that step's commit, before anything of the step is applied, so the
-    model, its replicas and the checkpoints keep the step before."""
+    grad scaler; or, with or without one, the gradient ``before_update``
+    left of a finite one does. Applied, it would make every replica's
+    weights NaN for the rest of the run, and every checkpoint after it.
+    Every rank raises it at that step's commit, before the optimizer steps,
+    so the model's parameters, its replicas and the checkpoints keep the
+    step before."""
 
 
 class StateDrifted(RollcallError):

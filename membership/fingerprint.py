@@ -78,9 +78,9 @@ FIELDS: tuple[FingerprintField, ...] = (
     FingerprintField(
         "code",
         "digests of the source of the modules the job's code comes from (the one that "
-        "constructs Elastic, those imported from its directory, and those defining the "
-        "model's modules, the optimizer, the scheduler, the data set, the registered state "
-        "and the hook), or off",
+        "constructs Elastic, those defining the model's modules, the optimizer, the "
+        "scheduler, the data set, the registered state and the hook, and those imported "
+        "from the projects these come from), or off",
         "other code under the same names (another version of the training script, or of a "
         "module that defines the model or the data set): run every worker from the same "
         "code; if it differs between hosts by design, pass code_check=False on every worker",

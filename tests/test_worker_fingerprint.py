@@ -497,6 +497,58 @@ def test_code_names_each_user_module_with_the_digest_of_its_source(tmp_path: Any
         assert f"this worker's code has {mine} but job run1's has {theirs}" in said
 
 
+SRC_SCRIPT = """
+import pathlib
+import torch
+from pkg.losses import loss
+from pkg.model import Block
+from rollcall.worker.fingerprint import code_digests
+
+model = torch.nn.Sequential(Block(), torch.nn.Linear(4, 1))
+print(code_digests(list(model.modules()), __name__, pathlib.Path(__file__).resolve().parent))
+"""
+
+
+def src_layout_code(root: Any, script_dir: Any, loss: str = USER_LOSS) -> str:
+    """``code`` of a script in ``script_dir`` using package ``pkg`` of a
+    ``src/`` layout project at ``root`` (on the path, as an editable
+    install puts it)."""
+    (root / "src" / "pkg").mkdir(parents=True)
+    (root / "pyproject.toml").write_text("[project]\nname = 'pkg'\n")
+    (root / "src" / "pkg" / "__init__.py").write_text("")
+    (root / "src" / "pkg" / "model.py").write_text(USER_MODEL)
+    (root / "src" / "pkg" / "losses.py").write_text(loss)
+    script_dir.mkdir(parents=True, exist_ok=True)
+    (script_dir / "train.py").write_text(SRC_SCRIPT)
+    path = os.pathsep.join(p for p in (str(root / "src"), os.environ.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [sys.executable, str(script_dir / "train.py")], cwd=script_dir,
+        env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=120,
+        check=True,
+    )  # fmt: skip
+    return result.stdout.strip()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("where", ["scripts", "outside"])
+def test_code_takes_the_modules_of_the_project_the_script_or_its_model_comes_from(
+    tmp_path: Any, where: str
+) -> None:
+    # A src/ layout: the script in the project's scripts/ directory, or in a
+    # directory of no project; the model and the loss in the project's package.
+    def script_dir(root: Any) -> Any:
+        return root / "scripts" if where == "scripts" else root.parent / f"run-{root.name}"
+
+    here = src_layout_code(tmp_path / "a", script_dir(tmp_path / "a"))
+    assert re.fullmatch(r"__main__=\w{8} pkg=\w{8} pkg.losses=\w{8} pkg.model=\w{8}", here), here
+    # Another version of the loss, which no job object's class names.
+    other = src_layout_code(
+        tmp_path / "b", script_dir(tmp_path / "b"), loss=USER_LOSS.replace("mean()", "sum()")
+    )
+    differ = [a for a, b in zip(other.split(), here.split(), strict=True) if a != b]
+    assert [word.split("=")[0] for word in differ] == ["pkg.losses"], (other, here)
+
+
 class _UserBase(nn.Module):
     """A user's base class, defined in this module as the class below."""
 
@@ -515,13 +567,21 @@ def test_code_takes_functions_methods_partials_and_bases_and_leaves_out_torch_an
     this = __name__
     assert code_digests([net.linear, torch.optim.SGD(net.parameters(), lr=0.1)], None) == "none"
     assert code_digests([dataclasses.replace], "json") == "none"  # Python's own
+
+    def names(code: str) -> list[str]:
+        return [word.split("=")[0] for word in code.split()]
+
+    # (With the modules imported from the project they come from: this
+    # repository's, here.)
     for obj in (net, net.hook, functools.partial(net.hook), _user_function):
-        assert code_digests([obj], None).split("=")[0] == this, obj
+        assert this in names(code_digests([obj], None)), obj
     # A class's bases count where they are defined.
-    names = [word.split("=")[0] for word in code_digests([_Derived()], None).split()]
-    assert names == ["tests.loader_worker", this]
+    derived = names(code_digests([_Derived()], None))
+    assert {"tests.loader_worker", this} <= set(derived)
+    assert not {n for n in derived if n.partition(".")[0] in ("torch", "rollcall", "json")}
     # An empty file is source too (tests/__init__.py).
-    assert code_digests([], "tests") == "tests=" + hashlib.sha256(b"").hexdigest()[:8]
+    empty = "tests=" + hashlib.sha256(b"").hexdigest()[:8]
+    assert code_digests([], "tests").split()[0] == empty
     # Every process whose module has no source says so alike.
     assert code_digests([], "no_such_module_anywhere") == "no_such_module_anywhere=nosource"
 

@@ -22,7 +22,7 @@ import inspect
 import json
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,8 @@ DATA_OFF = CODE_OFF = "off"
 _NOT_USER_CODE = frozenset({"torch", "rollcall", "__mp_main__"}) | sys.stdlib_module_names
 #: Directories that hold installed packages, not a project's own code.
 _INSTALLED = frozenset({"site-packages", "dist-packages"})
+#: Files that mark a project's root directory (``project_root``).
+_PROJECT_MARKS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
 #: Hex digits of each module's source digest in ``code``.
 _CODE_DIGEST = 8
 #: Hex digits of the digest kept when a value is shortened.
@@ -149,41 +151,66 @@ def data_probe(reads: Sequence[Any]) -> str:
     return digests.pop() if len(digests) == 1 else VARYING
 
 
-def code_digests(objects: Iterable[Any], caller: str | None, project: Path | None = None) -> str:
+def code_digests(objects: Iterable[Any], caller: str | None, script: Path | None = None) -> str:
     """The source the job runs: ``NAME=DIGEST ...`` (``none`` if empty),
     the first hex digits of the SHA-256 of the source of each module that
     ``caller`` (the module that constructs ``Elastic``) names, that
     defines the class of one of ``objects`` or any of its bases (a
-    function: its own module), or that was imported from a file under
-    ``project`` (the directory of the caller's file: a loss in a module
-    beside the script), but installed packages there; in order of name.
-    Python's own modules, torch's and rollcall's are left out. A module
-    without source (typed in, or loaded from bytecode alone) reads
-    ``nosource``. Comments count: the same file gives the same digest on
-    every host, another version of it another."""
+    function: its own module), or that was imported from a file of a
+    project these come from (``project_root``: of ``script``, the
+    directory of the caller's file, and of each defining module's file; a
+    loss in a module beside the script, or in the package of a ``src/``
+    layout the script's project installs in editable mode), but installed
+    packages there; in order of name. Python's own modules, torch's and
+    rollcall's are left out. A module without source (typed in, or loaded
+    from bytecode alone) reads ``nosource``. Comments count: the same file
+    gives the same digest on every host, another version of it another."""
     names = {caller} if caller else set()
     for obj in objects:
         names.update(_defining_modules(obj))
-    if project is not None:
-        names.update(_imported_from(project))
-    kept = sorted(n for n in names if _user_code(n))
-    return " ".join(f"{n}={_source_digest(n)}" for n in kept) or NONE
+    names = {n for n in names if _user_code(n)}
+    roots = {project_root(script)} if script is not None else set()
+    for name in names:
+        file = _own_file(name)
+        if file is not None:
+            roots.add(project_root(file.parent))
+    names.update(_imported_from(roots))
+    return " ".join(f"{n}={_source_digest(n)}" for n in sorted(names)) or NONE
+
+
+def project_root(directory: Path) -> Path:
+    """The project ``directory`` belongs to: its nearest ancestor (itself
+    included) that holds one of ``_PROJECT_MARKS``, else ``directory``."""
+    for candidate in (directory, *directory.parents):
+        if any((candidate / mark).exists() for mark in _PROJECT_MARKS):
+            return candidate
+    return directory
 
 
 def _user_code(module: str) -> bool:
     return module.partition(".")[0] not in _NOT_USER_CODE
 
 
-def _imported_from(project: Path) -> set[str]:
-    """The modules imported so far from files under ``project``, but
+def _own_file(name: str) -> Path | None:
+    """Module ``name``'s file, resolved, unless it is an installed package's."""
+    file = getattr(sys.modules.get(name), "__file__", None)
+    if not isinstance(file, str):
+        return None
+    path = Path(os.path.realpath(file))
+    return None if _INSTALLED & set(path.parts) else path
+
+
+def _imported_from(roots: Collection[Path]) -> set[str]:
+    """The modules imported so far from files under one of ``roots``, but
     installed packages (a virtual environment kept there)."""
+    if not roots:
+        return set()
     found = set()
-    for name, module in list(sys.modules.items()):
-        file = getattr(module, "__file__", None)
-        if not isinstance(file, str) or not _user_code(name):
+    for name in list(sys.modules):
+        if not _user_code(name):
             continue
-        path = Path(os.path.realpath(file))
-        if path.is_relative_to(project) and not _INSTALLED & set(path.parts):
+        path = _own_file(name)
+        if path is not None and any(path.is_relative_to(root) for root in roots):
             found.add(name)
     return found
 

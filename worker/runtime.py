@@ -424,7 +424,7 @@ class Elastic:
         settings: Mapping[str, Any] | argparse.Namespace | None = None,
     ) -> None:
         # The module that constructs the job, and the modules imported from
-        # its directory: their source is compared at join.
+        # its project: their source is compared at join.
         caller = sys._getframe(1).f_globals
         if messages:
             install_default_handler()
@@ -1999,6 +1999,7 @@ class Elastic:
             probe=None if last is None else HookAgreement.read(last.probe),
             modes=modes_tag(self._named_modules.values()),
         )
+        grads: Sequence[torch.Tensor | None]  # the reduced gradient, by parameter
         try:
             if self._exact is not None:
                 reduced = self._exact.reduce(
@@ -2012,7 +2013,7 @@ class Elastic:
                 count, loss, stop, agreed, finish = self._reduce_buckets(
                     step, group, ask, agreements
                 )
-                grads = [p.grad for p in self._params if p.grad is not None]
+                grads = [p.grad for p in self._params]  # the buckets' views
             else:
                 tensors, buffer_slots = self._reduction(step, ask, agreements)
                 group.allreduce_sum(tensors)
@@ -2066,9 +2067,16 @@ class Elastic:
             )
         # A grad scaler skips a step whose gradient is not finite; without
         # one, applying it would make every replica's weights NaN.
-        finite = not not_finite(grads)
+        finite = not not_finite(g for g in grads if g is not None)
         if self._scaler is None and not finite:
-            self._refuse_not_finite(step, grads, "the reduced gradient")
+            self._refuse_not_finite(
+                step, grads, "the reduced gradient",
+                "Either the run diverged (lower the learning rate, clip the gradients in "
+                "before_update, look for a log of 0 or a division by 0 in the loss), or a "
+                "worker computes wrongly (a faulty device: compare the ranks' losses). To skip "
+                "such steps instead, as mixed precision does, register a grad scaler "
+                "(Elastic(grad_scaler=...))",
+            )  # fmt: skip
         if self._faults.slow_land():
             time.sleep(SLOW_LAND_S)
         with self._state:
@@ -2257,7 +2265,7 @@ class Elastic:
         return launch
 
     def _refuse_not_finite(
-        self, step: Step, grads: Sequence[torch.Tensor | None], what: str
+        self, step: Step, grads: Sequence[torch.Tensor | None], what: str, advice: str
     ) -> NoReturn:
         """Every rank holds the same reduced gradient (and gives it to the
         same hook), so every rank raises here at the same step, before the
@@ -2270,11 +2278,7 @@ class Elastic:
             f"for the step: {step._loss:g} over {step._count:g} samples): the optimizer did "
             f"not step and every rank stops here, so the model and its replicas hold "
             f"step {step.number - 1}, and no checkpoint holds anything later. Applied, it would "
-            "make every replica's weights NaN for the rest of the run. Either the run "
-            "diverged (lower the learning rate, clip the gradients in before_update, look "
-            "for a log of 0 or a division by 0 in the loss), or a worker computes wrongly "
-            "(a faulty device: compare the ranks' losses). To skip such steps instead, as "
-            "mixed precision does, register a grad scaler (Elastic(grad_scaler=...))"
+            f"make every replica's weights NaN for the rest of the run. {advice}"
         )
 
     def _reduce_buckets(
@@ -2365,7 +2369,11 @@ class Elastic:
             if finite and not_finite(g for g in left if g is not None):
                 # The reduced gradient was finite: the hook made it not.
                 hook = callable_name(self._before_update)
-                self._refuse_not_finite(step, left, f"the gradient before_update ({hook}) left")
+                self._refuse_not_finite(
+                    step, left, f"the gradient before_update ({hook}) left",
+                    "The reduced gradient the hook was given was finite: fix the hook (a "
+                    "division by a norm that can be 0 wants an epsilon)",
+                )  # fmt: skip
             probe = HookAgreement.probe(self._params)
         self._applied = _Applied(step.number, settings_tag(self._optimizer), probe)
         with self._ownership.applying():
