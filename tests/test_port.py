@@ -327,19 +327,27 @@ def test_a_step_whose_gradient_is_not_finite_stops_every_rank_before_it_is_appli
     # Rank 0's loss is NaN at one step: the reduced gradient of that step is
     # NaN on every rank. Applied, it would make every replica's weights NaN
     # for the rest of the run, with no error.
-    args = ["--steps", "12", "--min-workers", "2", "--loader-workers", "0",
-            "--nan-at", str(NAN_AT), *mode]  # fmt: skip
+    for log in stopped_at_the_nan_step(programs, "--nan-at", str(NAN_AT), *mode):
+        assert f"step {NAN_AT}: the reduced gradient" in log, log
+        assert f"hold step {NAN_AT - 1}" in log, log
+
+
+def stopped_at_the_nan_step(programs: Programs, *flags: str) -> list[str]:
+    """The logs of two workers run with ``flags``, once each has stopped
+    at step ``NAN_AT`` with ``NonFiniteGradient``, every step before it
+    applied with a finite loss and none after."""
+    args = ["--steps", "12", "--min-workers", "2", "--loader-workers", "0", *flags]
     team = [programs.start(*args) for _ in range(2)]
     for program in team:
         assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+    logs = []
     for program in team:
         steps = program.events("step")
-        # Every step before stays applied; that one and none after.
         assert [e["step"] for e in steps] == list(range(NAN_AT)), program.log_tail()
         assert all(math.isfinite(e["loss"]) for e in steps)
-        log = program.log_tail(60)
-        assert "NonFiniteGradient" in log and f"step {NAN_AT}: the reduced gradient" in log, log
-        assert f"hold step {NAN_AT - 1}" in log, log
+        logs.append(program.log_tail(60))
+        assert "NonFiniteGradient" in logs[-1], logs[-1]
+    return logs
 
 
 @pytest.mark.parametrize("scaler", [[], ["--grad-scaler"]], ids=["no scaler", "grad scaler"])
@@ -349,17 +357,7 @@ def test_a_gradient_before_update_leaves_not_finite_stops_every_rank_before_the_
     # The reduced gradient is finite; the hook (a division by a norm of 0)
     # makes it NaN. The optimizer would apply it on every rank; so would a
     # grad scaler, which found nothing when it unscaled.
-    args = ["--steps", "12", "--min-workers", "2", "--loader-workers", "0",
-            "--hook-nan-at", str(NAN_AT), *scaler]  # fmt: skip
-    team = [programs.start(*args) for _ in range(2)]
-    for program in team:
-        assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
-    for program in team:
-        steps = program.events("step")
-        assert [e["step"] for e in steps] == list(range(NAN_AT)), program.log_tail()
-        assert all(math.isfinite(e["loss"]) for e in steps)
-        log = program.log_tail(60)
-        assert "NonFiniteGradient" in log, log
+    for log in stopped_at_the_nan_step(programs, "--hook-nan-at", str(NAN_AT), *scaler):
         assert f"step {NAN_AT}: the gradient before_update (__main__.Clip) left" in log, log
         assert "1 of 10 (head.bias)" in log and "fix the hook" in log, log
 
