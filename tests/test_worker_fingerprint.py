@@ -13,6 +13,9 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
+import types
+from pathlib import Path
 from typing import Any
 
 import numpy
@@ -547,6 +550,23 @@ def test_code_takes_the_modules_of_the_project_the_script_or_its_model_comes_fro
     )
     differ = [a for a, b in zip(other.split(), here.split(), strict=True) if a != b]
     assert [word.split("=")[0] for word in differ] == ["pkg.losses"], (other, here)
+
+
+def test_code_leaves_out_the_interpreters_own_files_inside_a_project(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A virtual environment kept in the project: a console script in its
+    # bin is __main__ (its first line names the environment's path, which
+    # differs between hosts); a module of the project counts.
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "helper.py").write_text("")
+    scripts = Path(sysconfig.get_paths()["scripts"])
+    for name, file in (("console_entry", scripts / "train"), ("helper", tmp_path / "helper.py")):
+        module = types.ModuleType(name)
+        module.__file__ = str(file)
+        monkeypatch.setitem(sys.modules, name, module)
+    assert code_digests([], None, tmp_path) == "helper=" + hashlib.sha256(b"").hexdigest()[:8]
+    assert "console_entry" not in code_digests([], None, scripts.parent)
 
 
 class _UserBase(nn.Module):

@@ -22,6 +22,7 @@ import inspect
 import json
 import os
 import sys
+import sysconfig
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -192,12 +193,24 @@ def _user_code(module: str) -> bool:
 
 
 def _own_file(name: str) -> Path | None:
-    """Module ``name``'s file, resolved, unless it is an installed package's."""
+    """Module ``name``'s file, resolved, unless it is an installed package's
+    or the interpreter's (a console script in the environment's ``bin``,
+    whose first line names the environment's path)."""
     file = getattr(sys.modules.get(name), "__file__", None)
     if not isinstance(file, str):
         return None
     path = Path(os.path.realpath(file))
-    return None if _INSTALLED & set(path.parts) else path
+    if _INSTALLED & set(path.parts) or any(path.is_relative_to(p) for p in _interpreter_dirs()):
+        return None
+    return path
+
+
+@functools.cache
+def _interpreter_dirs() -> tuple[Path, ...]:
+    """Where this interpreter keeps its own modules and scripts."""
+    paths = sysconfig.get_paths()
+    keys = ("stdlib", "platstdlib", "purelib", "platlib", "scripts")
+    return tuple({Path(os.path.realpath(paths[k])) for k in keys if k in paths})
 
 
 def _imported_from(roots: Collection[Path]) -> set[str]:
@@ -206,8 +219,10 @@ def _imported_from(roots: Collection[Path]) -> set[str]:
     if not roots:
         return set()
     found = set()
-    for name in list(sys.modules):
-        if not _user_code(name):
+    for name, module in list(sys.modules.items()):
+        # ``python -m rollcall``: ``__main__`` is rollcall's own module.
+        spec = getattr(getattr(module, "__spec__", None), "name", None)
+        if not _user_code(spec if isinstance(spec, str) else name):
             continue
         path = _own_file(name)
         if path is not None and any(path.is_relative_to(root) for root in roots):
