@@ -29,6 +29,7 @@ from rollcall.worker.contract import (
     not_finite,
     not_finite_names,
     settings_tag,
+    skips_non_finite,
 )
 
 
@@ -345,6 +346,30 @@ def test_the_finite_check_sees_one_bad_element_in_any_tensor_and_changes_no_bit(
     assert not not_finite(grads[:2])  # a group of another dtype does not see it
     named = {"a": grads[0], "b.weight": grads[1], "c.bias": grads[2]}
     assert not_finite_names(named) == "1 of 3 (c.bias)"
+
+
+def test_only_an_enabled_grad_scaler_skips_a_step_that_is_not_finite() -> None:
+    # A scaler built with enabled=False (mixed precision off) steps the
+    # optimizer with whatever the gradient holds: it counts as none.
+    assert skips_non_finite(torch.amp.GradScaler("cpu"))
+    assert not skips_non_finite(torch.amp.GradScaler("cpu", enabled=False))
+    assert not skips_non_finite(None)
+
+    class Plain:  # a scaler of its own, without is_enabled
+        pass
+
+    assert skips_non_finite(Plain())
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "100"])
+def test_a_max_skipped_steps_that_is_not_a_count_is_refused(bad: Any) -> None:
+    from rollcall import Elastic
+
+    model, optimizer = _model_and_optimizer()
+    with pytest.raises(ValueError, match="max_skipped_steps must be an int >= 1"):
+        Elastic(model, optimizer, list(range(8)), global_batch=4, micro_batch=2,
+                rendezvous="127.0.0.1:1", job="j", messages=False,
+                max_skipped_steps=bad)  # fmt: skip
 
 
 def test_the_modes_tag_sees_any_module_out_of_the_others_training_mode() -> None:

@@ -318,24 +318,26 @@ NAN_AT = 5
 
 @pytest.mark.parametrize(
     "mode",
-    [[], ["--overlap"], ["--exact"], ["--shard-redundancy", "1"]],
-    ids=["default", "overlap", "exact", "sharded"],
+    [[], ["--overlap"], ["--exact"], ["--shard-redundancy", "1"], ["--disabled-grad-scaler"]],
+    ids=["default", "overlap", "exact", "sharded", "disabled scaler"],
 )
 def test_a_step_whose_gradient_is_not_finite_stops_every_rank_before_it_is_applied(
     programs: Programs, mode: list[str]
 ) -> None:
     # Rank 0's loss is NaN at one step: the reduced gradient of that step is
     # NaN on every rank. Applied, it would make every replica's weights NaN
-    # for the rest of the run, with no error.
+    # for the rest of the run, with no error. A grad scaler built with
+    # enabled=False (mixed precision off) skips nothing: its step() is the
+    # optimizer's.
     for log in stopped_at_the_nan_step(programs, "--nan-at", str(NAN_AT), *mode):
         assert f"step {NAN_AT}: the reduced gradient" in log, log
         assert f"hold step {NAN_AT - 1}" in log, log
 
 
-def stopped_at_the_nan_step(programs: Programs, *flags: str) -> list[str]:
+def stopped_at_the_nan_step(programs: Programs, *flags: str, applied: int = NAN_AT) -> list[str]:
     """The logs of two workers run with ``flags``, once each has stopped
     at step ``NAN_AT`` with ``NonFiniteGradient``, every step before it
-    applied with a finite loss and none after."""
+    committed and none after, the first ``applied`` with a finite loss."""
     args = ["--steps", "12", "--min-workers", "2", "--loader-workers", "0", *flags]
     team = [programs.start(*args) for _ in range(2)]
     for program in team:
@@ -344,7 +346,7 @@ def stopped_at_the_nan_step(programs: Programs, *flags: str) -> list[str]:
     for program in team:
         steps = program.events("step")
         assert [e["step"] for e in steps] == list(range(NAN_AT)), program.log_tail()
-        assert all(math.isfinite(e["loss"]) for e in steps)
+        assert all(math.isfinite(e["loss"]) for e in steps[:applied])
         logs.append(program.log_tail(60))
         assert "NonFiniteGradient" in logs[-1], logs[-1]
     return logs
@@ -364,14 +366,30 @@ def test_a_gradient_before_update_leaves_not_finite_stops_every_rank_before_the_
 
 def test_a_grad_scaler_skips_a_step_whose_gradient_is_not_finite(programs: Programs) -> None:
     # With a grad scaler a non-finite step is expected (mixed precision): the
-    # scaler skips it and lowers its scale, and the run goes on.
-    program = programs.start("--steps", "10", "--grad-scaler", "--loader-workers", "0",
-                             "--nan-at", str(NAN_AT))  # fmt: skip
+    # scaler skips it and lowers its scale, and the run goes on. Three skips
+    # in a row are fewer than max_skipped_steps=4.
+    nan = range(NAN_AT, NAN_AT + 3)
+    program = programs.start("--steps", "12", "--grad-scaler", "--loader-workers", "0",
+                             "--nan-at", str(NAN_AT), "--nan-for", "3",
+                             "--max-skipped-steps", "4")  # fmt: skip
     assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
     losses = {e["step"]: e["loss"] for e in program.events("step")}
-    assert sorted(losses) == list(range(10))
-    assert math.isnan(losses[NAN_AT])
-    assert all(math.isfinite(loss) for step, loss in losses.items() if step != NAN_AT)
+    assert sorted(losses) == list(range(12))
+    assert all(math.isnan(losses[step]) for step in nan)
+    assert all(math.isfinite(loss) for step, loss in losses.items() if step not in nan)
+
+
+def test_a_grad_scaler_that_skips_every_step_stops_the_run(programs: Programs) -> None:
+    # From step NAN_AT on, rank 0's loss is NaN at every step: the scaler
+    # skips them all, and would to the last step, the run ending with exit 0
+    # and a model that stopped training at NAN_AT - 1.
+    logs = stopped_at_the_nan_step(
+        programs, "--grad-scaler", "--nan-at", str(NAN_AT - 3), "--nan-for", "100",
+        "--max-skipped-steps", "4", applied=NAN_AT - 3,
+    )  # fmt: skip
+    for log in logs:
+        assert f"every step since step {NAN_AT - 3} (4 in a row" in log, log
+        assert f"has not changed since step {NAN_AT - 4}" in log, log
 
 
 def test_an_unreachable_rendezvous_is_said_within_seconds(plane: ControlPlane) -> None:

@@ -460,6 +460,17 @@ def not_finite(tensors: Iterable[torch.Tensor]) -> bool:
     return False
 
 
+def skips_non_finite(scaler: Any) -> bool:
+    """Whether the grad scaler ``scaler`` skips a step whose gradient is not
+    finite. One built with ``enabled=False`` (mixed precision off, or a CUDA
+    scaler on a machine without CUDA) does not: its ``step()`` is the
+    optimizer's, and applies whatever the gradient holds."""
+    if scaler is None:
+        return False
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
+
+
 def not_finite_names(named: Mapping[str, torch.Tensor]) -> str:
     """The tensors of ``named`` holding NaN or infinity, for a message:
     "2 of 30 (head.weight, head.bias)"."""

@@ -103,6 +103,7 @@ from rollcall.worker.contract import (
     not_finite,
     not_finite_names,
     settings_tag,
+    skips_non_finite,
 )
 from rollcall.worker.digest import digest, hash_threads, tree_digest
 from rollcall.worker.environment import (
@@ -422,6 +423,7 @@ class Elastic:
         data_probe: bool = True,
         code_check: bool = True,
         settings: Mapping[str, Any] | argparse.Namespace | None = None,
+        max_skipped_steps: int = 100,
     ) -> None:
         # The module that constructs the job, and the modules imported from
         # its project: their source is compared at join.
@@ -440,6 +442,11 @@ class Elastic:
             raise ValueError(f"no job name: pass job= or set {ENV_JOB}")
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        if (
+            isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int)
+            or max_skipped_steps < 1
+        ):  # fmt: skip
+            raise ValueError(f"max_skipped_steps must be an int >= 1, got {max_skipped_steps!r}")
         if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
             raise ValueError(f"min_workers must be an int >= 1, got {min_workers!r}")
         if before_update is not None and not callable(before_update):
@@ -466,6 +473,12 @@ class Elastic:
         self._optimizer = optimizer
         self._scheduler = scheduler
         self._scaler = grad_scaler
+        #: Whether the scaler skips a step whose gradient is not finite
+        #: (``enabled=False``: it does not), how many steps in a row it has
+        #: skipped, and how many it may.
+        self._skips = skips_non_finite(grad_scaler)
+        self._skipped = 0
+        self._max_skipped = max_skipped_steps
         #: What the loop's code may change (``_check_registered``, ``busy``).
         self._registered = RegisteredWatch({
             **{f"state {name!r}": obj for name, obj in self._extras.items()},
@@ -2066,11 +2079,13 @@ class Elastic:
                 "or restarts counts from 0)"
             )
         # A grad scaler skips a step whose gradient is not finite; without
-        # one, applying it would make every replica's weights NaN.
+        # one (or with one built with enabled=False), applying it would make
+        # every replica's weights NaN.
         finite = not not_finite(g for g in grads if g is not None)
-        if self._scaler is None and not finite:
+        if not finite and not self._skips:
             self._refuse_not_finite(
                 step, grads, "the reduced gradient",
+                "Applied, it would make every replica's weights NaN for the rest of the run. "
                 "Either the run diverged (lower the learning rate, clip the gradients in "
                 "before_update, look for a log of 0 or a division by 0 in the loss), or a "
                 "worker computes wrongly (a faulty device: compare the ranks' losses). To skip "
@@ -2277,9 +2292,25 @@ class Elastic:
             f"{not_finite_names(named)}; this rank's loss "
             f"for the step: {step._loss:g} over {step._count:g} samples): the optimizer did "
             f"not step and every rank stops here, so the model and its replicas hold "
-            f"step {step.number - 1}, and no checkpoint holds anything later. Applied, it would "
-            f"make every replica's weights NaN for the rest of the run. {advice}"
+            f"step {step.number - 1}, and no checkpoint holds anything later. {advice}"
         )
+
+    def _refuse_skipping(self, step: Step) -> NoReturn:
+        """The grad scaler has skipped ``max_skipped_steps`` steps in a row:
+        the run trains no more, and would end as if it had."""
+        assert self._scaler is not None
+        first = step.number - self._skipped + 1
+        self._refuse_not_finite(
+            step, [p.grad for p in self._params],
+            f"the reduced gradient of every step since step {first} ({self._skipped} in a row, "
+            f"the most max_skipped_steps allows)",
+            f"The grad scaler skipped each of them (its scale is now "
+            f"{float(self._scaler.get_scale()):g}), so the model has not changed since step "
+            f"{first - 1} and would not for the rest of the run. Halving the scale did not make "
+            "the gradient finite: the loss itself is not finite, or the weights already hold "
+            "NaN. Start again from an earlier checkpoint with a lower learning rate, or raise "
+            "Elastic(max_skipped_steps=...) if the scaler is still looking for its scale",
+        )  # fmt: skip
 
     def _reduce_buckets(
         self, step: Step, group: EpochGroup, ask: bool, agreements: Agreements
@@ -2359,6 +2390,9 @@ class Elastic:
         when it unscaled)."""
         self._served.release_live()  # a capture sharing what changes now
         finish()
+        self._skipped = 0 if finite else self._skipped + 1
+        if self._skipped >= self._max_skipped:
+            self._refuse_skipping(step)
         if self._scaler is not None:
             self._scaler.unscale_(self._optimizer)
         probe = None
@@ -2371,7 +2405,8 @@ class Elastic:
                 hook = callable_name(self._before_update)
                 self._refuse_not_finite(
                     step, left, f"the gradient before_update ({hook}) left",
-                    "The reduced gradient the hook was given was finite: fix the hook (a "
+                    "Applied, it would make every replica's weights NaN for the rest of the "
+                    "run. The reduced gradient the hook was given was finite: fix the hook (a "
                     "division by a norm that can be 0 wants an epsilon)",
                 )  # fmt: skip
             probe = HookAgreement.probe(self._params)

@@ -160,7 +160,9 @@ def train(args: argparse.Namespace) -> None:
     loader = DataLoader(data, batch_size=args.micro_batch, num_workers=args.loader_workers)
     ema = EMA(model)
     clip = Clip(model, args.hook_nan_at)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if args.grad_scaler else None
+    scaler = None
+    if args.grad_scaler or args.disabled_grad_scaler:  # as mixed precision off builds it
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=args.grad_scaler)
     config = None
     if args.collective_timeout is not None:
         config = Config(collective_timeout=args.collective_timeout)
@@ -171,7 +173,7 @@ def train(args: argparse.Namespace) -> None:
         min_workers=args.min_workers, ledger=args.ledger, config=config, exact=args.exact,
         overlap=args.overlap,
         shard_redundancy=args.shard_redundancy, shard_partitions=args.shard_partitions,
-        checkpoint_every=args.checkpoint_every,
+        checkpoint_every=args.checkpoint_every, max_skipped_steps=args.max_skipped_steps,
         # The script's own setting every worker must share; its paths differ.
         settings={"label_smoothing": args.label_smoothing},
     ) as job:  # fmt: skip
@@ -181,7 +183,8 @@ def train(args: argparse.Namespace) -> None:
                 time.sleep(0.05)  # a test holds the team until a joiner is in
             for batch in step.microbatches():
                 loss, count = loss_sum(model, batch.inputs, batch.targets, args.label_smoothing)
-                if step.number == args.nan_at and step.rank == 0:
+                nan = args.nan_at <= step.number < args.nan_at + args.nan_for
+                if args.nan_at >= 0 and nan and step.rank == 0:
                     loss = loss * float("nan")  # a step that diverges, on one rank
                 step.backward(loss, count)
                 if args.misuse_scheduler:
@@ -281,6 +284,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--grad-scaler", action="store_true", help="a (CPU) GradScaler")
     parser.add_argument(
+        "--disabled-grad-scaler", action="store_true", help="a GradScaler(enabled=False)"
+    )
+    parser.add_argument(
         "--eval-pause",
         type=float,
         default=0.0,
@@ -301,6 +307,8 @@ def main() -> None:
     parser.add_argument(
         "--nan-at", type=int, default=-1, help="rank 0's loss is NaN at this step"
     )
+    parser.add_argument("--nan-for", type=int, default=1, help="... and the next N-1")
+    parser.add_argument("--max-skipped-steps", type=int, default=100)
     parser.add_argument(
         "--hook-nan-at", type=int, default=-1,
         help="the clipping hook leaves a NaN gradient at this step",
