@@ -113,7 +113,10 @@ class NonFiniteGradient(RollcallError):
     weights NaN for the rest of the run, and every checkpoint after it.
     Every rank raises it at that step's commit, before the optimizer steps,
     so the model's parameters, its replicas and the checkpoints keep the
-    step before."""
+    step before. Also raised when a grad scaler has skipped
+    ``max_skipped_steps`` steps in a row (the run trains no more), and when
+    the optimizer's update of a finite gradient leaves parameters that are
+    not (then the checkpoints, not the model, keep the step before)."""
 
 
 class StateDrifted(RollcallError):

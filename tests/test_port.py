@@ -334,12 +334,15 @@ def test_a_step_whose_gradient_is_not_finite_stops_every_rank_before_it_is_appli
         assert f"hold step {NAN_AT - 1}" in log, log
 
 
-def stopped_at_the_nan_step(programs: Programs, *flags: str, applied: int = NAN_AT) -> list[str]:
-    """The logs of two workers run with ``flags``, once each has stopped
-    at step ``NAN_AT`` with ``NonFiniteGradient``, every step before it
-    committed and none after, the first ``applied`` with a finite loss."""
+def stopped_at_the_nan_step(
+    programs: Programs, *flags: str, applied: int = NAN_AT, env: dict[str, str] | None = None
+) -> list[str]:
+    """The logs of two workers run with ``flags`` (and ``env``), once each
+    has stopped at step ``NAN_AT`` with ``NonFiniteGradient``, every step
+    before it committed and none after, the first ``applied`` with a finite
+    loss."""
     args = ["--steps", "12", "--min-workers", "2", "--loader-workers", "0", *flags]
-    team = [programs.start(*args) for _ in range(2)]
+    team = [programs.start(*args, env=env) for _ in range(2)]
     for program in team:
         assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
     logs = []
@@ -362,6 +365,26 @@ def test_a_gradient_before_update_leaves_not_finite_stops_every_rank_before_the_
     for log in stopped_at_the_nan_step(programs, "--hook-nan-at", str(NAN_AT), *scaler):
         assert f"step {NAN_AT}: the gradient before_update (__main__.Clip) left" in log, log
         assert "1 of 10 (head.bias)" in log and "fix the hook" in log, log
+
+
+@pytest.mark.parametrize("mode", [[], ["--shard-redundancy", "1"]], ids=["replicated", "sharded"])
+def test_an_update_that_leaves_parameters_not_finite_stops_every_rank_before_a_checkpoint(
+    programs: Programs, mode: list[str]
+) -> None:
+    # The gradient is finite; the update is not (a learning rate of NaN,
+    # as a schedule computed wrongly gives): every replica's weights are NaN
+    # after it. Kept, every later step would be NaN and every checkpoint
+    # from then on; the checkpoint due at that very step is not written.
+    checkpoints = programs.tmp_path / "checkpoints"
+    logs = stopped_at_the_nan_step(
+        programs, "--lr-nan-at", str(NAN_AT), "--checkpoint-every", str(NAN_AT + 1), *mode,
+        env={"ROLLCALL_CHECKPOINT_DIR": str(checkpoints)},
+    )  # fmt: skip
+    for log in logs:
+        assert f"step {NAN_AT}: the parameters the optimizer's update left are not finite" in log
+        assert "10 of 10" in log and "learning rates: nan" in log, log
+    written = [p.name for p in checkpoints.rglob("*") if p.is_file()]
+    assert not written, written  # the first due is at step NAN_AT: its weights are NaN
 
 
 def test_a_grad_scaler_skips_a_step_whose_gradient_is_not_finite(programs: Programs) -> None:

@@ -34,7 +34,7 @@ __all__ = [
     "Agreed", "Agreement", "Agreements", "GradientWatch", "HookAgreement", "Ownership",
     "ParameterWatch", "RegisteredWatch", "Stateful", "check_extras", "check_scheduler",
     "in_eval_mode", "learning_rates", "modes_tag", "not_finite", "not_finite_names",
-    "settings_tag",
+    "settings_tag", "skips_non_finite",
 ]  # fmt: skip
 
 

@@ -302,12 +302,14 @@ def _read_totals(totals: torch.Tensor) -> tuple[float, float, bool, Agreed]:
 
 class _Applied(NamedTuple):
     """An update this rank applied itself: its step, the ``settings_tag``
-    of its optimizer settings and the ``HookAgreement.probe`` of the
-    gradients ``before_update`` left (None without a hook)."""
+    of its optimizer settings, the ``HookAgreement.probe`` of the
+    gradients ``before_update`` left (None without a hook) and its
+    ``learning_rates`` (for a message)."""
 
     step: int
     settings: int
     probe: torch.Tensor | None
+    rates: str
 
 
 def _check_sharding(
@@ -1804,6 +1806,7 @@ class Elastic:
         if drifted:
             senders = {p: sharded.sender_of(p, view.ids) for p in drifted}
             self._drifted_copies = (step.number, senders)
+        self._check_updated(step)
         if self.checkpoints is None or (step.number + 1) % self._checkpoint_every != 0:
             return None
         return self._checkpoint_parts(step, group, sharded, view)
@@ -2410,7 +2413,9 @@ class Elastic:
                     "division by a norm that can be 0 wants an epsilon)",
                 )  # fmt: skip
             probe = HookAgreement.probe(self._params)
-        self._applied = _Applied(step.number, settings_tag(self._optimizer), probe)
+        self._applied = _Applied(
+            step.number, settings_tag(self._optimizer), probe, learning_rates(self._optimizer)
+        )
         with self._ownership.applying():
             if self._sharded is not None:
                 self._sharded.update()  # this rank's partitions; the others' arrive next
@@ -2423,8 +2428,32 @@ class Elastic:
             else:
                 self._optimizer.step()
         self._ownership.step_scheduler()
+        if self._sharded is None:
+            self._check_updated(step)
         self._optimizer.zero_grad(set_to_none=True)
         self._gradients.forget()
+
+    def _check_updated(self, step: Step) -> None:
+        """(Under ``_lock``, after the update: at the end of ``_apply``, or
+        after a sharded job's all-gather.) The parameters must be finite: an
+        optimizer makes NaN of a finite gradient (Adam with ``eps=0`` on a
+        gradient of 0, a learning rate the scheduler made NaN or infinite).
+        Every rank computed the same update, so every rank raises here,
+        before a checkpoint of the step is written or its state served."""
+        if not not_finite(p.detach() for p in self._params):
+            return
+        names = [n for n, p in self._model.named_parameters() if p.requires_grad]
+        named = {n: p.detach() for n, p in zip(names, self._params, strict=True)}
+        assert self._applied is not None
+        raise NonFiniteGradient(
+            f"step {step.number}: the parameters the optimizer's update left are not finite "
+            f"(NaN or infinity in {not_finite_names(named)}), though the gradient it was given "
+            f"was (its learning rates: {self._applied.rates}): every rank computed "
+            f"the same update and stops here, so no checkpoint holds step {step.number} or "
+            "later, and no worker is given its state. Look at the optimizer's settings (a "
+            "learning rate the scheduler made NaN or infinite, an eps of 0 in a denominator) "
+            "and start again from the last checkpoint"
+        )
 
     def _check_model(self, step: Step) -> None:
         """(Every step, before the reduction.) The model's parameters as

@@ -123,10 +123,12 @@ class Clip:
     """Gradient clipping by global norm, run by the runtime between the
     reduced, normalised gradient and the optimizer step."""
 
-    def __init__(self, model: nn.Module, nan_at: int = -1) -> None:
-        self.model = model
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, nan_at: int, lr_nan_at: int
+    ) -> None:
+        self.model, self.optimizer = model, optimizer
         self.norm = 0.0
-        self.nan_at = nan_at
+        self.nan_at, self.lr_nan_at = nan_at, lr_nan_at
 
     def __call__(self, step: Any) -> None:
         self.norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
@@ -134,6 +136,9 @@ class Clip:
             head = self.model.head.bias.grad
             assert head is not None
             head.div_(torch.zeros_like(head))
+        if step.number == self.lr_nan_at:  # a schedule computed to NaN: the update is NaN
+            for group in self.optimizer.param_groups:
+                group["lr"] = float("nan")
 
 
 @torch.no_grad()
@@ -159,7 +164,7 @@ def train(args: argparse.Namespace) -> None:
     model, optimizer, scheduler, data, validation = build(args)
     loader = DataLoader(data, batch_size=args.micro_batch, num_workers=args.loader_workers)
     ema = EMA(model)
-    clip = Clip(model, args.hook_nan_at)
+    clip = Clip(model, optimizer, args.hook_nan_at, args.lr_nan_at)
     scaler = None
     if args.grad_scaler or args.disabled_grad_scaler:  # as mixed precision off builds it
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=args.grad_scaler)
@@ -306,6 +311,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--nan-at", type=int, default=-1, help="rank 0's loss is NaN at this step"
+    )
+    parser.add_argument(
+        "--lr-nan-at", type=int, default=-1, help="the clipping hook sets a NaN lr at this step"
     )
     parser.add_argument("--nan-for", type=int, default=1, help="... and the next N-1")
     parser.add_argument("--max-skipped-steps", type=int, default=100)
