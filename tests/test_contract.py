@@ -21,6 +21,7 @@ from rollcall.worker.contract import (
     ParameterWatch,
     RegisteredWatch,
     check_extras,
+    check_loss,
     check_optimizer_params,
     check_scheduler,
     in_eval_mode,
@@ -359,6 +360,31 @@ def test_only_an_enabled_grad_scaler_skips_a_step_that_is_not_finite() -> None:
         pass
 
     assert skips_non_finite(Plain())
+
+
+def test_a_loss_averaged_over_its_samples_or_already_scaled_is_refused() -> None:
+    f = torch.nn.functional
+    x, y = torch.randn(8, 3, requires_grad=True), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    zeros = torch.zeros(8, 3)
+    averaged = {
+        "cross_entropy": f.cross_entropy(x, y), "mse_loss": f.mse_loss(x, zeros),
+        "binary_cross_entropy_with_logits": f.binary_cross_entropy_with_logits(x, zeros),
+        "l1_loss": f.l1_loss(x, zeros), "mean()": (x**2).sum(1).mean(),
+    }  # fmt: skip
+    for loss in averaged.values():
+        with pytest.raises(UsageError, match="averaged over its samples .* 8 times too small"):
+            check_loss(loss, 8, None)
+        check_loss(loss, 1, None)  # count=1: every microbatch weighs alike, as documented
+    check_loss(f.cross_entropy(x, y, reduction="sum"), 8, None)
+    check_loss(f.cross_entropy(x, y) * 8, 8, None)  # the mean times its count is the sum
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    summed = f.cross_entropy(x, y, reduction="sum")
+    with pytest.raises(UsageError, match=r"grad scaler has scaled .* \(1024\) times too large"):
+        check_loss(scaler.scale(summed), 8, scaler)
+    check_loss(summed * 2.0, 8, scaler)  # another factor is the user's own
+    check_loss(summed, 8, scaler)
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    check_loss(off.scale(summed), 8, off)  # scale() of a disabled scaler changes nothing
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "100"])

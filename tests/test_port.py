@@ -387,6 +387,28 @@ def test_an_update_that_leaves_parameters_not_finite_stops_every_rank_before_a_c
     assert not written, written  # the first due is at step NAN_AT: its weights are NaN
 
 
+@pytest.mark.parametrize(
+    ("ported", "said"),
+    [("mean", "a loss averaged over its samples (NllLossBackward0"),
+     ("scaled", "a loss the grad scaler has scaled (scaler.scale(loss))")],
+    ids=["averaged", "already scaled"],
+)  # fmt: skip
+def test_a_loss_averaged_or_already_scaled_is_refused_at_the_first_backward(
+    programs: Programs, ported: str, said: str
+) -> None:
+    # step.backward wants the loss summed and unscaled. Given a batch's mean
+    # (a port that kept the default reduction) the gradient is 8 times too
+    # small; given scaler.scale(loss) (a port that kept AMP's line), it is
+    # the scale times too large. AdamW and the clip hide most of either: the
+    # run trained on, with no error.
+    program = programs.start("--steps", "6", "--grad-scaler", "--loader-workers", "0",
+                             "--ported-loss", ported)  # fmt: skip
+    assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+    log = program.log_tail(30)
+    assert "UsageError" in log and said in log, log
+    assert not program.events("step")
+
+
 def test_a_grad_scaler_skips_a_step_whose_gradient_is_not_finite(programs: Programs) -> None:
     # With a grad scaler a non-finite step is expected (mixed precision): the
     # scaler skips it and lowers its scale, and the run goes on. Three skips

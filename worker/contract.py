@@ -34,7 +34,7 @@ __all__ = [
     "Agreed", "Agreement", "Agreements", "GradientWatch", "HookAgreement", "Ownership",
     "ParameterWatch", "RegisteredWatch", "Stateful", "check_extras", "check_scheduler",
     "in_eval_mode", "learning_rates", "modes_tag", "not_finite", "not_finite_names",
-    "settings_tag", "skips_non_finite",
+    "check_loss", "settings_tag", "skips_non_finite",
 ]  # fmt: skip
 
 
@@ -469,6 +469,50 @@ def skips_non_finite(scaler: Any) -> bool:
         return False
     is_enabled = getattr(scaler, "is_enabled", None)
     return bool(is_enabled()) if callable(is_enabled) else True
+
+
+#: ``at::Reduction::Mean``, as a loss function's backward node saves it.
+_MEAN_REDUCTION = 1
+
+
+def check_loss(loss: torch.Tensor, count: int, scaler: Any) -> None:
+    """``step.backward(loss, count)`` wants the loss *summed* over ``count``
+    samples, unscaled. Two ports get it wrong with no error, and train on
+    a gradient ``count`` times too small or the scale times too large (an
+    optimizer that normalises, Adam, a clip by norm, hides most of it):
+    a loss averaged over the batch (the last operation a ``mean()``, or a
+    loss function with ``reduction='mean'``) given with ``count`` > 1, and a
+    loss the grad scaler has already scaled (``scaler.scale(loss)``; the
+    runtime scales it). ``UsageError`` for both. Reads the loss's autograd
+    node only (~1 us). A mean hidden behind another operation (``0.9 * ce +
+    0.1 * reg``, a label-smoothed cross entropy) is not seen."""
+    node = loss.grad_fn
+    if node is None:
+        return
+    if count > 1 and (
+        node.name() in ("MeanBackward0", "MeanBackward1")
+        or getattr(node, "_saved_reduction", None) == _MEAN_REDUCTION
+    ):
+        raise UsageError(
+            f"step.backward was given a loss averaged over its samples ({node.name()}: a "
+            f"mean(), or a loss function's default reduction='mean') with count={count}: the "
+            "runtime sums the losses and divides by the step's global count, so this gradient "
+            f"would be {count} times too small. Pass the loss summed over the microbatch "
+            "(reduction='sum', or the mean times its count), or count=1 to weigh every "
+            "microbatch alike"
+        )
+    scale = getattr(scaler, "_scale", None)
+    if isinstance(scale, torch.Tensor) and node.name() == "MulBackward0":
+        saved = [getattr(node, "_saved_other", None), getattr(node, "_saved_self", None)]
+        if any(
+            isinstance(t, torch.Tensor) and t.data_ptr() == scale.data_ptr() for t in saved
+        ):
+            raise UsageError(
+                "step.backward was given a loss the grad scaler has scaled "
+                "(scaler.scale(loss)): the runtime scales it itself, so this gradient would "
+                f"be the scale ({float(scale):g}) times too large. Pass the loss unscaled: "
+                "step.backward(loss_sum, count)"
+            )
 
 
 def not_finite_names(named: Mapping[str, torch.Tensor]) -> str:

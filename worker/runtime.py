@@ -95,6 +95,7 @@ from rollcall.worker.contract import (
     RegisteredWatch,
     ShardedStateGuard,
     check_extras,
+    check_loss,
     check_optimizer_params,
     check_scheduler,
     in_eval_mode,
@@ -241,6 +242,7 @@ class Step:
         self._refuse_after_commit("step.backward after commit()")
         count = _check_count(count)
         job = self._job
+        check_loss(loss_sum, count, job._scaler)
         buckets = job._buckets if self._final else None
         if buckets is not None:
             buckets.arm(job._launcher(self))

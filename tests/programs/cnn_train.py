@@ -191,6 +191,10 @@ def train(args: argparse.Namespace) -> None:
                 nan = args.nan_at <= step.number < args.nan_at + args.nan_for
                 if args.nan_at >= 0 and nan and step.rank == 0:
                     loss = loss * float("nan")  # a step that diverges, on one rank
+                if args.ported_loss == "mean":  # a port that kept the default reduction
+                    loss = F.cross_entropy(model(batch.inputs), batch.targets)
+                elif args.ported_loss == "scaled" and scaler is not None:  # kept AMP's scale()
+                    loss = scaler.scale(loss)
                 step.backward(loss, count)
                 if args.misuse_scheduler:
                     scheduler.step()
@@ -317,6 +321,10 @@ def main() -> None:
     )
     parser.add_argument("--nan-for", type=int, default=1, help="... and the next N-1")
     parser.add_argument("--max-skipped-steps", type=int, default=100)
+    parser.add_argument(
+        "--ported-loss", choices=["mean", "scaled"],
+        help="give step.backward a loss a port got wrong: averaged, or already scaled",
+    )  # fmt: skip
     parser.add_argument(
         "--hook-nan-at", type=int, default=-1,
         help="the clipping hook leaves a NaN gradient at this step",
