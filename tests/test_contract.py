@@ -20,10 +20,12 @@ from rollcall.worker.contract import (
     Ownership,
     ParameterWatch,
     RegisteredWatch,
+    buffers_not_finite,
     check_extras,
     check_loss,
     check_optimizer_params,
     check_scheduler,
+    finite_buffers,
     in_eval_mode,
     learning_rates,
     modes_tag,
@@ -385,6 +387,20 @@ def test_a_loss_averaged_over_its_samples_or_already_scaled_is_refused() -> None
     check_loss(summed, 8, scaler)
     off = torch.amp.GradScaler("cpu", enabled=False)
     check_loss(off.scale(summed), 8, off)  # scale() of a disabled scaler changes nothing
+
+
+def test_a_buffer_a_forward_pass_made_not_finite_is_seen_and_a_mask_of_inf_is_left_alone() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    model.register_buffer("mask", torch.full((2, 2), -math.inf).triu(1))  # as a causal mask
+    model.register_buffer("steps", torch.zeros((), dtype=torch.int64))  # not a float
+    watched = finite_buffers(model)
+    assert watched == {"1.running_mean", "1.running_var"}
+    model(torch.randn(8, 3))
+    assert not buffers_not_finite(model, watched)
+    bad = torch.randn(8, 3)
+    bad[2, 1] = math.nan  # one value of one sample
+    model(bad)
+    assert set(buffers_not_finite(model, watched)) == {"1.running_mean", "1.running_var"}
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "100"])

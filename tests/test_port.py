@@ -387,6 +387,19 @@ def test_an_update_that_leaves_parameters_not_finite_stops_every_rank_before_a_c
     assert not written, written  # the first due is at step NAN_AT: its weights are NaN
 
 
+def test_a_nan_sample_under_a_grad_scaler_stops_every_rank_before_its_statistics_are_kept(
+    programs: Programs,
+) -> None:
+    # One pixel of one sample is NaN: the forward pass makes the batch
+    # norms' running statistics NaN. The grad scaler skips the step's
+    # gradient, but the statistics have moved: training (on batch
+    # statistics) went on to the last step with exit 0, and every
+    # evaluation of the final model read NaN.
+    for log in stopped_at_the_nan_step(programs, "--grad-scaler", "--nan-input-at", str(NAN_AT)):
+        assert f"step {NAN_AT}: the buffers the step's forward passes left are not finite" in log
+        assert "features.1.running_mean" in log, log
+
+
 @pytest.mark.parametrize(
     ("ported", "said"),
     [("mean", "a loss averaged over its samples (NllLossBackward0"),

@@ -34,7 +34,7 @@ __all__ = [
     "Agreed", "Agreement", "Agreements", "GradientWatch", "HookAgreement", "Ownership",
     "ParameterWatch", "RegisteredWatch", "Stateful", "check_extras", "check_scheduler",
     "in_eval_mode", "learning_rates", "modes_tag", "not_finite", "not_finite_names",
-    "check_loss", "settings_tag", "skips_non_finite",
+    "check_loss", "finite_buffers", "settings_tag", "skips_non_finite",
 ]  # fmt: skip
 
 
@@ -513,6 +513,25 @@ def check_loss(loss: torch.Tensor, count: int, scaler: Any) -> None:
                 f"be the scale ({float(scale):g}) times too large. Pass the loss unscaled: "
                 "step.backward(loss_sum, count)"
             )
+
+
+def finite_buffers(model: torch.nn.Module) -> frozenset[str]:
+    """The names of ``model``'s float buffers that hold no NaN or infinity
+    now: those a forward pass may make not finite (a batch norm's running
+    statistics). A buffer that holds one by design (a causal mask of
+    ``-inf``) is left out of ``buffers_not_finite``."""
+    return frozenset(
+        name for name, buffer in model.named_buffers()
+        if buffer.is_floating_point() and not not_finite([buffer])
+    )  # fmt: skip
+
+
+def buffers_not_finite(model: torch.nn.Module, finite: frozenset[str]) -> dict[str, torch.Tensor]:
+    """``model``'s buffers named in ``finite`` (``finite_buffers``), by
+    name, if any of them now holds NaN or infinity; else empty. One fused
+    pass per dtype."""
+    named = {n: b for n, b in model.named_buffers() if n in finite}
+    return named if named and not_finite(named.values()) else {}
 
 
 def not_finite_names(named: Mapping[str, torch.Tensor]) -> str:

@@ -94,10 +94,12 @@ from rollcall.worker.contract import (
     ParameterWatch,
     RegisteredWatch,
     ShardedStateGuard,
+    buffers_not_finite,
     check_extras,
     check_loss,
     check_optimizer_params,
     check_scheduler,
+    finite_buffers,
     in_eval_mode,
     learning_rates,
     modes_tag,
@@ -562,6 +564,8 @@ class Elastic:
         #: The model's modules, whose training modes the ranks compare at
         #: every step (``modes_tag``).
         self._named_modules = dict(model.named_modules())
+        #: The float buffers that are finite now (``_check_buffers``).
+        self._finite_buffers = finite_buffers(model)
         #: The optimizer's parameter count per group when last checked.
         self._groups_seen = _group_sizes(optimizer)
         #: The last update this rank applied itself, compared with the
@@ -2395,6 +2399,7 @@ class Elastic:
         when it unscaled)."""
         self._served.release_live()  # a capture sharing what changes now
         finish()
+        self._check_buffers(step)
         self._skipped = 0 if finite else self._skipped + 1
         if self._skipped >= self._max_skipped:
             self._refuse_skipping(step)
@@ -2434,6 +2439,32 @@ class Elastic:
             self._check_updated(step)
         self._optimizer.zero_grad(set_to_none=True)
         self._gradients.forget()
+
+    def _check_buffers(self, step: Step) -> None:
+        """(Under ``_lock``, once the step's buffers are applied.) The
+        model's float buffers that were finite when ``Elastic`` was built
+        must still be (a causal mask of ``-inf`` is left alone). A forward
+        pass over a sample
+        that is NaN makes a batch norm's running statistics NaN; with a grad
+        scaler the step's gradient is then skipped, but the statistics have
+        moved, and every evaluation of the model reads NaN from then on
+        while training (on batch statistics) goes on. With the buffers
+        synchronised every rank holds the same and raises here, before a
+        checkpoint of the step is written or its state served."""
+        named = buffers_not_finite(self._model, self._finite_buffers)
+        if not named:
+            return
+        raise NonFiniteGradient(
+            f"step {step.number}: the buffers the step's forward passes left are not finite "
+            f"(NaN or infinity in {not_finite_names(named)}; this rank's loss for the step: "
+            f"{step._loss:g} over {step._count:g} samples): kept, every evaluation of the "
+            "model (model.eval(), on the running statistics) would read NaN from here on, "
+            "while training goes on. This rank stops here (with the buffers synchronised, "
+            f"every rank does), so no checkpoint holds step {step.number} or later, and no "
+            "worker is given its state. Look for a sample that is NaN or infinite in the "
+            "step's data (a forward pass over it made them so), and start again from the "
+            "last checkpoint"
+        )
 
     def _check_updated(self, step: Step) -> None:
         """(Under ``_lock``, after the update: at the end of ``_apply``, or

@@ -187,6 +187,8 @@ def train(args: argparse.Namespace) -> None:
             while args.hold_while and os.path.exists(args.hold_while):
                 time.sleep(0.05)  # a test holds the team until a joiner is in
             for batch in step.microbatches():
+                if step.number == args.nan_input_at and step.rank == 0:
+                    batch.inputs[0, 0, 0, 0] = float("nan")  # one pixel of a bad sample
                 loss, count = loss_sum(model, batch.inputs, batch.targets, args.label_smoothing)
                 nan = args.nan_at <= step.number < args.nan_at + args.nan_for
                 if args.nan_at >= 0 and nan and step.rank == 0:
@@ -318,6 +320,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--lr-nan-at", type=int, default=-1, help="the clipping hook sets a NaN lr at this step"
+    )
+    parser.add_argument(
+        "--nan-input-at", type=int, default=-1, help="a NaN pixel in rank 0's data at this step"
     )
     parser.add_argument("--nan-for", type=int, default=1, help="... and the next N-1")
     parser.add_argument("--max-skipped-steps", type=int, default=100)
