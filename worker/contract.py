@@ -530,6 +530,8 @@ def buffers_not_finite(model: torch.nn.Module, finite: frozenset[str]) -> dict[s
     """``model``'s buffers named in ``finite`` (``finite_buffers``), by
     name, if any of them now holds NaN or infinity; else empty. One fused
     pass per dtype."""
+    if not finite:
+        return {}
     named = {n: b for n, b in model.named_buffers() if n in finite}
     return named if named and not_finite(named.values()) else {}
 
