@@ -55,6 +55,35 @@ def test_a_registered_scheduler_stepped_in_the_loop_is_refused() -> None:
     assert scheduler.last_epoch == 0, "the refused call must not have stepped it"
 
 
+@pytest.mark.parametrize("combined", ["SequentialLR", "ChainedScheduler"])
+def test_a_scheduler_combined_in_the_registered_one_stepped_in_the_loop_is_refused(
+    combined: str,
+) -> None:
+    # The registered scheduler combines a warm-up and a decay; a loop that
+    # still steps its warm-up runs it twice as fast, alike on every rank.
+    model, optimizer = _model_and_optimizer()
+    lr = torch.optim.lr_scheduler
+    warmup = lr.LinearLR(optimizer, start_factor=0.1, total_iters=4)
+    decay = lr.ExponentialLR(optimizer, gamma=0.9)
+    if combined == "SequentialLR":
+        scheduler = lr.SequentialLR(optimizer, [warmup, decay], milestones=[4])
+    else:
+        scheduler = lr.ChainedScheduler([warmup, decay], optimizer=optimizer)
+    owned = Ownership(optimizer, scheduler)
+    with pytest.raises(UsageError, match=f"LinearLR, part of the registered {combined}"):
+        warmup.step()
+    assert warmup.last_epoch == 0, "the refused call must not have stepped it"
+    for _ in range(3):  # the runtime's own steps go through the combined one
+        _backward(model)
+        with owned.applying():
+            optimizer.step()
+        owned.step_scheduler()
+    assert warmup.last_epoch == 3
+    owned.release()
+    warmup.step()  # given back as it was
+    assert type(warmup) is lr.LinearLR
+
+
 def test_the_runtime_steps_the_registered_scheduler_once_per_update() -> None:
     model, optimizer = _model_and_optimizer()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)

@@ -686,7 +686,9 @@ class Ownership:
     The optimizer is guarded by a step pre-hook (torch's own API). The
     scheduler's class is swapped for a subclass whose ``step`` checks: a
     scheduler's ``state_dict`` is its instance ``__dict__``, so patching an
-    attribute on the instance would end up in the state.
+    attribute on the instance would end up in the state. So are the classes
+    of the schedulers it combines (``SequentialLR``'s and
+    ``ChainedScheduler``'s ``_schedulers``), which it steps itself.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
@@ -694,30 +696,41 @@ class Ownership:
         self._scheduler = scheduler
         self._inside = False
         self._hook = optimizer.register_step_pre_hook(self._optimizer_step)
-        self._scheduler_class: type | None = None
+        #: Each scheduler whose class was swapped, with its own class.
+        self._swapped: list[tuple[Any, type]] = []
         self._stepped = _schedule_position(scheduler)
-        if scheduler is not None:
-            original = type(scheduler)
-            ownership = self
+        for part, whole in _combined_schedulers(scheduler, None):
+            self._guard(part, whole)
 
-            def step(this: Any, *args: Any, **kwargs: Any) -> Any:
-                if not ownership._inside:
-                    raise UsageError(
-                        "scheduler.step() was called in the training loop, but this scheduler "
-                        "is registered with Elastic(scheduler=...), which steps it after "
-                        "every committed step: remove scheduler.step() from the loop "
-                        "(stepping it twice would run the schedule at double speed)"
-                    )
-                return original.step(this, *args, **kwargs)
+    def _guard(self, scheduler: Any, whole: Any) -> None:
+        """Swap ``scheduler``'s class for one whose ``step`` refuses calls
+        from outside :meth:`applying`; ``whole``: the registered scheduler
+        that combines it, if it is not that one."""
+        original = type(scheduler)
+        ownership = self
+        what = (
+            "this scheduler is registered with Elastic(scheduler=...)" if whole is None else
+            f"this scheduler ({original.__name__}, part of the registered "
+            f"{type(whole).__name__}) is stepped by it"
+        )  # fmt: skip
 
-            guarded = type(
-                original.__name__, (original,),
-                {"step": step, "__module__": original.__module__,
-                 "__qualname__": original.__qualname__},
-            )  # fmt: skip
-            with contextlib.suppress(TypeError):  # a class that refuses: checked at commit only
-                scheduler.__class__ = guarded
-                self._scheduler_class = original
+        def step(this: Any, *args: Any, **kwargs: Any) -> Any:
+            if not ownership._inside:
+                raise UsageError(
+                    f"scheduler.step() was called in the training loop, but {what}, which "
+                    "the runtime steps after every committed step: remove scheduler.step() "
+                    "from the loop (stepping it twice would run the schedule at double speed)"
+                )
+            return original.step(this, *args, **kwargs)
+
+        guarded = type(
+            original.__name__, (original,),
+            {"step": step, "__module__": original.__module__,
+             "__qualname__": original.__qualname__},
+        )  # fmt: skip
+        with contextlib.suppress(TypeError):  # a class that refuses: checked at commit only
+            scheduler.__class__ = guarded
+            self._swapped.append((scheduler, original))
 
     def _optimizer_step(self, *_: Any) -> None:
         if not self._inside:
@@ -762,9 +775,19 @@ class Ownership:
     def release(self) -> None:
         """Give the objects back as they were."""
         self._hook.remove()
-        if self._scheduler_class is not None:
-            self._scheduler.__class__ = self._scheduler_class
-            self._scheduler_class = None
+        for scheduler, original in self._swapped:
+            scheduler.__class__ = original
+        self._swapped = []
+
+
+def _combined_schedulers(scheduler: Any, whole: Any) -> Iterator[tuple[Any, Any]]:
+    """``scheduler`` (with the registered ``whole`` that combines it, None
+    for the registered one) and, depth first, the schedulers it combines."""
+    if scheduler is None:
+        return
+    yield scheduler, whole
+    for part in getattr(scheduler, "_schedulers", ()):
+        yield from _combined_schedulers(part, scheduler if whole is None else whole)
 
 
 class ShardedStateGuard:
