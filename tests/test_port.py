@@ -195,6 +195,19 @@ def test_a_scheduler_stepped_in_the_loop_as_well_is_refused(programs: Programs) 
     assert program.events("step") == [], "a step was applied with the schedule stepped twice"
 
 
+def test_a_second_scheduler_built_after_elastic_is_refused_at_the_first_commit(
+    programs: Programs,
+) -> None:
+    # A warm-up built after Elastic, beside the registered OneCycleLR, and
+    # stepped in the loop: the runtime never steps it, so a worker that
+    # joins starts its schedule again from 0.
+    program = programs.start("--steps", "20", "--late-warmup")
+    assert program.proc.wait(timeout=PATIENCE) != 0
+    log = program.log_tail(30)
+    assert "another LR scheduler (LinearLR) is attached to this optimizer" in log, log
+    assert program.events("step") == [], "a step was applied with a schedule not registered"
+
+
 def test_a_late_worker_on_a_job_with_progress_and_no_checkpoint_will_not_start_from_scratch(
     plane: ControlPlane, tmp_path: Path
 ) -> None:

@@ -469,6 +469,7 @@ class Elastic:
             )
         self._extras = check_extras(state or {})
         check_scheduler(scheduler, optimizer, registered=self._extras.values())
+        self._schedulers_rechecked = False  # at the first commit (_check_scheduler_registered)
         check_optimizer_params(model, optimizer)
         self._sharding = _check_sharding(shard_redundancy, shard_partitions, optimizer, grad_scaler)
         self._token = token or read_token(None)
@@ -2533,11 +2534,16 @@ class Elastic:
 
     def _check_scheduler_registered(self) -> None:
         """A scheduler built on the optimizer after ``Elastic`` was, or the
-        registered one stepped outside the runtime."""
+        registered one stepped outside the runtime. With one registered,
+        another is looked for again at this process's first commit (~20 ms,
+        once): a warm-up built after ``Elastic``, before the loop."""
         if self._scheduler is None:
             check_scheduler(None, self._optimizer)
-        else:
-            self._ownership.check_schedule()
+            return
+        if not self._schedulers_rechecked:
+            self._schedulers_rechecked = True
+            check_scheduler(self._scheduler, self._optimizer, registered=self._extras.values())
+        self._ownership.check_schedule()
 
     def _account(self, step: Step) -> None:
         """Metrics for a committed step; after the first one of a view, tell

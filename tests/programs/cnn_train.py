@@ -183,6 +183,8 @@ def train(args: argparse.Namespace) -> None:
         settings={"label_smoothing": args.label_smoothing},
     ) as job:  # fmt: skip
         say(event="joined", member_id=job.member_id)
+        if args.late_warmup:  # built after Elastic, beside the registered one
+            warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5)
         for step in job.steps(args.steps):
             while args.hold_while and os.path.exists(args.hold_while):
                 time.sleep(0.05)  # a test holds the team until a joiner is in
@@ -200,6 +202,8 @@ def train(args: argparse.Namespace) -> None:
                 step.backward(loss, count)
                 if args.misuse_scheduler:
                     scheduler.step()
+                if args.late_warmup:
+                    warmup.step()
                 if step.number < args.slow_until:
                     time.sleep(args.microbatch_pause)  # a kill lands mid-step
             if not step.commit():
@@ -350,6 +354,10 @@ def main() -> None:
     parser.add_argument("--digests", action="store_true", help="print each step's state digest")
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--until", type=int, help="with --reference: stop after this many steps")
+    parser.add_argument(
+        "--late-warmup", action="store_true",
+        help="build a second LR scheduler after Elastic and step it in the loop",
+    )  # fmt: skip
     parser.add_argument(
         "--misuse-scheduler",
         action="store_true",
