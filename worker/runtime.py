@@ -2445,13 +2445,13 @@ class Elastic:
         """(Under ``_lock``, once the step's buffers are applied.) The
         model's float buffers that were finite when ``Elastic`` was built
         must still be (a causal mask of ``-inf`` is left alone). A forward
-        pass over a sample
-        that is NaN makes a batch norm's running statistics NaN; with a grad
-        scaler the step's gradient is then skipped, but the statistics have
-        moved, and every evaluation of the model reads NaN from then on
-        while training (on batch statistics) goes on. With the buffers
-        synchronised every rank holds the same and raises here, before a
-        checkpoint of the step is written or its state served."""
+        pass over a sample that is NaN makes a batch norm's running
+        statistics NaN; with a grad scaler the step's gradient is then
+        skipped, but the statistics have moved, and every evaluation of the
+        model reads NaN from then on while training (on batch statistics)
+        goes on. With the buffers synchronised every rank holds the same and
+        raises here, before a checkpoint of the step is written or its state
+        served."""
         named = buffers_not_finite(self._model, self._finite_buffers)
         if not named:
             return
