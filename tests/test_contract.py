@@ -387,8 +387,8 @@ def test_only_an_enabled_grad_scaler_skips_a_step_that_is_not_finite() -> None:
     assert not skips_non_finite(torch.amp.GradScaler("cpu", enabled=False))
     assert not skips_non_finite(None)
 
-    class Plain:  # a scaler of its own, without is_enabled
-        pass
+    class Plain:
+        """A scaler of its own, without is_enabled: taken to skip."""
 
     assert skips_non_finite(Plain())
 
