@@ -640,13 +640,7 @@ def _unregistered_schedulers(
     scheduler's instance dict stands for it once it has been made a dict
     object. Unreachable ones left in a reference cycle are collected
     before they count."""
-    known: set[int] = set()
-    todo = [r for r in registered if r is not None]
-    while todo:
-        item = todo.pop()
-        if id(item) not in known:
-            known.add(id(item))
-            todo.extend(getattr(item, "_schedulers", None) or ())
+    known = {id(part) for item in registered for part, _ in _combined_schedulers(item, None)}
 
     def found() -> list[Any]:
         out: list[Any] = []

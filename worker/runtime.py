@@ -2295,8 +2295,7 @@ class Elastic:
         """Every rank holds the same reduced gradient (and gives it to the
         same hook), so every rank raises here at the same step, before the
         optimizer steps."""
-        names = [n for n, p in self._model.named_parameters() if p.requires_grad]
-        named = {n: g for n, g in zip(names, grads, strict=True) if g is not None}
+        named = self._by_name(grads)
         raise NonFiniteGradient(
             f"step {step.number}: {what} is not finite (NaN or infinity in "
             f"{not_finite_names(named)}; this rank's loss "
@@ -2304,6 +2303,12 @@ class Elastic:
             f"not step and every rank stops here, so the model and its replicas hold "
             f"step {step.number - 1}, and no checkpoint holds anything later. {advice}"
         )
+
+    def _by_name(self, tensors: Sequence[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """(For a message.) One tensor per trained parameter, in the
+        parameters' order, by the parameter's name; the Nones left out."""
+        names = [n for n, p in self._model.named_parameters() if p.requires_grad]
+        return {n: t for n, t in zip(names, tensors, strict=True) if t is not None}
 
     def _refuse_skipping(self, step: Step) -> NoReturn:
         """The grad scaler has skipped ``max_skipped_steps`` steps in a row:
@@ -2476,8 +2481,7 @@ class Elastic:
         before a checkpoint of the step is written or its state served."""
         if not not_finite(p.detach() for p in self._params):
             return
-        names = [n for n, p in self._model.named_parameters() if p.requires_grad]
-        named = {n: p.detach() for n, p in zip(names, self._params, strict=True)}
+        named = self._by_name([p.detach() for p in self._params])
         assert self._applied is not None
         raise NonFiniteGradient(
             f"step {step.number}: the parameters the optimizer's update left are not finite "
