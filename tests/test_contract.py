@@ -408,6 +408,29 @@ def test_a_loss_averaged_over_its_samples_or_already_scaled_is_refused() -> None
         check_loss(loss, 1, None)  # count=1: every microbatch weighs alike, as documented
     check_loss(f.cross_entropy(x, y, reduction="sum"), 8, None)
     check_loss(f.cross_entropy(x, y) * 8, 8, None)  # the mean times its count is the sum
+    reg = (x**2).mean()  # a mean over no samples: a regulariser
+    hidden = {  # a mean behind additions, constant factors and casts, and no summed term
+        "a gradient accumulation's division": f.cross_entropy(x, y) / 4,
+        "a label smoothing": f.cross_entropy(x, y, label_smoothing=0.1),
+        "a weighted sum": 0.9 * f.cross_entropy(x, y) + 0.1 * f.mse_loss(x, zeros),
+        "an L2 penalty beside": f.cross_entropy(x, y) + 1e-4 * (x**2).sum(),
+        "a cast": f.cross_entropy(x, y).double() - torch.tensor(0.5),
+    }  # fmt: skip
+    for what, loss in hidden.items():
+        with pytest.raises(UsageError, match="averaged .*, weighing .*, reached through .*"):
+            check_loss(loss, 8, None)
+            pytest.fail(f"{what}: not refused")
+        check_loss(loss, 1, None)
+    for summed in (
+        f.cross_entropy(x, y, label_smoothing=0.1) * 8,
+        f.cross_entropy(x, y, reduction="sum", label_smoothing=0.1),
+        (0.9 * f.cross_entropy(x, y) + 0.1 * f.mse_loss(x, zeros)) * torch.tensor(8),
+        f.cross_entropy(x, y, reduction="sum") + 0.01 * 8 * reg,  # the regulariser times count
+        f.cross_entropy(x, y, reduction="sum") + 0.01 * reg,  # the same, as far as it shows
+        f.cross_entropy(x, y) * 0 + (x**2).sum(),  # a term turned off
+        torch.stack([f.cross_entropy(x, y)] * 8).sum(),  # a sum of means stops the walk
+    ):
+        check_loss(summed, 8, None)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     summed = f.cross_entropy(x, y, reduction="sum")
     with pytest.raises(UsageError, match=r"grad scaler has scaled .* \(1024\) times too large"):

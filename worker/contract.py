@@ -471,8 +471,82 @@ def skips_non_finite(scaler: Any) -> bool:
     return bool(is_enabled()) if callable(is_enabled) else True
 
 
-#: ``at::Reduction::Mean``, as a loss function's backward node saves it.
+#: ``at::Reduction::Mean`` and ``Sum``, as a loss function's backward node
+#: saves them.
 _MEAN_REDUCTION = 1
+_SUM_REDUCTION = 2
+_MEANS = ("MeanBackward0", "MeanBackward1")
+_SUMMING = ("SumBackward0", "SumBackward1")
+#: Nodes a loss's terms pass through unchanged but for a constant factor:
+#: a walk from the loss goes on through these only.
+_SUMS = ("AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1",
+         "RsubBackward0", "RsubBackward1", "NegBackward0")  # fmt: skip
+_PASSING = ("ToCopyBackward0", "CloneBackward0", "ViewBackward0", "SqueezeBackward0",
+            "SqueezeBackward1", "UnsqueezeBackward0")  # fmt: skip
+#: How many nodes the walk reads at most (a loss of many terms is cut short).
+_LOSS_NODES = 64
+
+
+class _Term(NamedTuple):
+    node: Any
+    weight: float  # the product of the constant factors from the loss to it
+    path: tuple[str, ...]  # the node names from the loss to it
+
+
+def _constant(saved: Any) -> float | None:
+    """A one-element factor's value; None for a tensor of more (a weighting
+    per sample) or nothing saved."""
+    if isinstance(saved, torch.Tensor):
+        return float(saved) if saved.numel() == 1 else None
+    return float(saved) if isinstance(saved, (int, float)) else None
+
+
+def _factors(node: Any, name: str) -> list[tuple[Any, float]]:
+    """The nodes ``node`` (named ``name``) passes its gradient to, each with
+    the constant factor on the way, when ``node`` only adds, negates, casts
+    or multiplies by a constant; else empty (the walk stops there)."""
+    inputs = [child for child, _ in node.next_functions]
+    if name in _SUMS or name in _PASSING:
+        return [(child, 1.0) for child in inputs if child is not None]
+    if len(inputs) == 2 and name in ("MulBackward0", "DivBackward0"):
+        if inputs[0] is not None and inputs[1] is not None:
+            return []  # a product of two computed terms: not a weighting
+        grad, saved = (0, "_saved_other") if inputs[0] is not None else (1, "_saved_self")
+        if name == "DivBackward0" and grad == 1:
+            return []  # a constant divided by the loss
+        factor = _constant(getattr(node, saved, None))
+        if factor is None:
+            return []
+        return [(inputs[grad], 1.0 / factor if name == "DivBackward0" and factor else factor)]
+    if name in ("MulBackward1", "DivBackward1") and inputs[0] is not None:
+        factor = _constant(getattr(node, "_saved_other", None))
+        if factor is None or (name == "DivBackward1" and not factor):
+            return []
+        return [(inputs[0], factor if name == "MulBackward1" else 1.0 / factor)]
+    return []
+
+
+def _loss_terms(loss: torch.Tensor) -> Iterator[_Term]:
+    """The autograd nodes the loss is a weighted sum of: from the loss's own
+    node through additions, casts and constant factors (``_factors``), at
+    most ``_LOSS_NODES`` of them."""
+    stack = [_Term(loss.grad_fn, 1.0, ())]
+    for _ in range(_LOSS_NODES):
+        if not stack:
+            return
+        term = stack.pop()
+        yield term
+        name = term.node.name()
+        for child, factor in _factors(term.node, name):
+            stack.append(_Term(child, term.weight * factor, (*term.path, name)))
+
+
+def _scales_by(node: Any, scale: torch.Tensor) -> bool:
+    """Whether ``node`` multiplies by the grad scaler's scale tensor."""
+    if node.name() != "MulBackward0":
+        return False
+    saved = [getattr(node, "_saved_other", None), getattr(node, "_saved_self", None)]
+    return any(isinstance(t, torch.Tensor) and t.data_ptr() == scale.data_ptr() for t in saved)
 
 
 def check_loss(loss: torch.Tensor, count: int, scaler: Any) -> None:
@@ -480,39 +554,56 @@ def check_loss(loss: torch.Tensor, count: int, scaler: Any) -> None:
     samples, unscaled. Two ports get it wrong with no error, and train on
     a gradient ``count`` times too small or the scale times too large (an
     optimizer that normalises, Adam, a clip by norm, hides most of it):
-    a loss averaged over the batch (the last operation a ``mean()``, or a
-    loss function with ``reduction='mean'``) given with ``count`` > 1, and a
-    loss the grad scaler has already scaled (``scaler.scale(loss)``; the
-    runtime scales it). ``UsageError`` for both. Reads the loss's autograd
-    node only (~1 us). A mean hidden behind another operation (``0.9 * ce +
-    0.1 * reg``, a label-smoothed cross entropy) is not seen."""
-    node = loss.grad_fn
-    if node is None:
+    a loss averaged over the batch given with ``count`` > 1, and a loss the
+    grad scaler has already scaled (``scaler.scale(loss)``; the runtime
+    scales it). ``UsageError`` for both.
+
+    The loss's autograd graph is read from its node through additions,
+    negations, casts and constant factors (``_loss_terms``, a few us). It
+    is refused as averaged when it holds a mean (a ``mean()``, or a loss
+    function's ``reduction='mean'``), every mean there weighs at most 1 in
+    it, and no term is summed (``reduction='sum'``, or a ``sum()`` weighing
+    1 or more): the mean itself, one divided by a gradient accumulation's
+    count, a label-smoothed cross entropy, ``0.9 * ce + 0.1 * mse``, a mean
+    beside an L2 penalty. A mean times its count is admitted. So is a mean
+    of small weight beside a summed term (``ce_sum + 0.01 * reg``: a weight
+    that may already hold the count). Not seen: a mean behind any other
+    operation, and a ``count`` that counts something else than the loss
+    sums over."""
+    if loss.grad_fn is None:
         return
-    if count > 1 and (
-        node.name() in ("MeanBackward0", "MeanBackward1")
-        or getattr(node, "_saved_reduction", None) == _MEAN_REDUCTION
-    ):
-        raise UsageError(
-            f"step.backward was given a loss averaged over its samples ({node.name()}: a "
-            f"mean(), or a loss function's default reduction='mean') with count={count}: the "
-            "runtime sums the losses and divides by the step's global count, so this gradient "
-            f"would be {count} times too small. Pass the loss summed over the microbatch "
-            "(reduction='sum', or the mean times its count), or count=1 to weigh every "
-            "microbatch alike"
-        )
     scale = getattr(scaler, "_scale", None)
-    if isinstance(scale, torch.Tensor) and node.name() == "MulBackward0":
-        saved = [getattr(node, "_saved_other", None), getattr(node, "_saved_self", None)]
-        if any(
-            isinstance(t, torch.Tensor) and t.data_ptr() == scale.data_ptr() for t in saved
-        ):
+    means: list[_Term] = []
+    summed = False
+    for term in _loss_terms(loss):
+        name, weight = term.node.name(), abs(term.weight)
+        if isinstance(scale, torch.Tensor) and _scales_by(term.node, scale):
             raise UsageError(
                 "step.backward was given a loss the grad scaler has scaled "
                 "(scaler.scale(loss)): the runtime scales it itself, so this gradient would "
                 f"be the scale ({float(scale):g}) times too large. Pass the loss unscaled: "
                 "step.backward(loss_sum, count)"
             )
+        reduction = getattr(term.node, "_saved_reduction", None)
+        if weight and (name in _MEANS or reduction == _MEAN_REDUCTION):
+            means.append(term)
+        summed = summed or bool(weight) and (
+            reduction == _SUM_REDUCTION or (name in _SUMMING and weight >= 1)
+        )
+    if count < 2 or summed or not means or any(abs(t.weight) > 1 for t in means):
+        return
+    term = max(means, key=lambda t: abs(t.weight))
+    name, weight = term.node.name(), abs(term.weight)
+    where = f", weighing {weight:g}, reached through {' > '.join(term.path)}"
+    raise UsageError(
+        f"step.backward was given a loss averaged over its samples ({name}: a mean(), or a "
+        f"loss function's default reduction='mean'{where if term.path else ''}) with "
+        f"count={count}: the runtime sums the losses and divides by the step's global count, "
+        f"so {'that mean' + chr(39) + 's share of the' if term.path else 'this'} gradient "
+        f"would be {count / weight:.3g} times too small. Pass the loss summed over the "
+        "microbatch (reduction='sum', or each mean times its count), or count=1 to weigh "
+        "every microbatch alike"
+    )
 
 
 def finite_buffers(model: torch.nn.Module) -> frozenset[str]:
