@@ -214,6 +214,49 @@ def test_a_non_finite_gradient_anywhere_is_seen_by_every_rank():
         assert grads and all(not torch.isfinite(g).any() for g in grads)
 
 
+def test_a_parameter_no_microbatch_of_any_rank_reached_gets_no_gradient():
+    """A plain loop gives a parameter the step's forward passes never reach
+    no ``.grad`` (so the optimizer leaves it alone); one reached by a single
+    microbatch of one rank, or reached with a zero gradient, gets one on
+    every rank."""
+    reduce = Collective(2)
+    results: list[dict[str, torch.Tensor | None]] = [{}, {}]
+
+    def rank(i: int) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({name: torch.nn.Linear(8, 3) for name in
+                                     ("main", "once", "zero", "never")})  # fmt: skip
+        params = list(model.parameters())
+        exact = ExactStep(params, None, MICROBATCHES)
+        exact.begin()
+        for index in ((0, 1, 2), (3, 4, 5))[i]:
+            exact.start()
+            inputs, targets = batch(index)
+            loss = torch.nn.functional.cross_entropy(model["main"](inputs), targets,
+                                                     reduction="sum")  # fmt: skip
+            if index == 4:  # the second microbatch of rank 1 only
+                loss = loss + model["once"](inputs).sum()
+            loss = loss + 0.0 * model["zero"](inputs).sum()
+            loss.backward()
+            exact.took(index, float(loss.detach()), len(targets))
+        reduced = exact.reduce(reduce)
+        reduced.apply()
+        results[i] = {name: p.grad for name, p in model.named_parameters()}
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for grads in results:
+        assert sorted(name for name, grad in grads.items() if grad is None) == [
+            "never.bias", "never.weight"]  # fmt: skip
+        assert grads["once.bias"] is not None and grads["once.bias"].abs().sum() > 0
+        assert grads["zero.weight"] is not None and not grads["zero.weight"].any()
+    assert all(torch.equal(results[0][n], results[1][n]) for n in results[0]  # type: ignore[arg-type]
+               if results[0][n] is not None)  # fmt: skip
+
+
 def test_backward_outside_the_microbatches_is_refused():
     model = make_model()
     exact = ExactStep(list(model.parameters()), BufferSync(model), MICROBATCHES)

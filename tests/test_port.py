@@ -295,6 +295,49 @@ def test_a_rank_away_for_twice_the_collective_timeout_in_declared_busy_time_cost
         assert event["loss"] == pytest.approx(event["alone"], rel=1e-5)
 
 
+@pytest.mark.parametrize("mode", [[], ["--exact"], ["--overlap"]],
+                         ids=["default", "exact", "overlapped"])  # fmt: skip
+def test_a_parameter_no_rank_used_in_a_step_is_left_alone_by_its_update(
+    programs: Programs, mode: list[str]
+) -> None:
+    # The second head takes part in the loss of steps 0-2 only. A plain loop
+    # (and DDP) gives it no gradient from step 3 on, so AdamW leaves it
+    # alone; given a zero gradient instead, AdamW would go on moving it by
+    # its momentum and weight decay, away from what the script trains.
+    args = ["--steps", "8", "--aux-until", "3", "--loader-workers", "0"]
+    team = [programs.start(*args, "--min-workers", "2", *mode) for _ in range(2)]
+    for program in team:
+        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+    reference = {step: e["aux"] for step, e in reference_steps(*args).items()}
+    assert all(reference[step] == reference[2] for step in range(3, 8))
+    assert reference[2] != reference[1]
+    for program in team:
+        aux = {e["step"]: e["aux"] for e in program.events("step") if e["world"] == 2}
+        assert sorted(aux) == list(range(8))
+        assert [step for step in range(3, 8) if aux[step] != aux[2]] == [], aux
+        for step in range(8):
+            assert aux[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-7), step
+
+
+def test_a_sharded_job_says_once_that_it_updates_a_parameter_no_rank_used(
+    programs: Programs,
+) -> None:
+    # A sharded update runs over flat partitions that cut across parameters:
+    # the second head gets a zero gradient from step 3 on and AdamW moves
+    # it. Not left unsaid: the log names the parameters, once.
+    args = ["--steps", "6", "--aux-until", "3", "--loader-workers", "0", "--min-workers", "2",
+            "--shard-redundancy", "1"]  # fmt: skip
+    team = [programs.start(*args) for _ in range(2)]
+    for program in team:
+        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+        log = program.log_tail(200)
+        said = "step 3: no microbatch gave a gradient to 2 of 12 (aux.weight, aux.bias)"
+        assert log.count(said) == 1, log
+        assert "a sharded job updates such parameters with a zero gradient" in log
+        aux = {e["step"]: e["aux"] for e in program.events("step")}
+        assert aux[3] != aux[2]  # as said
+
+
 def test_a_grad_scaler_changes_nothing_but_the_scale(programs: Programs) -> None:
     # Powers of two scale and unscale exactly: one worker with a GradScaler
     # trains bit for bit like the single-process run without one.

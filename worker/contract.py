@@ -434,10 +434,11 @@ def modes_tag(modules: Iterable[torch.nn.Module]) -> int:
 def in_eval_mode(modules: Mapping[str, torch.nn.Module]) -> str:
     """This rank's modules in eval mode, for a message: "2 of 30 (drop, norm)"."""
     names = [name or "the model" for name, module in modules.items() if not module.training]
-    return _some_of(names, len(modules))
+    return some_of(names, len(modules))
 
 
-def _some_of(names: Sequence[str], total: int) -> str:
+def some_of(names: Sequence[str], total: int) -> str:
+    """Names for a message: "2 of 30 (head.weight, head.bias)"."""
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
     return f"{len(names)} of {total}" + (f" ({shown})" if names else "")
 
@@ -631,7 +632,7 @@ def not_finite_names(named: Mapping[str, torch.Tensor]) -> str:
     """The tensors of ``named`` holding NaN or infinity, for a message:
     "2 of 30 (head.weight, head.bias)"."""
     names = [name for name, tensor in named.items() if not bool(torch.isfinite(tensor).all())]
-    return _some_of(names, len(named))
+    return some_of(names, len(named))
 
 
 class Agreed(NamedTuple):

@@ -151,10 +151,16 @@ class Reduced:
     stop: bool = False
     #: The maxima over the ranks of the caller's ``also_max`` entries.
     also_max: tuple[int, ...] = ()
+    #: Per parameter, whether a microbatch of some rank gave it a gradient.
+    used: tuple[bool, ...] = ()
 
     def apply(self) -> None:
-        for p, grad in zip(self.params, self.grads, strict=True):
-            p.grad = grad
+        """Every parameter's ``.grad`` set to the step's gradient; None for
+        one that no microbatch of any rank gave a gradient, so that the
+        optimizer leaves it alone, as a plain loop's and DDP's do."""
+        used = self.used or (True,) * len(self.params)
+        for p, grad, took_part in zip(self.params, self.grads, used, strict=True):
+            p.grad = grad if took_part else None
         if self.sync is not None and self.buffers is not None:
             self.sync.set_committed(self.buffers)
 
@@ -179,6 +185,9 @@ class ExactStep:
         self._microbatches = microbatches
         self._bits = fixed_point_bits(microbatches)
         self._taken: dict[int, _Microbatch] = {}
+        #: The zero gradients ``took`` left for the next pass, with their
+        #: version counters: one still the same took no part in that pass.
+        self._fresh: list[tuple[torch.Tensor, int]] = []
         #: Whether some microbatch gradient of the step being reduced is not finite.
         self._nonfinite = False
 
@@ -187,6 +196,8 @@ class ExactStep:
         microbatches ``keep`` of that attempt (each is kept apart, so any of
         them is exactly what running it again would give)."""
         self._taken = {i: taken for i, taken in self._taken.items() if i in keep}
+        if not self._taken:
+            self._fresh = []  # not kept alive between steps: a gradient's memory
 
     def start(self) -> None:
         """Before each microbatch: it runs from the step's buffers (those of
@@ -204,12 +215,18 @@ class ExactStep:
                 "`for batch in step.microbatches()`, once or more per microbatch"
             )
         grads: list[torch.Tensor | None] = []
+        fresh = self._fresh if len(self._fresh) == len(self._params) else []
+        for i, p in enumerate(self._params):
+            grad = p.grad
+            untouched = bool(fresh) and grad is fresh[i][0] and grad._version == fresh[i][1]
+            grads.append(None if grad is None or untouched else grad.detach())
+        # Fresh zero gradients, not None: a change made to them before the
+        # commit (clip_grad_norm_, zero_grad) is then seen and refused by
+        # the runtime's GradientWatch, as in default mode.
+        self._fresh = []
         for p in self._params:
-            grads.append(None if p.grad is None else p.grad.detach())
-            # A fresh zero gradient, not None: a change made to it before the
-            # commit (clip_grad_norm_, zero_grad) is then seen and refused by
-            # the runtime's GradientWatch, as in default mode.
             p.grad = torch.zeros_like(p)
+            self._fresh.append((p.grad, p.grad._version))
         buffers = self._buffers.current() if self._buffers is not None else []
         earlier = self._taken.get(index)
         if earlier is not None:  # a second backward pass of the same microbatch
@@ -225,23 +242,26 @@ class ExactStep:
         a MAX of exponents, a SUM of integers; ``stop``, this rank asks the
         view's members to stop after the step, rides on the MAX, and the
         result's ``stop`` says whether any rank asked; so do the caller's
-        ``also_max`` integers, whose maxima the result carries). The result's ``apply`` sets
-        every parameter's ``.grad`` (in its dtype) to the step's gradient
-        divided by the global count, and the buffers to their combination.
+        ``also_max`` integers, whose maxima the result carries, and whether
+        any rank's microbatch gave each parameter a gradient). The result's
+        ``apply`` sets every parameter's ``.grad`` (in its dtype) to the
+        step's gradient divided by the global count (None for a parameter
+        no microbatch gave one), and the buffers to their combination.
         Raises whatever ``reduce`` raises (the step is then not applied), and
         ``UsageError`` if the global count is not positive."""
-        tail = torch.tensor([int(stop), *also_max], dtype=torch.int64)
+        n = len(self._params)
+        tail = torch.tensor([int(stop), *self._present(), *also_max], dtype=torch.int64)
         exponents = torch.cat([self._exponents(), tail])
         reduce([exponents], "max")
-        extra = len(also_max)
-        maxima = tuple(int(e) for e in exponents[len(exponents) - extra :])
-        exponents = exponents[: len(exponents) - extra]
+        end = len(exponents) - len(also_max)
+        maxima = tuple(int(e) for e in exponents[end:])
+        used = tuple(bool(int(e)) for e in exponents[end - n : end])
+        exponents = exponents[: end - n]
         scales = [int(e) for e in exponents[:-2]]
         self._nonfinite = bool(int(exponents[-2]))
         stopped = bool(int(exponents[-1]))
         payload = self._payload(scales)
         reduce(payload, "sum")
-        n = len(self._params)
         counts, losses, present = payload[-3], _floats(payload[-2]), payload[-1]
         count = int(counts.sum())
         if count <= 0:
@@ -259,9 +279,20 @@ class ExactStep:
         ]
         buffers = self._combined(payload[n:-3], present) if self._buffers is not None else None
         self._taken.clear()
-        return Reduced(count, loss, self._params, grads, self._buffers, buffers, stopped, maxima)
+        self._fresh = []
+        return Reduced(
+            count, loss, self._params, grads, self._buffers, buffers, stopped, maxima, used
+        )
 
     # --- the parts --------------------------------------------------------------
+
+    def _present(self) -> list[int]:
+        """Per parameter tensor, 1 if one of this rank's microbatches gave
+        it a gradient (zeros count: the parameter took part)."""
+        return [
+            int(any(taken.grads[i] is not None for taken in self._taken.values()))
+            for i in range(len(self._params))
+        ]
 
     def _exponents(self) -> torch.Tensor:
         """Per parameter tensor, the largest exponent this rank's microbatches

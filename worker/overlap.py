@@ -78,6 +78,8 @@ class Buckets:
         self._launch: Launch | None = None
         self._started: list[Any] = []
         self._next = 0  # the next bucket to start
+        #: ids of the parameters a backward pass of this step reached.
+        self._used: set[int] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._done) for p in params]
         self._allocate()
 
@@ -95,6 +97,8 @@ class Buckets:
         its bucket (views the optimizer or the user dropped are made again),
         the buckets zeroed unless ``zero`` is False (they hold what an
         aborted attempt of the step finished, kept)."""
+        if zero:
+            self._used.clear()
         for bucket in self._buckets:
             assert bucket.buffer is not None
             if zero:
@@ -131,6 +135,12 @@ class Buckets:
         self._launch = None
         return list(self._started)
 
+    def present(self, params: Sequence[torch.nn.Parameter]) -> list[float]:
+        """Per parameter of ``params``, 1.0 if a backward pass of this step
+        on this rank reached it (its view then holds its gradient; one left
+        at zero took no part)."""
+        return [1.0 if id(p) in self._used else 0.0 for p in params]
+
     def check_views(self) -> None:
         """Every gradient still a view into its bucket (a pass that did not
         accumulate in place would have replaced it): UsageError otherwise."""
@@ -152,6 +162,7 @@ class Buckets:
         """New buffers (an abandoned reduction may still write the old ones
         while its group is parked)."""
         self._allocate()
+        self._used.clear()
         for bucket in self._buckets:
             for param in bucket.params:
                 param.grad = None
@@ -168,6 +179,7 @@ class Buckets:
 
     def _done(self, param: torch.nn.Parameter) -> None:
         """A parameter's gradient is accumulated (autograd's hook)."""
+        self._used.add(id(param))
         if self._launch is None:
             return
         index, _ = self._where[id(param)]

@@ -107,6 +107,7 @@ from rollcall.worker.contract import (
     not_finite_names,
     settings_tag,
     skips_non_finite,
+    some_of,
 )
 from rollcall.worker.digest import digest, hash_threads, tree_digest
 from rollcall.worker.environment import (
@@ -285,23 +286,47 @@ def _group_sizes(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     return tuple(len(group["params"]) for group in optimizer.param_groups)
 
 
-def _totals(step: Step, ask: bool, agreements: Agreements) -> torch.Tensor:
+def _totals(
+    step: Step, ask: bool, agreements: Agreements, present: Sequence[float]
+) -> torch.Tensor:
     """What every rank adds to a step's SUM besides the gradients and
-    buffers: (count, loss, asks to stop, ``Agreements``' terms). In
+    buffers: (count, loss, asks to stop, ``Agreements``' terms, and per
+    parameter 1 if a microbatch of this rank gave it a gradient). In
     float64 (a second, tiny collective when gradients are float32): a count
     of samples or tokens stays exact up to 2**53, where float32 would round
     it above 2**24."""
     return torch.tensor(
-        [float(step._count), step._loss, float(ask), *agreements.sum_terms()],
+        [float(step._count), step._loss, float(ask), *agreements.sum_terms(), *present],
         dtype=torch.float64,
     )
 
 
-def _read_totals(totals: torch.Tensor) -> tuple[float, float, bool, Agreed]:
-    """(count, loss, some rank asked to stop, what the ranks agreed on)
-    from ``_totals`` summed over the view."""
+class _Totals(NamedTuple):
+    """``_totals`` summed over the view, read."""
+
+    samples: float  # the global count
+    loss: float
+    stop: bool  # some rank asked to stop after the step
+    agreed: Agreed
+    used: list[bool]  # per parameter: some rank's microbatch gave it a gradient
+
+
+def _read_totals(totals: torch.Tensor, parameters: int) -> _Totals:
     values = totals.tolist()
-    return values[0], values[1], values[2] > 0, Agreements.agreed_sums(values[3:])
+    used = [v > 0 for v in values[len(values) - parameters :]]
+    agreed = Agreements.agreed_sums(values[3 : len(values) - parameters])
+    return _Totals(values[0], values[1], values[2] > 0, agreed, used)
+
+
+def _leave_unused(params: Sequence[torch.Tensor], used: Sequence[bool]) -> None:
+    """No ``.grad`` for a parameter that no microbatch of any rank gave a
+    gradient in the step (a head of a task the step had no sample of, an
+    expert no token was routed to, a module the forward pass skipped): the
+    optimizer then leaves it alone, as a plain loop's and DDP's do, instead
+    of moving it by its momentum and weight decay on a zero gradient."""
+    for param, took_part in zip(params, used, strict=True):
+        if not took_part:
+            param.grad = None
 
 
 class _Applied(NamedTuple):
@@ -641,6 +666,8 @@ class Elastic:
         self._interrupted = 0  # the signal that asked us to leave, if any
         #: Whether a step given up for a roll call held at its end was said.
         self._said_step_end = False
+        #: A sharded job said it updates a parameter no microbatch reached.
+        self._said_unused = False
         self._left = False
         #: What this worker serves to peers (the state its last roll-call
         #: answer named, or the one it fetched).
@@ -2040,11 +2067,12 @@ class Elastic:
             else:
                 tensors, buffer_slots = self._reduction(step, ask, agreements)
                 group.allreduce_sum(tensors)
-                count, loss, stop, agreed = _read_totals(tensors[-1])
+                count, loss, stop, agreed, used = _read_totals(tensors[-1], len(self._params))
                 grads = tensors[: buffer_slots.start]
 
                 def finish() -> None:
                     self._normalise(tensors, buffer_slots, count)
+                    _leave_unused(self._params, used)
 
         except PeerFailed as exc:
             self._note_failure(f"epoch {step.epoch}: all-reduce failed", exc.reason)
@@ -2343,7 +2371,7 @@ class Elastic:
         small = self._buffers.contributions(step._microbatches, torch.float32) if (
             self._buffers is not None
         ) else []  # fmt: skip
-        totals = _totals(step, ask, agreements)
+        totals = _totals(step, ask, agreements, buckets.present(self._params))
         # Started after the buckets, as on every rank, and waited for with
         # them: an abandoned wait parks every buffer with the group.
         pending.append(group.start_allreduce_sum(totals))
@@ -2352,12 +2380,13 @@ class Elastic:
             pending.append(group.start_allreduce_sum(changes))
         group.finish(pending)
         step._reduced = True
-        count, loss, stop, agreed = _read_totals(totals)
+        count, loss, stop, agreed, used = _read_totals(totals, len(self._params))
 
         def finish() -> None:
             for param in self._params:
                 assert param.grad is not None
                 param.grad.div_(count)
+            _leave_unused(self._params, used)
             if self._buffers is not None and changes is not None:
                 offset = 0
                 for change in small:
@@ -2374,8 +2403,9 @@ class Elastic:
         parameter without one), the buffers' changes, and (count, loss, the
         ranks asking to stop after the step, ``Agreements``' terms) last.
         Returns them and where the buffers' entries sit."""
-        grads = []
+        grads, present = [], []
         for p in self._params:
+            present.append(0.0 if p.grad is None else 1.0)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
@@ -2385,7 +2415,7 @@ class Elastic:
             if self._buffers is not None
             else []
         )
-        totals = _totals(step, ask, agreements)
+        totals = _totals(step, ask, agreements, present)
         slots = slice(len(grads), len(grads) + len(buffers))
         return [*grads, *buffers, totals], slots
 
@@ -2405,6 +2435,8 @@ class Elastic:
         when it unscaled)."""
         self._served.release_live()  # a capture sharing what changes now
         finish()
+        if self._sharded is not None and not self._said_unused:
+            self._say_unused_updated(step)
         self._check_buffers(step)
         self._skipped = 0 if finite else self._skipped + 1
         if self._skipped >= self._max_skipped:
@@ -2445,6 +2477,23 @@ class Elastic:
             self._check_updated(step)
         self._optimizer.zero_grad(set_to_none=True)
         self._gradients.forget()
+
+    def _say_unused_updated(self, step: Step) -> None:
+        """(Sharded, once.) A parameter no microbatch reached has no
+        ``.grad`` now, but the sharded update runs over flat partitions
+        that cut across parameters and gives it a zero gradient, which an
+        optimizer with momentum or weight decay moves it by; a plain loop
+        would leave it alone."""
+        unused = self._by_name([p if p.grad is None else None for p in self._params])
+        if unused:
+            self._said_unused = True
+            log.warning(
+                "step %d: no microbatch gave a gradient to %s: a sharded job updates such "
+                "parameters with a zero gradient (its optimizer's momentum and weight decay "
+                "move them), where a plain loop or a replicated job leaves them alone. Said "
+                "once; train with shard_redundancy=None to leave them alone",
+                step.number, some_of(list(unused), len(self._params)),
+            )  # fmt: skip
 
     def _check_buffers(self, step: Step) -> None:
         """(Under ``_lock``, once the step's buffers are applied.) The

@@ -54,7 +54,7 @@ class Shapes(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class Net(nn.Module):
-    def __init__(self, width: int = 8) -> None:
+    def __init__(self, width: int = 8, aux: bool = False) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
@@ -63,6 +63,9 @@ class Net(nn.Module):
         )  # fmt: skip
         self.dropout = nn.Dropout(0.2)
         self.head = nn.Linear(2 * width * 6 * 6, 10)
+        #: A second head trained only in the first steps (``--aux-until``):
+        #: a parameter that the later steps' forward passes never reach.
+        self.aux = nn.Linear(12 * 12, 10) if aux else None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.head(self.dropout(self.features(images).flatten(1)))
@@ -91,9 +94,12 @@ class EMA:
 
 
 def loss_sum(
-    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0,
+    aux: bool = False,
 ) -> tuple[Any, int]:
     loss = F.cross_entropy(model(images), labels, reduction="sum", label_smoothing=smoothing)
+    if aux:
+        loss = loss + F.cross_entropy(model.aux(images.flatten(1)), labels, reduction="sum")
     return loss, len(labels)
 
 
@@ -105,13 +111,19 @@ def evaluate(model: nn.Module, data: Shapes) -> float:
     return loss
 
 
+def aux_weights(model: Net) -> list[float]:
+    """The second head's weights, summed per output: what its updates did."""
+    assert model.aux is not None
+    return model.aux.weight.detach().double().sum(dim=1).tolist()
+
+
 def say(**record: Any) -> None:
     print(json.dumps(record), flush=True)
 
 
 def build(args: argparse.Namespace) -> tuple[Net, torch.optim.Optimizer, Any, Shapes, Shapes]:
     torch.manual_seed(args.model_seed)
-    model = Net()
+    model = Net(aux=args.aux_until >= 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=args.lr, total_steps=args.steps
@@ -191,7 +203,8 @@ def train(args: argparse.Namespace) -> None:
             for batch in step.microbatches():
                 if step.number == args.nan_input_at and step.rank == 0:
                     batch.inputs[0, 0, 0, 0] = float("nan")  # one pixel of a bad sample
-                loss, count = loss_sum(model, batch.inputs, batch.targets, args.label_smoothing)
+                loss, count = loss_sum(model, batch.inputs, batch.targets, args.label_smoothing,
+                                       aux=step.number < args.aux_until)  # fmt: skip
                 nan = args.nan_at <= step.number < args.nan_at + args.nan_for
                 if args.nan_at >= 0 and nan and step.rank == 0:
                     loss = loss * float("nan")  # a step that diverges, on one rank
@@ -216,6 +229,8 @@ def train(args: argparse.Namespace) -> None:
             record = {"event": "step", "step": step.number, "loss": step.loss,
                       "epoch": step.epoch, "rank": step.rank, "world": step.world_size,
                       "lr": optimizer.param_groups[0]["lr"], "grad_norm": clip.norm}  # fmt: skip
+            if model.aux is not None:
+                record["aux"] = aux_weights(model)
             if args.digests:
                 record["digest"] = job.state_digest()
                 record["model"] = tree_digest(model.state_dict())
@@ -267,7 +282,8 @@ def reference(args: argparse.Namespace) -> None:
                 data, default_collate, mb.sample_ids, load_seed(args.seed, number, mb.index)
             )
             torch.manual_seed(mb.seed)
-            loss, n = loss_sum(model, images, labels, args.label_smoothing)
+            loss, n = loss_sum(model, images, labels, args.label_smoothing,
+                               aux=number < args.aux_until)  # fmt: skip
             loss.backward()
             total += float(loss.detach())
             count += n
@@ -280,7 +296,8 @@ def reference(args: argparse.Namespace) -> None:
         optimizer.zero_grad(set_to_none=True)
         ema.update(model)
         say(event="step", step=number, loss=total / count, lr=optimizer.param_groups[0]["lr"],
-            grad_norm=norm, model=tree_digest(model.state_dict()))  # fmt: skip
+            grad_norm=norm, model=tree_digest(model.state_dict()),
+            **({"aux": aux_weights(model)} if model.aux is not None else {}))  # fmt: skip
 
 
 def main() -> None:
@@ -336,6 +353,10 @@ def main() -> None:
         "--ported-loss", choices=["mean", "accumulated", "scaled"],
         help="give step.backward a loss a port got wrong: averaged (and divided by a "
         "gradient accumulation's count), or already scaled",
+    )  # fmt: skip
+    parser.add_argument(
+        "--aux-until", type=int, default=-1,
+        help="add a second head, trained by the loss of the steps before this one only",
     )  # fmt: skip
     parser.add_argument(
         "--hook-nan-at", type=int, default=-1,
