@@ -320,11 +320,12 @@ def test_a_loop_that_freezes_or_unfreezes_a_parameter_is_refused_at_the_next_com
     workers: Workers, plane: ControlPlane, change: str
 ):
     """The runtime reduces the gradients of the parameters that required
-    grad when ``Elastic`` was built. A parameter frozen later would get a
-    zero gradient that the optimizer still applies (weight decay, momentum);
-    one unfrozen later would be updated with this worker's own partial
-    gradient. Either would be silently wrong: the commit after the change
-    raises ``UsageError`` naming the parameter and what to do instead."""
+    grad when ``Elastic`` was built. A parameter frozen later would stay
+    among them (in a sharded job updated with a zero gradient: weight
+    decay, momentum); one unfrozen later would be updated with this
+    worker's own partial gradient, silently wrong: the commit after the
+    change raises ``UsageError`` naming the parameter and what to do
+    instead."""
     line = refused_at(changing_worker(workers, plane, change), 3)
     assert "UsageError: step 3:" in line, line
     verb = "frozen" if change == "freeze" else "unfrozen"

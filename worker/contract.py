@@ -87,8 +87,8 @@ class ParameterWatch:
     that dtype, on that device, and reduces the gradients of those that
     required grad then. :meth:`check` (every step, before the reduction)
     refuses any change the loop made since, each of which would be silently
-    wrong: a parameter frozen since would get a zero gradient that the
-    optimizer still applies (weight decay, momentum); one unfrozen, added
+    wrong: a parameter frozen since would stay among those reduced (in a
+    sharded job updated with a zero gradient); one unfrozen, added
     or put in another's place (a rebuilt layer) would be updated with this
     worker's own partial gradient, and the replicas would part; a dtype or
     device changed (``model.double()``, ``.to()``) no longer matches what
@@ -134,12 +134,13 @@ class ParameterWatch:
                 verb = "unfrozen" if param.requires_grad else "frozen"
                 raise UsageError(
                     f"step {step}: parameter {name!r} was {verb} (requires_grad set to "
-                    f"{param.requires_grad}) after Elastic was built; the runtime reduces the "
-                    "gradients of the parameters that required grad then, so this one would "
+                    f"{param.requires_grad}) after Elastic was built; the runtime reduces, "
+                    "checks and transfers the parameters that required grad then, so this one "
+                    "would "
                     + ("be updated with this worker's own partial gradient"
                        if param.requires_grad else
-                       "get a zero gradient, which the optimizer still applies (weight decay, "
-                       "momentum)")
+                       "stay among them (in a sharded job updated with a zero gradient: weight "
+                       "decay, momentum)")
                     + ". Set requires_grad before building Elastic; to freeze parameters for "
                     "a while, keep them trainable in a param group of their own and set its "
                     "lr to 0 (and back)"
