@@ -116,6 +116,11 @@ FIELDS: tuple[FingerprintField, ...] = (
         "workers of rollcall versions that divide steps differently: run one version",
     ),
     FingerprintField(
+        "reduction",
+        "the layout of the runtime's reduction of a step (what its collectives carry)",
+        "workers of rollcall versions whose collectives of a step differ: run one version",
+    ),
+    FingerprintField(
         "overlap", "whether gradients are reduced in buckets during the backward pass (true)"
     ),
     FingerprintField(

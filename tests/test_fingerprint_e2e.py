@@ -27,6 +27,7 @@ from rollcall.worker.examples.lm import LMConfig, build
 from rollcall.worker.fingerprint import code_digests, data_probe, job_fingerprint
 from rollcall.worker.loader import MicrobatchLoader
 from rollcall.worker.plan import DIVISION, DataPlan
+from rollcall.worker.runtime import REDUCTION
 from tests.harness import ControlPlane, WorkerProcess, wait_for
 
 pytestmark = pytest.mark.integration  # starts processes
@@ -86,7 +87,8 @@ def example_fingerprint() -> JobFingerprint:
     return job_fingerprint(
         model, optimizer, plan, data=data, code=code,
         flags={"min_workers": "1", "sync_buffers": "true", "exact": "false",
-               "data_division": DIVISION, "drift_check": str(Config().drift_check_every)},
+               "data_division": DIVISION, "reduction": REDUCTION,
+               "drift_check": str(Config().drift_check_every)},
     )  # fmt: skip
 
 
@@ -207,20 +209,25 @@ def test_an_exact_mode_worker_is_refused_by_a_default_mode_job(
     assert member_records(plane) == [first.member_id]
 
 
-def test_a_worker_that_divides_steps_by_an_older_rule_is_refused(
-    training: tuple[ControlPlane, Any],
+@pytest.mark.parametrize(
+    ("field", "value"), [("data_division", DIVISION), ("reduction", REDUCTION)]
+)
+def test_a_worker_that_divides_or_reduces_steps_by_an_older_rule_is_refused(
+    training: tuple[ControlPlane, Any], field: str, value: str
 ) -> None:
     """A worker of a rollcall version from before the members fetching
     state sat out their view's first step (no ``data_division`` field)
-    would run its share of that step too: refused, not trained with."""
+    would run its share of that step too; one from before the step's
+    reduction carried which parameters got a gradient (no ``reduction``)
+    would all-reduce tensors of another size: refused, not trained with."""
     plane, first = training
-    older = {k: v for k, v in example_fingerprint().as_dict().items() if k != "data_division"}
+    older = {k: v for k, v in example_fingerprint().as_dict().items() if k != field}
 
     async def join() -> None:
         client = RendezvousClient(plane.addresses, plane.job, plane.token, Config())
         try:
             with pytest.raises(
-                ConfigurationMismatch, match=f"data_division is unset but job job1's is {DIVISION}"
+                ConfigurationMismatch, match=f"{field} is unset but job job1's is {value}"
             ):
                 await client.join("127.0.0.1:1", name="older", fingerprint=JobFingerprint.of(older))
         finally:

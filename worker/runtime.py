@@ -286,6 +286,13 @@ def _group_sizes(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     return tuple(len(group["params"]) for group in optimizer.param_groups)
 
 
+#: The layout of a step's reduction, in the job's fingerprint
+#: (``reduction``): workers whose collectives of a step carry other terms
+#: cannot reduce together. "2": with, per parameter, whether a rank gave it
+#: a gradient (2026-12-07); absent: the layout before.
+REDUCTION = "2"
+
+
 def _totals(
     step: Step, ask: bool, agreements: Agreements, present: Sequence[float]
 ) -> torch.Tensor:
@@ -541,6 +548,7 @@ class Elastic:
         # before anything trains the model.
         flags = {"min_workers": str(min_workers), "sync_buffers": str(sync_buffers).lower(),
                  "exact": exact_fingerprint(exact), "data_division": DIVISION,
+                 "reduction": REDUCTION,
                  "drift_check": str(self._config.drift_check_every)}  # fmt: skip
         if overlap:
             # Absent otherwise: a job of workers from before the option matches.
@@ -2400,8 +2408,9 @@ class Elastic:
         self, step: Step, ask: bool, agreements: Agreements
     ) -> tuple[list[torch.Tensor], slice]:
         """What the step's one all-reduce sums: every gradient (zeros for a
-        parameter without one), the buffers' changes, and (count, loss, the
-        ranks asking to stop after the step, ``Agreements``' terms) last.
+        parameter without one), the buffers' changes, and ``_totals`` last
+        (count, loss, the ranks asking to stop after the step,
+        ``Agreements``' terms, which parameters this rank gave a gradient).
         Returns them and where the buffers' entries sit."""
         grads, present = [], []
         for p in self._params:
