@@ -48,6 +48,7 @@ JOB = JobFingerprint.of(
         "sync_buffers": "true",
         "exact": "false",
         "data_division": "2",
+        "reduction": "2",
         "overlap": "true",
         "drift_check": "100",
         "shard_partitions": "64",
