@@ -421,7 +421,21 @@ def test_a_loss_averaged_over_its_samples_or_already_scaled_is_refused() -> None
             check_loss(loss, 8, None)
             pytest.fail(f"{what}: not refused")
         check_loss(loss, 1, None)
+    divided = {  # the mean spelled out: a sum divided by the count given
+        "a loss function's sum": f.cross_entropy(x, y, reduction="sum") / 8,
+        "a sum()": (x**2).sum() / len(y),
+        "a sum() times a constant": (x**2).sum() * (1 / 8),
+        "a smoothed sum": f.cross_entropy(x, y, reduction="sum", label_smoothing=0.1) / 8,
+        "a weighted sum": 0.5 * f.mse_loss(x, zeros, reduction="sum") / 8,
+    }  # fmt: skip
+    for what, loss in divided.items():
+        with pytest.raises(UsageError, match=r"summed .* and divided by count=8, .* 8 times too"):
+            check_loss(loss, 8, None)
+            pytest.fail(f"{what}: not refused")
+        check_loss(loss, 1, None)
     for summed in (
+        0.5 * f.mse_loss(x, zeros, reduction="sum"),  # a weight, not the count
+        f.cross_entropy(x, y, reduction="sum") / 8 + (x**2).sum(),  # beside a sum: a weight
         f.cross_entropy(x, y, label_smoothing=0.1) * 8,
         f.cross_entropy(x, y, reduction="sum", label_smoothing=0.1),
         (0.9 * f.cross_entropy(x, y) + 0.1 * f.mse_loss(x, zeros)) * torch.tensor(8),

@@ -460,15 +460,17 @@ def test_a_nan_sample_under_a_grad_scaler_stops_every_rank_before_its_statistics
     ("ported", "said"),
     [("mean", "a loss averaged over its samples (NllLossBackward0"),
      ("accumulated", "weighing 0.25, reached through DivBackward0) with count=8"),
+     ("divided", "a loss summed over its samples and divided by count=8, which is their mean"),
      ("scaled", "a loss the grad scaler has scaled (scaler.scale(loss))")],
-    ids=["averaged", "averaged and divided", "already scaled"],
+    ids=["averaged", "averaged and divided", "summed and divided", "already scaled"],
 )  # fmt: skip
 def test_a_loss_averaged_or_already_scaled_is_refused_at_the_first_backward(
     programs: Programs, ported: str, said: str
 ) -> None:
     # step.backward wants the loss summed and unscaled. Given a batch's mean
     # (a port that kept the default reduction) the gradient is 8 times too
-    # small, 32 times with a gradient accumulation's "/ 4" kept; given
+    # small, 32 times with a gradient accumulation's "/ 4" kept, and so it
+    # is for a sum divided by the count (the mean spelled out); given
     # scaler.scale(loss) (a port that kept AMP's line), it is the scale
     # times too large. AdamW and the clip hide most of either: the run
     # trained on, with no error.

@@ -23,7 +23,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import torch
 
@@ -493,6 +493,11 @@ class _Term(NamedTuple):
     node: Any
     weight: float  # the product of the constant factors from the loss to it
     path: tuple[str, ...]  # the node names from the loss to it
+    factors: tuple[float, ...] = ()  # the constant factors on the way
+
+    def divided_by(self, count: int) -> bool:
+        """Whether a factor on the way from the loss is ``1 / count``."""
+        return any(math.isclose(abs(f) * count, 1.0, rel_tol=1e-6) for f in self.factors)
 
 
 def _constant(saved: Any) -> float | None:
@@ -540,7 +545,8 @@ def _loss_terms(loss: torch.Tensor) -> Iterator[_Term]:
         yield term
         name = term.node.name()
         for child, factor in _factors(term.node, name):
-            stack.append(_Term(child, term.weight * factor, (*term.path, name)))
+            stack.append(_Term(child, term.weight * factor, (*term.path, name),
+                               (*term.factors, factor)))  # fmt: skip
 
 
 def _scales_by(node: Any, scale: torch.Tensor) -> bool:
@@ -562,21 +568,23 @@ def check_loss(loss: torch.Tensor, count: int, scaler: Any) -> None:
 
     The loss's autograd graph is read from its node through additions,
     negations, casts and constant factors (``_loss_terms``, a few us). It
-    is refused as averaged when it holds a mean (a ``mean()``, or a loss
-    function's ``reduction='mean'``), every mean there weighs at most 1 in
-    it, and no term is summed (``reduction='sum'``, or a ``sum()`` weighing
-    1 or more): the mean itself, one divided by a gradient accumulation's
-    count, a label-smoothed cross entropy, ``0.9 * ce + 0.1 * mse``, a mean
-    beside an L2 penalty. A mean times its count is admitted. So is a mean
-    of small weight beside a summed term (``ce_sum + 0.01 * reg``: a weight
-    that may already hold the count). Not seen: a mean behind any other
-    operation, and a ``count`` that counts something else than the loss
-    sums over."""
+    is refused as averaged when no term is summed (``reduction='sum'``, or
+    a ``sum()`` weighing 1 or more, neither divided by ``count`` on the
+    way), no mean weighs more than 1, and it holds a mean (a ``mean()``, or
+    a loss function's ``reduction='mean'``) or a sum divided by ``count``
+    (the mean spelled out): the mean itself, one divided by a gradient
+    accumulation's count, a label-smoothed cross entropy, ``0.9 * ce + 0.1
+    * mse``, a mean beside an L2 penalty, ``ce_sum / len(y)``. A mean times
+    its count is admitted. So is a mean of small weight beside a summed
+    term (``ce_sum + 0.01 * reg``: a weight that may already hold the
+    count), and a sum times a weight that is not ``1 / count``. Not seen: a
+    mean behind any other operation, and a ``count`` that counts something
+    else than the loss sums over."""
     if loss.grad_fn is None:
         return
     scale = getattr(scaler, "_scale", None)
     means: list[_Term] = []
-    summed = False
+    sums: list[_Term] = []
     for term in _loss_terms(loss):
         name, weight = term.node.name(), abs(term.weight)
         if isinstance(scale, torch.Tensor) and _scales_by(term.node, scale):
@@ -589,22 +597,45 @@ def check_loss(loss: torch.Tensor, count: int, scaler: Any) -> None:
         reduction = getattr(term.node, "_saved_reduction", None)
         if weight and (name in _MEANS or reduction == _MEAN_REDUCTION):
             means.append(term)
-        summed = summed or bool(weight) and (
-            reduction == _SUM_REDUCTION or (name in _SUMMING and weight >= 1)
-        )
-    if count < 2 or summed or not means or any(abs(t.weight) > 1 for t in means):
+        elif weight and (name in _SUMMING or reduction == _SUM_REDUCTION):
+            sums.append(term)
+    if count < 2 or any(abs(t.weight) > 1 for t in means):
         return
-    term = max(means, key=lambda t: abs(t.weight))
+    # A sum divided by the count given is the mean spelled out.
+    divided = [t for t in sums if t.divided_by(count)]
+    if any(t not in divided and (abs(t.weight) >= 1 or _reduces_by_sum(t)) for t in sums):
+        return  # a summed term: any other may be weighted on purpose
+    alone = len(means) + len(sums) == 1
+    if means:
+        _refuse_averaged(max(means, key=lambda t: abs(t.weight)), count,
+                         "averaged over its samples", alone)  # fmt: skip
+    if divided:
+        what = f"summed over its samples and divided by count={count}, which is their mean"
+        _refuse_averaged(max(divided, key=lambda t: abs(t.weight)), count, what, alone)
+
+
+def _reduces_by_sum(term: _Term) -> bool:
+    return getattr(term.node, "_saved_reduction", None) == _SUM_REDUCTION
+
+
+def _refuse_averaged(term: _Term, count: int, what: str, alone: bool) -> NoReturn:
+    """``check_loss``'s refusal of ``term``, a mean or a sum of too small a
+    weight; ``alone``: the only mean or sum of the loss."""
     name, weight = term.node.name(), abs(term.weight)
+    mean = name in _MEANS or getattr(term.node, "_saved_reduction", None) == _MEAN_REDUCTION
+    kind = ("a mean(), or a loss function's default reduction='mean'" if mean else
+            "a sum(), or a loss function's reduction='sum'")  # fmt: skip
     where = f", weighing {weight:g}, reached through {' > '.join(term.path)}"
+    share = "this" if alone else "that term" + chr(39) + "s share of the"
+    other = weight if mean else weight * count  # a weight besides the count's division
+    besides = "" if math.isclose(other, 1.0) else f", besides its weight of {other:.3g}"
     raise UsageError(
-        f"step.backward was given a loss averaged over its samples ({name}: a mean(), or a "
-        f"loss function's default reduction='mean'{where if term.path else ''}) with "
-        f"count={count}: the runtime sums the losses and divides by the step's global count, "
-        f"so {'that mean' + chr(39) + 's share of the' if term.path else 'this'} gradient "
-        f"would be {count / weight:.3g} times too small. Pass the loss summed over the "
-        "microbatch (reduction='sum', or each mean times its count), or count=1 to weigh "
-        "every microbatch alike"
+        f"step.backward was given a loss {what} ({name}: {kind}"
+        f"{where if term.path else ''}) with count={count}: the runtime sums the losses and "
+        f"divides by the step's global count, so {share} gradient would be {count} times "
+        f"too small{besides}. Pass the loss summed over "
+        "the microbatch (reduction='sum' and no division by the count, or each mean times "
+        "its count), or count=1 to weigh every microbatch alike"
     )
 
 

@@ -212,6 +212,8 @@ def train(args: argparse.Namespace) -> None:
                     loss = F.cross_entropy(model(batch.inputs), batch.targets)
                 elif args.ported_loss == "accumulated":  # kept an accumulation's division too
                     loss = F.cross_entropy(model(batch.inputs), batch.targets) / 4
+                elif args.ported_loss == "divided":  # summed, then divided: the mean again
+                    loss = loss / count
                 elif args.ported_loss == "scaled" and scaler is not None:  # kept AMP's scale()
                     loss = scaler.scale(loss)
                 step.backward(loss, count)
@@ -350,9 +352,9 @@ def main() -> None:
     parser.add_argument("--nan-for", type=int, default=1, help="... and the next N-1")
     parser.add_argument("--max-skipped-steps", type=int, default=100)
     parser.add_argument(
-        "--ported-loss", choices=["mean", "accumulated", "scaled"],
+        "--ported-loss", choices=["mean", "accumulated", "divided", "scaled"],
         help="give step.backward a loss a port got wrong: averaged (and divided by a "
-        "gradient accumulation's count), or already scaled",
+        "gradient accumulation's count), summed and divided by its count, or already scaled",
     )  # fmt: skip
     parser.add_argument(
         "--aux-until", type=int, default=-1,
