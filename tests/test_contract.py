@@ -433,6 +433,7 @@ def test_a_loss_averaged_over_its_samples_or_already_scaled_is_refused() -> None
             check_loss(loss, 8, None)
             pytest.fail(f"{what}: not refused")
         check_loss(loss, 1, None)
+    check_loss(0.5 * (x[:2] ** 2).sum(), 2, None)  # the usual half of squares, two samples
     for summed in (
         0.5 * f.mse_loss(x, zeros, reduction="sum"),  # a weight, not the count
         f.cross_entropy(x, y, reduction="sum") / 8 + (x**2).sum(),  # beside a sum: a weight

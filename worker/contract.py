@@ -577,7 +577,8 @@ def check_loss(loss: torch.Tensor, count: int, scaler: Any) -> None:
     * mse``, a mean beside an L2 penalty, ``ce_sum / len(y)``. A mean times
     its count is admitted. So is a mean of small weight beside a summed
     term (``ce_sum + 0.01 * reg``: a weight that may already hold the
-    count), and a sum times a weight that is not ``1 / count``. Not seen: a
+    count), a sum times a weight that is not ``1 / count``, and one halved
+    with a count of 2 (``0.5 * sq_sum``, as usual for squares). Not seen: a
     mean behind any other operation, and a ``count`` that counts something
     else than the loss sums over."""
     if loss.grad_fn is None:
@@ -601,8 +602,9 @@ def check_loss(loss: torch.Tensor, count: int, scaler: Any) -> None:
             sums.append(term)
     if count < 2 or any(abs(t.weight) > 1 for t in means):
         return
-    # A sum divided by the count given is the mean spelled out.
-    divided = [t for t in sums if t.divided_by(count)]
+    # A sum divided by the count given is the mean spelled out. Not for a
+    # count of 2: a half is also the usual weight of a sum of squares.
+    divided = [t for t in sums if count > 2 and t.divided_by(count)]
     if any(t not in divided and (abs(t.weight) >= 1 or _reduces_by_sum(t)) for t in sums):
         return  # a summed term: any other may be weighted on purpose
     alone = len(means) + len(sums) == 1
