@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -185,6 +185,15 @@ def test_exponents_bound_the_values_and_zeros_have_none():
     assert exponent(torch.tensor([float("nan")]))[1]
 
 
+def on_two_ranks(rank: Callable[[int], None]) -> None:
+    """Run ``rank(0)`` and ``rank(1)`` at once, as two ranks of a view."""
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+
 def test_a_non_finite_gradient_anywhere_is_seen_by_every_rank():
     base = make_model()
     reduce = Collective(2)
@@ -205,11 +214,7 @@ def test_a_non_finite_gradient_anywhere_is_seen_by_every_rank():
         reduced.apply()
         results[i] = [p.grad for p in params]
 
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    on_two_ranks(rank)
     for grads in results:
         assert grads and all(not torch.isfinite(g).any() for g in grads)
 
@@ -243,11 +248,7 @@ def test_a_parameter_no_microbatch_of_any_rank_reached_gets_no_gradient():
         reduced.apply()
         results[i] = {name: p.grad for name, p in model.named_parameters()}
 
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    on_two_ranks(rank)
     for grads in results:
         assert sorted(name for name, grad in grads.items() if grad is None) == [
             "never.bias", "never.weight"]  # fmt: skip
