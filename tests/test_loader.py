@@ -641,6 +641,39 @@ def test_no_worker_process_outlives_a_training_loop_that_raised(children: Childr
     assert not children()
 
 
+class _DeadSender:
+    """A DataLoader iterator whose worker died after putting a batch on the
+    queue: receiving the batch asks the dead process for its file
+    descriptor, and the connection is reset (seen once in a full run of
+    the test below, instead of the DataLoader's own error)."""
+
+    def __init__(self, worker: BaseProcess) -> None:
+        self._workers = [worker]
+
+    def __next__(self) -> Any:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+@pytest.mark.integration
+def test_a_batch_lost_with_its_dead_worker_is_the_worker_death_error() -> None:
+    dead = multiprocessing.get_context("fork").Process(target=os._exit, args=(5,))
+    dead.start()
+    dead.join(10)
+    plan = DataPlan(100, 8, 4, seed=0)
+    with MicrobatchLoader(Numbers(100), plan, options=workers(2)) as loader:
+        loader.enter_view(rank=0, world_size=1, next_step=0)
+        loader.get(0, 0)
+        pipeline = loader._pipeline
+        loader._pipeline = _DeadSender(dead)  # type: ignore[assignment]
+        try:
+            with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid {dead.pid}\) "
+                               r"exited unexpectedly with exit code 5") as raised:  # fmt: skip
+                loader.get(1, 0)
+        finally:
+            loader._pipeline = pipeline
+    assert isinstance(raised.value.__cause__, ConnectionResetError)
+
+
 @pytest.mark.integration
 def test_a_worker_process_that_dies_is_an_error_on_the_calling_thread(children: Children) -> None:
     plan = DataPlan(100, 8, 4, seed=0)

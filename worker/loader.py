@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import random
 import signal
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
@@ -659,6 +660,28 @@ def _as_is(item: T) -> T:
     return item
 
 
+#: How long a worker whose connection was reset is given to be seen dead.
+_DEATH_SEEN_S = 1.0
+
+
+def _raise_if_a_worker_died(pipeline: Any, exc: BaseException) -> None:
+    """The DataLoader's own error for a worker process that died (the one
+    its SIGCHLD handler raises), from ``exc``, if one of ``pipeline``'s
+    workers has exited within ``_DEATH_SEEN_S``; else nothing."""
+    workers = list(getattr(pipeline, "_workers", ()))
+    deadline = time.monotonic() + _DEATH_SEEN_S
+    while workers:
+        dead = [w for w in workers if not w.is_alive()]
+        if dead:
+            raise RuntimeError(
+                f"DataLoader worker (pid {dead[0].pid}) exited unexpectedly with exit code "
+                f"{dead[0].exitcode}: a batch it had queued could not be received ({exc!r})"
+            ) from exc
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
+
+
 class MicrobatchLoader:
     """This rank's microbatches, loaded ahead in worker processes.
 
@@ -875,7 +898,14 @@ class MicrobatchLoader:
 
     def _receive(self) -> None:
         assert self._pipeline is not None  # RECEIVE needs something in flight
-        item = next(self._pipeline)
+        try:
+            item = next(self._pipeline)
+        except (ConnectionError, EOFError) as exc:
+            # A batch whose worker died after queueing it: its tensors' file
+            # descriptors were to come from that process, and the connection
+            # to it is reset, before the DataLoader's SIGCHLD handler says why.
+            _raise_if_a_worker_died(self._pipeline, exc)
+            raise
         if item is not None and item.probe:
             self._schedule.arrived(None)
             self._probed.append(item.data)
