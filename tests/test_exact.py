@@ -221,11 +221,11 @@ def test_a_non_finite_gradient_anywhere_is_seen_by_every_rank():
 
 def test_a_parameter_no_microbatch_of_any_rank_reached_gets_no_gradient():
     """A plain loop gives a parameter the step's forward passes never reach
-    no ``.grad`` (so the optimizer leaves it alone); one reached by a single
-    microbatch of one rank, or reached with a zero gradient, gets one on
-    every rank."""
+    no ``.grad`` (so the optimizer leaves it alone): the reduction says
+    which, alike on every rank. One reached by a single microbatch of one
+    rank, or reached with a zero gradient, counts as reached."""
     reduce = Collective(2)
-    results: list[dict[str, torch.Tensor | None]] = [{}, {}]
+    results: list[dict[str, tuple[bool, torch.Tensor]]] = [{}, {}]
 
     def rank(i: int) -> None:
         torch.manual_seed(0)
@@ -245,17 +245,16 @@ def test_a_parameter_no_microbatch_of_any_rank_reached_gets_no_gradient():
             loss.backward()
             exact.took(index, float(loss.detach()), len(targets))
         reduced = exact.reduce(reduce)
-        reduced.apply()
-        results[i] = {name: p.grad for name, p in model.named_parameters()}
+        names = [name for name, _ in model.named_parameters()]
+        results[i] = dict(zip(names, zip(reduced.used, reduced.grads, strict=True), strict=True))
 
     on_two_ranks(rank)
     for grads in results:
-        assert sorted(name for name, grad in grads.items() if grad is None) == [
+        assert sorted(name for name, (used, _) in grads.items() if not used) == [
             "never.bias", "never.weight"]  # fmt: skip
-        assert grads["once.bias"] is not None and grads["once.bias"].abs().sum() > 0
-        assert grads["zero.weight"] is not None and not grads["zero.weight"].any()
-    assert all(torch.equal(results[0][n], results[1][n]) for n in results[0]  # type: ignore[arg-type]
-               if results[0][n] is not None)  # fmt: skip
+        assert grads["once.bias"][1].abs().sum() > 0
+        assert not grads["zero.weight"][1].any()
+    assert all(torch.equal(results[0][n][1], results[1][n][1]) for n in results[0])
 
 
 def test_backward_outside_the_microbatches_is_refused():

@@ -155,12 +155,8 @@ class Reduced:
     used: tuple[bool, ...] = ()
 
     def apply(self) -> None:
-        """Every parameter's ``.grad`` set to the step's gradient; None for
-        one that no microbatch of any rank gave a gradient, so that the
-        optimizer leaves it alone, as a plain loop's and DDP's do."""
-        used = self.used or (True,) * len(self.params)
-        for p, grad, took_part in zip(self.params, self.grads, used, strict=True):
-            p.grad = grad if took_part else None
+        for p, grad in zip(self.params, self.grads, strict=True):
+            p.grad = grad
         if self.sync is not None and self.buffers is not None:
             self.sync.set_committed(self.buffers)
 
@@ -245,8 +241,9 @@ class ExactStep:
         ``also_max`` integers, whose maxima the result carries, and whether
         any rank's microbatch gave each parameter a gradient). The result's
         ``apply`` sets every parameter's ``.grad`` (in its dtype) to the
-        step's gradient divided by the global count (None for a parameter
-        no microbatch gave one), and the buffers to their combination.
+        step's gradient divided by the global count, and the buffers to
+        their combination; its ``used`` says which parameters a microbatch
+        gave a gradient (the runtime drops the others' ``.grad``).
         Raises whatever ``reduce`` raises (the step is then not applied), and
         ``UsageError`` if the global count is not positive."""
         n = len(self._params)

@@ -2058,6 +2058,7 @@ class Elastic:
             modes=modes_tag(self._named_modules.values()),
         )
         grads: Sequence[torch.Tensor | None]  # the reduced gradient, by parameter
+        used: Sequence[bool]  # by parameter: a microbatch of some rank gave it a gradient
         try:
             if self._exact is not None:
                 reduced = self._exact.reduce(
@@ -2066,9 +2067,9 @@ class Elastic:
                 )  # fmt: skip
                 count, loss, stop = float(reduced.count), reduced.loss, reduced.stop
                 agreed = Agreements.agreed_maxima(reduced.also_max)
-                finish, grads = reduced.apply, reduced.grads
+                finish, grads, used = reduced.apply, reduced.grads, reduced.used
             elif self._buckets is not None:
-                count, loss, stop, agreed, finish = self._reduce_buckets(
+                (count, loss, stop, agreed, used), finish = self._reduce_buckets(
                     step, group, ask, agreements
                 )
                 grads = [p.grad for p in self._params]  # the buckets' views
@@ -2080,7 +2081,6 @@ class Elastic:
 
                 def finish() -> None:
                     self._normalise(tensors, buffer_slots, count)
-                    _leave_unused(self._params, used)
 
         except PeerFailed as exc:
             self._note_failure(f"epoch {step.epoch}: all-reduce failed", exc.reason)
@@ -2159,7 +2159,7 @@ class Elastic:
                     )
                 return False
             with self._lock:
-                self._apply(step, finish, finite)
+                self._apply(step, finish, finite, used)
                 landed = True
                 if self._faults.diverge():
                     self._drift()
@@ -2365,11 +2365,11 @@ class Elastic:
 
     def _reduce_buckets(
         self, step: Step, group: EpochGroup, ask: bool, agreements: Agreements
-    ) -> tuple[float, float, bool, Agreed, Callable[[], None]]:
+    ) -> tuple[_Totals, Callable[[], None]]:
         """(overlap=True) Start what the last backward pass did not, sum the
-        buffers' changes and (count, loss, ``Agreements``), wait for the
-        buckets; the gradients are the buckets' views, divided in place by
-        ``finish``."""
+        buffers' changes and ``_totals``, wait for the buckets; returns the
+        totals read and ``finish``, which divides the gradients (the
+        buckets' views) in place and applies the buffers."""
         buckets = self._buckets
         assert buckets is not None
         pending = buckets.flush(self._launcher(step))
@@ -2388,13 +2388,12 @@ class Elastic:
             pending.append(group.start_allreduce_sum(changes))
         group.finish(pending)
         step._reduced = True
-        count, loss, stop, agreed, used = _read_totals(totals, len(self._params))
+        read = _read_totals(totals, len(self._params))
 
         def finish() -> None:
             for param in self._params:
                 assert param.grad is not None
-                param.grad.div_(count)
-            _leave_unused(self._params, used)
+                param.grad.div_(read.samples)
             if self._buffers is not None and changes is not None:
                 offset = 0
                 for change in small:
@@ -2402,7 +2401,7 @@ class Elastic:
                     offset += change.numel()
                 self._buffers.apply(small, self.plan.num_microbatches)
 
-        return count, loss, stop, agreed, finish
+        return read, finish
 
     def _reduction(
         self, step: Step, ask: bool, agreements: Agreements
@@ -2436,16 +2435,20 @@ class Elastic:
         if self._buffers is not None:
             self._buffers.apply(tensors[buffer_slots], self.plan.num_microbatches)
 
-    def _apply(self, step: Step, finish: Callable[[], None], finite: bool) -> None:
+    def _apply(
+        self, step: Step, finish: Callable[[], None], finite: bool, used: Sequence[bool]
+    ) -> None:
         """The update, under ``_lock``: the reduction's gradients and buffers
         (``finish``), hook, optimizer, scaler, scheduler. ``finite``: the
         reduced gradient was (a gradient the hook leaves is then too, or the
         step is refused: a grad scaler would apply it, having found nothing
-        when it unscaled)."""
+        when it unscaled). ``used``: by parameter, whether a microbatch of
+        some rank gave it a gradient (``_leave_unused``)."""
         self._served.release_live()  # a capture sharing what changes now
         finish()
+        _leave_unused(self._params, used)
         if self._sharded is not None and not self._said_unused:
-            self._say_unused_updated(step)
+            self._say_unused_updated(step, used)
         self._check_buffers(step)
         self._skipped = 0 if finite else self._skipped + 1
         if self._skipped >= self._max_skipped:
@@ -2487,13 +2490,13 @@ class Elastic:
         self._optimizer.zero_grad(set_to_none=True)
         self._gradients.forget()
 
-    def _say_unused_updated(self, step: Step) -> None:
+    def _say_unused_updated(self, step: Step, used: Sequence[bool]) -> None:
         """(Sharded, once.) A parameter no microbatch reached has no
         ``.grad`` now, but the sharded update runs over flat partitions
         that cut across parameters and gives it a zero gradient, which an
         optimizer with momentum or weight decay moves it by; a plain loop
         would leave it alone."""
-        unused = self._by_name([p if p.grad is None else None for p in self._params])
+        unused = self._by_name([None if u else p for p, u in zip(self._params, used, strict=True)])
         if unused:
             self._said_unused = True
             log.warning(
