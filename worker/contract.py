@@ -490,10 +490,33 @@ _LOSS_NODES = 64
 
 
 class _Term(NamedTuple):
+    """An autograd node of a loss, reached from the loss's own node."""
+
     node: Any
-    weight: float  # the product of the constant factors from the loss to it
-    path: tuple[str, ...]  # the node names from the loss to it
+    path: tuple[str, ...] = ()  # the node names from the loss to it
     factors: tuple[float, ...] = ()  # the constant factors on the way
+
+    @property
+    def weight(self) -> float:
+        """Its weight in the loss: the factors' product, without sign."""
+        return abs(math.prod(self.factors))
+
+    @property
+    def reduction(self) -> str | None:
+        """``"mean"`` or ``"sum"`` for a node that reduces so (a ``mean()``
+        or ``sum()``, or a loss function's ``reduction``), else None."""
+        name, saved = self.node.name(), getattr(self.node, "_saved_reduction", None)
+        if name in _MEANS or saved == _MEAN_REDUCTION:
+            return "mean"
+        return "sum" if name in _SUMMING or saved == _SUM_REDUCTION else None
+
+    @property
+    def summed(self) -> bool:
+        """A summed term: a loss function's ``reduction='sum'`` at any
+        weight (a label smoothing weighs its parts), a ``sum()`` weighing 1
+        or more."""
+        by_loss = getattr(self.node, "_saved_reduction", None) == _SUM_REDUCTION
+        return self.reduction == "sum" and (by_loss or self.weight >= 1)
 
     def divided_by(self, count: int) -> bool:
         """Whether a factor on the way from the loss is ``1 / count``."""
@@ -537,7 +560,7 @@ def _loss_terms(loss: torch.Tensor) -> Iterator[_Term]:
     """The autograd nodes the loss is a weighted sum of: from the loss's own
     node through additions, casts and constant factors (``_factors``), at
     most ``_LOSS_NODES`` of them."""
-    stack = [_Term(loss.grad_fn, 1.0, ())]
+    stack = [_Term(loss.grad_fn)]
     for _ in range(_LOSS_NODES):
         if not stack:
             return
@@ -545,8 +568,7 @@ def _loss_terms(loss: torch.Tensor) -> Iterator[_Term]:
         yield term
         name = term.node.name()
         for child, factor in _factors(term.node, name):
-            stack.append(_Term(child, term.weight * factor, (*term.path, name),
-                               (*term.factors, factor)))  # fmt: skip
+            stack.append(_Term(child, (*term.path, name), (*term.factors, factor)))
 
 
 def _scales_by(node: Any, scale: torch.Tensor) -> bool:
@@ -587,7 +609,6 @@ def check_loss(loss: torch.Tensor, count: int, scaler: Any) -> None:
     means: list[_Term] = []
     sums: list[_Term] = []
     for term in _loss_terms(loss):
-        name, weight = term.node.name(), abs(term.weight)
         if isinstance(scale, torch.Tensor) and _scales_by(term.node, scale):
             raise UsageError(
                 "step.backward was given a loss the grad scaler has scaled "
@@ -595,36 +616,29 @@ def check_loss(loss: torch.Tensor, count: int, scaler: Any) -> None:
                 f"be the scale ({float(scale):g}) times too large. Pass the loss unscaled: "
                 "step.backward(loss_sum, count)"
             )
-        reduction = getattr(term.node, "_saved_reduction", None)
-        if weight and (name in _MEANS or reduction == _MEAN_REDUCTION):
-            means.append(term)
-        elif weight and (name in _SUMMING or reduction == _SUM_REDUCTION):
-            sums.append(term)
-    if count < 2 or any(abs(t.weight) > 1 for t in means):
+        reduction = term.reduction
+        if reduction is not None and term.weight:
+            (means if reduction == "mean" else sums).append(term)
+    if count < 2 or any(t.weight > 1 for t in means):
         return
     # A sum divided by the count given is the mean spelled out. Not for a
     # count of 2: a half is also the usual weight of a sum of squares.
     divided = [t for t in sums if count > 2 and t.divided_by(count)]
-    if any(t not in divided and (abs(t.weight) >= 1 or _reduces_by_sum(t)) for t in sums):
+    if any(t.summed and t not in divided for t in sums):
         return  # a summed term: any other may be weighted on purpose
     alone = len(means) + len(sums) == 1
     if means:
-        _refuse_averaged(max(means, key=lambda t: abs(t.weight)), count,
-                         "averaged over its samples", alone)  # fmt: skip
+        heaviest = max(means, key=lambda t: t.weight)
+        _refuse_averaged(heaviest, count, "averaged over its samples", alone)
     if divided:
         what = f"summed over its samples and divided by count={count}, which is their mean"
-        _refuse_averaged(max(divided, key=lambda t: abs(t.weight)), count, what, alone)
-
-
-def _reduces_by_sum(term: _Term) -> bool:
-    return getattr(term.node, "_saved_reduction", None) == _SUM_REDUCTION
+        _refuse_averaged(max(divided, key=lambda t: t.weight), count, what, alone)
 
 
 def _refuse_averaged(term: _Term, count: int, what: str, alone: bool) -> NoReturn:
     """``check_loss``'s refusal of ``term``, a mean or a sum of too small a
     weight; ``alone``: the only mean or sum of the loss."""
-    name, weight = term.node.name(), abs(term.weight)
-    mean = name in _MEANS or getattr(term.node, "_saved_reduction", None) == _MEAN_REDUCTION
+    name, weight, mean = term.node.name(), term.weight, term.reduction == "mean"
     kind = ("a mean(), or a loss function's default reduction='mean'" if mean else
             "a sum(), or a loss function's reduction='sum'")  # fmt: skip
     where = f", weighing {weight:g}, reached through {' > '.join(term.path)}"
