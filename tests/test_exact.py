@@ -55,6 +55,16 @@ class Collective:
             tensor.copy_(value)
 
 
+def on_ranks(rank: Callable[[int], None], ranks: int = 2) -> None:
+    """Run ``rank(0)``, ..., ``rank(ranks - 1)`` at once, as the ranks of a
+    view, each in a thread."""
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -102,11 +112,7 @@ def split_run(partition: Sequence[Sequence[int]]) -> list[dict]:
             errors.append(exc)
             reduce._barrier.abort()
 
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(partition))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    on_ranks(rank, len(partition))
     assert not errors, errors
     return results
 
@@ -185,15 +191,6 @@ def test_exponents_bound_the_values_and_zeros_have_none():
     assert exponent(torch.tensor([float("nan")]))[1]
 
 
-def on_two_ranks(rank: Callable[[int], None]) -> None:
-    """Run ``rank(0)`` and ``rank(1)`` at once, as two ranks of a view."""
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-
-
 def test_a_non_finite_gradient_anywhere_is_seen_by_every_rank():
     base = make_model()
     reduce = Collective(2)
@@ -214,7 +211,7 @@ def test_a_non_finite_gradient_anywhere_is_seen_by_every_rank():
         reduced.apply()
         results[i] = [p.grad for p in params]
 
-    on_two_ranks(rank)
+    on_ranks(rank)
     for grads in results:
         assert grads and all(not torch.isfinite(g).any() for g in grads)
 
@@ -248,7 +245,7 @@ def test_a_parameter_no_microbatch_of_any_rank_reached_gets_no_gradient():
         names = [name for name, _ in model.named_parameters()]
         results[i] = dict(zip(names, zip(reduced.used, reduced.grads, strict=True), strict=True))
 
-    on_two_ranks(rank)
+    on_ranks(rank)
     for grads in results:
         assert sorted(name for name, (used, _) in grads.items() if not used) == [
             "never.bias", "never.weight"]  # fmt: skip
@@ -341,9 +338,5 @@ def test_the_ranks_settings_tags_ride_on_the_max_and_every_rank_reads_one_verdic
         verdicts.append(Agreement.agreed_maxima(*reduced.also_max))
         assert reduced.count == 5 * len(tags)  # the step itself reduced as ever
 
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(tags))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    on_ranks(rank, len(tags))
     assert verdicts == [agreed] * len(tags)
