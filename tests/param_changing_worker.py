@@ -24,6 +24,8 @@ back, as an evaluation that swaps weights in and out does); ``clip``
 a setting each worker is started with); ``commit_twice`` (``step.commit()``
 called again after step 2's commit); ``backward_after`` (``step.backward``
 after step 2's commit, as a loop that computes an extra loss there does);
+``microbatches_after`` (``step.microbatches()`` iterated again after step 2's
+commit, as a loop that reports a loss on the step's own data does);
 ``forget_train`` (``model.eval()`` after each commit, as a rank that
 evaluates and does not call ``model.train()`` again).
 ``--sharded``: redundancy 2. The checks run every 5 steps. Token from
@@ -48,7 +50,8 @@ def main() -> None:
     parser.add_argument("job")
     changes = ["none", "scale", "freeze", "unfreeze", "add_group", "drop_param", "replace",
                "retype", "hook_scale", "counter_lr", "busy_state", "after_busy",
-               "busy_ok", "clip", "commit_twice", "backward_after", "forget_train"]  # fmt: skip
+               "busy_ok", "clip", "commit_twice", "backward_after", "microbatches_after",
+               "forget_train"]  # fmt: skip
     parser.add_argument("change", choices=changes)
     parser.add_argument("--sharded", action="store_true")
     parser.add_argument("--clip-norm", type=float, default=1.0)
@@ -85,6 +88,9 @@ def main() -> None:
             batch = next(iter(corpus_batches))
             loss, count = loss_sum(model, batch[0], batch[1])
             step.backward(loss, count)
+        elif args.change == "microbatches_after" and step.number == 2:
+            for batch in step.microbatches():
+                loss_sum(model, batch.inputs, batch.targets)
         elif args.change == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
         elif args.change == "forget_train":

@@ -190,6 +190,31 @@ def test_zero_grad_between_backward_and_commit_is_noticed() -> None:
         watch.check()
 
 
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set to None", "zeroed in place"])
+def test_zero_grad_between_two_backward_passes_of_a_step_is_noticed(set_to_none: bool) -> None:
+    model, optimizer = _model_and_optimizer()
+    watch = GradientWatch(list(model.parameters()))
+    watch.before_backward()  # the step's first: no gradients yet
+    _backward(model)
+    watch.mark()
+    watch.before_backward()  # nothing changed since: a second microbatch may run
+    optimizer.zero_grad(set_to_none=set_to_none)
+    with pytest.raises(UsageError, match=r"remove zero_grad\(\) from the microbatch loop"):
+        watch.before_backward()
+
+
+def test_gradients_before_the_first_step_backward_of_a_step_are_noticed() -> None:
+    model, _ = _model_and_optimizer()
+    watch = GradientWatch(list(model.parameters()))
+    _backward(model)  # loss.backward() of a pass the runtime did not run
+    with pytest.raises(UsageError, match="gradients exist before the step's first"):
+        watch.before_backward()
+    watch.mark()
+    watch.forget()  # an update: the runtime drops the gradients with it
+    model.zero_grad(set_to_none=True)
+    watch.before_backward()
+
+
 def test_gradients_without_step_backward_are_noticed() -> None:
     model, _ = _model_and_optimizer()
     watch = GradientWatch(list(model.parameters()))

@@ -482,6 +482,30 @@ def test_a_loss_averaged_or_already_scaled_is_refused_at_the_first_backward(
     assert not program.events("step")
 
 
+@pytest.mark.parametrize(
+    ("mode", "zeroed"),
+    [((), "none"), ((), "zeros"), (("--exact",), "none"), (("--overlap",), "zeros")],
+    ids=["default, set to None", "default, zeroed in place", "exact", "overlapped, in place"],
+)  # fmt: skip
+def test_zero_grad_between_microbatches_is_refused_at_the_next_backward(
+    programs: Programs, mode: tuple[str, ...], zeroed: str
+) -> None:
+    # A plain loop's optimizer.zero_grad() kept at the top of the microbatch
+    # loop throws away the gradients of the rank's earlier microbatches of
+    # the step, which the count still includes: the step's gradient is the
+    # last microbatch's, divided by all of them. The run trained on with no
+    # error. (In exact mode each microbatch's gradient is already taken
+    # apart, so nothing is lost there, but the loop is refused alike: the
+    # same loop is wrong in the other modes.)
+    program = programs.start("--steps", "4", "--loader-workers", "0",
+                             "--ported-zero-grad", zeroed, *mode)  # fmt: skip
+    assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+    log = program.log_tail(30)
+    assert "UsageError" in log and "between two step.backward() calls" in log, log
+    assert "remove zero_grad() from the microbatch loop" in log, log
+    assert not program.events("step")
+
+
 def test_a_grad_scaler_skips_a_step_whose_gradient_is_not_finite(programs: Programs) -> None:
     # With a grad scaler a non-finite step is expected (mixed precision): the
     # scaler skips it and lowers its scale, and the run goes on. Three skips

@@ -500,18 +500,21 @@ def test_a_joiner_running_another_version_of_the_training_script_is_refused_at_j
     first.wait_line(lambda x: f'"step": {last + 3},' in x, timeout=PATIENCE)  # trains on
 
 
-@pytest.mark.parametrize("change", ["commit_twice", "backward_after"])
+@pytest.mark.parametrize("change", ["commit_twice", "backward_after", "microbatches_after"])
 def test_a_step_used_after_its_commit_is_refused_before_it_changes_anything(
     workers: Workers, plane: ControlPlane, change: str
 ):
     """A second ``commit()`` of a step reduced and applied again (alone, a
     second update and scheduler step; with others, its all-reduce met their
     next step's); a ``backward`` after ``commit()`` left its gradients for
-    the next step's sum. Either is refused at the call, before it does
-    anything."""
+    the next step's sum; the step's microbatches handed out again after
+    ``commit()`` were loaded and seeded again and counted as finished twice,
+    and their training-mode forward passes moved the buffers outside any
+    step. Each is refused at the call, before it does anything."""
     line = refused_at(changing_worker(workers, plane, change), 3)
     assert "UsageError: step 2: " in line, line
-    said = "commit() was called again" if change == "commit_twice" else "step.backward after"
+    said = {"commit_twice": "commit() was called again", "backward_after": "step.backward after",
+            "microbatches_after": "step.microbatches() after commit()"}[change]  # fmt: skip
     assert said in line, line
     assert "each step commits once" in line, line
 

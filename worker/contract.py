@@ -1000,6 +1000,38 @@ class GradientWatch:
     def forget(self) -> None:
         self._seen = None
 
+    def before_backward(self) -> None:
+        """Before a backward pass this runtime runs: raise
+        :class:`UsageError` if a gradient changed since the last
+        :meth:`mark` of the step, or, before its first, if one exists. A
+        plain loop's ``zero_grad()`` kept at the top of the microbatch loop
+        throws away the rank's earlier microbatches, which the step's count
+        still includes; a gradient left by a backward pass the runtime did
+        not run is added without being counted."""
+        current = [self._signature(p) for p in self._params]
+        if self._seen is None:
+            if any(sig != (0, 0) for sig in current):
+                raise UsageError(
+                    "gradients exist before the step's first step.backward(): left by a "
+                    "backward pass the runtime did not run (loss.backward(), also one before "
+                    "the first step) or assigned to .grad, they would be added to this step's "
+                    "gradient without their samples being counted. Run every backward pass of "
+                    "a step as step.backward(loss_sum, count), inside `for batch in "
+                    "step.microbatches()`, and none outside the steps (or drop its gradients "
+                    "with model.zero_grad(set_to_none=True) before the step)"
+                )
+            return
+        if current != self._seen:
+            raise UsageError(
+                "gradients were changed between two step.backward() calls of a step (by "
+                "zero_grad(), an assignment to .grad or an in-place operation): there they hold "
+                "this worker's sum over its earlier microbatches, which the step's count "
+                "includes, and zeroing them would drop those microbatches from the step. The "
+                "runtime zeroes the gradients after every update: remove zero_grad() from the "
+                "microbatch loop (a plain loop's first line), and do any change to the "
+                "gradients in Elastic(before_update=...), which runs on the reduced gradient"
+            )
+
     def check(self) -> None:
         """At commit: raise :class:`UsageError` if a gradient changed since
         the last :meth:`mark` (or exists without any)."""

@@ -220,7 +220,11 @@ class Step:
         loader workers), each handed out with the torch RNG seeded from
         (seed, step, microbatch index) only. Those it finished before an
         abort of the same step are not handed out again. Stops early on an
-        abort."""
+        abort. Refused after ``commit()``: the step's microbatches were
+        consumed (handed out again, they would be loaded, seeded and counted
+        as finished once more, and a training-mode forward pass of theirs
+        would move the buffers outside any step)."""
+        self._refuse_after_commit("step.microbatches() after commit()")
         job = self._job
         finished = set(self.done)
         todo = [mb for mb in job.plan.for_rank(self.number, self.rank, self.world_size, self.idle)
@@ -246,6 +250,7 @@ class Step:
         count = _check_count(count)
         job = self._job
         check_loss(loss_sum, count, job._scaler)
+        job._gradients.before_backward()
         buckets = job._buckets if self._final else None
         if buckets is not None:
             buckets.arm(job._launcher(self))

@@ -201,6 +201,8 @@ def train(args: argparse.Namespace) -> None:
             while args.hold_while and os.path.exists(args.hold_while):
                 time.sleep(0.05)  # a test holds the team until a joiner is in
             for batch in step.microbatches():
+                if args.ported_zero_grad:  # a plain loop's first line, kept inside the step
+                    optimizer.zero_grad(set_to_none=args.ported_zero_grad == "none")
                 if step.number == args.nan_input_at and step.rank == 0:
                     batch.inputs[0, 0, 0, 0] = float("nan")  # one pixel of a bad sample
                 loss, count = loss_sum(model, batch.inputs, batch.targets, args.label_smoothing,
@@ -355,6 +357,11 @@ def main() -> None:
         "--ported-loss", choices=["mean", "accumulated", "divided", "scaled"],
         help="give step.backward a loss a port got wrong: averaged (and divided by a "
         "gradient accumulation's count), summed and divided by its count, or already scaled",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ported-zero-grad", choices=["none", "zeros"],
+        help="call optimizer.zero_grad() before each microbatch, as a plain loop does before "
+        "each batch: set_to_none=True (none) or False (zeros)",
     )  # fmt: skip
     parser.add_argument(
         "--aux-until", type=int, default=-1,
