@@ -28,6 +28,7 @@ setting. Results: ``results/failure_free.json``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -55,6 +56,40 @@ def _cpu(processes: list[psutil.Process]) -> float:
     return total
 
 
+#: The workers' threads, by kind: the process's main thread (the training
+#: loop), the other Python threads (rollcall's control thread, its
+#: checkpoint writer and loaders; torchrun's agent), gloo's and gRPC's
+#: threads (named by their libraries), and any other.
+THREAD_KINDS = ("main", "other Python", "gloo", "gRPC", "other")
+
+
+def _thread_kind(pid: int, tid: int, name: str) -> str:
+    if tid == pid:
+        return "main"
+    if name.startswith(("gloo", "pt_gloo")):
+        return "gloo"
+    if name.startswith(("event_engine", "grpc", "default-executo", "resolver", "lifeguard")):
+        return "gRPC"
+    if name.startswith(("python", "pt_elastic")):
+        return "other Python"
+    return "other"
+
+
+def _threads_cpu(processes: list[psutil.Process]) -> dict[str, float]:
+    """CPU seconds of the processes' threads, summed by ``THREAD_KINDS``."""
+    kinds = dict.fromkeys(THREAD_KINDS, 0.0)
+    for process in processes:
+        try:
+            for tid in Path(f"/proc/{process.pid}/task").iterdir():
+                name = (tid / "comm").read_text().strip()
+                fields = (tid / "stat").read_text().rpartition(")")[2].split()
+                seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                kinds[_thread_kind(process.pid, int(tid.name), name)] += seconds
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread or process that ended: its time is lost to both ends
+    return kinds
+
+
 def measure_once(name: str, window: str, *settings: str) -> dict[str, float]:
     """One fresh system of ``name``, steady with 3 workers, measured over
     ``window`` seconds; rollcall's replica and workers given ``settings``
@@ -78,9 +113,12 @@ def measure_once(name: str, window: str, *settings: str) -> dict[str, float]:
         etcd = getattr(system, "etcd", None)
         if etcd is not None and etcd.pid:
             rest.append(psutil.Process(etcd.pid))
+        everyone = [process for tree in trees for process in tree]
         trees_0, rest_0, machine_0 = [_cpu(t) for t in trees], _cpu(rest), psutil.cpu_times()
+        threads_0 = _threads_cpu(everyone)
         rate = peers.throughput(system, seconds)
         trees_1, rest_1, machine_1 = [_cpu(t) for t in trees], _cpu(rest), psutil.cpu_times()
+        threads_1 = _threads_cpu(everyone)
         steps = rate["steps_per_s"] * seconds
         machine = sum(machine_1) - sum(machine_0)
         spent = [after - before for before, after in zip(trees_0, trees_1, strict=True)]
@@ -90,7 +128,9 @@ def measure_once(name: str, window: str, *settings: str) -> dict[str, float]:
             "busiest_worker_cpu_ms_per_step": max(spent) / steps * 1000,
             "rest_cpu_share": (rest_1 - rest_0) / seconds,
             "idle_share": (machine_1.idle - machine_0.idle) / machine,
-        }
+            **{f"threads_{kind}_cpu_ms_per_step": (threads_1[kind] - threads_0[kind]) / steps
+               * 1000 for kind in THREAD_KINDS},
+        }  # fmt: skip
     finally:
         system.close()
 
@@ -152,6 +192,12 @@ def main() -> int:
               f"| {b['median']:.1f} ms [{b['min']:.1f}-{b['max']:.1f}] "
               f"| {t['rest_cpu_share']['median'] * 100:.1f} % of a core "
               f"| {t['idle_share']['median'] * 100:.0f} % |")  # fmt: skip
+    print("\nThe workers' CPU per step by thread (medians, ms, all workers):\n")
+    print("| system | " + " | ".join(THREAD_KINDS) + " |")
+    print("|---|" + "---:|" * len(THREAD_KINDS))
+    for label, t in table.items():
+        cells = [f"{t[f'threads_{kind}_cpu_ms_per_step']['median']:.2f}" for kind in THREAD_KINDS]
+        print(f"| {label} | " + " | ".join(cells) + " |")
     rollcall, torchrun = table["rollcall"], table["torchrun"]
     ratio = rollcall["samples_per_s"]["median"] / torchrun["samples_per_s"]["median"]
     print(f"\nrollcall / torchrun samples/s (medians): {ratio:.3f}")

@@ -57,6 +57,35 @@ def thread_cpu_s(name: str) -> float:
     return total
 
 
+#: The parts of a step the rounds time: taking the next step (Elastic only),
+#: loading a microbatch (the plain loop: its samples stacked; Elastic: the
+#: runtime's loader, seeding included), the forward pass, the backward pass
+#: (Elastic: ``step.backward`` with its checks), and the rest of the step
+#: (the plain loop: flatten, divide, optimizer; Elastic: ``commit()``).
+PARTS = ("next step", "load", "forward", "backward", "commit")
+
+
+class Sections:
+    """CPU time of this thread split by part of the step: each ``mark``
+    charges the time since the previous one to the part it names."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self._last = 0.0
+
+    def start(self) -> float:
+        self._last = time.thread_time()
+        return self._last
+
+    def mark(self, part: str) -> None:
+        now = time.thread_time()
+        self.spent[part] = self.spent.get(part, 0.0) + now - self._last
+        self._last = now
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        return {part: spent / steps * 1000 for part, spent in self.spent.items()}
+
+
 def measure(rounds: int, steps: int) -> dict[str, Any]:
     import torch
 
@@ -69,8 +98,8 @@ def measure(rounds: int, steps: int) -> dict[str, Any]:
     plan = DataPlan(len(corpus), 32, 8, 0)
     params = [p for p in plain_model.parameters() if p.requires_grad]
 
-    def plain_round(first: int) -> float:
-        started = time.thread_time()
+    def plain_round(first: int, parts: Sections) -> float:
+        started = parts.start()
         for number in range(first, first + steps):
             count = 0
             for mb in plan.for_rank(number, 0, 1):
@@ -78,9 +107,12 @@ def measure(rounds: int, steps: int) -> dict[str, Any]:
                 samples = [corpus[i] for i in mb.sample_ids]
                 inputs = torch.stack([s[0] for s in samples])
                 targets = torch.stack([s[1] for s in samples])
+                parts.mark("load")
                 loss, n = loss_sum(plain_model, inputs, targets)
+                parts.mark("forward")
                 loss.backward()
                 count += n
+                parts.mark("backward")
             flat = torch.cat([*(p.grad.reshape(-1) for p in params), torch.tensor([count, 0.0])])
             offset = 0
             for p in params:
@@ -89,6 +121,7 @@ def measure(rounds: int, steps: int) -> dict[str, Any]:
                 offset += size
             plain_optimizer.step()
             plain_optimizer.zero_grad(set_to_none=True)
+            parts.mark("commit")
         return (time.thread_time() - started) / steps
 
     with tempfile.TemporaryDirectory(prefix="rollcall-tax-") as tmp_name:
@@ -101,29 +134,40 @@ def measure(rounds: int, steps: int) -> dict[str, Any]:
             ) as job:  # fmt: skip
                 loop = job.steps(10**9)
 
-                def elastic_round() -> float:
-                    started = time.thread_time()
+                def elastic_round(parts: Sections) -> float:
+                    started = parts.start()
                     for _ in range(steps):
                         step = next(loop)
+                        parts.mark("next step")
                         for batch in step.microbatches():
+                            parts.mark("load")
                             loss, count = loss_sum(model, batch.inputs, batch.targets)
+                            parts.mark("forward")
                             step.backward(loss, count)
+                            parts.mark("backward")
+                        parts.mark("load")  # the loop's end: the next microbatch asked for
                         if not step.commit():
                             raise RuntimeError(f"step {step.number} was aborted")
+                        parts.mark("commit")
                     return (time.thread_time() - started) / steps
 
-                elastic_round()  # warm-up of both
-                plain_round(0)
+                elastic_round(Sections())  # warm-up of both
+                plain_round(0, Sections())
                 control0, wall0 = thread_cpu_s("rollcall"), time.perf_counter()
                 elastic, plain = [], []
+                elastic_parts: list[dict[str, float]] = []
+                plain_parts: list[dict[str, float]] = []
                 for index in range(rounds):
                     # Alternate which goes first, so that drift favours neither.
+                    mine, theirs = Sections(), Sections()
                     if index % 2 == 0:
-                        elastic.append(elastic_round())
-                        plain.append(plain_round((index + 1) * steps))
+                        elastic.append(elastic_round(mine))
+                        plain.append(plain_round((index + 1) * steps, theirs))
                     else:
-                        plain.append(plain_round((index + 1) * steps))
-                        elastic.append(elastic_round())
+                        plain.append(plain_round((index + 1) * steps, theirs))
+                        elastic.append(elastic_round(mine))
+                    elastic_parts.append(mine.per_step(steps))
+                    plain_parts.append(theirs.per_step(steps))
                 control = (thread_cpu_s("rollcall") - control0) / (time.perf_counter() - wall0)
     extra = [(e - p) * 1000 for e, p in zip(elastic, plain, strict=True)]
     percent = [(e / p - 1) * 100 for e, p in zip(elastic, plain, strict=True)]
@@ -137,6 +181,13 @@ def measure(rounds: int, steps: int) -> dict[str, Any]:
         "extra_pct": {"median": statistics.median(percent), "min": min(percent),
                       "max": max(percent)},
         "control_thread_ms_per_s": control * 1000,
+        # By part of the step: the median over rounds of each round's CPU
+        # per step in it (ms), for each loop.
+        "parts_ms_per_step": {
+            "elastic": {k: statistics.median(r.get(k, 0.0) for r in elastic_parts)
+                        for k in PARTS},
+            "plain": {k: statistics.median(r.get(k, 0.0) for r in plain_parts) for k in PARTS},
+        },
     }  # fmt: skip
 
 
@@ -158,6 +209,11 @@ def main() -> int:
           f"[{pct['min']:+.1f} .. {pct['max']:+.1f}]")
     print(f"control thread                  | {result['control_thread_ms_per_s']:.1f} ms CPU "
           "per second")
+    parts = result["parts_ms_per_step"]
+    print("\n| part of the step | Elastic, ms | plain, ms | difference |\n|---|---:|---:|---:|")
+    for part in PARTS:
+        mine, theirs = parts["elastic"][part], parts["plain"][part]
+        print(f"| {part} | {mine:.2f} | {theirs:.2f} | {mine - theirs:+.2f} |")
     import torch
 
     result.update(
