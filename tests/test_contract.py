@@ -224,6 +224,22 @@ def test_gradients_without_step_backward_are_noticed() -> None:
         watch.check()
 
 
+def test_another_optimizer_holding_parameters_of_the_model_is_refused_at_its_step() -> None:
+    model, optimizer = _model_and_optimizer()
+    owned = Ownership(optimizer, None, model.parameters())
+    try:
+        other = torch.optim.SGD(list(model.parameters())[:1], lr=0.1)
+        with pytest.raises(UsageError, match=r"another optimizer \(SGD\) holds 1 of the model's"):
+            other.step()
+        with owned.applying():  # stepped by the registered one (a wrapper's inner optimizer)
+            other.step()
+        unrelated = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        unrelated.step()  # a model the runtime does not hold
+    finally:
+        owned.release()
+    other.step()  # the guards are gone with the Elastic block
+
+
 def test_a_guarded_scheduler_keeps_its_type_and_a_clean_state() -> None:
     _, optimizer = _model_and_optimizer()
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)

@@ -506,6 +506,36 @@ def test_zero_grad_between_microbatches_is_refused_at_the_next_backward(
     assert not program.events("step")
 
 
+@pytest.mark.parametrize("when", ["before", "after"], ids=["before commit", "after commit"])
+def test_a_second_optimizer_stepped_in_the_loop_is_refused_at_its_step(
+    programs: Programs, when: str
+) -> None:
+    # A job with two optimizers (Muon for the matrices and AdamW for the
+    # rest, SparseAdam for the embeddings) ported by passing one to Elastic
+    # and stepping the other in the loop as before: stepped before commit()
+    # it applies this worker's partial gradient (the replicas part), after
+    # it there is no gradient left (the runtime drops them with its update)
+    # and its parameters never train. Both trained on with no error.
+    program = programs.start("--steps", "4", "--loader-workers", "0",
+                             "--second-optimizer", when)  # fmt: skip
+    assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+    log = program.log_tail(30)
+    assert "UsageError" in log and "another optimizer (SGD) holds 2 of the model's" in log, log
+    assert "Elastic steps only the optimizer passed to it" in log, log
+    assert not program.events("step")  # refused at step 0 (the program says a step after)
+
+
+def test_a_trainable_parameter_no_optimizer_holds_is_left_alone(programs: Programs) -> None:
+    # A model part left out of the optimizer but still trainable (a
+    # fine-tuning that builds the optimizer on the head only): its gradient
+    # is reduced with the others and dropped with the update, as the
+    # optimizer's own are, not left to add up into the next step.
+    program = programs.start("--steps", "4", "--loader-workers", "0",
+                             "--second-optimizer", "never")  # fmt: skip
+    assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+    assert [e["step"] for e in program.events("step")] == [0, 1, 2, 3]
+
+
 def test_a_grad_scaler_skips_a_step_whose_gradient_is_not_finite(programs: Programs) -> None:
     # With a grad scaler a non-finite step is expected (mixed precision): the
     # scaler skips it and lowers its scale, and the run goes on. Three skips

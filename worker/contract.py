@@ -26,6 +26,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, NoReturn, Protocol
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from rollcall.membership.errors import UsageError
 from rollcall.worker.digest import tree_digest
@@ -825,11 +826,19 @@ class Ownership:
     ``ChainedScheduler``'s ``_schedulers``), which it steps itself.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        params: Iterable[torch.nn.Parameter] = (),
+    ) -> None:
         self._optimizer = optimizer
         self._scheduler = scheduler
         self._inside = False
         self._hook = optimizer.register_step_pre_hook(self._optimizer_step)
+        #: The model's parameters, which no other optimizer may step.
+        self._held = {id(p) for p in params}
+        self._others_hook = register_optimizer_step_pre_hook(self._other_optimizer_step)
         #: Each scheduler whose class was swapped, with its own class.
         self._swapped: list[tuple[Any, type]] = []
         self._stepped = _schedule_position(scheduler)
@@ -874,6 +883,28 @@ class Ownership:
                 "optimizer.step() (and zero_grad()) from the loop"
             )
 
+    def _other_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """(Every optimizer's step in the process.) Another optimizer that
+        holds parameters of the model, stepped outside the runtime's update
+        (inside it, an optimizer the registered one steps itself)."""
+        if optimizer is self._optimizer or self._inside or not self._held:
+            return
+        shared = sum(1 for group in optimizer.param_groups for p in group["params"]
+                     if id(p) in self._held)  # fmt: skip
+        if shared:
+            raise UsageError(
+                f"another optimizer ({type(optimizer).__name__}) holds {shared} of the model's "
+                "parameters and was stepped in the training loop: Elastic steps only the "
+                "optimizer passed to it, in commit(), after summing the gradients over every "
+                "worker. Stepped before commit() this one would apply this worker's partial "
+                "gradient, so the replicas part; after it, the gradients are gone with the "
+                "runtime's update, so its parameters would not train; and its state would "
+                "not travel to a worker that joins. Pass one optimizer that holds every "
+                "parameter (param groups; for two algorithms, one torch.optim.Optimizer "
+                "whose step() steps both), or freeze its parameters (requires_grad=False) "
+                "if they should not train"
+            )
+
     @contextlib.contextmanager
     def applying(self) -> Iterator[None]:
         """The runtime's own update: optimizer, scaler and scheduler steps."""
@@ -909,6 +940,7 @@ class Ownership:
     def release(self) -> None:
         """Give the objects back as they were."""
         self._hook.remove()
+        self._others_hook.remove()
         for scheduler, original in self._swapped:
             scheduler.__class__ = original
         self._swapped = []

@@ -647,7 +647,7 @@ class Elastic:
         # can travel (and this raises TypeError naming what cannot).
         self._guard = ShardedStateGuard(optimizer) if self._sharding is not None else None
         self._capture(-1, with_rng=False)
-        self._ownership = Ownership(optimizer, scheduler)
+        self._ownership = Ownership(optimizer, scheduler, model.parameters())
 
         #: Held while an update is applied or the state restored or captured.
         self._lock = threading.Lock()
@@ -1544,11 +1544,20 @@ class Elastic:
         a state loaded, an all-gather) moves one."""
         return tuple(p._version for p in self._params)
 
+    def _drop_gradients(self) -> None:
+        """After an update, or an aborted step: no gradient is left, also on
+        a trainable parameter the optimizer does not hold (its
+        ``zero_grad`` would leave that one, and the next step's backward
+        passes would add to it)."""
+        self._optimizer.zero_grad(set_to_none=True)
+        for param in self._params:
+            param.grad = None
+        self._gradients.forget()
+
     def _discard(self, seconds: float) -> None:
         """Throw away what an uncommitted step did to gradients and buffers
         (``seconds``: the work lost)."""
-        self._optimizer.zero_grad(set_to_none=True)
-        self._gradients.forget()
+        self._drop_gradients()
         if self._buffers is not None:
             self._buffers.rollback()
         self._lost_work += seconds
@@ -2492,8 +2501,7 @@ class Elastic:
         self._ownership.step_scheduler()
         if self._sharded is None:
             self._check_updated(step)
-        self._optimizer.zero_grad(set_to_none=True)
-        self._gradients.forget()
+        self._drop_gradients()
 
     def _say_unused_updated(self, step: Step, used: Sequence[bool]) -> None:
         """(Sharded, once.) A parameter no microbatch reached has no

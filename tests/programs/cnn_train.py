@@ -124,7 +124,10 @@ def say(**record: Any) -> None:
 def build(args: argparse.Namespace) -> tuple[Net, torch.optim.Optimizer, Any, Shapes, Shapes]:
     torch.manual_seed(args.model_seed)
     model = Net(aux=args.aux_until >= 0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # With --second-optimizer the head is left to an optimizer of its own.
+    params = [p for name, p in model.named_parameters()
+              if not (args.second_optimizer and name.startswith("head."))]  # fmt: skip
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=args.lr, total_steps=args.steps
     )
@@ -180,6 +183,9 @@ def train(args: argparse.Namespace) -> None:
     scaler = None
     if args.grad_scaler or args.disabled_grad_scaler:  # as mixed precision off builds it
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=args.grad_scaler)
+    # A second optimizer, for the head, that the loop steps itself (as a
+    # port of a job with two optimizers, Muon and AdamW say, would).
+    head_optimizer = torch.optim.SGD(model.head.parameters(), lr=args.lr)
     config = None
     if args.collective_timeout is not None:
         config = Config(collective_timeout=args.collective_timeout)
@@ -225,9 +231,14 @@ def train(args: argparse.Namespace) -> None:
                     warmup.step()
                 if step.number < args.slow_until:
                     time.sleep(args.microbatch_pause)  # a kill lands mid-step
+            if args.second_optimizer == "before":
+                head_optimizer.step()
             if not step.commit():
                 say(event="aborted", step=step.number, epoch=step.epoch)
                 continue
+            if args.second_optimizer == "after":
+                head_optimizer.step()
+                head_optimizer.zero_grad()
             time.sleep(args.after_commit_pause)  # a roll call or a checkpoint lands here
             ema.update(model)
             record = {"event": "step", "step": step.number, "loss": step.loss,
@@ -357,6 +368,11 @@ def main() -> None:
         "--ported-loss", choices=["mean", "accumulated", "divided", "scaled"],
         help="give step.backward a loss a port got wrong: averaged (and divided by a "
         "gradient accumulation's count), summed and divided by its count, or already scaled",
+    )  # fmt: skip
+    parser.add_argument(
+        "--second-optimizer", choices=["before", "after", "never"],
+        help="leave the head (trainable) to a second optimizer (SGD) that the loop steps "
+        "before or after commit(), or never",
     )  # fmt: skip
     parser.add_argument(
         "--ported-zero-grad", choices=["none", "zeros"],
