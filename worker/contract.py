@@ -1040,20 +1040,18 @@ class GradientWatch:
         throws away the rank's earlier microbatches, which the step's count
         still includes; a gradient left by a backward pass the runtime did
         not run is added without being counted."""
-        current = [self._signature(p) for p in self._params]
-        if self._seen is None:
-            if any(sig != (0, 0) for sig in current):
-                raise UsageError(
-                    "gradients exist before the step's first step.backward(): left by a "
-                    "backward pass the runtime did not run (loss.backward(), also one before "
-                    "the first step) or assigned to .grad, they would be added to this step's "
-                    "gradient without their samples being counted. Run every backward pass of "
-                    "a step as step.backward(loss_sum, count), inside `for batch in "
-                    "step.microbatches()`, and none outside the steps (or drop its gradients "
-                    "with model.zero_grad(set_to_none=True) before the step)"
-                )
-            return
-        if current != self._seen:
+        found = self._difference()
+        if found == "unmarked":
+            raise UsageError(
+                "gradients exist before the step's first step.backward(): left by a "
+                "backward pass the runtime did not run (loss.backward(), also one before "
+                "the first step) or assigned to .grad, they would be added to this step's "
+                "gradient without their samples being counted. Run every backward pass of "
+                "a step as step.backward(loss_sum, count), inside `for batch in "
+                "step.microbatches()`, and none outside the steps (or drop its gradients "
+                "with model.zero_grad(set_to_none=True) before the step)"
+            )
+        if found == "changed":
             raise UsageError(
                 "gradients were changed between two step.backward() calls of a step (by "
                 "zero_grad(), an assignment to .grad or an in-place operation): there they hold "
@@ -1067,22 +1065,29 @@ class GradientWatch:
     def check(self) -> None:
         """At commit: raise :class:`UsageError` if a gradient changed since
         the last :meth:`mark` (or exists without any)."""
-        current = [self._signature(p) for p in self._params]
-        if self._seen is None:
-            if any(sig != (0, 0) for sig in current):
-                raise UsageError(
-                    "gradients exist but step.backward() was not called in this step: call "
-                    "step.backward(loss_sum, count) instead of loss.backward(), so the "
-                    "runtime counts the samples it divides by"
-                )
-            return
-        if current != self._seen:
+        found = self._difference()
+        if found == "unmarked":
+            raise UsageError(
+                "gradients exist but step.backward() was not called in this step: call "
+                "step.backward(loss_sum, count) instead of loss.backward(), so the "
+                "runtime counts the samples it divides by"
+            )
+        if found == "changed":
             raise UsageError(
                 "gradients were changed between step.backward() and step.commit() (by "
                 "clip_grad_norm_, zero_grad() or an in-place operation): there they are this "
                 "worker's partial sum, not the step's gradient. Do it in "
                 "Elastic(before_update=...), which runs on the reduced, normalised gradient"
             )
+
+    def _difference(self) -> str | None:
+        """``"unmarked"``: gradients exist and no :meth:`mark` was made
+        since the last :meth:`forget`; ``"changed"``: they differ from the
+        last mark; None: neither."""
+        current = [self._signature(p) for p in self._params]
+        if self._seen is None:
+            return "unmarked" if any(sig != (0, 0) for sig in current) else None
+        return "changed" if current != self._seen else None
 
     @staticmethod
     def _signature(param: torch.nn.Parameter) -> tuple[int, int]:
