@@ -23,7 +23,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, NoReturn, Protocol
+from typing import Any, Literal, NamedTuple, NoReturn, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -1080,7 +1080,7 @@ class GradientWatch:
                 "Elastic(before_update=...), which runs on the reduced, normalised gradient"
             )
 
-    def _difference(self) -> str | None:
+    def _difference(self) -> Literal["unmarked", "changed"] | None:
         """``"unmarked"``: gradients exist and no :meth:`mark` was made
         since the last :meth:`forget`; ``"changed"``: they differ from the
         last mark; None: neither."""
