@@ -13,7 +13,9 @@ steady, then measures over ``--window`` seconds: samples/s (as
 the busiest worker alone (the one the data plan gives the most
 microbatches: the step's longest path), the CPU of the rest of each
 system (rollcall's etcd and rendezvous replica, torchrun's rendezvous
-store) and the machine's idle share. The systems alternate their order
+store) and the machine's idle share; and the workers' CPU per step by
+thread kind (``THREAD_KINDS``: the training thread, the other Python
+threads, gloo's, gRPC's), read from ``/proc/PID/task``. The systems alternate their order
 from round to round, so that a drift of the machine's load hits all
 alike; the table gives medians and ranges.
 

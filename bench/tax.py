@@ -20,7 +20,9 @@ overhead``): on this shared 2-core machine the wall-clock rate and even the
 CPU per step of several processes move by more than the effect; the CPU
 time of one thread, in rounds that alternate within a process, moves far
 less. The training thread is where a per-step cost is paid; the control
-thread's cost is time-based (per heartbeat), reported per second.
+thread's cost is time-based (per heartbeat), reported per second. Each
+round's training-thread CPU is also split by part of the step (``PARTS``),
+for both loops.
 """
 
 from __future__ import annotations
