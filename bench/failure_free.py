@@ -15,9 +15,9 @@ microbatches: the step's longest path), the CPU of the rest of each
 system (rollcall's etcd and rendezvous replica, torchrun's rendezvous
 store) and the machine's idle share; and the workers' CPU per step by
 thread kind (``THREAD_KINDS``: the training thread, the other Python
-threads, gloo's, gRPC's), read from ``/proc/PID/task``. The systems alternate their order
-from round to round, so that a drift of the machine's load hits all
-alike; the table gives medians and ranges.
+threads, gloo's, gRPC's), read from ``/proc/PID/task``. The systems
+alternate their order from round to round, so that a drift of the
+machine's load hits all alike; the tables give medians and ranges.
 
 ``--before DIR`` adds rollcall as checked out in DIR (a ``git worktree`` of
 an earlier commit; its workers import its own code) as a third system, for
