@@ -199,7 +199,7 @@ def test_zero_grad_between_two_backward_passes_of_a_step_is_noticed(set_to_none:
     watch.mark()
     watch.before_backward()  # nothing changed since: a second microbatch may run
     optimizer.zero_grad(set_to_none=set_to_none)
-    with pytest.raises(UsageError, match=r"remove zero_grad\(\) from the microbatch loop"):
+    with pytest.raises(UsageError, match=r"remove zero_grad\(\) from the loop"):
         watch.before_backward()
 
 

@@ -1053,13 +1053,15 @@ class GradientWatch:
             )
         if found == "changed":
             raise UsageError(
-                "gradients were changed between two step.backward() calls of a step (by "
-                "zero_grad(), an assignment to .grad or an in-place operation): there they hold "
-                "this worker's sum over its earlier microbatches, which the step's count "
+                "gradients were changed since the step's previous step.backward() (by "
+                "zero_grad(), an assignment to .grad or an in-place operation): they hold this "
+                "worker's sum over its earlier microbatches of the step (also those kept from "
+                "an aborted attempt of it, which are not run again), which the step's count "
                 "includes, and zeroing them would drop those microbatches from the step. The "
                 "runtime zeroes the gradients after every update: remove zero_grad() from the "
-                "microbatch loop (a plain loop's first line), and do any change to the "
-                "gradients in Elastic(before_update=...), which runs on the reduced gradient"
+                "loop (a plain loop's first line, kept in the microbatch loop or at the top of "
+                "the step), and do any change to the gradients in Elastic(before_update=...), "
+                "which runs on the reduced gradient"
             )
 
     def check(self) -> None:
