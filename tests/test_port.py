@@ -506,6 +506,38 @@ def test_zero_grad_between_microbatches_is_refused_at_the_next_backward(
     assert not program.events("step")
 
 
+def test_a_zero_grad_at_the_top_of_a_step_that_kept_microbatches_is_refused(
+    programs: Programs,
+) -> None:
+    # A plain loop's zero_grad() kept before the step's microbatch loop is
+    # harmless while every step's gradients start empty. After a kill mid-step
+    # a survivor keeps the microbatches it finished whose new split still
+    # gives them to it: their gradients wait in .grad and they are not run
+    # again. Zeroed there, they were dropped from the step's gradient while
+    # its count still held them, and the run trained on with no error.
+    common = ["--steps", "12", "--loader-workers", "0", "--zero-grad-at-step-start",
+              "--microbatch-pause", "0.6", "--slow-until", "12", "--min-workers", "3"]
+    team = [programs.start(*common) for _ in range(3)]
+    for program in team:
+        wait_step(program, lambda e: e["step"] >= 3)
+    first = team[0]
+    seen = first.last_step()
+    wait_for(lambda: first.last_step() > seen, "the next step", PATIENCE)
+    # Rank 0 (2 microbatches a step, each followed by a 0.6 s pause) has
+    # finished its first and is in its second.
+    time.sleep(0.9)
+    team[2].kill()
+    logs = []
+    for program in team[:2]:
+        program.proc.wait(timeout=PATIENCE)
+        logs.append(program.log_tail(60))
+    kept = [log for log in logs if "finished before it was aborted are kept" in log]
+    assert kept, logs  # the kill landed mid-step: a survivor kept microbatches
+    for log in kept:
+        assert "UsageError" in log and "since the step's previous step.backward()" in log, log
+        assert "also those kept from an aborted attempt" in log, log
+
+
 @pytest.mark.parametrize("when", ["before", "after"], ids=["before commit", "after commit"])
 def test_a_second_optimizer_stepped_in_the_loop_is_refused_at_its_step(
     programs: Programs, when: str

@@ -206,6 +206,8 @@ def train(args: argparse.Namespace) -> None:
         for step in job.steps(args.steps):
             while args.hold_while and os.path.exists(args.hold_while):
                 time.sleep(0.05)  # a test holds the team until a joiner is in
+            if args.zero_grad_at_step_start:  # a plain loop's first line, before the step's
+                optimizer.zero_grad()
             for batch in step.microbatches():
                 if args.ported_zero_grad:  # a plain loop's first line, kept inside the step
                     optimizer.zero_grad(set_to_none=args.ported_zero_grad == "none")
@@ -374,6 +376,10 @@ def main() -> None:
         help="leave the head (trainable) to a second optimizer (SGD) that the loop steps "
         "before or after commit(), or never",
     )  # fmt: skip
+    parser.add_argument(
+        "--zero-grad-at-step-start", action="store_true",
+        help="call optimizer.zero_grad() at the top of each step, before its microbatches",
+    )
     parser.add_argument(
         "--ported-zero-grad", choices=["none", "zeros"],
         help="call optimizer.zero_grad() before each microbatch, as a plain loop does before "
