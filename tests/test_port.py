@@ -456,6 +456,18 @@ def test_a_nan_sample_under_a_grad_scaler_stops_every_rank_before_its_statistics
         assert "features.1.running_mean" in log, log
 
 
+def refused_before_a_step(programs: Programs, *args: str) -> str:
+    """The log of one worker run with ``args`` (a few steps, no loader
+    workers), once it has stopped with a ``UsageError`` before committing
+    any step."""
+    program = programs.start("--steps", "6", "--loader-workers", "0", *args)
+    assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+    log = program.log_tail(30)
+    assert "UsageError" in log, log
+    assert not program.events("step")
+    return log
+
+
 @pytest.mark.parametrize(
     ("ported", "said"),
     [("mean", "a loss averaged over its samples (NllLossBackward0"),
@@ -474,12 +486,8 @@ def test_a_loss_averaged_or_already_scaled_is_refused_at_the_first_backward(
     # scaler.scale(loss) (a port that kept AMP's line), it is the scale
     # times too large. AdamW and the clip hide most of either: the run
     # trained on, with no error.
-    program = programs.start("--steps", "6", "--grad-scaler", "--loader-workers", "0",
-                             "--ported-loss", ported)  # fmt: skip
-    assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
-    log = program.log_tail(30)
-    assert "UsageError" in log and said in log, log
-    assert not program.events("step")
+    log = refused_before_a_step(programs, "--grad-scaler", "--ported-loss", ported)
+    assert said in log, log
 
 
 @pytest.mark.parametrize(
@@ -497,13 +505,9 @@ def test_zero_grad_between_microbatches_is_refused_at_the_next_backward(
     # error. (In exact mode each microbatch's gradient is already taken
     # apart, so nothing is lost there, but the loop is refused alike: the
     # same loop is wrong in the other modes.)
-    program = programs.start("--steps", "4", "--loader-workers", "0",
-                             "--ported-zero-grad", zeroed, *mode)  # fmt: skip
-    assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
-    log = program.log_tail(30)
-    assert "UsageError" in log and "since the step's previous step.backward()" in log, log
+    log = refused_before_a_step(programs, "--ported-zero-grad", zeroed, *mode)
+    assert "since the step's previous step.backward()" in log, log
     assert "remove zero_grad() from the loop" in log, log
-    assert not program.events("step")
 
 
 def test_a_zero_grad_at_the_top_of_a_step_that_kept_microbatches_is_refused(
@@ -548,13 +552,10 @@ def test_a_second_optimizer_stepped_in_the_loop_is_refused_at_its_step(
     # it applies this worker's partial gradient (the replicas part), after
     # it there is no gradient left (the runtime drops them with its update)
     # and its parameters never train. Both trained on with no error.
-    program = programs.start("--steps", "4", "--loader-workers", "0",
-                             "--second-optimizer", when)  # fmt: skip
-    assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
-    log = program.log_tail(30)
-    assert "UsageError" in log and "another optimizer (SGD) holds 2 of the model's" in log, log
+    # Refused at step 0 (the program says a step after stepping the other).
+    log = refused_before_a_step(programs, "--second-optimizer", when)
+    assert "another optimizer (SGD) holds 2 of the model's" in log, log
     assert "Elastic steps only the optimizer passed to it" in log, log
-    assert not program.events("step")  # refused at step 0 (the program says a step after)
 
 
 def test_a_trainable_parameter_no_optimizer_holds_is_left_alone(programs: Programs) -> None:

@@ -185,7 +185,9 @@ def train(args: argparse.Namespace) -> None:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=args.grad_scaler)
     # A second optimizer, for the head, that the loop steps itself (as a
     # port of a job with two optimizers, Muon and AdamW say, would).
-    head_optimizer = torch.optim.SGD(model.head.parameters(), lr=args.lr)
+    head_optimizer = None
+    if args.second_optimizer:
+        head_optimizer = torch.optim.SGD(model.head.parameters(), lr=args.lr)
     config = None
     if args.collective_timeout is not None:
         config = Config(collective_timeout=args.collective_timeout)
@@ -233,12 +235,12 @@ def train(args: argparse.Namespace) -> None:
                     warmup.step()
                 if step.number < args.slow_until:
                     time.sleep(args.microbatch_pause)  # a kill lands mid-step
-            if args.second_optimizer == "before":
+            if args.second_optimizer == "before" and head_optimizer is not None:
                 head_optimizer.step()
             if not step.commit():
                 say(event="aborted", step=step.number, epoch=step.epoch)
                 continue
-            if args.second_optimizer == "after":
+            if args.second_optimizer == "after" and head_optimizer is not None:
                 head_optimizer.step()
                 head_optimizer.zero_grad()
             time.sleep(args.after_commit_pause)  # a roll call or a checkpoint lands here
