@@ -47,8 +47,10 @@ def _overlapped(channels: Channels, rank: int, size: int) -> None:
         started_in_backward.append(buffer.numel())
         return group.start_allreduce_sum(buffer)
 
-    # Two microbatches: the first accumulates, the second is the last.
+    # Two microbatches: the first accumulates, the second is the last (the
+    # worker's first pass starts nothing before it returns).
     torch.nn.functional.mse_loss(model(x[:8]), y[:8], reduction="sum").backward()
+    buckets.passed()
     # Every gradient lives in its bucket: as many storages as buckets.
     views = len({p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None})
     buckets.arm(launch)
@@ -92,4 +94,103 @@ def test_buckets_start_during_the_last_backward_pass_and_sum_what_a_flat_all_red
         # bucket holds the first layer, which backward reaches last).
         assert 1 <= result["started_in_backward"] <= result["buckets"]
         assert "once per microbatch" in result["refused"]
+    assert members.exit_codes(processes, START_BOUND) == [0, 0]
+
+
+class _Reused(torch.nn.Module):
+    """One block run twice, each time under reentrant checkpointing
+    (``torch.utils.checkpoint(..., use_reentrant=True)``, the default of
+    many model libraries' "gradient checkpointing"): each run's backward is
+    a backward pass of its own, so the block's parameters accumulate their
+    gradient twice in one ``loss.backward()`` (DDP refuses that: "mark a
+    variable ready only once")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(32, 64)
+        self.block = torch.nn.Linear(64, 64)
+        self.out = torch.nn.Linear(64, 4)
+
+    def _block(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.block(h))
+
+    def forward(self, x: torch.Tensor, runs: int) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for _ in range(runs):
+            h = torch.utils.checkpoint.checkpoint(self._block, h, use_reentrant=True)
+        return self.out(h)
+
+
+def _reused(channels: Channels, rank: int, size: int, runs: list[int]) -> None:
+    """Backward passes of ``_Reused`` run ``runs[i]`` times in microbatch i,
+    the last pass armed, with buckets of about one layer each (the block's
+    parameters are done after the first of its runs' backward passes)."""
+    _started(channels, rank)
+    group = _join_epoch(1, rank, size, channels.ports, threading.Event())
+    generator = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(8 * len(runs), 32, generator=generator), torch.randn(8 * len(runs), 4)
+
+    def loss(model: _Reused, i: int) -> torch.Tensor:
+        part = slice(8 * i, 8 * i + 8)
+        return torch.nn.functional.mse_loss(model(x[part], runs[i]), y[part], reduction="sum")
+
+    model = _Reused()
+    params = list(model.parameters())
+    buckets = Buckets(params, cap_bytes=64 * 65 * 4, names=[n for n, _ in model.named_parameters()])
+    buckets.attach()
+    refused, pending = "", []
+    try:
+        for i in range(len(runs) - 1):
+            loss(model, i).backward()
+            buckets.passed()
+        buckets.arm(group.start_allreduce_sum)
+        loss(model, len(runs) - 1).backward()
+    except UsageError as exc:
+        refused = str(exc)
+    pending = buckets.flush(group.start_allreduce_sum)
+    group.finish(pending)
+    overlapped = [p.grad.clone() for p in params]
+
+    reference = _Reused()
+    for i in range(len(runs)):
+        loss(reference, i).backward()
+    flat = [p.grad for p in reference.parameters()]
+    group.allreduce_sum(flat)
+    group.close()
+    channels.reports.put({
+        "rank": rank, "refused": refused,
+        "equal": all(torch.equal(a, b) for a, b in zip(overlapped, flat, strict=True)),
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "runs", [[2], [2, 2]], ids=["the worker's first pass", "a repeat seen in an earlier pass"]
+)
+def test_a_parameter_accumulated_twice_in_one_backward_pass_is_reduced_whole(
+    members: Members, runs: list[int]
+) -> None:
+    # Started as soon as the block's first backward pass is done, its
+    # buckets would be summed while the second adds to them: each rank's
+    # gradient would miss the others' second part. The worker's first pass
+    # starts every bucket after backward returns; later passes hold back
+    # the buckets of parameters an earlier pass accumulated twice.
+    processes = members.start(_reused, [0, 1], 2, runs)
+    for result in members.collect(2, "equal"):
+        assert result["refused"] == ""
+        assert result["equal"], "the overlapped sums differ from the flat all-reduce's"
+    assert members.exit_codes(processes, START_BOUND) == [0, 0]
+
+
+def test_a_parameter_accumulated_again_after_its_bucket_started_is_refused(
+    members: Members,
+) -> None:
+    # The first pass runs the block once (nothing repeats), the last twice:
+    # its bucket is under way when the second run's backward adds to it,
+    # which the runtime cannot undo. Refused, naming the parameter and what to do.
+    processes = members.start(_reused, [0, 1], 2, [1, 2])
+    for result in members.collect(2, "equal"):
+        assert "block.weight" in result["refused"] or "block.bias" in result["refused"]
+        assert "use_reentrant=False" in result["refused"], result["refused"]
+        assert "accumulated again after its bucket's all-reduce" in result["refused"]
     assert members.exit_codes(processes, START_BOUND) == [0, 0]

@@ -319,6 +319,34 @@ def test_a_parameter_no_rank_used_in_a_step_is_left_alone_by_its_update(
             assert aux[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-7), step
 
 
+@pytest.mark.parametrize("hook", [[], ["--no-clip"]], ids=["clipped in the hook", "no hook"])
+def test_a_layer_run_twice_under_reentrant_checkpointing_trains_as_the_plain_loop_with_overlap(
+    programs: Programs, hook: list[str]
+) -> None:
+    # The mix layer runs twice on the logits, each run checkpointed with
+    # use_reentrant=True: its gradient is accumulated twice in each backward
+    # pass. With a bucket of its own (440 bytes: its 110 elements), started
+    # as soon as its first accumulation was done, the second was added to a
+    # sum already under way: each rank's gradient lost the others' part.
+    # Without a hook that trained on to exit 0, the losses apart from the
+    # plain loop's from step 2; with one, the ranks' hooks were said to differ.
+    args = ["--steps", "6", "--loader-workers", "0", "--reentrant-reuse", *hook]
+    team = [programs.start(*args, "--min-workers", "2", "--overlap", "--bucket-bytes", "440",
+                           "--digests") for _ in range(2)]  # fmt: skip
+    for program in team:
+        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+    reference = reference_steps(*args)
+    digests: dict[int, set[str]] = {}
+    for program in team:
+        steps = {e["step"]: e for e in program.events("step") if e["world"] == 2}
+        assert sorted(steps) == list(range(6))
+        for step, event in steps.items():
+            digests.setdefault(step, set()).add(event["digest"])
+            assert event["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5), step
+            assert event["grad_norm"] == pytest.approx(reference[step]["grad_norm"], rel=1e-4), step
+    assert {step: d for step, d in digests.items() if len(d) > 1} == {}
+
+
 def test_a_sharded_job_says_once_that_it_updates_a_parameter_no_rank_used(
     programs: Programs,
 ) -> None:

@@ -18,7 +18,17 @@ divides the sums in place.
 
 One backward pass per microbatch: the last one's hooks start the buckets,
 so a second pass in that microbatch would add to sums already under way;
-it is refused (``UsageError``) before it runs. Exact mode reduces every
+it is refused (``UsageError``) before it runs. A parameter can still be
+accumulated more than once inside one pass: a module run under reentrant
+checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) more
+than once, or also outside it, is reached by one inner backward pass per
+run. Its bucket must not start before the last of them, and nothing says
+which one that is, so a worker's first pass starts no bucket before it
+returns, and later passes hold back the buckets of every parameter an
+earlier pass accumulated more than once (they start when the pass
+returns). A repeat that no earlier pass showed (the repeats depend on the
+data) and that comes after its bucket started is refused at once: the
+sum under way misses it. Exact mode reduces every
 microbatch's gradients as integers at commit and cannot be overlapped.
 Once a step's reduction was started its gradients are no longer this
 rank's own, so the runtime keeps nothing of it for a next attempt, and
@@ -48,15 +58,26 @@ class _Bucket:
     params: list[torch.nn.Parameter] = field(default_factory=list)
     size: int = 0
     buffer: torch.Tensor | None = None
-    #: Parameters of this bucket not yet done in the armed backward pass.
+    #: Parameters of this bucket not yet done in the armed backward pass
+    #: (and ``_HELD`` while it waits for the pass to return).
     waiting: set[int] = field(default_factory=set)
+
+
+#: In a bucket's ``waiting``: started only when the backward pass returns.
+_HELD = -1
 
 
 class Buckets:
     """The gradients of ``params`` as views into flat buckets, reduced
     bucket by bucket as the last backward pass of a step finishes them."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        cap_bytes: int,
+        names: Sequence[str] | None = None,
+    ) -> None:
+        """``names``: the parameters' names, for messages."""
         if cap_bytes < 1:
             raise ValueError(f"the bucket size must be positive, got {cap_bytes}")
         self._buckets: list[_Bucket] = []
@@ -80,6 +101,13 @@ class Buckets:
         self._next = 0  # the next bucket to start
         #: ids of the parameters a backward pass of this step reached.
         self._used: set[int] = set()
+        #: ids of the parameters the backward pass under way reached.
+        self._this_pass: set[int] = set()
+        #: ids of the parameters a pass accumulated more than once.
+        self._repeated: set[int] = set()
+        #: Whether a backward pass has returned (its repeats are known).
+        self._observed = False
+        self._names = {} if names is None else dict(zip(map(id, params), names, strict=True))
         self._hooks = [p.register_post_accumulate_grad_hook(self._done) for p in params]
         self._allocate()
 
@@ -110,19 +138,29 @@ class Buckets:
                     param.grad = view
                 offset += param.numel()
         self._launch, self._started, self._next = None, [], 0
+        self._this_pass.clear()
+
+    def passed(self) -> None:
+        """A backward pass that was not the rank's last of the step returned."""
+        self._this_pass.clear()
+        self._observed = True
 
     def arm(self, launch: Launch) -> None:
         """The next backward pass is the rank's last of the step: start each
         bucket's all-reduce (``launch``) as soon as it and those before it
-        are done."""
+        are done; in a worker's first pass, and for a parameter an earlier
+        pass accumulated more than once, only when the pass returns."""
         if self._next or self._launch is not None:
             raise UsageError(
                 "with overlap=True, call step.backward() once per microbatch: the last one "
                 "starts the reduction of the gradients, which a second pass would add to"
             )
         self._launch = launch
+        self._this_pass.clear()
         for bucket in self._buckets:
             bucket.waiting = {id(p) for p in bucket.params}
+            if not self._observed or not self._repeated.isdisjoint(bucket.waiting):
+                bucket.waiting.add(_HELD)
 
     def flush(self, launch: Launch) -> list[Any]:
         """After the last backward pass (or at commit, on a rank that ran no
@@ -133,6 +171,8 @@ class Buckets:
             bucket.waiting = set()
         self._start_ready()
         self._launch = None
+        self._this_pass.clear()
+        self._observed = True
         return list(self._started)
 
     def present(self, params: Sequence[torch.nn.Parameter]) -> list[float]:
@@ -163,6 +203,7 @@ class Buckets:
         while its group is parked)."""
         self._allocate()
         self._used.clear()
+        self._this_pass.clear()
         for bucket in self._buckets:
             for param in bucket.params:
                 param.grad = None
@@ -179,12 +220,33 @@ class Buckets:
 
     def _done(self, param: torch.nn.Parameter) -> None:
         """A parameter's gradient is accumulated (autograd's hook)."""
-        self._used.add(id(param))
+        key = id(param)
+        self._used.add(key)
+        if key in self._this_pass:
+            self._again(key)
+        self._this_pass.add(key)
         if self._launch is None:
             return
-        index, _ = self._where[id(param)]
-        self._buckets[index].waiting.discard(id(param))
+        index, _ = self._where[key]
+        self._buckets[index].waiting.discard(key)
         self._start_ready()
+
+    def _again(self, key: int) -> None:
+        """The parameter ``key`` was accumulated again in the same pass."""
+        self._repeated.add(key)
+        index, _ = self._where[key]
+        if self._launch is not None and index < self._next:
+            name = self._names.get(key, "a parameter")
+            raise UsageError(
+                f"with overlap=True, the gradient of {name} was accumulated again after its "
+                "bucket's all-reduce had started, in the same backward pass: a module run "
+                "more than once under reentrant checkpointing (torch.utils.checkpoint with "
+                "use_reentrant=True, also a model library's gradient checkpointing), or both "
+                "inside and outside it, adds to its gradient once per run, and no earlier pass "
+                "of this worker had shown that (the runs depend on the data). The sum under "
+                "way misses this part. Checkpoint with use_reentrant=False (torch's "
+                "recommended setting: one pass, one addition), or train with overlap=False"
+            )
 
     def _start_ready(self) -> None:
         launch = self._launch

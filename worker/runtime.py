@@ -251,15 +251,17 @@ class Step:
         job = self._job
         check_loss(loss_sum, count, job._scaler)
         job._gradients.before_backward()
-        buckets = job._buckets if self._final else None
-        if buckets is not None:
+        buckets = job._buckets
+        if buckets is not None and self._final:
             buckets.arm(job._launcher(self))
         if job._scaler is not None:
             job._scaler.scale(loss_sum).backward()
         else:
             loss_sum.backward()
-        if buckets is not None:
+        if buckets is not None and self._final:
             self._pending = buckets.flush(job._launcher(self))
+        elif buckets is not None:
+            buckets.passed()
         loss = float(loss_sum.detach())
         if job._exact is not None:
             job._exact.took(self._index, loss, count)
@@ -599,7 +601,8 @@ class Elastic:
         )  # fmt: skip
         self.plan = self._loader.plan
         self.member_id: str | None = None
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in trainable]
         #: The model's modules, whose training modes the ranks compare at
         #: every step (``modes_tag``).
         self._named_modules = dict(model.named_modules())
@@ -620,7 +623,9 @@ class Elastic:
         #: overlap=True: the gradients as views into buckets whose
         #: all-reduces start during the last backward pass of a step.
         self._buckets = (
-            Buckets(self._params, self._config.overlap_bucket_bytes) if overlap else None
+            Buckets(self._params, self._config.overlap_bucket_bytes, [n for n, _ in trainable])
+            if overlap
+            else None
         )
         #: This rank's part of the optimizer state in a sharded job (built
         #: on entering the first view) and the view it was last moved to.

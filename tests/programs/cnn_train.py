@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset
 
 from rollcall import Config, Elastic, ViewChanged
@@ -54,7 +55,7 @@ class Shapes(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class Net(nn.Module):
-    def __init__(self, width: int = 8, aux: bool = False) -> None:
+    def __init__(self, width: int = 8, aux: bool = False, reused: bool = False) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
@@ -66,9 +67,18 @@ class Net(nn.Module):
         #: A second head trained only in the first steps (``--aux-until``):
         #: a parameter that the later steps' forward passes never reach.
         self.aux = nn.Linear(12 * 12, 10) if aux else None
+        #: A layer run twice on the logits, each run under reentrant
+        #: checkpointing (``--reentrant-reuse``), as a model library's
+        #: gradient checkpointing of a block shared between layers does:
+        #: its gradient is accumulated once per run in one backward pass.
+        self.mix = nn.Linear(10, 10) if reused else None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.dropout(self.features(images).flatten(1)))
+        logits = self.head(self.dropout(self.features(images).flatten(1)))
+        if self.mix is not None:
+            for _ in range(2):
+                logits = logits + checkpoint(self.mix, logits, use_reentrant=True)
+        return logits
 
 
 class EMA:
@@ -123,7 +133,7 @@ def say(**record: Any) -> None:
 
 def build(args: argparse.Namespace) -> tuple[Net, torch.optim.Optimizer, Any, Shapes, Shapes]:
     torch.manual_seed(args.model_seed)
-    model = Net(aux=args.aux_until >= 0)
+    model = Net(aux=args.aux_until >= 0, reused=args.reentrant_reuse)
     # With --second-optimizer the head is left to an optimizer of its own.
     params = [p for name, p in model.named_parameters()
               if not (args.second_optimizer and name.startswith("head."))]  # fmt: skip
@@ -188,13 +198,17 @@ def train(args: argparse.Namespace) -> None:
     head_optimizer = None
     if args.second_optimizer:
         head_optimizer = torch.optim.SGD(model.head.parameters(), lr=args.lr)
-    config = None
+    settings: dict[str, Any] = {}
     if args.collective_timeout is not None:
-        config = Config(collective_timeout=args.collective_timeout)
+        settings["collective_timeout"] = args.collective_timeout
+    if args.bucket_bytes is not None:
+        settings["overlap_bucket_bytes"] = args.bucket_bytes
+    config = Config(**settings) if settings else None
     with Elastic(
         model, optimizer, loader if args.loader_workers else data,
         global_batch=args.global_batch, micro_batch=args.micro_batch, seed=args.seed,
-        scheduler=scheduler, grad_scaler=scaler, state={"ema": ema}, before_update=clip,
+        scheduler=scheduler, grad_scaler=scaler, state={"ema": ema},
+        before_update=None if args.no_clip else clip,
         min_workers=args.min_workers, ledger=args.ledger, config=config, exact=args.exact,
         overlap=args.overlap,
         shard_redundancy=args.shard_redundancy, shard_partitions=args.shard_partitions,
@@ -309,7 +323,9 @@ def reference(args: argparse.Namespace) -> None:
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.div_(count)
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        norm = 0.0
+        if not args.no_clip:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -415,6 +431,12 @@ def main() -> None:
         "--late-warmup", action="store_true",
         help="build a second LR scheduler after Elastic and step it in the loop",
     )  # fmt: skip
+    parser.add_argument(
+        "--reentrant-reuse", action="store_true",
+        help="run a layer twice on the logits, each run under reentrant checkpointing",
+    )  # fmt: skip
+    parser.add_argument("--bucket-bytes", type=int, help="Config(overlap_bucket_bytes=...)")
+    parser.add_argument("--no-clip", action="store_true", help="no before_update hook")
     parser.add_argument(
         "--misuse-scheduler",
         action="store_true",
