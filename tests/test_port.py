@@ -347,6 +347,27 @@ def test_a_layer_run_twice_under_reentrant_checkpointing_trains_as_the_plain_loo
     assert {step: d for step, d in digests.items() if len(d) > 1} == {}
 
 
+def test_a_layer_first_run_twice_under_reentrant_checkpointing_after_its_bucket_started_is_refused(
+    programs: Programs,
+) -> None:
+    # The mix layer runs once in steps 0-2 and twice from step 3 on, and
+    # each rank runs one microbatch a step: no earlier pass showed the
+    # repeat, and its bucket is under way when the second run's backward
+    # adds to it. Refused there, on every rank, naming it. (With more
+    # microbatches a rank's earlier passes of step 3 would show it, and its
+    # last pass would hold that bucket back.)
+    args = ["--steps", "6", "--loader-workers", "0", "--reentrant-reuse", "--reuse-once-until",
+            "3", "--global-batch", "16", "--min-workers", "2", "--overlap", "--bucket-bytes",
+            "440"]  # fmt: skip
+    team = [programs.start(*args) for _ in range(2)]
+    for program in team:
+        assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+        log = program.log_tail(40)
+        assert "UsageError: with overlap=True, the gradient of mix." in log, log
+        assert "use_reentrant=False" in log
+        assert sorted(e["step"] for e in program.events("step")) == [0, 1, 2]
+
+
 def test_a_sharded_job_says_once_that_it_updates_a_parameter_no_rank_used(
     programs: Programs,
 ) -> None:

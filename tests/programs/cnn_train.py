@@ -72,11 +72,12 @@ class Net(nn.Module):
         #: gradient checkpointing of a block shared between layers does:
         #: its gradient is accumulated once per run in one backward pass.
         self.mix = nn.Linear(10, 10) if reused else None
+        self.mix_runs = 2
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.dropout(self.features(images).flatten(1)))
         if self.mix is not None:
-            for _ in range(2):
+            for _ in range(self.mix_runs):
                 logits = logits + checkpoint(self.mix, logits, use_reentrant=True)
         return logits
 
@@ -222,6 +223,7 @@ def train(args: argparse.Namespace) -> None:
         for step in job.steps(args.steps):
             while args.hold_while and os.path.exists(args.hold_while):
                 time.sleep(0.05)  # a test holds the team until a joiner is in
+            model.mix_runs = 1 if step.number < args.reuse_once_until else 2
             if args.zero_grad_at_step_start:  # a plain loop's first line, before the step's
                 optimizer.zero_grad()
             for batch in step.microbatches():
@@ -437,6 +439,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--bucket-bytes", type=int, help="Config(overlap_bucket_bytes=...)")
     parser.add_argument("--no-clip", action="store_true", help="no before_update hook")
+    parser.add_argument(
+        "--reuse-once-until", type=int, default=0,
+        help="with --reentrant-reuse: the layer runs once in the steps before this one",
+    )  # fmt: skip
     parser.add_argument(
         "--misuse-scheduler",
         action="store_true",
