@@ -2,9 +2,11 @@
 on real gloo groups in real processes: the gradients are views into their
 buckets, a bucket's all-reduce starts during the last backward pass as soon
 as it and those before it are done, the sums equal those of the flat
-all-reduce after backward, and a second backward pass of the last
-microbatch is refused before it adds to sums under way. Every member is a
-"spawn" child (tests/test_group.py's Members)."""
+all-reduce after backward, a second backward pass of the last
+microbatch is refused before it adds to sums under way, and a parameter
+accumulated more than once within one pass (reentrant checkpointing) is
+summed whole or refused. Every member is a "spawn" child
+(tests/test_group.py's Members)."""
 
 from __future__ import annotations
 
