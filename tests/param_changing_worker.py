@@ -27,7 +27,10 @@ after step 2's commit, as a loop that computes an extra loss there does);
 ``microbatches_after`` (``step.microbatches()`` iterated again after step 2's
 commit, as a loop that reports a loss on the step's own data does);
 ``forget_train`` (``model.eval()`` after each commit, as a rank that
-evaluates and does not call ``model.train()`` again).
+evaluates and does not call ``model.train()`` again); ``sparse_after``
+(the token embedding set to ``sparse=True`` after step 2: its gradient
+becomes a sparse tensor, as ``F.embedding(..., sparse=True)`` in a
+model's own code makes it).
 ``--sharded``: redundancy 2. The checks run every 5 steps. Token from
 $ROLLCALL_TOKEN. Prints the JSON step events `rollcall worker --json` does."""
 
@@ -51,7 +54,7 @@ def main() -> None:
     changes = ["none", "scale", "freeze", "unfreeze", "add_group", "drop_param", "replace",
                "retype", "hook_scale", "counter_lr", "busy_state", "after_busy",
                "busy_ok", "clip", "commit_twice", "backward_after", "microbatches_after",
-               "forget_train"]  # fmt: skip
+               "forget_train", "sparse_after"]  # fmt: skip
     parser.add_argument("change", choices=changes)
     parser.add_argument("--sharded", action="store_true")
     parser.add_argument("--clip-norm", type=float, default=1.0)
@@ -113,6 +116,8 @@ def main() -> None:
             optimizer.param_groups[0]["params"][0] = new
         elif args.change == "retype" and step.number == 2:
             model.double()
+        elif args.change == "sparse_after" and step.number == 2:
+            model.token_embedding.sparse = True
 
     hooks = ("hook_scale", "counter_lr", "clip")
     with Elastic(

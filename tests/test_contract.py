@@ -21,6 +21,7 @@ from rollcall.worker.contract import (
     ParameterWatch,
     RegisteredWatch,
     buffers_not_finite,
+    check_dense_gradients,
     check_extras,
     check_loss,
     check_optimizer_params,
@@ -31,6 +32,7 @@ from rollcall.worker.contract import (
     modes_tag,
     not_finite,
     not_finite_names,
+    refuse_sparse_gradients,
     settings_tag,
     skips_non_finite,
 )
@@ -271,6 +273,52 @@ def test_an_optimizer_parameter_outside_the_model_is_refused() -> None:
     optimizer.add_param_group({"params": [temperature]})
     with pytest.raises(UsageError, match="parameter 0 of the optimizer's param group 1 is not"):
         check_optimizer_params(model, optimizer)
+
+
+class _Bag(nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.frozen = nn.Embedding(10, 4, sparse=True)  # no gradient: no matter
+        self.frozen.weight.requires_grad_(False)
+        self.words = nn.EmbeddingBag(10, 4, sparse=sparse)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.words(ids) + self.frozen(ids).mean(1))
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_an_embedding_with_sparse_gradients_is_refused_at_construction(sparse: bool) -> None:
+    # The reduction packs dense gradients: a sparse one failed at the first
+    # commit with torch's "reshape is not implemented for sparse tensors"
+    # (exact mode: "Could not run 'aten::aminmax' ... 'SparseCPU'").
+    model = _Bag(sparse)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    if not sparse:
+        check_dense_gradients(model, optimizer)
+        return
+    with pytest.raises(UsageError, match=r"words \(EmbeddingBag\) was built with sparse=True"):
+        check_dense_gradients(model, optimizer)
+
+
+def test_sparse_adam_is_refused_at_construction() -> None:
+    model = _Bag(sparse=False)
+    optimizer = torch.optim.SparseAdam(list(model.words.parameters()), lr=0.1)
+    with pytest.raises(UsageError, match="SparseAdam takes only sparse gradients"):
+        check_dense_gradients(model, optimizer)
+
+
+def test_a_sparse_gradient_at_commit_is_refused_naming_the_parameter() -> None:
+    model = _Bag(sparse=False)
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    ids = torch.tensor([[1, 2], [3, 4]])
+    model(ids).sum().backward()
+    refuse_sparse_gradients(named, 0)  # dense: fine
+    model.zero_grad(set_to_none=True)
+    model.words.sparse = True  # set after construction, or F.embedding(..., sparse=True)
+    model(ids).sum().backward()
+    with pytest.raises(UsageError, match=r"step 1: the gradient of words\.weight is sparse"):
+        refuse_sparse_gradients(named, 1)
 
 
 def test_the_parameters_as_built_pass_and_every_later_change_is_named() -> None:

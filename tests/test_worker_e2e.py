@@ -352,6 +352,20 @@ def test_a_loop_that_replaces_or_retypes_a_parameter_is_refused_at_the_next_comm
     assert "before building Elastic" in line, line
 
 
+def test_a_sparse_gradient_is_refused_at_the_commit_naming_the_parameter(
+    workers: Workers, plane: ControlPlane
+):
+    """The reduction carries dense gradients. An embedding built with
+    ``sparse=True`` is refused at construction; one whose gradient turns
+    sparse later (the flag set after, or ``F.embedding(..., sparse=True)``
+    in the model's own code) is refused at that step's commit, before the
+    reduction, naming the parameter (before, torch's "reshape is not
+    implemented for sparse tensors" from inside the reduction)."""
+    line = refused_at(changing_worker(workers, plane, "sparse_after"), 3)
+    assert "UsageError: step 3: the gradient of token_embedding.weight is sparse" in line, line
+    assert "sparse=False" in line, line
+
+
 def test_a_param_group_of_parameters_outside_the_model_is_refused_at_the_next_commit(
     workers: Workers, plane: ControlPlane
 ):

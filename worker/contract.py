@@ -82,6 +82,45 @@ def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimi
                 )
 
 
+#: What to do about a sparse gradient, in every refusal of one.
+_DENSE = (
+    "the runtime sums dense gradients over the workers and cannot carry a sparse one. Build "
+    "the embedding with sparse=False (its gradient is then a dense tensor the size of its "
+    "weight) and train it with an optimizer of dense gradients (Adam or AdamW in place of "
+    "SparseAdam)"
+)
+
+
+def check_dense_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, at construction, what makes sparse gradients: a module built
+    with ``sparse=True`` (``nn.Embedding``, ``nn.EmbeddingBag``) that has a
+    trainable parameter, and ``SparseAdam``, which takes nothing else (the
+    reduction packs dense gradients; a sparse one failed inside it with
+    torch's "reshape is not implemented for sparse tensors")."""
+    for name, module in model.named_modules():
+        if getattr(module, "sparse", False) is True and any(
+            p.requires_grad for p in module.parameters(recurse=False)
+        ):
+            raise UsageError(
+                f"{name or 'the model'} ({type(module).__name__}) was built with sparse=True, "
+                f"so its gradient is a sparse tensor: {_DENSE}"
+            )
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise UsageError(f"SparseAdam takes only sparse gradients: {_DENSE}")
+
+
+def refuse_sparse_gradients(named: Mapping[str, torch.nn.Parameter], step: int) -> None:
+    """After a backward pass of ``step``: refuse a gradient that is not a
+    dense tensor (an embedding's ``sparse`` set after construction, or
+    ``F.embedding(..., sparse=True)`` in a model's own code)."""
+    for name, param in named.items():
+        grad = param.grad
+        if grad is not None and grad.layout is not torch.strided:
+            raise UsageError(
+                f"step {step}: the gradient of {name} is sparse ({grad.layout}): {_DENSE}"
+            )
+
+
 class ParameterWatch:
     """The model's parameters as ``Elastic`` was built with them: the
     runtime reduces, transfers and checkpoints those Parameter objects, in

@@ -95,6 +95,7 @@ from rollcall.worker.contract import (
     RegisteredWatch,
     ShardedStateGuard,
     buffers_not_finite,
+    check_dense_gradients,
     check_extras,
     check_loss,
     check_optimizer_params,
@@ -105,6 +106,7 @@ from rollcall.worker.contract import (
     modes_tag,
     not_finite,
     not_finite_names,
+    refuse_sparse_gradients,
     settings_tag,
     skips_non_finite,
     some_of,
@@ -262,6 +264,7 @@ class Step:
             self._pending = buckets.flush(job._launcher(self))
         elif buckets is not None:
             buckets.passed()
+        refuse_sparse_gradients(job._named_params, self.number)
         loss = float(loss_sum.detach())
         if job._exact is not None:
             job._exact.took(self._index, loss, count)
@@ -510,6 +513,7 @@ class Elastic:
         check_scheduler(scheduler, optimizer, registered=self._extras.values())
         self._schedulers_rechecked = False  # at the first commit (_check_scheduler_registered)
         check_optimizer_params(model, optimizer)
+        check_dense_gradients(model, optimizer)
         self._sharding = _check_sharding(shard_redundancy, shard_partitions, optimizer, grad_scaler)
         self._token = token or read_token(None)
         self._config = config or Config()
@@ -601,8 +605,9 @@ class Elastic:
         )  # fmt: skip
         self.plan = self._loader.plan
         self.member_id: str | None = None
-        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        self._params = [p for _, p in trainable]
+        #: The trainable parameters by name, in the model's order.
+        self._named_params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self._params = list(self._named_params.values())
         #: The model's modules, whose training modes the ranks compare at
         #: every step (``modes_tag``).
         self._named_modules = dict(model.named_modules())
@@ -623,7 +628,7 @@ class Elastic:
         #: overlap=True: the gradients as views into buckets whose
         #: all-reduces start during the last backward pass of a step.
         self._buckets = (
-            Buckets(self._params, self._config.overlap_bucket_bytes, [n for n, _ in trainable])
+            Buckets(self._params, self._config.overlap_bucket_bytes, list(self._named_params))
             if overlap
             else None
         )
@@ -2362,8 +2367,7 @@ class Elastic:
     def _by_name(self, tensors: Sequence[torch.Tensor | None]) -> dict[str, torch.Tensor]:
         """(For a message.) One tensor per trained parameter, in the
         parameters' order, by the parameter's name; the Nones left out."""
-        names = [n for n, p in self._model.named_parameters() if p.requires_grad]
-        return {n: t for n, t in zip(names, tensors, strict=True) if t is not None}
+        return {n: t for n, t in zip(self._named_params, tensors, strict=True) if t is not None}
 
     def _refuse_skipping(self, step: Step) -> NoReturn:
         """The grad scaler has skipped ``max_skipped_steps`` steps in a row:
