@@ -517,6 +517,18 @@ def refused_before_a_step(programs: Programs, *args: str) -> str:
     return log
 
 
+def test_a_loop_that_leaves_the_microbatches_of_a_step_early_is_refused_at_its_commit(
+    programs: Programs,
+) -> None:
+    # A break out of `for batch in step.microbatches()` (a time budget per
+    # step, a debugging limit, an error caught outside the loop) left the
+    # rest of the rank's microbatches unrun; the step was applied on the
+    # first 2 of 6 and its 48 samples were recorded as trained.
+    log = refused_before_a_step(programs, "--break-after", "2")
+    assert "step 0: the loop left step.microbatches() with 3 of this rank's 6" in log, log
+    assert "samples would be recorded as trained" in log
+
+
 @pytest.mark.parametrize(
     ("ported", "said"),
     [("mean", "a loss averaged over its samples (NllLossBackward0"),

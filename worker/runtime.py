@@ -196,6 +196,8 @@ class Step:
         #: Microbatches whose loop body finished (in this attempt or kept
         #: from an aborted one), by index.
         self.done: list[int] = []
+        #: Microbatches ``microbatches()`` handed out in this attempt, by index.
+        self._handed: set[int] = set()
         #: The step's all-reduce completed (its result is in the gradients).
         self._reduced = False
         #: overlap=True: the microbatch handed out is the rank's last of the
@@ -242,6 +244,7 @@ class Step:
             self._microbatches += 1
             self._index = mb.index
             self._final = mb is todo[-1]
+            self._handed.add(mb.index)
             yield Batch(mb, data)
             self.done.append(mb.index)  # its loop body finished
 
@@ -279,6 +282,26 @@ class Step:
         self._commit_called = True
         self.committed = self._job._commit(self)
         return self.committed
+
+    def _check_microbatches_run(self) -> None:
+        """At commit: every microbatch of this rank in the step was handed
+        out (or kept from an aborted attempt). A loop that left
+        ``microbatches()`` early (a ``break``, an error caught outside it)
+        would apply the step on part of the rank's share while its samples
+        were recorded as trained, and the step's gradient would depend on
+        how the step was divided."""
+        assigned = self._job.plan.assignment(self.number, self.world_size, self.idle)[self.rank]
+        run = self._handed.union(self.done)
+        if all(index in run for index in assigned):
+            return
+        raise UsageError(
+            f"step {self.number}: the loop left step.microbatches() with {len(run)} of this "
+            f"rank's {len(assigned)} microbatches of the step handed out (a break, a return, or "
+            "an error caught outside the loop): applied, the step would hold part of its "
+            "samples, the others' samples would be recorded as trained, and its gradient would "
+            "depend on how the step was divided over the workers. Let `for batch in "
+            "step.microbatches()` run to its end before commit()"
+        )
 
     def _refuse_after_commit(self, what: str) -> None:
         # A second reduction would meet the others' next step's all-reduce,
@@ -2056,6 +2079,7 @@ class Elastic:
         group = self._ready_group()
         if step.aborted or self._aborting() or group is None:
             return False
+        step._check_microbatches_run()
         if self._fetch_in_flight is not None:
             # Before the reduction: what this rank contributes (nothing, but
             # a buffer's change is taken against its committed value, and in

@@ -226,7 +226,9 @@ def train(args: argparse.Namespace) -> None:
             model.mix_runs = 1 if step.number < args.reuse_once_until else 2
             if args.zero_grad_at_step_start:  # a plain loop's first line, before the step's
                 optimizer.zero_grad()
-            for batch in step.microbatches():
+            for position, batch in enumerate(step.microbatches()):
+                if position == args.break_after:  # a loop that leaves the step early
+                    break
                 if args.ported_zero_grad:  # a plain loop's first line, kept inside the step
                     optimizer.zero_grad(set_to_none=args.ported_zero_grad == "none")
                 if step.number == args.nan_input_at and step.rank == 0:
@@ -439,6 +441,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--bucket-bytes", type=int, help="Config(overlap_bucket_bytes=...)")
     parser.add_argument("--no-clip", action="store_true", help="no before_update hook")
+    parser.add_argument(
+        "--break-after", type=int, default=-1,
+        help="leave each step's microbatch loop after this many microbatches",
+    )  # fmt: skip
     parser.add_argument(
         "--reuse-once-until", type=int, default=0,
         help="with --reentrant-reuse: the layer runs once in the steps before this one",
