@@ -22,6 +22,7 @@ from rollcall.worker.contract import (
     RegisteredWatch,
     buffers_not_finite,
     check_dense_gradients,
+    check_distributed_modules,
     check_extras,
     check_loss,
     check_optimizer_params,
@@ -299,6 +300,28 @@ def test_an_embedding_with_sparse_gradients_is_refused_at_construction(sparse: b
         return
     with pytest.raises(UsageError, match=r"words \(EmbeddingBag\) was built with sparse=True"):
         check_dense_gradients(model, optimizer)
+
+
+def test_a_sync_batch_norm_is_refused_at_construction() -> None:
+    # Without torch.distributed's default group SyncBatchNorm normalizes
+    # each microbatch by its own statistics and says nothing; the port
+    # asked for statistics over the workers' batches.
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    check_distributed_modules(model)
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    assert synced(torch.randn(8, 4)).shape == (8, 4)  # no error of torch's
+    with pytest.raises(UsageError, match=r"1 \(SyncBatchNorm\) computes its batch statistics"):
+        check_distributed_modules(synced)
+
+
+def test_a_model_wrapped_in_distributed_data_parallel_is_refused_at_construction() -> None:
+    class Wrapper(nn.parallel.DistributedDataParallel):
+        def __init__(self, module: nn.Module) -> None:  # no process group needed to test
+            nn.Module.__init__(self)
+            self.module = module
+
+    with pytest.raises(UsageError, match="wrapped in DistributedDataParallel"):
+        check_distributed_modules(nn.Sequential(Wrapper(nn.Linear(4, 4))))
 
 
 def test_sparse_adam_is_refused_at_construction() -> None:

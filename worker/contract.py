@@ -82,6 +82,42 @@ def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimi
                 )
 
 
+def check_distributed_modules(model: torch.nn.Module) -> None:
+    """Refuse, at construction, modules that reduce over a torch.distributed
+    process group of their own: the runtime creates none of its own as the
+    default, and its groups follow the job's members. ``SyncBatchNorm``
+    without a default group normalizes each microbatch by its own
+    statistics and says nothing (the port asked for statistics over the
+    workers' batches), and with a default group the user made it reduces
+    over members that are not the job's; ``DistributedDataParallel`` and
+    FSDP reduce the gradients themselves, before the runtime does again."""
+    for name, module in model.named_modules():
+        label = f"{name or 'the model'} ({type(module).__name__})"
+        if isinstance(module, torch.nn.SyncBatchNorm):
+            raise UsageError(
+                f"{label} computes its batch statistics over torch.distributed's default "
+                "process group, which rollcall does not create: without one it normalizes each "
+                "microbatch by that microbatch's statistics alone, saying nothing, and with one "
+                "made by the script it reduces over processes that are not the job's members. "
+                "Build it as a BatchNorm (drop convert_sync_batchnorm): each microbatch is then "
+                "normalized by its own statistics, as in a single process that accumulates "
+                "gradients, and the running statistics are averaged over the workers at every "
+                "step (Elastic(sync_buffers=True), the default)"
+            )
+        wrappers = {f"{c.__module__}.{c.__name__}" for c in type(module).__mro__}
+        if "torch.nn.parallel.distributed.DistributedDataParallel" in wrappers or any(
+            w.startswith("torch.distributed.fsdp.") for w in wrappers
+        ):
+            raise UsageError(
+                f"{label}: the model is wrapped in DistributedDataParallel or FSDP, which "
+                "reduce the gradients over a process group of their own during backward: "
+                "rollcall reduces them again over the job's members, whose process groups it "
+                "builds and rebuilds itself. Pass the module itself to Elastic (ddp.module), "
+                "without the wrapper or init_process_group; for sharded optimizer state use "
+                "Elastic(shard_redundancy=...)"
+            )
+
+
 #: What to do about a sparse gradient, in every refusal of one.
 _DENSE = (
     "the runtime sums dense gradients over the workers and cannot carry a sparse one. Build "

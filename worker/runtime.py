@@ -96,6 +96,7 @@ from rollcall.worker.contract import (
     ShardedStateGuard,
     buffers_not_finite,
     check_dense_gradients,
+    check_distributed_modules,
     check_extras,
     check_loss,
     check_optimizer_params,
@@ -537,6 +538,7 @@ class Elastic:
         self._schedulers_rechecked = False  # at the first commit (_check_scheduler_registered)
         check_optimizer_params(model, optimizer)
         check_dense_gradients(model, optimizer)
+        check_distributed_modules(model)
         self._sharding = _check_sharding(shard_redundancy, shard_partitions, optimizer, grad_scaler)
         self._token = token or read_token(None)
         self._config = config or Config()
