@@ -529,6 +529,18 @@ def test_a_loop_that_leaves_the_microbatches_of_a_step_early_is_refused_at_its_c
     assert "samples would be recorded as trained" in log
 
 
+def test_a_loop_that_trains_on_its_own_data_loader_is_refused_at_its_commit(
+    programs: Programs,
+) -> None:
+    # A port that kept its own DataLoader (shuffled, undivided) and never
+    # ran step.microbatches(): every worker trained on batches of its own,
+    # repeating each other's samples, while the plan's samples of every
+    # step were recorded as trained. At 1df8450 it ran its 6 steps, exit 0.
+    log = refused_before_a_step(programs, "--own-loader")
+    assert "step 0: none of this rank's 6 microbatches of the step was run" in log, log
+    assert "for batch in step.microbatches()" in log
+
+
 @pytest.mark.parametrize(
     ("ported", "said"),
     [("mean", "a loss averaged over its samples (NllLossBackward0"),

@@ -295,6 +295,15 @@ class Step:
         run = self._handed.union(self.done)
         if all(index in run for index in assigned):
             return
+        if not run:
+            raise UsageError(
+                f"step {self.number}: none of this rank's {len(assigned)} microbatches of the "
+                "step was run: the loop did not iterate step.microbatches() (a port that kept "
+                "its own DataLoader: every worker would train on batches of its own, repeating "
+                "the others' samples, while the step's samples were recorded as trained). "
+                "Train each step on `for batch in step.microbatches()`: the runtime divides "
+                "the data set among the workers (pass the DataLoader or data set to Elastic)"
+            )
         raise UsageError(
             f"step {self.number}: the loop left step.microbatches() with {len(run)} of this "
             f"rank's {len(assigned)} microbatches of the step handed out (a break, a return, or "

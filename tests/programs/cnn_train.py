@@ -218,6 +218,13 @@ def train(args: argparse.Namespace) -> None:
         settings={"label_smoothing": args.label_smoothing},
     ) as job:  # fmt: skip
         say(event="joined", member_id=job.member_id)
+        own = iter(DataLoader(data, batch_size=args.micro_batch, shuffle=True))
+
+        def own_batches() -> Any:  # a port that kept its own DataLoader
+            for _ in range(args.global_batch // args.micro_batch):
+                images, labels = next(own)
+                yield argparse.Namespace(inputs=images, targets=labels)
+
         if args.late_warmup:  # built after Elastic, beside the registered one
             warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5)
         for step in job.steps(args.steps):
@@ -226,7 +233,8 @@ def train(args: argparse.Namespace) -> None:
             model.mix_runs = 1 if step.number < args.reuse_once_until else 2
             if args.zero_grad_at_step_start:  # a plain loop's first line, before the step's
                 optimizer.zero_grad()
-            for position, batch in enumerate(step.microbatches()):
+            batches = own_batches() if args.own_loader else step.microbatches()
+            for position, batch in enumerate(batches):
                 if position == args.break_after:  # a loop that leaves the step early
                     break
                 if args.ported_zero_grad:  # a plain loop's first line, kept inside the step
@@ -441,6 +449,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--bucket-bytes", type=int, help="Config(overlap_bucket_bytes=...)")
     parser.add_argument("--no-clip", action="store_true", help="no before_update hook")
+    parser.add_argument(
+        "--own-loader", action="store_true",
+        help="train each step on microbatches of the script's own DataLoader",
+    )  # fmt: skip
     parser.add_argument(
         "--break-after", type=int, default=-1,
         help="leave each step's microbatch loop after this many microbatches",
