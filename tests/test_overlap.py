@@ -124,10 +124,12 @@ class _Reused(torch.nn.Module):
         return self.out(h)
 
 
-def _reused(channels: Channels, rank: int, size: int, runs: list[int]) -> None:
+def _reused(channels: Channels, rank: int, size: int, runs: list[int], idle: bool) -> None:
     """Backward passes of ``_Reused`` run ``runs[i]`` times in microbatch i,
     the last pass armed, with buckets of about one layer each (the block's
-    parameters are done after the first of its runs' backward passes)."""
+    parameters are done after the first of its runs' backward passes);
+    ``idle``: after a step in which the rank ran no microbatch (a joiner's
+    first, while it fetches), its buckets started at commit."""
     _started(channels, rank)
     group = _join_epoch(1, rank, size, channels.ports, threading.Event())
     generator = torch.Generator().manual_seed(100 + rank)
@@ -140,6 +142,9 @@ def _reused(channels: Channels, rank: int, size: int, runs: list[int]) -> None:
     model = _Reused()
     params = list(model.parameters())
     buckets = Buckets(params, cap_bytes=64 * 65 * 4, names=[n for n, _ in model.named_parameters()])
+    if idle:
+        buckets.attach()
+        group.finish(buckets.flush(group.start_allreduce_sum))
     buckets.attach()
     refused, pending = "", []
     try:
@@ -151,6 +156,7 @@ def _reused(channels: Channels, rank: int, size: int, runs: list[int]) -> None:
     except UsageError as exc:
         refused = str(exc)
     pending = buckets.flush(group.start_allreduce_sum)
+    buckets.passed()
     group.finish(pending)
     overlapped = [p.grad.clone() for p in params]
 
@@ -167,17 +173,20 @@ def _reused(channels: Channels, rank: int, size: int, runs: list[int]) -> None:
 
 
 @pytest.mark.parametrize(
-    "runs", [[2], [2, 2]], ids=["the worker's first pass", "a repeat seen in an earlier pass"]
-)
+    ("runs", "idle"),
+    [([2], False), ([2], True), ([2, 2], False)],
+    ids=["the worker's first pass", "the first after an idle step",
+         "a repeat seen in an earlier pass"],
+)  # fmt: skip
 def test_a_parameter_accumulated_twice_in_one_backward_pass_is_reduced_whole(
-    members: Members, runs: list[int]
+    members: Members, runs: list[int], idle: bool
 ) -> None:
     # Started as soon as the block's first backward pass is done, its
     # buckets would be summed while the second adds to them: each rank's
     # gradient would miss the others' second part. The worker's first pass
     # starts every bucket after backward returns; later passes hold back
     # the buckets of parameters an earlier pass accumulated twice.
-    processes = members.start(_reused, [0, 1], 2, runs)
+    processes = members.start(_reused, [0, 1], 2, runs, idle)
     for result in members.collect(2, "equal"):
         assert result["refused"] == ""
         assert result["equal"], "the overlapped sums differ from the flat all-reduce's"
@@ -190,7 +199,7 @@ def test_a_parameter_accumulated_again_after_its_bucket_started_is_refused(
     # The first pass runs the block once (nothing repeats), the last twice:
     # its bucket is under way when the second run's backward adds to it,
     # which the runtime cannot undo. Refused, naming the parameter and what to do.
-    processes = members.start(_reused, [0, 1], 2, [1, 2])
+    processes = members.start(_reused, [0, 1], 2, [1, 2], False)
     for result in members.collect(2, "equal"):
         assert "block.weight" in result["refused"] or "block.bias" in result["refused"]
         assert "use_reentrant=False" in result["refused"], result["refused"]

@@ -141,7 +141,8 @@ class Buckets:
         self._this_pass.clear()
 
     def passed(self) -> None:
-        """A backward pass that was not the rank's last of the step returned."""
+        """A backward pass returned (after :meth:`flush`, for the rank's last
+        of the step): its repeats are known."""
         self._this_pass.clear()
         self._observed = True
 
@@ -171,8 +172,6 @@ class Buckets:
             bucket.waiting = set()
         self._start_ready()
         self._launch = None
-        self._this_pass.clear()
-        self._observed = True
         return list(self._started)
 
     def present(self, params: Sequence[torch.nn.Parameter]) -> list[float]:

@@ -264,9 +264,9 @@ class Step:
             job._scaler.scale(loss_sum).backward()
         else:
             loss_sum.backward()
-        if buckets is not None and self._final:
-            self._pending = buckets.flush(job._launcher(self))
-        elif buckets is not None:
+        if buckets is not None:
+            if self._final:
+                self._pending = buckets.flush(job._launcher(self))
             buckets.passed()
         refuse_sparse_gradients(job._named_params, self.number)
         loss = float(loss_sum.detach())
