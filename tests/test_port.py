@@ -541,6 +541,27 @@ def test_a_loop_that_trains_on_its_own_data_loader_is_refused_at_its_commit(
     assert "for batch in step.microbatches()" in log
 
 
+def test_an_all_reduce_between_a_steps_microbatches_is_refused_on_every_rank(
+    programs: Programs,
+) -> None:
+    # Three microbatches a step over two workers: rank 0 runs two, rank 1
+    # one, so a job.all_reduce after each backward pass is called twice on
+    # one and once on the other. At 1df8450 rank 1's gradient all-reduce met
+    # rank 0's second call: gloo aborted rank 0's process ("Received data
+    # size doesn't match expected size"), and rank 1 waited for a second
+    # worker from then on.
+    args = ["--steps", "4", "--loader-workers", "0", "--global-batch", "24", "--min-workers",
+            "2", "--all-reduce-in-step"]  # fmt: skip
+    team = [programs.start(*args) for _ in range(2)]
+    for program in team:
+        assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+        log = program.log_tail(30)
+        assert "UsageError: step 0: job.all_reduce() was called between the step's first " \
+            "microbatch and its commit()" in log, log
+        assert "doesn't match expected size" not in log and "terminate called" not in log, log
+        assert not program.events("step")
+
+
 @pytest.mark.parametrize(
     ("ported", "said"),
     [("mean", "a loss averaged over its samples (NllLossBackward0"),

@@ -652,6 +652,8 @@ class Elastic:
         #: The last update this rank applied itself, compared with the
         #: others' at the next reduction (``Agreement``, ``HookAgreement``).
         self._applied: _Applied | None = None
+        #: The step ``steps()`` handed out and the loop runs.
+        self._stepping: Step | None = None
         self._buffers = BufferSync(model) if sync_buffers else None
         self._exact = (
             ExactStep(self._params, self._buffers, self._loader.plan.num_microbatches)
@@ -853,6 +855,20 @@ class Elastic:
         too."""
         if op not in _REDUCE_OPS:
             raise ValueError(f"op must be one of {', '.join(_REDUCE_OPS)}, got {op!r}")
+        step = self._stepping
+        if step is not None and step._handed and not step._commit_called:
+            # Between a step's first microbatch and its commit the ranks call
+            # it unevenly (their shares of microbatches differ), and with
+            # overlap a rank's gradient buckets may already be under way.
+            raise UsageError(
+                f"step {step.number}: job.all_reduce() was called between the step's first "
+                "microbatch and its commit(): the workers run different numbers of "
+                "microbatches, so they would not call it alike, and its collective would "
+                "meet another's (the gradients' reduction, a bucket of it under way with "
+                "overlap=True): gloo then aborts the process, or sums unrelated tensors. Call "
+                "it before `for batch in step.microbatches()` or after commit() (step.loss "
+                "is the step's loss over every worker already)"
+            )
         items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         group = self._ready_group()
         if group is None or not group.usable or self._aborting():
@@ -1307,9 +1323,11 @@ class Elastic:
                         step.number, view.epoch,
                     )  # fmt: skip
                 self._registered.hold()
+                self._stepping = step
                 try:
                     yield step
                 finally:
+                    self._stepping = None
                     self._loop_code_ran()
                     if sys.exc_info()[0] is None:  # the loop asks for the next step
                         if not step.committed:

@@ -255,6 +255,8 @@ def train(args: argparse.Namespace) -> None:
                 elif args.ported_loss == "scaled" and scaler is not None:  # kept AMP's scale()
                     loss = scaler.scale(loss)
                 step.backward(loss, count)
+                if args.all_reduce_in_step:  # a global count of the microbatch's samples
+                    job.all_reduce(torch.tensor([float(count)]))
                 if args.misuse_scheduler:
                     scheduler.step()
                 if args.late_warmup:
@@ -449,6 +451,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--bucket-bytes", type=int, help="Config(overlap_bucket_bytes=...)")
     parser.add_argument("--no-clip", action="store_true", help="no before_update hook")
+    parser.add_argument(
+        "--all-reduce-in-step", action="store_true",
+        help="job.all_reduce a count after each microbatch's backward pass",
+    )  # fmt: skip
     parser.add_argument(
         "--own-loader", action="store_true",
         help="train each step on microbatches of the script's own DataLoader",
