@@ -541,6 +541,16 @@ def test_a_loop_that_trains_on_its_own_data_loader_is_refused_at_its_commit(
     assert "for batch in step.microbatches()" in log
 
 
+def test_a_backward_pass_outside_the_microbatch_loop_is_refused(programs: Programs) -> None:
+    # An L2 penalty given to step.backward once per step, after the loop:
+    # every worker adds it, so the step's gradient held it once per worker
+    # (3 times with 3 workers, once alone). At 1df8450 it trained on, exit 0.
+    log = refused_before_a_step(programs, "--step-penalty", "0.001")
+    assert "UsageError: step 0: step.backward() was called outside `for batch in " \
+        "step.microbatches()`" in log, log
+    assert "once per worker" in log and "before_update" in log, log
+
+
 def test_an_all_reduce_between_a_steps_microbatches_is_refused_on_every_rank(
     programs: Programs,
 ) -> None:

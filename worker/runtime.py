@@ -199,6 +199,9 @@ class Step:
         self.done: list[int] = []
         #: Microbatches ``microbatches()`` handed out in this attempt, by index.
         self._handed: set[int] = set()
+        #: The loop's body for a microbatch is running (``step.backward``
+        #: belongs there).
+        self._in_body = False
         #: The step's all-reduce completed (its result is in the gradients).
         self._reduced = False
         #: overlap=True: the microbatch handed out is the rank's last of the
@@ -246,13 +249,27 @@ class Step:
             self._index = mb.index
             self._final = mb is todo[-1]
             self._handed.add(mb.index)
+            self._in_body = True
             yield Batch(mb, data)
+            self._in_body = False
             self.done.append(mb.index)  # its loop body finished
 
     def backward(self, loss_sum: torch.Tensor, count: int) -> None:
         """Accumulate gradients of a loss *summed* over ``count`` samples or
         tokens (not averaged: the runtime divides by the step's global count)."""
         self._refuse_after_commit("step.backward after commit()")
+        if not self._in_body:
+            raise UsageError(
+                f"step {self.number}: step.backward() was called outside `for batch in "
+                "step.microbatches()` (before its first microbatch or after its last): every "
+                "worker runs that code once per step, so the step's gradient would hold it once "
+                "per worker, as many times as there are workers. Add such a term to each "
+                "microbatch's loss weighted by its count (step.backward(loss_sum + penalty * "
+                "count, count) holds the penalty once per step, however the step is divided), "
+                "or add its gradient in Elastic(before_update=...). Iterate the microbatches "
+                "in that loop, not over a list made of them first: the runtime seeds each and "
+                "counts it as its turn comes"
+            )
         count = _check_count(count)
         job = self._job
         check_loss(loss_sum, count, job._scaler)

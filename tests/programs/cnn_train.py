@@ -263,6 +263,9 @@ def train(args: argparse.Namespace) -> None:
                     warmup.step()
                 if step.number < args.slow_until:
                     time.sleep(args.microbatch_pause)  # a kill lands mid-step
+            if args.step_penalty:  # an L2 penalty added once per step, after the microbatches
+                penalty = sum(p.square().sum() for p in model.parameters())
+                step.backward(args.step_penalty * penalty, 0)
             if args.second_optimizer == "before" and head_optimizer is not None:
                 head_optimizer.step()
             if not step.commit():
@@ -451,6 +454,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--bucket-bytes", type=int, help="Config(overlap_bucket_bytes=...)")
     parser.add_argument("--no-clip", action="store_true", help="no before_update hook")
+    parser.add_argument(
+        "--step-penalty", type=float, default=0.0,
+        help="step.backward an L2 penalty of this weight once per step, after the microbatches",
+    )  # fmt: skip
     parser.add_argument(
         "--all-reduce-in-step", action="store_true",
         help="job.all_reduce a count after each microbatch's backward pass",
