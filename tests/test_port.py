@@ -541,6 +541,18 @@ def test_a_loop_that_trains_on_its_own_data_loader_is_refused_at_its_commit(
     assert "for batch in step.microbatches()" in log
 
 
+def test_a_step_left_without_commit_is_refused_when_the_loop_asks_for_the_next(
+    programs: Programs,
+) -> None:
+    # A loop that skips a step it finds bad (`continue` before commit()). At
+    # 1df8450 the worker waited for a new view from then on, with no word.
+    program = programs.start("--steps", "6", "--loader-workers", "0", "--skip-commit-at", "2")
+    assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+    log = program.log_tail(30)
+    assert "UsageError: step 2 was handed out and not committed" in log, log
+    assert sorted(e["step"] for e in program.events("step")) == [0, 1]
+
+
 def test_a_backward_pass_outside_the_microbatch_loop_is_refused(programs: Programs) -> None:
     # An L2 penalty given to step.backward once per step, after the loop:
     # every worker adds it, so the step's gradient held it once per worker

@@ -1349,6 +1349,7 @@ class Elastic:
                     if sys.exc_info()[0] is None:  # the loop asks for the next step
                         if not step.committed:
                             self._check_registered(step)
+                            self._check_commit_called(step)
                         self._check_loop_state()
                     if step.committed:
                         self._settle()
@@ -1502,6 +1503,24 @@ class Elastic:
             state, due.epoch, self.member_id, self._step_seconds, parts=due.parts,
             own_part=due.own_part,
         )  # fmt: skip
+
+    def _check_commit_called(self, step: Step) -> None:
+        """The loop asks for the next step: ``step`` must have been
+        committed, unless it was aborted (it comes again). A step skipped by
+        the loop cannot be: the others' reductions of it wait for this
+        rank's, and the same step would come again with what this rank had
+        set aside of it (before, the loop waited for a view that never
+        came)."""
+        if step._commit_called or step.aborted or self._aborting():
+            return
+        raise UsageError(
+            f"step {step.number} was handed out and not committed: the loop went on to the "
+            "next step without calling step.commit(). Every worker's commit() reduces the step "
+            "with the others', so a step cannot be skipped by one worker, and its work would "
+            "come back with it. Call step.commit() on every step (it returns False when the "
+            "step was aborted, and the same step comes again); a step whose gradient is not "
+            "finite is refused at commit, or skipped there by a grad scaler"
+        )
 
     def _set_aside(self, step: Step) -> None:
         """A step that did not commit: keep what this rank finished of it

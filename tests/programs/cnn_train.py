@@ -268,6 +268,9 @@ def train(args: argparse.Namespace) -> None:
                 step.backward(args.step_penalty * penalty, 0)
             if args.second_optimizer == "before" and head_optimizer is not None:
                 head_optimizer.step()
+            if step.number == args.skip_commit_at:  # a loop that skips a step it finds bad
+                args.skip_commit_at = -1
+                continue
             if not step.commit():
                 say(event="aborted", step=step.number, epoch=step.epoch)
                 continue
@@ -454,6 +457,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--bucket-bytes", type=int, help="Config(overlap_bucket_bytes=...)")
     parser.add_argument("--no-clip", action="store_true", help="no before_update hook")
+    parser.add_argument(
+        "--skip-commit-at", type=int, default=-1,
+        help="go on to the next step without committing this one (once)",
+    )  # fmt: skip
     parser.add_argument(
         "--step-penalty", type=float, default=0.0,
         help="step.backward an L2 penalty of this weight once per step, after the microbatches",
