@@ -259,17 +259,7 @@ class Step:
         tokens (not averaged: the runtime divides by the step's global count)."""
         self._refuse_after_commit("step.backward after commit()")
         if not self._in_body:
-            raise UsageError(
-                f"step {self.number}: step.backward() was called outside `for batch in "
-                "step.microbatches()` (before its first microbatch or after its last): every "
-                "worker runs that code once per step, so the step's gradient would hold it once "
-                "per worker, as many times as there are workers. Add such a term to each "
-                "microbatch's loss weighted by its count (step.backward(loss_sum + penalty * "
-                "count, count) holds the penalty once per step, however the step is divided), "
-                "or add its gradient in Elastic(before_update=...). Iterate the microbatches "
-                "in that loop, not over a list made of them first: the runtime seeds each and "
-                "counts it as its turn comes"
-            )
+            self._refuse_outside_loop()
         count = _check_count(count)
         job = self._job
         check_loss(loss_sum, count, job._scaler)
@@ -300,6 +290,31 @@ class Step:
         self._commit_called = True
         self.committed = self._job._commit(self)
         return self.committed
+
+    def _refuse_outside_loop(self) -> NoReturn:
+        """``step.backward`` outside the loop's body for a microbatch."""
+        once = (
+            "every worker runs code outside that loop once per step, so a term given there "
+            "would be in the step's gradient once per worker, as many times as there are "
+            "workers. Add such a term to each microbatch's loss weighted by its count "
+            "(step.backward(loss_sum + penalty * count, count) holds the penalty once per step, "
+            "however the step is divided), or add its gradient in Elastic(before_update=...)"
+        )
+        if not self._handed and not self.done:
+            raise UsageError(
+                f"step {self.number}: step.backward() was called before `for batch in "
+                "step.microbatches()` handed out any microbatch of the step: train each step on "
+                "those microbatches, which the runtime divides among the workers, not on "
+                "batches of the script's own DataLoader (every worker would train on batches "
+                "of its own, repeating the others' samples, while the step's samples were "
+                f"recorded as trained); and {once}"
+            )
+        raise UsageError(
+            f"step {self.number}: step.backward() was called outside `for batch in "
+            f"step.microbatches()` (after its last microbatch): {once}. Iterate the "
+            "microbatches in that loop, not over a list made of them first: the runtime seeds "
+            "each and counts it as its turn comes"
+        )
 
     def _check_microbatches_run(self) -> None:
         """At commit: every microbatch of this rank in the step was handed

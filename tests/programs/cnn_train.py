@@ -234,6 +234,8 @@ def train(args: argparse.Namespace) -> None:
             if args.zero_grad_at_step_start:  # a plain loop's first line, before the step's
                 optimizer.zero_grad()
             batches = own_batches() if args.own_loader else step.microbatches()
+            if args.commit_only:  # a loop whose training happens elsewhere
+                batches = iter(())
             for position, batch in enumerate(batches):
                 if position == args.break_after:  # a loop that leaves the step early
                     break
@@ -469,6 +471,9 @@ def main() -> None:
         "--all-reduce-in-step", action="store_true",
         help="job.all_reduce a count after each microbatch's backward pass",
     )  # fmt: skip
+    parser.add_argument(
+        "--commit-only", action="store_true", help="commit each step without running it"
+    )
     parser.add_argument(
         "--own-loader", action="store_true",
         help="train each step on microbatches of the script's own DataLoader",
