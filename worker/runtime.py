@@ -170,6 +170,13 @@ _REDUCE_OPS = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX,
                "min": ReduceOp.MIN, "product": ReduceOp.PRODUCT}  # fmt: skip
 
 
+#: What a loop that trains on its own DataLoader does, in its refusals.
+_OWN_LOADER = (
+    "every worker would train on batches of its own, repeating the others' samples, while the "
+    "step's samples were recorded as trained"
+)
+
+
 class Step:
     """One global step as this rank sees it.
 
@@ -305,9 +312,7 @@ class Step:
                 f"step {self.number}: step.backward() was called before `for batch in "
                 "step.microbatches()` handed out any microbatch of the step: train each step on "
                 "those microbatches, which the runtime divides among the workers, not on "
-                "batches of the script's own DataLoader (every worker would train on batches "
-                "of its own, repeating the others' samples, while the step's samples were "
-                f"recorded as trained); and {once}"
+                f"batches of the script's own DataLoader ({_OWN_LOADER}); and {once}"
             )
         raise UsageError(
             f"step {self.number}: step.backward() was called outside `for batch in "
@@ -331,8 +336,7 @@ class Step:
             raise UsageError(
                 f"step {self.number}: none of this rank's {len(assigned)} microbatches of the "
                 "step was run: the loop did not iterate step.microbatches() (a port that kept "
-                "its own DataLoader: every worker would train on batches of its own, repeating "
-                "the others' samples, while the step's samples were recorded as trained). "
+                f"its own DataLoader: {_OWN_LOADER}). "
                 "Train each step on `for batch in step.microbatches()`: the runtime divides "
                 "the data set among the workers (pass the DataLoader or data set to Elastic)"
             )
