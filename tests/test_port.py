@@ -537,8 +537,10 @@ def test_a_loop_that_trains_on_its_own_data_loader_is_refused_at_its_commit(
     # repeating each other's samples, while the plan's samples of every
     # step were recorded as trained. At 1df8450 it ran its 6 steps, exit 0.
     log = refused_before_a_step(programs, "--own-loader")
-    assert "step 0: step.backward() was called before `for batch in step.microbatches()` " \
-        "handed out any microbatch of the step" in log, log
+    assert (
+        "step 0: step.backward() was called before `for batch in step.microbatches()` "
+        "handed out any microbatch of the step" in log
+    ), log
     assert "not on batches of the script's own DataLoader" in log, log
     # A loop that commits steps it never ran is refused at the commit.
     log = refused_before_a_step(programs, "--commit-only")
@@ -562,8 +564,10 @@ def test_a_backward_pass_outside_the_microbatch_loop_is_refused(programs: Progra
     # every worker adds it, so the step's gradient held it once per worker
     # (3 times with 3 workers, once alone). At 1df8450 it trained on, exit 0.
     log = refused_before_a_step(programs, "--step-penalty", "0.001")
-    assert "UsageError: step 0: step.backward() was called outside `for batch in " \
-        "step.microbatches()` (after its last microbatch)" in log, log
+    assert (
+        "UsageError: step 0: step.backward() was called outside `for batch in "
+        "step.microbatches()` (after its last microbatch)" in log
+    ), log
     assert "once per worker" in log and "before_update" in log, log
 
 
@@ -582,8 +586,10 @@ def test_an_all_reduce_between_a_steps_microbatches_is_refused_on_every_rank(
     for program in team:
         assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
         log = program.log_tail(30)
-        assert "UsageError: step 0: job.all_reduce() was called between the step's first " \
-            "microbatch and its commit()" in log, log
+        assert (
+            "UsageError: step 0: job.all_reduce() was called between the step's first "
+            "microbatch and its commit()" in log
+        ), log
         assert "doesn't match expected size" not in log and "terminate called" not in log, log
         assert not program.events("step")
 
