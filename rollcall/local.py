@@ -63,6 +63,7 @@ from rollcall.worker.environment import (
     ENV_RENDEZVOUS,
     ENV_REPORT_FD,
 )
+from rollcall.worker.report import EndReason
 
 log = logging.getLogger("rollcall.up")
 
@@ -205,6 +206,8 @@ class ManagedWorker:
     done: bool = False
     #: The ``why`` of its ``ended`` report, once received.
     ended: str | None = None
+    #: What the operator was told of an ``ended`` report other than "left".
+    error_line: str | None = None
 
     @property
     def pid(self) -> int:
@@ -253,7 +256,10 @@ class ManagedWorker:
                 self.state = self.ended
             if self.ended != "left":
                 message = str(report.get("message") or "")[:300]
-                return f"{self.label} ended ({self.ended}): {message}  log: {self.log_path}"
+                self.error_line = (
+                    f"{self.label} ended ({self.ended}): {message}  log: {self.log_path}"
+                )
+                return self.error_line
         return None
 
     def exited(self, code: int) -> str | None:
@@ -376,6 +382,21 @@ class LocalCluster:
     def finished(self) -> bool:
         """Some worker reached the last step and no worker is left running."""
         return any(w.done for w in self.workers) and not any(w.alive for w in self.workers)
+
+    @property
+    def failed(self) -> str | None:
+        """When every worker started has ended with an error its runtime
+        reported (an exception in the script or the runtime, or no state to
+        resume from) and none is left running, the first such error: the
+        job cannot go on by itself. None otherwise (a worker killed or
+        stopped by a signal leaves room for `rollcall add`)."""
+        ended = [w for w in self.workers if not w.alive]
+        if not self.workers or len(ended) < len(self.workers):
+            return None
+        fatal = (EndReason.ERROR, EndReason.CANNOT_RESUME)
+        if any(w.done or w.ended not in fatal for w in ended):
+            return None
+        return ended[0].error_line
 
     # --- workers ---------------------------------------------------------------
 

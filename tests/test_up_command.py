@@ -77,6 +77,20 @@ def test_a_user_script_trains_to_the_end_while_workers_are_added_and_killed(tmp_
     assert report.returncode == 0 and "goodput" in report.stdout, report.stderr
 
 
+def test_up_ends_with_an_error_once_every_worker_ended_with_one(tmp_path: Path):
+    # A bug in the script: every copy raises at step 2. Nothing is left to
+    # train and nothing will be by itself; at 216ccf9 `up` went on showing
+    # "members 0" until Ctrl-C.
+    up = start_up(tmp_path, 2, *user_command("--steps", "100", "--raise-at", "2"))
+    try:
+        assert up.process.proc.wait(timeout=PATIENCE) != 0, up.process.log_tail()
+    finally:
+        stop_up(up)
+    log = up.process.log_tail(40)
+    assert "every worker ended with an error and none is left running" in log, log
+    assert "RuntimeError: a bug in the script at step 2" in log, log
+
+
 def test_ctrl_c_stops_a_wrapped_command_and_the_training_process_it_started(tmp_path: Path):
     wrapper = tmp_path / "train.sh"
     wrapper.write_text(f'#!/bin/sh\n"{sys.executable}" "{PROGRAM}" "$@"\necho "exit $?"\n')

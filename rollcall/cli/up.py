@@ -137,8 +137,10 @@ def up(
     Operate it from another terminal with `rollcall add`, `rollcall kill`,
     `rollcall chaos` and `rollcall status` (they find it without flags).
     It ends when some worker has finished its steps and none is left
-    running, or on Ctrl-C, which stops everything it started (SIGINT first,
-    SIGKILL after 15 s). --set applies to the rendezvous service and to the
+    running; with exit code 1 when every worker ended with an error (the
+    script's or the runtime's: a worker killed by a signal leaves room for
+    `rollcall add`) and none is left running; or on Ctrl-C, which stops
+    everything it started (SIGINT first, SIGKILL after 15 s). --set applies to the rendezvous service and to the
     example workers; a COMMAND's runtime uses its own settings.
     """
     from rollcall.etcd_local import LocalEtcd
@@ -177,7 +179,7 @@ def up(
     server.start()
     try:
         credentials = secure_etcd([server.endpoint], etcd_auth_dir(server.data_dir))
-        asyncio.run(
+        failure = asyncio.run(
             _run_up(
                 server.endpoint, workdir, job, listen, token_file, events_path, config,
                 workers, options, metrics_port, sys.stdout.isatty() if live is None else live,
@@ -190,6 +192,8 @@ def up(
             shutil.rmtree(workdir, ignore_errors=True)
         os.close(lock)
         click.echo("rollcall up: stopped", err=True)
+    if failure is not None:
+        fail(f"every worker ended with an error and none is left running: {failure}")
 
 
 def refuse_example_flags(ctx: click.Context) -> None:
@@ -251,7 +255,9 @@ async def _run_up(
     etcd: str, workdir: Path, job: str, listen: str, token_file: Path, events: Path,
     config: Config, workers: int, options: WorkerOptions, metrics_port: int | None, live: bool,
     etcd_auth: Any,
-) -> None:  # fmt: skip
+) -> str | None:  # fmt: skip
+    """Run the cluster until it is done, Ctrl-C, or every worker failed;
+    returns the first failure in the last case."""
     from rollcall.local import LocalCluster, summarize
     from rollcall.protocol.client import RendezvousClient
     from rollcall.rendezvous.etcd_auth import password_file
@@ -297,6 +303,7 @@ async def _run_up(
         )
         await client.close()
         await running.stop()
+    return cluster.failed
 
 
 async def _watch_up(cluster: Any, client: Any, stop: asyncio.Event, live: bool) -> None:
@@ -313,7 +320,7 @@ async def _watch_up(cluster: Any, client: Any, stop: asyncio.Event, live: bool) 
     console = Console()
     display = Live(console=console, refresh_per_second=4, transient=False) if live else None
     with display if display is not None else contextlib.nullcontext():
-        while not stop.is_set() and not cluster.finished:
+        while not stop.is_set() and not cluster.finished and cluster.failed is None:
             try:
                 status = await asyncio.wait_for(client.status(), 2.0)
             except (RollcallError, TimeoutError):

@@ -29,6 +29,9 @@ def main() -> None:
         type=Path,
         help="Pause only while this file exists (a test ends the pauses once it is done).",
     )
+    parser.add_argument(
+        "--raise-at", type=int, default=-1, help="a bug in the loop: raise at this step"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # every copy builds the same data and initial model
@@ -38,6 +41,8 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with Elastic(model, optimizer, dataset, global_batch=16, micro_batch=4) as job:
         for step in job.steps(args.steps):
+            if step.number == args.raise_at:
+                raise RuntimeError(f"a bug in the script at step {step.number}")
             for batch in step.microbatches():
                 loss = nn.functional.mse_loss(model(batch.inputs), batch.targets, reduction="sum")
                 step.backward(loss, len(batch.inputs))
