@@ -140,8 +140,9 @@ def up(
     running; with exit code 1 when every worker ended with an error (the
     script's or the runtime's: a worker killed by a signal leaves room for
     `rollcall add`) and none is left running; or on Ctrl-C, which stops
-    everything it started (SIGINT first, SIGKILL after 15 s). --set applies to the rendezvous service and to the
-    example workers; a COMMAND's runtime uses its own settings.
+    everything it started (SIGINT first, SIGKILL after 15 s). --set applies
+    to the rendezvous service and to the example workers; a COMMAND's
+    runtime uses its own settings.
     """
     from rollcall.etcd_local import LocalEtcd
     from rollcall.local import WorkerOptions
