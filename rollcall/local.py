@@ -206,8 +206,10 @@ class ManagedWorker:
     done: bool = False
     #: The ``why`` of its ``ended`` report, once received.
     ended: str | None = None
-    #: What the operator was told of an ``ended`` report other than "left".
+    #: What the operator was told of an ``ended`` report other than "left",
+    #: and when (``time.monotonic()``).
     error_line: str | None = None
+    error_at: float = 0.0
 
     @property
     def pid(self) -> int:
@@ -259,6 +261,7 @@ class ManagedWorker:
                 self.error_line = (
                     f"{self.label} ended ({self.ended}): {message}  log: {self.log_path}"
                 )
+                self.error_at = time.monotonic()
                 return self.error_line
         return None
 
@@ -387,16 +390,18 @@ class LocalCluster:
     def failed(self) -> str | None:
         """When every worker started has ended with an error its runtime
         reported (an exception in the script or the runtime, or no state to
-        resume from) and none is left running, the first such error: the
-        job cannot go on by itself. None otherwise (a worker killed or
-        stopped by a signal leaves room for `rollcall add`)."""
+        resume from) and none is left running, the earliest such error (the
+        others may follow from it: a worker that joins after the last holder
+        of the state died cannot resume): the job cannot go on by itself.
+        None otherwise (a worker killed or stopped by a signal leaves room
+        for `rollcall add`)."""
         ended = [w for w in self.workers if not w.alive]
         if not self.workers or len(ended) < len(self.workers):
             return None
         fatal = (EndReason.ERROR, EndReason.CANNOT_RESUME)
         if any(w.done or w.ended not in fatal for w in ended):
             return None
-        return ended[0].error_line
+        return min(ended, key=lambda w: w.error_at).error_line
 
     # --- workers ---------------------------------------------------------------
 

@@ -78,9 +78,11 @@ def test_a_user_script_trains_to_the_end_while_workers_are_added_and_killed(tmp_
 
 
 def test_up_ends_with_an_error_once_every_worker_ended_with_one(tmp_path: Path):
-    # A bug in the script: every copy raises at step 2. Nothing is left to
-    # train and nothing will be by itself; at 216ccf9 `up` went on showing
-    # "members 0" until Ctrl-C.
+    # A bug in the script: every copy raises at step 2 (or, started late on
+    # a busy machine, finds the state gone with the others and cannot
+    # resume). Nothing is left to train and nothing will be by itself; at
+    # 216ccf9 `up` went on showing "members 0" until Ctrl-C. The earliest
+    # error is the one said.
     up = start_up(tmp_path, 2, *user_command("--steps", "100", "--raise-at", "2"))
     try:
         assert up.process.proc.wait(timeout=PATIENCE) != 0, up.process.log_tail()
