@@ -238,6 +238,7 @@ class ManagedWorker:
             self.member_id = str(report["member_id"])
             self.state = "joining"
         elif kind == "step":
+            self.done = False  # a later job.steps() call trains on
             if self.state != "frozen":
                 self.state = "training"
             self.step, self.epoch = int(report["step"]), int(report["epoch"])

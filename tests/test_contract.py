@@ -4,8 +4,10 @@ a user trial is refused with a UsageError that says what to change."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -27,6 +29,7 @@ from rollcall.worker.contract import (
     check_loss,
     check_optimizer_params,
     check_scheduler,
+    check_steps_total,
     finite_buffers,
     in_eval_mode,
     learning_rates,
@@ -702,3 +705,25 @@ def test_the_registered_watch_digests_every_object_by_content() -> None:
     scaler.update(new_scale=2.0)
     assert watch.changed() == [], "a synced object is not watched at every step"
     assert watch.digest() != before
+
+
+@pytest.mark.parametrize(
+    ("total", "error", "words"),
+    [(2.5, TypeError, "as an int, got 2.5"), (True, TypeError, "got True"),
+     ("100", TypeError, "got '100'"), (0, ValueError, "at least 1 step, got 0"),
+     (-3, ValueError, "got -3")],
+)  # fmt: skip
+def test_a_steps_total_that_is_not_a_count_is_refused(
+    total: Any, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=re.escape(words)):
+        check_steps_total(total, None)
+
+
+def test_a_steps_total_no_larger_than_one_that_ran_to_its_end_is_refused() -> None:
+    check_steps_total(100, None)  # the first call
+    check_steps_total(200, 100)  # a later phase: a larger total
+    check_steps_total(np.int64(300), 200)  # any integral type
+    for again in (100, 50):  # an epoch loop's second call, or a smaller total
+        with pytest.raises(UsageError, match=rf"job.steps\({again}\) was called again after"):
+            check_steps_total(again, 100)

@@ -559,6 +559,38 @@ def test_a_step_left_without_commit_is_refused_when_the_loop_asks_for_the_next(
     assert sorted(e["step"] for e in program.events("step")) == [0, 1]
 
 
+def test_an_epoch_loop_around_steps_is_refused_when_it_asks_again(programs: Programs) -> None:
+    # A port that kept its epoch loop, `for epoch in range(3): for step in
+    # job.steps(steps_per_epoch)`: steps() takes the job's total, so at
+    # b13c651 the later epochs handed out no step and the worker ended with
+    # exit 0 after the first epoch, its model trained a third of the way.
+    program = programs.start("--steps", "2", "--loader-workers", "0", "--epoch-loop", "3")
+    assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+    log = program.log_tail(30)
+    assert "UsageError: job.steps(2) was called again after this worker's job.steps(2)" in log, log
+    assert "job.steps(epochs * steps_per_epoch)" in log, log
+    assert sorted(e["step"] for e in program.events("step")) == [0, 1]
+    assert not program.events("done")
+
+
+@pytest.mark.parametrize(
+    "mode", [[], ["--overlap"], ["--exact"], ["--shard-redundancy", "1"]],
+    ids=["default", "overlap", "exact", "sharded"],
+)  # fmt: skip
+def test_a_loop_that_calls_steps_again_with_a_larger_total_trains_on(
+    programs: Programs, mode: list[str]
+) -> None:
+    # Training in phases (`job.steps(100)`, an evaluation, `job.steps(200)`):
+    # at b13c651 the later call waited for a view change that never came,
+    # the first worker there hanging while the other waited for it.
+    args = ["--steps", "2", "--loader-workers", "0", "--min-workers", "2", "--phases", "3", *mode]
+    team = [programs.start(*args) for _ in range(2)]
+    for program in team:
+        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+        assert [e["step"] for e in program.events("step")] == [0, 1, 2, 3, 4, 5]
+        assert [e["step"] for e in program.events("done")] == [5]
+
+
 def test_a_backward_pass_outside_the_microbatch_loop_is_refused(programs: Programs) -> None:
     # An L2 penalty given to step.backward once per step, after the loop:
     # every worker adds it, so the step's gradient held it once per worker

@@ -21,6 +21,7 @@ import contextlib
 import gc
 import hashlib
 import math
+import numbers
 import struct
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, NoReturn, Protocol
@@ -34,6 +35,7 @@ from rollcall.worker.digest import tree_digest
 __all__ = [
     "Agreed", "Agreement", "Agreements", "GradientWatch", "HookAgreement", "Ownership",
     "ParameterWatch", "RegisteredWatch", "Stateful", "check_extras", "check_scheduler",
+    "check_steps_total",
     "in_eval_mode", "learning_rates", "modes_tag", "not_finite", "not_finite_names",
     "check_loss", "finite_buffers", "settings_tag", "skips_non_finite",
 ]  # fmt: skip
@@ -62,6 +64,29 @@ def check_extras(extras: Mapping[str, Any]) -> dict[str, Stateful]:
                 )
         checked[name] = value
     return checked
+
+
+def check_steps_total(max_steps: Any, ran_to: int | None) -> None:
+    """Refuse a ``job.steps(max_steps)`` call that is not a job's total
+    (not an int, below 1), or that is no larger than ``ran_to``, the total
+    of an earlier call that ran to its end: it has no step to hand out (an
+    epoch loop kept around ``steps()`` trains the first epoch only)."""
+    if isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral):
+        raise TypeError(
+            f"job.steps() takes the job's total number of steps as an int, got {max_steps!r}"
+        )
+    if max_steps < 1:
+        raise ValueError(f"job.steps() needs a total of at least 1 step, got {max_steps}")
+    if ran_to is not None and max_steps <= ran_to:
+        raise UsageError(
+            f"job.steps({max_steps}) was called again after this worker's job.steps({ran_to}) "
+            "ran to its end: steps() takes the job's total number of steps (the global step "
+            "to stop before, not a count per call), so this call has no step to hand out, and "
+            "an epoch loop around it trains the first epoch only. Call "
+            "job.steps(epochs * steps_per_epoch) once (the runtime goes through the data set "
+            "epoch after epoch) and take the epoch from the step (step.number // "
+            "steps_per_epoch); a later call must ask for a larger total"
+        )
 
 
 def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -101,6 +101,7 @@ from rollcall.worker.contract import (
     check_loss,
     check_optimizer_params,
     check_scheduler,
+    check_steps_total,
     finite_buffers,
     in_eval_mode,
     learning_rates,
@@ -690,6 +691,8 @@ class Elastic:
         self._applied: _Applied | None = None
         #: The step ``steps()`` handed out and the loop runs.
         self._stepping: Step | None = None
+        #: The largest ``max_steps`` of a ``steps()`` call that ran to its end.
+        self._steps_ran_to: int | None = None
         self._buffers = BufferSync(model) if sync_buffers else None
         self._exact = (
             ExactStep(self._params, self._buffers, self._loader.plan.num_microbatches)
@@ -1334,10 +1337,17 @@ class Elastic:
 
     def steps(self, max_steps: int) -> Iterator[Step]:
         """Steps ``committed + 1 .. max_steps - 1``, each handed out again
-        after an aborted attempt, in whatever view is current then."""
+        after an aborted attempt, in whatever view is current then.
+        ``max_steps`` is the job's total: a later call asks for more (a
+        larger total) or is refused, since it would hand out nothing."""
+        check_steps_total(max_steps, self._steps_ran_to)
+        # A later call goes on in the view the last one ended in, if no
+        # view change began meanwhile (none will come to be entered).
+        go_on = self._steps_ran_to is not None and self._in_latest_view()
         while self.committed_step + 1 < max_steps:
-            if not self._enter_next():
+            if not go_on and not self._enter_next():
                 continue
+            go_on = False
             while self._next_step() < max_steps and not self._aborting():
                 if self._member.finishing and self._member.halted:
                     # Asked to leave once the members stopped after the
@@ -1384,6 +1394,7 @@ class Elastic:
                 with contextlib.suppress(StepAborted):
                     self._land_fetch()
             self._raise_if_interrupted()
+        self._steps_ran_to = max(max_steps, self._steps_ran_to or 0)
         self._report.done(self.committed_step)
 
     def _hold_while_halted(self) -> bool:
@@ -1402,6 +1413,14 @@ class Elastic:
                 held = True
                 self._view_changed.wait(timeout=self._config.abort_poll)
             return held
+
+    def _in_latest_view(self) -> bool:
+        """Whether this worker is in the newest committed view, entered,
+        with no roll call under way."""
+        with self._state:
+            latest = self._member.view
+        entered = self._entered[0]
+        return entered is not EMPTY_VIEW and entered.epoch == latest.epoch and not self._aborting()
 
     def _enter_next(self) -> bool:
         """Wait for the next view and enter it; False if it was given up

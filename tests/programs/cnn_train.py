@@ -140,7 +140,7 @@ def build(args: argparse.Namespace) -> tuple[Net, torch.optim.Optimizer, Any, Sh
               if not (args.second_optimizer and name.startswith("head."))]  # fmt: skip
     optimizer = torch.optim.AdamW(params, lr=args.lr)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.lr, total_steps=args.steps
+        optimizer, max_lr=args.lr, total_steps=args.steps * args.phases
     )
     return model, optimizer, scheduler, Shapes(args.samples, seed=1), Shapes(256, seed=2)
 
@@ -227,7 +227,13 @@ def train(args: argparse.Namespace) -> None:
 
         if args.late_warmup:  # built after Elastic, beside the registered one
             warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5)
-        for step in job.steps(args.steps):
+        def steps() -> Any:
+            for _ in range(args.epoch_loop):  # a port that kept its epoch loop around steps()
+                yield from job.steps(args.steps)
+            for phase in range(1, args.phases):  # then more steps, a phase at a time
+                yield from job.steps(args.steps * (phase + 1))
+
+        for step in steps():
             while args.hold_while and os.path.exists(args.hold_while):
                 time.sleep(0.05)  # a test holds the team until a joiner is in
             model.mix_runs = 1 if step.number < args.reuse_once_until else 2
@@ -459,6 +465,14 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--bucket-bytes", type=int, help="Config(overlap_bucket_bytes=...)")
     parser.add_argument("--no-clip", action="store_true", help="no before_update hook")
+    parser.add_argument(
+        "--epoch-loop", type=int, default=1,
+        help="call job.steps(--steps) this many times in a row, as an epoch loop around it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--phases", type=int, default=1,
+        help="go on after --steps with job.steps(--steps * k) for k = 2 .. PHASES",
+    )  # fmt: skip
     parser.add_argument(
         "--skip-commit-at", type=int, default=-1,
         help="go on to the next step without committing this one (once)",
