@@ -810,6 +810,29 @@ def test_a_batch_that_is_not_a_pair_is_read_through_data() -> None:
         _ = triple.targets
 
 
+def test_the_default_collate_takes_what_torchs_does_and_keeps_pairs_as_inputs_and_targets() -> None:
+    # A bare data set of (image, label) pairs with the label a Python int,
+    # as torchvision's are: at 81facaf torch.stack refused the ints ("expected
+    # Tensor as element 0 in argument 0, but got int"), and a dict or a triple
+    # failed with "too many values to unpack".
+    images = [torch.full((2, 2), float(i)) for i in range(3)]
+    inputs, targets = default_collate([(image, i) for i, image in enumerate(images)])
+    assert torch.equal(inputs, torch.stack(images))
+    assert torch.equal(targets, torch.tensor([0, 1, 2]))
+    inputs, targets = default_collate([(image, float(i)) for i, image in enumerate(images)])
+    assert targets.dtype == torch.float64  # as torch's default_collate makes them
+    microbatch = SIX.microbatches(0)[0]
+    records = [{"ids": torch.arange(4) + i, "labels": i} for i in range(3)]
+    batch = Batch(microbatch, default_collate(records))
+    assert torch.equal(batch.data["ids"], torch.stack([r["ids"] for r in records]))
+    with pytest.raises(NotAPair, match=r"a dict with keys \['ids', 'labels'\]: use batch.data"):
+        _ = batch.inputs
+    triple = Batch(microbatch, default_collate([(image, image, 1) for image in images]))
+    assert len(triple.data) == 3 and torch.equal(triple.data[2], torch.tensor([1, 1, 1]))
+    with pytest.raises(TypeError, match="default_collate: batch must contain tensors"):
+        default_collate([(object(), 1), (object(), 2)])
+
+
 def test_a_dataloader_batch_size_other_than_micro_batch_is_refused() -> None:
     with pytest.raises(ValueError, match="batch_size is 5 but micro_batch is 4"):
         MicrobatchLoader.open(

@@ -135,10 +135,15 @@ def _describe_value(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def default_collate(samples: Sequence[Any]) -> tuple[Any, Any]:
-    """Stack ``(input, target)`` pairs into two tensors."""
-    inputs, targets = zip(*samples, strict=True)
-    return torch.stack(list(inputs)), torch.stack(list(targets))
+def default_collate(samples: Sequence[Any]) -> Any:
+    """torch's ``default_collate`` of the samples: ``(input, target)`` pairs
+    (tensors, numbers, numpy arrays: a torchvision label is an int) give an
+    ``(inputs, targets)`` tuple of batched tensors; other samples (a dict, a
+    triple) their collated structure, read from ``batch.data``."""
+    data = torch_default_collate(list(samples))
+    if isinstance(data, list) and len(data) == 2:  # pairs come back as a list
+        return data[0], data[1]
+    return data
 
 
 # --- the pure core: which microbatch next, which to keep ------------------------------
