@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from rollcall.membership.errors import UsageError
 from rollcall.worker.buffers import BufferSync
 
 
@@ -125,3 +126,68 @@ def test_a_boolean_buffer_is_refused_with_the_way_out() -> None:
     model.register_buffer("mask", torch.ones(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="sync_buffers=False"):
         BufferSync(model)
+
+
+class _Centred(nn.Module):
+    """Centres its input by a running mean it updates in the forward pass:
+    in place, or by assigning a new tensor (``self.mean = 0.9 * self.mean +
+    ...``, as custom layers often do), or kept out of the state
+    (``persistent=False``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.register_buffer("mean", torch.zeros(3), persistent=how != "unsaved")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.how == "assign":
+                self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+            else:
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x - self.mean
+
+
+def _centred(how: str, count: int) -> list[nn.Module]:
+    replicas = [nn.Sequential(_Centred(how)) for _ in range(count)]
+    for model in replicas:
+        model.sync = BufferSync(model)  # type: ignore[assignment]
+    return replicas
+
+
+def test_a_buffer_the_forward_pass_replaces_is_kept_identical_as_one_changed_in_place() -> None:
+    # At 0785841 the runtime kept the tensor the model held at construction:
+    # a buffer assigned anew in each forward pass was never summed, and each
+    # replica's followed its own microbatches (silently, until a drift check).
+    batches = _batches(3)
+    assigned, in_place = _centred("assign", 2), _centred("in_place", 2)
+    for replicas in (assigned, in_place):
+        _step(replicas, [batches[0:2], batches[2:3]], total=3)
+    values = [model[0].mean for model in assigned]
+    assert torch.equal(values[0], values[1])
+    assert torch.allclose(values[0], in_place[0][0].mean, atol=1e-7)
+    assert not torch.equal(values[0], torch.zeros(3))
+    model = assigned[0]
+    _forward(model, batches)
+    model.sync.rollback()  # an aborted step: back to the committed value
+    assert torch.equal(model[0].mean, values[1])
+
+
+def test_a_buffer_replaced_by_one_of_another_shape_is_refused_naming_it() -> None:
+    model = _centred("assign", 1)[0]
+    model[0].mean = torch.zeros(4)
+    replaced = r"buffer 0.mean was replaced by .*shape \[4\] \(it was .*shape \[3\]"
+    with pytest.raises(UsageError, match=replaced):
+        model.sync.contributions(1, torch.float32)
+
+
+def test_a_buffer_kept_out_of_the_state_and_changed_in_place_is_refused_naming_it() -> None:
+    # A running statistic registered with persistent=False: not in the state
+    # a joiner or a checkpoint gets, and not kept identical across replicas.
+    model = _centred("unsaved", 1)[0]
+    model.sync.contributions(1, torch.float32)  # unchanged: nothing to say
+    _forward(model, _batches(1))
+    with pytest.raises(UsageError, match=r"buffer 0.mean is not persistent .*changed in place"):
+        model.sync.contributions(1, torch.float32)
+    with pytest.raises(UsageError, match="register it persistent"):
+        model.sync.current()  # exact mode's path

@@ -347,6 +347,29 @@ def test_a_layer_run_twice_under_reentrant_checkpointing_trains_as_the_plain_loo
     assert {step: d for step, d in digests.items() if len(d) > 1} == {}
 
 
+@pytest.mark.parametrize("mode", [[], ["--exact"]], ids=["default", "exact"])
+def test_a_buffer_the_forward_pass_assigns_anew_stays_identical_on_every_replica(
+    programs: Programs, mode: list[str]
+) -> None:
+    # `self.mean = 0.9 * self.mean + ...` in a layer's forward pass: at
+    # 0785841 the runtime kept the buffer tensor the model held when Elastic
+    # was built, so the new ones were never reduced and each replica's
+    # running mean followed its own microbatches (the model digests of the
+    # two workers apart from step 0, with no word).
+    args = ["--steps", "4", "--loader-workers", "0", "--centred", "--min-workers", "2",
+            "--digests", *mode]  # fmt: skip
+    team = [programs.start(*args) for _ in range(2)]
+    for program in team:
+        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+    models: dict[int, set[str]] = {}
+    for program in team:
+        for event in program.events("step"):
+            assert event["world"] == 2
+            models.setdefault(event["step"], set()).add(event["model"])
+    assert sorted(models) == [0, 1, 2, 3]
+    assert {step: d for step, d in models.items() if len(d) > 1} == {}
+
+
 def test_a_layer_first_run_twice_under_reentrant_checkpointing_after_its_bucket_started_is_refused(
     programs: Programs,
 ) -> None:

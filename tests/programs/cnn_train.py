@@ -54,8 +54,25 @@ class Shapes(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return image, self.labels[index]
 
 
+class Centre(nn.Module):
+    """Centres the features by a running mean, assigned anew in each
+    training forward pass (``self.mean = ...``, as custom layers often
+    write it) rather than changed in place."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        return x - self.mean
+
+
 class Net(nn.Module):
-    def __init__(self, width: int = 8, aux: bool = False, reused: bool = False) -> None:
+    def __init__(
+        self, width: int = 8, aux: bool = False, reused: bool = False, centred: bool = False
+    ) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
@@ -73,9 +90,13 @@ class Net(nn.Module):
         #: its gradient is accumulated once per run in one backward pass.
         self.mix = nn.Linear(10, 10) if reused else None
         self.mix_runs = 2
+        self.centre = Centre(2 * width * 6 * 6) if centred else None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.dropout(self.features(images).flatten(1)))
+        features = self.features(images).flatten(1)
+        if self.centre is not None:
+            features = self.centre(features)
+        logits = self.head(self.dropout(features))
         if self.mix is not None:
             for _ in range(self.mix_runs):
                 logits = logits + checkpoint(self.mix, logits, use_reentrant=True)
@@ -134,7 +155,7 @@ def say(**record: Any) -> None:
 
 def build(args: argparse.Namespace) -> tuple[Net, torch.optim.Optimizer, Any, Shapes, Shapes]:
     torch.manual_seed(args.model_seed)
-    model = Net(aux=args.aux_until >= 0, reused=args.reentrant_reuse)
+    model = Net(aux=args.aux_until >= 0, reused=args.reentrant_reuse, centred=args.centred)
     # With --second-optimizer the head is left to an optimizer of its own.
     params = [p for name, p in model.named_parameters()
               if not (args.second_optimizer and name.startswith("head."))]  # fmt: skip
@@ -458,6 +479,10 @@ def main() -> None:
     parser.add_argument(
         "--late-warmup", action="store_true",
         help="build a second LR scheduler after Elastic and step it in the loop",
+    )  # fmt: skip
+    parser.add_argument(
+        "--centred", action="store_true",
+        help="centre the features by a running mean buffer the forward pass assigns anew",
     )  # fmt: skip
     parser.add_argument(
         "--reentrant-reuse", action="store_true",
