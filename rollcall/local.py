@@ -276,10 +276,35 @@ class ManagedWorker:
             return None  # told by its ended report
         elif self.ended == "left" and code == 0:
             self.state = "left"
+        elif self.ended is None and 0 < code < 128:
+            # An exception before its runtime could report one (a missing
+            # module, a bad flag, an error at construction); a signal gives
+            # a negative code, or 128 + its number through a shell.
+            self.state = f"exited {code}"
+            self.ended = EndReason.ERROR
+            self.error_line = (
+                f"{self.label} exited {code} before its runtime reported why: "
+                f"{last_line(self.log_path)}  log: {self.log_path}"
+            )
+            self.error_at = time.monotonic()
+            return self.error_line
         else:
             self.state = EXIT_STATES.get(code, f"exited {code}")
             return f"{self.label} {self.state}  log: {self.log_path}"
         return None
+
+
+def last_line(path: Path, limit: int = 300) -> str:
+    """The last non-empty line of the log at ``path`` (what an uncaught
+    exception printed last), at most ``limit`` characters."""
+    try:
+        with path.open("rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 8192))
+            tail = log.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"(its log cannot be read: {exc.strerror})"
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return lines[-1][:limit] if lines else "(its log is empty)"
 
 
 @dataclass(frozen=True)
@@ -391,9 +416,11 @@ class LocalCluster:
     def failed(self) -> str | None:
         """When every worker started has ended with an error its runtime
         reported (an exception in the script or the runtime, or no state to
-        resume from) and none is left running, the earliest such error (the
-        others may follow from it: a worker that joins after the last holder
-        of the state died cannot resume): the job cannot go on by itself.
+        resume from), or exited with a code from 1 to 127 before reporting
+        (``ManagedWorker.exited``), and none is left running, the earliest
+        such error (the others may follow from it: a worker that joins after
+        the last holder of the state died cannot resume): the job cannot go
+        on by itself.
         None otherwise (a worker killed or stopped by a signal leaves room
         for `rollcall add`)."""
         ended = [w for w in self.workers if not w.alive]

@@ -93,6 +93,23 @@ def test_up_ends_with_an_error_once_every_worker_ended_with_one(tmp_path: Path):
     assert "RuntimeError: a bug in the script at step 2" in log, log
 
 
+def test_up_ends_with_an_error_once_every_worker_failed_before_its_runtime_started(
+    tmp_path: Path,
+):
+    # A script that fails before Elastic reports anything (a missing
+    # module, a bad flag, an error at construction): at d731b02 `up` said
+    # "w0 exited 1" and went on showing "members 0" until Ctrl-C.
+    up = start_up(tmp_path, 2, "--", sys.executable, "-c", "import rollcall_no_such_module")
+    try:
+        assert up.process.proc.wait(timeout=PATIENCE) != 0, up.process.log_tail()
+    finally:
+        stop_up(up)
+    log = up.process.log_tail(40)
+    assert "every worker ended with an error and none is left running" in log, log
+    assert "exited 1 before its runtime reported" in log, log
+    assert "ModuleNotFoundError: No module named 'rollcall_no_such_module'" in log, log
+
+
 def test_ctrl_c_stops_a_wrapped_command_and_the_training_process_it_started(tmp_path: Path):
     wrapper = tmp_path / "train.sh"
     wrapper.write_text(f'#!/bin/sh\n"{sys.executable}" "{PROGRAM}" "$@"\necho "exit $?"\n')
