@@ -173,6 +173,27 @@ def test_registered_state_needs_state_dict_and_load_state_dict() -> None:
         check_extras({"counter": 3})
 
 
+def test_the_model_optimizer_scheduler_or_scaler_registered_again_in_state_is_refused() -> None:
+    # A port that registers what it checkpoints, state={"model": model,
+    # "optimizer": optimizer}: at 4f2fd08 the model's BatchNorm statistics,
+    # changed by the forward passes, were blamed as "registered state
+    # changed in the loop before commit()".
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 10)
+    scaler = torch.amp.GradScaler("cpu")
+    passed = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+              "grad_scaler": scaler}  # fmt: skip
+    for argument, obj in passed.items():
+        with pytest.raises(UsageError, match=rf"state\['x'\] is the {argument} passed"):
+            check_extras({"x": obj}, **passed)
+    part = next(m for m in model.modules() if m is not model and list(m.parameters()))
+    with pytest.raises(UsageError, match=r"state\['part'\] holds parameters or buffers of"):
+        check_extras({"part": part}, **passed)
+    averaged = torch.optim.swa_utils.AveragedModel(model)  # a copy: its own tensors
+    assert check_extras({"swa": averaged}, **passed) == {"swa": averaged}
+
+
 def test_gradient_clipping_between_backward_and_commit_is_noticed() -> None:
     model, _ = _model_and_optimizer()
     watch = GradientWatch(list(model.parameters()))

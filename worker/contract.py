@@ -48,9 +48,16 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any: ...
 
 
-def check_extras(extras: Mapping[str, Any]) -> dict[str, Stateful]:
+def check_extras(
+    extras: Mapping[str, Any], model: torch.nn.Module | None = None, **passed: Any
+) -> dict[str, Stateful]:
     """User state by name; each value needs ``state_dict`` and
-    ``load_state_dict`` (ValueError/TypeError otherwise)."""
+    ``load_state_dict`` (ValueError/TypeError otherwise), and must not be
+    what Elastic registers already: ``model`` or any of its parameters or
+    buffers, or one of ``passed`` (the optimizer, the scheduler, the grad
+    scaler, by argument name; UsageError)."""
+    passed = {"model": model, **passed}
+    held = {id(t) for t in (*model.parameters(), *model.buffers())} if model is not None else set()
     checked: dict[str, Stateful] = {}
     for name, value in extras.items():
         if not isinstance(name, str) or not name:
@@ -62,6 +69,22 @@ def check_extras(extras: Mapping[str, Any]) -> dict[str, Stateful]:
                     "state must have state_dict() and load_state_dict(), like a torch module "
                     "or optimizer; wrap a plain value in an object that has them"
                 )
+        for argument, obj in passed.items():
+            if obj is not None and value is obj:
+                raise UsageError(
+                    f"state[{name!r}] is the {argument} passed to Elastic({argument}=...), which "
+                    "travels with the replica already (the runtime loads it into joiners and "
+                    "checkpoints it, and owns the moments it changes): take it out of state="
+                )
+        if isinstance(value, torch.nn.Module) and any(
+            id(t) in held for t in (*value.parameters(), *value.buffers())
+        ):
+            raise UsageError(
+                f"state[{name!r}] holds parameters or buffers of the model, which travel with "
+                "the replica already (and change in every forward pass and commit): take it out "
+                "of state=; an EMA or averaged copy of the model (copy.deepcopy, AveragedModel) "
+                "has tensors of its own and is fine"
+            )
         checked[name] = value
     return checked
 

@@ -579,7 +579,9 @@ class Elastic:
                 "exact=True reduces every microbatch's gradients as integers at commit: it "
                 "cannot be combined with overlap=True"
             )
-        self._extras = check_extras(state or {})
+        self._extras = check_extras(
+            state or {}, model, optimizer=optimizer, scheduler=scheduler, grad_scaler=grad_scaler
+        )
         check_scheduler(scheduler, optimizer, registered=self._extras.values())
         self._schedulers_rechecked = False  # at the first commit (_check_scheduler_registered)
         check_optimizer_params(model, optimizer)
