@@ -396,7 +396,13 @@ def test_a_joiner_of_a_view_entered_inside_commit_gets_the_registered_state_afte
         victim = job.start(*three, env={FAULTS: "held_gather_exits=1"})
         wait_for(lambda: min(p.last_step() for p in (*team, victim)) >= 5, "step 5", PATIENCE,
                  explain=job.logs)  # fmt: skip
+        # Held at a step's start until the joiner is in: started late on a
+        # busy machine, it once came after the others' last step.
+        hold = job.directory / "hold"
+        hold.touch()
         joiner = job.start(*three)
+        wait_for(lambda: joiner.events("joined"), "the joiner in", PATIENCE, explain=job.logs)
+        hold.unlink()
         assert victim.proc.wait(timeout=PATIENCE) == 9, victim.log_tail()
         for program in (*team, joiner):
             assert program.proc.wait(timeout=PATIENCE) == 0, job.logs()
