@@ -40,9 +40,7 @@ class RollcallGroup(click.Group):
         except click.exceptions.Abort:
             sys.exit(130)
         except click.UsageError as exc:
-            hint = f" (see 'rollcall {exc.ctx.info_name} --help')" if exc.ctx else ""
-            if exc.ctx and exc.ctx.info_name == "rollcall":
-                hint = " (see 'rollcall --help')"
+            hint = f" (see '{_command_path(exc.ctx)} --help')" if exc.ctx else ""
             fail(f"{exc.format_message()}{hint}", EXIT_USAGE)
         except click.ClickException as exc:
             fail(exc.format_message(), exc.exit_code or EXIT_FAILURE)
@@ -52,3 +50,13 @@ class RollcallGroup(click.Group):
             fail(str(exc))
         except KeyboardInterrupt:
             sys.exit(130)
+
+
+def _command_path(ctx: click.Context) -> str:
+    """The command as typed after the program's name, which is 'rollcall'
+    however it was started (``python -m rollcall.cli`` included)."""
+    names = []
+    while ctx.parent is not None:
+        names.append(ctx.info_name or "")
+        ctx = ctx.parent
+    return " ".join(["rollcall", *reversed(names)])
