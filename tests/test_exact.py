@@ -313,6 +313,36 @@ def test_the_fingerprint_of_exact_mode_names_what_the_bits_depend_on():
     JobFingerprint.of({"exact": one})  # a valid field value
 
 
+def test_the_fingerprint_of_exact_mode_names_numeric_settings_other_than_torchs_defaults():
+    # A worker started with another float32 matmul precision, deterministic
+    # algorithms or oneDNN switched off (a flag or an environment variable of
+    # one host) computes other bits: at 1cecc27 its fingerprint was the same,
+    # so it was admitted and the job's exactness broke with no word.
+    from rollcall.membership.fingerprint import JobFingerprint
+    from rollcall.worker.exact import fingerprint_value
+
+    default = fingerprint_value(True)
+    assert default.count(",") == 2, default  # torch, threads, machine: as before
+    precision = torch.get_float32_matmul_precision()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    onednn = torch.backends.mkldnn.enabled
+    try:
+        torch.set_float32_matmul_precision("medium")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.mkldnn.enabled = False
+        changed = fingerprint_value(True)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.backends.mkldnn.enabled = onednn
+    assert changed.startswith(default[:-1] + ", ")
+    for words in ("float32 matmul precision medium", "deterministic algorithms",
+                  "oneDNN off"):  # fmt: skip
+        assert words in changed, changed
+    JobFingerprint.of({"exact": changed})  # a valid field value
+    assert fingerprint_value(True) == default
+
+
 @pytest.mark.parametrize(
     ("tags", "agreed"),
     [((7, 7, 7), True), ((7, None, 7), True), ((None, None, None), True),

@@ -75,10 +75,25 @@ def fingerprint_value(enabled: bool) -> str:
     instead of silently breaking the job's exactness."""
     if not enabled:
         return "false"
-    return (
-        f"true (torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
-        f"{platform.machine()})"
-    )
+    parts = [f"torch {torch.__version__}", f"{torch.get_num_threads()} intra-op threads",
+             platform.machine(), *_numeric_settings()]  # fmt: skip
+    return f"true ({', '.join(parts)})"
+
+
+def _numeric_settings() -> list[str]:
+    """The process's torch settings that change a kernel's bits and are
+    not torch's defaults (named only then, so that the field of workers
+    with the defaults stays what it was)."""
+    found = []
+    if (precision := torch.get_float32_matmul_precision()) != "highest":
+        found.append(f"float32 matmul precision {precision}")
+    if torch.are_deterministic_algorithms_enabled():
+        found.append("deterministic algorithms")
+    if not torch.backends.mkldnn.enabled:
+        found.append("oneDNN off")
+    # CPU only, as exact mode is verified: a GPU's TF32 and cuDNN switches
+    # belong here when it is verified on one.
+    return found
 
 
 def fixed_point_bits(microbatches: int) -> int:
