@@ -276,15 +276,21 @@ class ManagedWorker:
             return None  # told by its ended report
         elif self.ended == "left" and code == 0:
             self.state = "left"
-        elif self.ended is None and 0 < code < 128:
+        elif self.ended is None and 0 <= code < 128:
             # An exception before its runtime could report one (a missing
-            # module, a bad flag, an error at construction); a signal gives
-            # a negative code, or 128 + its number through a shell.
+            # module, a bad flag, an error at construction), or a command
+            # that never built Elastic; a signal gives a negative code, or
+            # 128 + its number through a shell.
             self.state = f"exited {code}"
             self.ended = EndReason.ERROR
+            how = (
+                "without joining the job (does the command build rollcall.Elastic?)"
+                if code == 0 and self.member_id is None
+                else "before its runtime reported why"
+            )
             self.error_line = (
-                f"{self.label} exited {code} before its runtime reported why: "
-                f"{last_line(self.log_path)}  log: {self.log_path}"
+                f"{self.label} exited {code} {how}: {last_line(self.log_path)}  "
+                f"log: {self.log_path}"
             )
             self.error_at = time.monotonic()
             return self.error_line
@@ -416,8 +422,8 @@ class LocalCluster:
     def failed(self) -> str | None:
         """When every worker started has ended with an error its runtime
         reported (an exception in the script or the runtime, or no state to
-        resume from), or exited with a code from 1 to 127 before reporting
-        (``ManagedWorker.exited``), and none is left running, the earliest
+        resume from), or exited with a code below 128 without reporting its
+        end (``ManagedWorker.exited``), and none is left running, the earliest
         such error (the others may follow from it: a worker that joins after
         the last holder of the state died cannot resume): the job cannot go
         on by itself.

@@ -110,6 +110,23 @@ def test_up_ends_with_an_error_once_every_worker_failed_before_its_runtime_start
     assert "ModuleNotFoundError: No module named 'rollcall_no_such_module'" in log, log
 
 
+def test_up_ends_with_an_error_once_every_worker_exited_without_joining_the_job(
+    tmp_path: Path,
+):
+    # A command that ends at once with exit 0 and never builds Elastic (the
+    # wrong script, a guard that returned early): at 1cecc27 `up` said "w0
+    # exited 0" and went on showing "members 0" until Ctrl-C.
+    up = start_up(tmp_path, 2, "--", sys.executable, "-c", "print('nothing to train')")
+    try:
+        assert up.process.proc.wait(timeout=PATIENCE) != 0, up.process.log_tail()
+    finally:
+        stop_up(up)
+    log = up.process.log_tail(40)
+    assert "every worker ended with an error and none is left running" in log, log
+    assert "exited 0 without joining the job" in log, log
+    assert "nothing to train" in log, log
+
+
 def test_ctrl_c_stops_a_wrapped_command_and_the_training_process_it_started(tmp_path: Path):
     wrapper = tmp_path / "train.sh"
     wrapper.write_text(f'#!/bin/sh\n"{sys.executable}" "{PROGRAM}" "$@"\necho "exit $?"\n')

@@ -138,9 +138,10 @@ def up(
     `rollcall chaos` and `rollcall status` (they find it without flags).
     It ends when some worker has finished its steps and none is left
     running; with exit code 1 when every worker ended with an error (the
-    script's or the runtime's, or an exit before its runtime reported: a
-    missing module; a worker killed by a signal leaves room for `rollcall
-    add`) and none is left running; or on Ctrl-C, which stops
+    script's or the runtime's, or an exit before its runtime reported its
+    end: a missing module, a command that never joined the job; a worker
+    killed by a signal leaves room for `rollcall add`) and none is left
+    running; or on Ctrl-C, which stops
     everything it started (SIGINT first, SIGKILL after 15 s). --set applies
     to the rendezvous service and to the example workers; a COMMAND's
     runtime uses its own settings.
