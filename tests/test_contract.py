@@ -61,6 +61,29 @@ def test_a_registered_scheduler_stepped_in_the_loop_is_refused() -> None:
     assert scheduler.last_epoch == 0, "the refused call must not have stepped it"
 
 
+@pytest.mark.parametrize("call", ["update", "unscale_", "step"])
+def test_a_registered_grad_scaler_stepped_or_updated_in_the_loop_is_refused(call: str) -> None:
+    # An AMP loop's scaler.unscale_(opt) / scaler.step(opt) / scaler.update()
+    # kept in the port: at c078440 update() failed with torch's "No inf
+    # checks were recorded prior to update", and unscale_ reached commit.
+    model, optimizer = _model_and_optimizer()
+    scaler = torch.amp.GradScaler("cpu")
+    ownership = Ownership(optimizer, None, model.parameters(), scaler=scaler)
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    scale = scaler.get_scale()
+    args = [] if call == "update" else [optimizer]
+    with pytest.raises(UsageError, match=rf"scaler.{call}\(\) was called in the training loop"):
+        getattr(scaler, call)(*args)
+    assert scaler.get_scale() == scale
+    with ownership.applying():  # the runtime's own calls
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+    ownership.release()
+    assert type(scaler) is torch.amp.GradScaler
+    assert set(scaler.state_dict()) == set(torch.amp.GradScaler("cpu").state_dict())
+
+
 @pytest.mark.parametrize("combined", ["SequentialLR", "ChainedScheduler"])
 def test_a_scheduler_combined_in_the_registered_one_stepped_in_the_loop_is_refused(
     combined: str,

@@ -23,7 +23,7 @@ import hashlib
 import math
 import numbers
 import struct
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, NoReturn, Protocol
 
 import torch
@@ -938,8 +938,9 @@ def _has_scheduler(optimizer: torch.optim.Optimizer) -> bool:
 
 
 class Ownership:
-    """The runtime's ownership of ``optimizer.step`` and ``scheduler.step``:
-    calls from anywhere but :meth:`applying` raise :class:`UsageError`.
+    """The runtime's ownership of ``optimizer.step``, ``scheduler.step`` and
+    the grad scaler's ``unscale_``, ``step`` and ``update``: calls from
+    anywhere but :meth:`applying` raise :class:`UsageError`.
 
     The optimizer is guarded by a step pre-hook (torch's own API). The
     scheduler's class is swapped for a subclass whose ``step`` checks: a
@@ -954,6 +955,7 @@ class Ownership:
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         params: Iterable[torch.nn.Parameter] = (),
+        scaler: Any = None,
     ) -> None:
         self._optimizer = optimizer
         self._scheduler = scheduler
@@ -967,6 +969,39 @@ class Ownership:
         self._stepped = _schedule_position(scheduler)
         for part, whole in _combined_schedulers(scheduler, None):
             self._guard(part, whole)
+        if scaler is not None:
+            self._guard_scaler(scaler)
+
+    def _guard_scaler(self, scaler: Any) -> None:
+        """Swap the grad scaler's class for one whose ``unscale_``, ``step``
+        and ``update`` refuse calls from outside :meth:`applying` (an AMP
+        loop's lines kept in a port)."""
+        original = type(scaler)
+        ownership = self
+
+        def guarded_call(name: str) -> Callable[..., Any]:
+            def call(this: Any, *args: Any, **kwargs: Any) -> Any:
+                if not ownership._inside:
+                    raise UsageError(
+                        f"scaler.{name}() was called in the training loop, but this grad "
+                        "scaler is registered with Elastic(grad_scaler=...): commit() unscales "
+                        "the gradient reduced over every worker, steps the optimizer through "
+                        "the scaler and updates its scale. Remove scaler.unscale_(), "
+                        "scaler.step() and scaler.update() from the loop (clip in "
+                        "before_update: the gradient it is given is unscaled already), and "
+                        "give step.backward the loss unscaled"
+                    )
+                return getattr(original, name)(this, *args, **kwargs)
+
+            return call
+
+        namespace: dict[str, Any] = {
+            name: guarded_call(name) for name in ("unscale_", "step", "update")
+        }
+        namespace.update(__module__=original.__module__, __qualname__=original.__qualname__)
+        with contextlib.suppress(TypeError):  # a class that refuses: left unguarded
+            scaler.__class__ = type(original.__name__, (original,), namespace)
+            self._swapped.append((scaler, original))
 
     def _guard(self, scheduler: Any, whole: Any) -> None:
         """Swap ``scheduler``'s class for one whose ``step`` refuses calls
@@ -1064,8 +1099,8 @@ class Ownership:
         """Give the objects back as they were."""
         self._hook.remove()
         self._others_hook.remove()
-        for scheduler, original in self._swapped:
-            scheduler.__class__ = original
+        for guarded, original in self._swapped:
+            guarded.__class__ = original
         self._swapped = []
 
 

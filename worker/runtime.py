@@ -734,7 +734,7 @@ class Elastic:
         # can travel (and this raises TypeError naming what cannot).
         self._guard = ShardedStateGuard(optimizer) if self._sharding is not None else None
         self._capture(-1, with_rng=False)
-        self._ownership = Ownership(optimizer, scheduler, model.parameters())
+        self._ownership = Ownership(optimizer, scheduler, model.parameters(), grad_scaler)
 
         #: Held while an update is applied or the state restored or captured.
         self._lock = threading.Lock()
@@ -2606,7 +2606,8 @@ class Elastic:
         if self._skipped >= self._max_skipped:
             self._refuse_skipping(step)
         if self._scaler is not None:
-            self._scaler.unscale_(self._optimizer)
+            with self._ownership.applying():
+                self._scaler.unscale_(self._optimizer)
         probe = None
         if self._before_update is not None:
             self._before_update(step)
