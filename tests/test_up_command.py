@@ -77,54 +77,42 @@ def test_a_user_script_trains_to_the_end_while_workers_are_added_and_killed(tmp_
     assert report.returncode == 0 and "goodput" in report.stdout, report.stderr
 
 
-def test_up_ends_with_an_error_once_every_worker_ended_with_one(tmp_path: Path):
-    # A bug in the script: every copy raises at step 2 (or, started late on
-    # a busy machine, finds the state gone with the others and cannot
-    # resume). Nothing is left to train and nothing will be by itself; at
-    # 216ccf9 `up` went on showing "members 0" until Ctrl-C. The earliest
-    # error is the one said.
-    up = start_up(tmp_path, 2, *user_command("--steps", "100", "--raise-at", "2"))
-    try:
-        assert up.process.proc.wait(timeout=PATIENCE) != 0, up.process.log_tail()
-    finally:
-        stop_up(up)
-    log = up.process.log_tail(40)
-    assert "every worker ended with an error and none is left running" in log, log
-    assert "RuntimeError: a bug in the script at step 2" in log, log
-
-
-def test_up_ends_with_an_error_once_every_worker_failed_before_its_runtime_started(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        # A bug in the script: every copy raises at step 2 (or, started late
+        # on a busy machine, finds the state gone with the others and cannot
+        # resume). At 216ccf9 `up` went on showing "members 0" until Ctrl-C.
+        # The earliest error is the one said.
+        (["--", sys.executable, str(PROGRAM), "--steps", "100", "--raise-at", "2"],
+         ["RuntimeError: a bug in the script at step 2"]),
+        # A script that fails before Elastic reports anything (a missing
+        # module, a bad flag, an error at construction): at d731b02 `up`
+        # said "w0 exited 1" and went on.
+        (["--", sys.executable, "-c", "import rollcall_no_such_module"],
+         ["exited 1 before its runtime reported",
+          "ModuleNotFoundError: No module named 'rollcall_no_such_module'"]),
+        # A command that ends at once with exit 0 and never builds Elastic
+        # (the wrong script, a guard that returned early): at 1cecc27 `up`
+        # said "w0 exited 0" and went on.
+        (["--", sys.executable, "-c", "print('nothing to train')"],
+         ["exited 0 without joining the job", "nothing to train"]),
+    ],
+    ids=["an error in the script", "an exit before the runtime", "no job joined"],
+)  # fmt: skip
+def test_up_ends_with_an_error_once_every_worker_ended_with_one(
+    tmp_path: Path, command: list[str], said: list[str]
 ):
-    # A script that fails before Elastic reports anything (a missing
-    # module, a bad flag, an error at construction): at d731b02 `up` said
-    # "w0 exited 1" and went on showing "members 0" until Ctrl-C.
-    up = start_up(tmp_path, 2, "--", sys.executable, "-c", "import rollcall_no_such_module")
+    # Nothing is left to train and nothing will be by itself.
+    up = start_up(tmp_path, 2, *command)
     try:
         assert up.process.proc.wait(timeout=PATIENCE) != 0, up.process.log_tail()
     finally:
         stop_up(up)
     log = up.process.log_tail(40)
     assert "every worker ended with an error and none is left running" in log, log
-    assert "exited 1 before its runtime reported" in log, log
-    assert "ModuleNotFoundError: No module named 'rollcall_no_such_module'" in log, log
-
-
-def test_up_ends_with_an_error_once_every_worker_exited_without_joining_the_job(
-    tmp_path: Path,
-):
-    # A command that ends at once with exit 0 and never builds Elastic (the
-    # wrong script, a guard that returned early): at 1cecc27 `up` said "w0
-    # exited 0" and went on showing "members 0" until Ctrl-C.
-    up = start_up(tmp_path, 2, "--", sys.executable, "-c", "print('nothing to train')")
-    try:
-        assert up.process.proc.wait(timeout=PATIENCE) != 0, up.process.log_tail()
-    finally:
-        stop_up(up)
-    log = up.process.log_tail(40)
-    assert "every worker ended with an error and none is left running" in log, log
-    assert "exited 0 without joining the job" in log, log
-    assert "nothing to train" in log, log
+    for words in said:
+        assert words in log, log
 
 
 def test_ctrl_c_stops_a_wrapped_command_and_the_training_process_it_started(tmp_path: Path):

@@ -973,65 +973,59 @@ class Ownership:
             self._guard_scaler(scaler)
 
     def _guard_scaler(self, scaler: Any) -> None:
-        """Swap the grad scaler's class for one whose ``unscale_``, ``step``
-        and ``update`` refuse calls from outside :meth:`applying` (an AMP
-        loop's lines kept in a port)."""
-        original = type(scaler)
+        """Guard the grad scaler's ``unscale_``, ``step`` and ``update`` (an
+        AMP loop's lines kept in a port)."""
+        self._swap_guarded(
+            scaler, ("unscale_", "step", "update"),
+            lambda name: (
+                f"scaler.{name}() was called in the training loop, but this grad scaler is "
+                "registered with Elastic(grad_scaler=...): commit() unscales the gradient "
+                "reduced over every worker, steps the optimizer through the scaler and updates "
+                "its scale. Remove scaler.unscale_(), scaler.step() and scaler.update() from "
+                "the loop (clip in before_update: the gradient it is given is unscaled "
+                "already), and give step.backward the loss unscaled"
+            ),
+        )  # fmt: skip
+
+    def _guard(self, scheduler: Any, whole: Any) -> None:
+        """Guard ``scheduler``'s ``step``; ``whole``: the registered
+        scheduler that combines it, if it is not that one."""
+        what = (
+            "this scheduler is registered with Elastic(scheduler=...)" if whole is None else
+            f"this scheduler ({type(scheduler).__name__}, part of the registered "
+            f"{type(whole).__name__}) is stepped by it"
+        )  # fmt: skip
+        self._swap_guarded(
+            scheduler, ("step",),
+            lambda _: (
+                f"scheduler.step() was called in the training loop, but {what}, which the "
+                "runtime steps after every committed step: remove scheduler.step() from the "
+                "loop (stepping it twice would run the schedule at double speed)"
+            ),
+        )  # fmt: skip
+
+    def _swap_guarded(self, obj: Any, names: Sequence[str], refusal: Callable[[str], str]) -> None:
+        """Swap ``obj``'s class for a subclass whose methods ``names``
+        raise ``UsageError(refusal(name))`` when called from outside
+        :meth:`applying` (an instance attribute would end up in a
+        scheduler's ``state_dict``, its ``__dict__``). A class that refuses
+        the swap is left as it is (a scheduler's is checked at commit)."""
+        original = type(obj)
         ownership = self
 
-        def guarded_call(name: str) -> Callable[..., Any]:
+        def guarded(name: str) -> Callable[..., Any]:
             def call(this: Any, *args: Any, **kwargs: Any) -> Any:
                 if not ownership._inside:
-                    raise UsageError(
-                        f"scaler.{name}() was called in the training loop, but this grad "
-                        "scaler is registered with Elastic(grad_scaler=...): commit() unscales "
-                        "the gradient reduced over every worker, steps the optimizer through "
-                        "the scaler and updates its scale. Remove scaler.unscale_(), "
-                        "scaler.step() and scaler.update() from the loop (clip in "
-                        "before_update: the gradient it is given is unscaled already), and "
-                        "give step.backward the loss unscaled"
-                    )
+                    raise UsageError(refusal(name))
                 return getattr(original, name)(this, *args, **kwargs)
 
             return call
 
-        namespace: dict[str, Any] = {
-            name: guarded_call(name) for name in ("unscale_", "step", "update")
-        }
+        namespace: dict[str, Any] = {name: guarded(name) for name in names}
         namespace.update(__module__=original.__module__, __qualname__=original.__qualname__)
-        with contextlib.suppress(TypeError):  # a class that refuses: left unguarded
-            scaler.__class__ = type(original.__name__, (original,), namespace)
-            self._swapped.append((scaler, original))
-
-    def _guard(self, scheduler: Any, whole: Any) -> None:
-        """Swap ``scheduler``'s class for one whose ``step`` refuses calls
-        from outside :meth:`applying`; ``whole``: the registered scheduler
-        that combines it, if it is not that one."""
-        original = type(scheduler)
-        ownership = self
-        what = (
-            "this scheduler is registered with Elastic(scheduler=...)" if whole is None else
-            f"this scheduler ({original.__name__}, part of the registered "
-            f"{type(whole).__name__}) is stepped by it"
-        )  # fmt: skip
-
-        def step(this: Any, *args: Any, **kwargs: Any) -> Any:
-            if not ownership._inside:
-                raise UsageError(
-                    f"scheduler.step() was called in the training loop, but {what}, which "
-                    "the runtime steps after every committed step: remove scheduler.step() "
-                    "from the loop (stepping it twice would run the schedule at double speed)"
-                )
-            return original.step(this, *args, **kwargs)
-
-        guarded = type(
-            original.__name__, (original,),
-            {"step": step, "__module__": original.__module__,
-             "__qualname__": original.__qualname__},
-        )  # fmt: skip
-        with contextlib.suppress(TypeError):  # a class that refuses: checked at commit only
-            scheduler.__class__ = guarded
-            self._swapped.append((scheduler, original))
+        with contextlib.suppress(TypeError):
+            obj.__class__ = type(original.__name__, (original,), namespace)
+            self._swapped.append((obj, original))
 
     def _optimizer_step(self, *_: Any) -> None:
         if not self._inside:
