@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -794,6 +795,23 @@ def test_an_unreachable_rendezvous_is_said_within_seconds(plane: ControlPlane) -
         assert time.monotonic() - started < 20
     finally:
         program.stop()
+
+
+def test_a_sigterm_handler_of_the_scripts_is_said_to_be_replaced_while_the_job_runs(
+    programs: Programs,
+) -> None:
+    # A cluster script's own SIGTERM handler (save and requeue): Elastic
+    # installs its own while the job runs, so the script's never ran, and
+    # at 085a996 nothing said so.
+    program = programs.start("--steps", "100", "--own-sigterm", "--loader-workers", "0")
+    wait_step(program, lambda e: e["step"] >= 1)
+    log = program.log_tail(40)
+    replaced = r"the script's SIGTERM handler \([\w.]*requeue\) is replaced while the job runs"
+    assert re.search(replaced, log), log
+    assert "catch rollcall.Interrupted" in log, log
+    program.signal(signal.SIGTERM)
+    assert program.proc.wait(timeout=PATIENCE) == 128 + signal.SIGTERM  # left cleanly
+    assert not program.events("requeue")
 
 
 def test_a_second_signal_exits_at_once(programs: Programs, plane: ControlPlane) -> None:

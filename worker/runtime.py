@@ -446,6 +446,21 @@ def _check_sharding(
     return Sharding(partitions, redundancy)
 
 
+def _say_replaced_handler(sig: signal.Signals, previous: Any) -> None:
+    """Warn that the script's own handler of ``sig`` (a cluster script's
+    save-and-requeue on SIGTERM) does not run while the job does."""
+    if not callable(previous) or previous is signal.default_int_handler:
+        return
+    log.warning(
+        "the script's %s handler (%s) is replaced while the job runs: rollcall leaves the job "
+        "cleanly on %s and raises rollcall.Interrupted at the next safe point; the handler is "
+        "put back when Elastic closes. To run it too, catch rollcall.Interrupted around the "
+        "loop and call it there; Elastic(handle_signals=False) keeps it instead (a %s is then "
+        "a crash to the other workers)",
+        sig.name, callable_name(previous), sig.name, sig.name,
+    )  # fmt: skip
+
+
 def _check_count(count: Any) -> int:
     try:
         value = int(count)
@@ -835,6 +850,7 @@ class Elastic:
         if handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._signals[sig] = signal.signal(sig, self._on_signal)
+                _say_replaced_handler(sig, self._signals[sig])
         try:
             self._call(self._start(name or os.environ.get(ENV_NAME) or DEFAULT_NAME))
         except BaseException:

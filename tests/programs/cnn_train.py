@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -207,7 +208,15 @@ def evaluate_shard(job: Elastic, model: nn.Module, data: Shapes) -> float | None
     return float(totals[0] / totals[1])
 
 
+def requeue(signum: int, _frame: Any) -> None:
+    """A script's own SIGTERM handler (``--own-sigterm``), as a cluster
+    script's that saves and requeues."""
+    say(event="requeue", signal=signum)
+
+
 def train(args: argparse.Namespace) -> None:
+    if args.own_sigterm:
+        signal.signal(signal.SIGTERM, requeue)
     model, optimizer, scheduler, data, validation = build(args)
     loader = DataLoader(data, batch_size=args.micro_batch, num_workers=args.loader_workers)
     ema = EMA(model)
@@ -513,6 +522,10 @@ def main() -> None:
     parser.add_argument(
         "--commit-only", action="store_true", help="commit each step without running it"
     )
+    parser.add_argument(
+        "--own-sigterm", action="store_true",
+        help="install a SIGTERM handler of the script's before Elastic is built",
+    )  # fmt: skip
     parser.add_argument(
         "--own-loader", action="store_true",
         help="train each step on microbatches of the script's own DataLoader",
