@@ -259,12 +259,14 @@ class ManagedWorker:
                 self.state = self.ended
             if self.ended != "left":
                 message = str(report.get("message") or "")[:300]
-                self.error_line = (
-                    f"{self.label} ended ({self.ended}): {message}  log: {self.log_path}"
-                )
-                self.error_at = time.monotonic()
-                return self.error_line
+                return self._error(f"ended ({self.ended}): {message}")
         return None
+
+    def _error(self, what: str) -> str:
+        """Note the error it ended with, and when; the operator's line."""
+        self.error_line = f"{self.label} {what}  log: {self.log_path}"
+        self.error_at = time.monotonic()
+        return self.error_line
 
     def exited(self, code: int) -> str | None:
         """Its process ended with ``code``; returns a line worth telling
@@ -288,12 +290,7 @@ class ManagedWorker:
                 if code == 0 and self.member_id is None
                 else "before its runtime reported why"
             )
-            self.error_line = (
-                f"{self.label} exited {code} {how}: {last_line(self.log_path)}  "
-                f"log: {self.log_path}"
-            )
-            self.error_at = time.monotonic()
-            return self.error_line
+            return self._error(f"exited {code} {how}: {last_line(self.log_path)}")
         else:
             self.state = EXIT_STATES.get(code, f"exited {code}")
             return f"{self.label} {self.state}  log: {self.log_path}"
