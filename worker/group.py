@@ -477,6 +477,11 @@ class EpochGroup:
                         # The collective's other works (one per dtype) may
                         # still wait on peers: stop them too.
                         self._abandon(works, buffers)
+                        if self._abort.is_set():
+                            # Most likely the abort's own doing, passed on by
+                            # a peer that aborted first: the view is being
+                            # changed already, no peer is to be blamed.
+                            return StepAborted(f"epoch {self.epoch}: {what} aborted ({failure})")
                         return PeerFailed(f"epoch {self.epoch}: {what} failed: {failure}", failure)
                 if self._abort.is_set():
                     self._broken = f"{what} aborted"
