@@ -175,3 +175,35 @@ def test_a_kill_mid_step_keeps_the_microbatches_the_survivors_finished_and_the_b
     assert kept, "no survivor kept the microbatches it had finished"
     assert sorted(digests) == list(range(STEPS))
     assert {s: d for s, d in digests.items() if d != reference_digests[s]} == {}
+
+
+@pytest.mark.timeout(600)
+def test_generators_the_data_set_and_the_model_hold_give_the_same_bits_at_any_world_size(
+    etcd, tmp_path: Path
+) -> None:
+    # The data set flips images with a numpy generator of its own and the
+    # model draws a dropout mask from a torch.Generator of its own, each
+    # seeded once at construction, as scripts often do. At 81d08bc each went
+    # on from wherever its process left it: one worker and two computed
+    # other bits from step 0, exit 0 (the data probe's varying reads were a
+    # line at INFO). The runtime now seeds them with torch's at every
+    # microbatch; the loader's processes find them again in their copies.
+    steps = 6
+    digests: dict[int, dict[int, set[str]]] = {}
+    for world in (1, 2):
+        with run(etcd, tmp_path, f"held{world}") as job:
+            args = ["--steps", str(steps), "--digests", "--exact", "--own-generators",
+                    "--min-workers", str(world), "--loader-workers", "2"]  # fmt: skip
+            team = [
+                ProgramProcess(job.plane, PROGRAM, args, job.directory / f"program{index}.log")
+                for index in range(world)
+            ]
+            job.all.extend(team)
+            for program in team:
+                assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+            assert {e["world"] for p in team for e in p.events("step")} == {world}
+            digests[world] = job.digests()
+    assert sorted(digests[1]) == sorted(digests[2]) == list(range(steps))
+    assert all(len(found) == 1 for found in digests[2].values()), digests[2]
+    differing = {step: found for step, found in digests[2].items() if found != digests[1][step]}
+    assert differing == {}, f"steps whose state differs between one worker and two: {differing}"

@@ -11,9 +11,10 @@ contains; this module decides only *when* and *where* it is read, never
   change, a commit) and how a request of the training thread is served. No
   processes, no torch, no clock.
 * :func:`load_microbatch` reads and collates one microbatch with torch's
-  CPU generator, ``random`` and numpy seeded from
-  :func:`rollcall.worker.plan.load_seed`, so that
-  augmentation drawn in ``__getitem__`` does not depend on the process.
+  CPU generator, ``random``, numpy and the generators the data set and the
+  collate function hold (:mod:`rollcall.worker.randomness`) seeded from
+  :func:`rollcall.worker.plan.load_seed`, so that augmentation drawn in
+  ``__getitem__`` depends neither on the process nor on what it read before.
 * :class:`MicrobatchLoader` is the shell: a ``torch.utils.data.DataLoader``
   (its worker processes, queues, pinning and ``worker_init_fn``) over a
   keyed view of the dataset, whose sampler asks the schedule for the next
@@ -58,6 +59,7 @@ from torch.utils.data import default_collate as torch_default_collate
 from rollcall.membership.config import Config
 from rollcall.membership.errors import RollcallError
 from rollcall.worker.plan import DataPlan, Microbatch, load_seed
+from rollcall.worker.randomness import held_generators, seed_held
 
 try:
     import numpy
@@ -379,22 +381,32 @@ def _streams_kept() -> Iterator[None]:
 
 
 def load_microbatch(
-    dataset: Any, collate: Callable[[Sequence[Any]], Any], sample_ids: Sequence[int], seed: int
+    dataset: Any,
+    collate: Callable[[Sequence[Any]], Any],
+    sample_ids: Sequence[int],
+    seed: int,
+    held: Sequence[Any] = (),
 ) -> Any:
     """``collate([dataset[i] for i in sample_ids])`` with torch's CPU
-    generator, ``random`` and numpy seeded from ``seed`` (a
-    :func:`rollcall.worker.plan.load_seed`); the caller's generator states are
-    restored afterwards, so loading on the training thread leaves its
-    streams as they were."""
+    generator, ``random``, numpy and the generators in ``held`` (those the
+    data set and ``collate`` hold: :func:`held_generators`) seeded from
+    ``seed`` (a :func:`rollcall.worker.plan.load_seed`); the caller's global
+    generator states are restored afterwards, so loading on the training
+    thread leaves its streams as they were."""
     with _streams_kept():
-        return _load_seeded(dataset, collate, sample_ids, seed)
+        return _load_seeded(dataset, collate, sample_ids, seed, held)
 
 
 def _load_seeded(
-    dataset: Any, collate: Callable[[Sequence[Any]], Any], sample_ids: Sequence[int], seed: int
+    dataset: Any,
+    collate: Callable[[Sequence[Any]], Any],
+    sample_ids: Sequence[int],
+    seed: int,
+    held: Sequence[Any],
 ) -> Any:
     # In a loader worker nothing else draws: no state to restore.
     _seed_everything(seed)
+    seed_held(held, seed)
     return collate([dataset[i] for i in sample_ids])
 
 
@@ -601,16 +613,25 @@ class _Microbatches(Dataset[Any]):
     """The dataset as the DataLoader sees it: indexed by :class:`_Task`
     (``None`` for an idle slot), each item a whole collated microbatch.
     Pickled into each worker process under the spawn and forkserver start
-    methods, so it holds only the user's dataset and collate function."""
+    methods, so it holds only the user's dataset and collate function; the
+    generators they hold are found again in each process (a pickled copy
+    holds copies of them)."""
 
     def __init__(self, dataset: Any, collate: Callable[[Sequence[Any]], Any]) -> None:
         self.dataset = dataset
         self.collate = collate
+        self.held = held_generators(dataset, collate)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "collate": self.collate}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["dataset"], state["collate"])  # type: ignore[misc]
 
     def __getitem__(self, task: _Task | None) -> _Loaded | None:
         if task is None:
             return None
-        data = _load_seeded(self.dataset, self.collate, task.sample_ids, task.seed)
+        data = _load_seeded(self.dataset, self.collate, task.sample_ids, task.seed, self.held)
         return _Loaded(task.key, data, task.probe)
 
 
@@ -923,7 +944,9 @@ class MicrobatchLoader:
     def _load_here(self, key: Key) -> Any:
         task = self._task(key)
         source = self._source
-        data = load_microbatch(source.dataset, source.collate, task.sample_ids, task.seed)
+        data = load_microbatch(
+            source.dataset, source.collate, task.sample_ids, task.seed, source.held
+        )
         if self._pin_device is None:
             return data
         # What the DataLoader's pinning thread does to the workers' batches.

@@ -155,6 +155,7 @@ from rollcall.worker.metrics import WorkerMetrics
 from rollcall.worker.overlap import Buckets
 from rollcall.worker.parking import wait_parked
 from rollcall.worker.plan import DIVISION
+from rollcall.worker.randomness import held_generators, seed_held
 from rollcall.worker.report import SupervisorReport
 from rollcall.worker.resume import choose, what_restarting_does
 from rollcall.worker.served import ServedState
@@ -253,6 +254,7 @@ class Step:
             if job._exact is not None:
                 job._exact.start()
             seed_torch(mb.seed)
+            seed_held(job._held, mb.seed)
             self._microbatches += 1
             self._index = mb.index
             self._final = mb is todo[-1]
@@ -672,6 +674,18 @@ class Elastic:
         # the loader's processes, so that this one opens none of the data
         # set's files before they fork.
         data = probed_data(self._loader.probe()) if data_probe else DATA_OFF
+        if data == VARYING and exact:
+            self._loader.close()
+            raise UsageError(
+                "exact=True: the data plan's first microbatch, read twice, gave other values: "
+                "what a sample holds depends on more than its index and the generators the "
+                "runtime seeds before each microbatch (torch's, random's and numpy's, and those "
+                "the data set and collate function hold): the time, the process id, or a "
+                "generator made in a worker_init_fn or on first use. Other histories would "
+                "then compute other bits. Draw augmentation from those generators, or run "
+                "without exact=True; data_probe=False on every worker skips this check and "
+                "leaves the guarantee to you"
+            )
         if data == VARYING:
             log.info(
                 "the data plan's first microbatch read twice gave other values (augmentation "
@@ -699,6 +713,9 @@ class Elastic:
         #: The model's modules, whose training modes the ranks compare at
         #: every step (``modes_tag``).
         self._named_modules = dict(model.named_modules())
+        #: Random generators the model's modules hold (a custom dropout's
+        #: ``torch.Generator``): seeded with torch's at every microbatch.
+        self._held = held_generators(*model.modules())
         #: The float buffers that are finite now (``_check_buffers``).
         self._finite_buffers = finite_buffers(model)
         #: The optimizer's parameter count per group when last checked.

@@ -35,9 +35,13 @@ from rollcall.worker.digest import tree_digest
 
 class Shapes(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Ten classes of 12x12 images: a class pattern plus noise, flipped at
-    random (augmentation drawn from the global torch RNG)."""
+    random (augmentation drawn from the global torch RNG, or with
+    ``own_rng`` from a numpy generator the data set holds)."""
 
-    def __init__(self, size: int, seed: int) -> None:
+    def __init__(self, size: int, seed: int, own_rng: bool = False) -> None:
+        import numpy
+
+        self.rng = numpy.random.default_rng(seed) if own_rng else None
         generator = torch.Generator().manual_seed(seed)
         patterns = torch.randn(10, 1, 12, 12, generator=generator)
         self.labels = torch.randint(0, 10, (size,), generator=generator)
@@ -50,7 +54,7 @@ class Shapes(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         image = self.images[index]
-        if torch.rand(()) < 0.5:
+        if (torch.rand(()) if self.rng is None else self.rng.random()) < 0.5:
             image = image.flip(-1)
         return image, self.labels[index]
 
@@ -72,7 +76,12 @@ class Centre(nn.Module):
 
 class Net(nn.Module):
     def __init__(
-        self, width: int = 8, aux: bool = False, reused: bool = False, centred: bool = False
+        self,
+        width: int = 8,
+        aux: bool = False,
+        reused: bool = False,
+        centred: bool = False,
+        own_generator: bool = False,
     ) -> None:
         super().__init__()
         self.features = nn.Sequential(
@@ -92,11 +101,17 @@ class Net(nn.Module):
         self.mix = nn.Linear(10, 10) if reused else None
         self.mix_runs = 2
         self.centre = Centre(2 * width * 6 * 6) if centred else None
+        #: A dropout of the model's own, drawing its masks from a generator
+        #: the model holds (``--own-generators``).
+        self.noise = torch.Generator().manual_seed(7) if own_generator else None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         features = self.features(images).flatten(1)
         if self.centre is not None:
             features = self.centre(features)
+        if self.noise is not None and self.training:
+            keep = torch.rand(features.shape, generator=self.noise) > 0.2
+            features = features * keep / 0.8
         logits = self.head(self.dropout(features))
         if self.mix is not None:
             for _ in range(self.mix_runs):
@@ -156,7 +171,10 @@ def say(**record: Any) -> None:
 
 def build(args: argparse.Namespace) -> tuple[Net, torch.optim.Optimizer, Any, Shapes, Shapes]:
     torch.manual_seed(args.model_seed)
-    model = Net(aux=args.aux_until >= 0, reused=args.reentrant_reuse, centred=args.centred)
+    model = Net(
+        aux=args.aux_until >= 0, reused=args.reentrant_reuse, centred=args.centred,
+        own_generator=args.own_generators,
+    )  # fmt: skip
     # With --second-optimizer the head is left to an optimizer of its own.
     params = [p for name, p in model.named_parameters()
               if not (args.second_optimizer and name.startswith("head."))]  # fmt: skip
@@ -164,7 +182,8 @@ def build(args: argparse.Namespace) -> tuple[Net, torch.optim.Optimizer, Any, Sh
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=args.lr, total_steps=args.steps * args.phases
     )
-    return model, optimizer, scheduler, Shapes(args.samples, seed=1), Shapes(256, seed=2)
+    train = Shapes(args.samples, seed=1, own_rng=args.own_generators)
+    return model, optimizer, scheduler, train, Shapes(256, seed=2)
 
 
 class Clip:
@@ -488,6 +507,11 @@ def main() -> None:
     parser.add_argument(
         "--late-warmup", action="store_true",
         help="build a second LR scheduler after Elastic and step it in the loop",
+    )  # fmt: skip
+    parser.add_argument(
+        "--own-generators", action="store_true",
+        help="flips drawn from a numpy generator the data set holds, and a dropout drawing "
+        "from a torch.Generator the model holds",
     )  # fmt: skip
     parser.add_argument(
         "--centred", action="store_true",

@@ -1,0 +1,128 @@
+"""Random generators the user's objects hold, seeded per microbatch.
+
+The runtime seeds torch's, ``random``'s and numpy's global generators from
+each microbatch's seed before the microbatch is loaded and again before it is
+handed to the loop, so what a microbatch computes depends on ``(seed, step,
+index)`` alone, whichever process or rank runs it and whatever ran before.
+A generator of the user's own, kept by the data set, its collate function or
+a module of the model (``self.rng = numpy.random.default_rng(0)`` for an
+augmentation, a ``torch.Generator`` for a custom dropout), would instead go
+on from wherever that process left it: another history (another world size,
+a worker that joined) would draw other numbers, and exact mode would give
+other bits with no word. :func:`held_generators` finds such generators once,
+by walking the objects' attributes; :func:`seed_held` seeds each of them from
+the microbatch's seed and its place in that list.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import random
+import types
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+try:
+    import numpy
+except ImportError:  # pragma: no cover - torch wheels bring numpy
+    numpy = None  # type: ignore[assignment]
+
+__all__ = ["held_generators", "seed_held"]
+
+#: How deep the walk goes below each object it starts from, and the largest
+#: container it looks into (a data set's list of a million samples holds
+#: data, not generators).
+_DEPTH = 4
+_LARGEST = 256
+
+#: Module state a walk never looks into: parameters, buffers and submodules
+#: (each module of a model is a start of its own) and the hook tables.
+_MODULE_SKIPPED = frozenset({"_parameters", "_buffers", "_modules"})
+
+_LEAVES = (
+    type(None), bool, int, float, complex, str, bytes, bytearray, range,
+    torch.Tensor, torch.dtype, torch.device, type, types.ModuleType,
+    types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+)  # fmt: skip
+
+
+def _generator_types() -> tuple[type, ...]:
+    kinds: list[type] = [torch.Generator, random.Random]
+    if numpy is not None:
+        kinds += [numpy.random.Generator, numpy.random.RandomState]
+    return tuple(kinds)
+
+
+def _global_generators() -> set[int]:
+    """The global generators, which the runtime seeds itself."""
+    ids = {id(torch.default_generator), id(random._inst)}  # type: ignore[attr-defined]
+    if numpy is not None:
+        ids.add(id(numpy.random.mtrand._rand))
+    return ids
+
+
+def held_generators(*objects: Any) -> tuple[Any, ...]:
+    """The random generators (``torch.Generator``, ``random.Random``,
+    numpy's ``Generator`` and ``RandomState``) that ``objects`` hold, in a
+    fixed order: the objects themselves, their attributes and the items of
+    their lists, tuples and dicts, down to a few levels, each once; not
+    torch's, ``random``'s or numpy's global generator. A module's
+    submodules are not walked into: pass each (``*model.modules()``)."""
+    kinds = _generator_types()
+    skipped = _global_generators()
+    seen: set[int] = set()
+    found: list[Any] = []
+
+    def walk(obj: Any, depth: int) -> None:
+        if id(obj) in seen or isinstance(obj, _LEAVES):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, kinds):
+            if id(obj) not in skipped:
+                found.append(obj)
+            return
+        if depth <= 0 or (numpy is not None and isinstance(obj, numpy.ndarray)):
+            return
+        for child in _children(obj):
+            walk(child, depth - 1)
+
+    for obj in objects:
+        walk(obj, _DEPTH)
+    return tuple(found)
+
+
+def _children(obj: Any) -> Iterable[Any]:
+    if isinstance(obj, dict):
+        return obj.values() if len(obj) <= _LARGEST else ()
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return obj if len(obj) <= _LARGEST else ()
+    if isinstance(obj, functools.partial):
+        return (obj.func, *obj.args, *obj.keywords.values())
+    attributes = getattr(obj, "__dict__", None)
+    if not isinstance(attributes, dict):
+        return ()
+    if isinstance(obj, torch.nn.Module):
+        return [v for k, v in attributes.items() if k not in _MODULE_SKIPPED]
+    return attributes.values() if len(attributes) <= _LARGEST else ()
+
+
+def seed_held(generators: Sequence[Any], seed: int) -> None:
+    """Seed each of ``generators`` (from :func:`held_generators`) from
+    ``seed`` and its place in the list: two generators never draw the same
+    numbers, and each draws the same ones for the same ``seed``."""
+    for place, generator in enumerate(generators):
+        text = f"{seed}:{place}".encode("ascii")
+        digest = hashlib.blake2b(text, digest_size=8, person=b"rollcall-held").digest()
+        value = int.from_bytes(digest, "big") >> 1
+        if isinstance(generator, torch.Generator):
+            generator.manual_seed(value)
+        elif isinstance(generator, random.Random):
+            generator.seed(value)
+        elif isinstance(generator, numpy.random.RandomState):
+            generator.seed([value & 0xFFFF_FFFF, value >> 32])
+        else:  # numpy.random.Generator: a fresh bit generator of its kind
+            bits = generator.bit_generator
+            bits.state = type(bits)(value).state
