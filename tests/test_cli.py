@@ -172,6 +172,20 @@ def test_worker_accepts_a_valid_config_override() -> None:
     assert "ROLLCALL_TOKEN" in one_error_line(result)
 
 
+def test_the_workers_ledger_path_takes_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `rollcall up --workers 2 -- rollcall worker --ledger l.jsonl` gives
+    # both workers one file, which the second finds locked and is refused
+    # for: `--ledger 'l-{name}.jsonl'` gives each its own.
+    from rollcall.cli.worker import ledger_path
+
+    monkeypatch.setenv("ROLLCALL_NAME", "w1")
+    assert ledger_path(Path("runs/l-{name}.jsonl"), None) == Path("runs/l-w1.jsonl")
+    assert ledger_path(Path("l-{name}.jsonl"), "a") == Path("l-a.jsonl")
+    assert ledger_path(Path("plain.jsonl"), None) == Path("plain.jsonl")
+    monkeypatch.delenv("ROLLCALL_NAME")
+    assert ledger_path(Path("l-{name}.jsonl"), None) == Path("l-w.jsonl")
+
+
 @pytest.mark.parametrize("command", ["status", "rendezvous", "worker"])
 def test_missing_token_is_one_line(command: str) -> None:
     result = rollcall(*command_args(command))

@@ -431,6 +431,36 @@ def test_a_ledger_with_interval_zero_fsyncs_every_record(tmp_path: Path) -> None
         Ledger(tmp_path / "other.jsonl", sync_interval=-1.0)
 
 
+@pytest.mark.integration  # a second process tries the file too
+def test_a_ledger_file_another_ledger_writes_is_refused_until_that_one_closes(
+    tmp_path: Path,
+) -> None:
+    # Two workers given one ledger path (`rollcall up --workers 2 -- rollcall
+    # worker --ledger l.jsonl`, a script's constant path): at b3ed102 both
+    # appended every step, the file held each step twice, and a worker
+    # started later took the other's records for its own.
+    from rollcall.membership.errors import UsageError
+
+    path = tmp_path / "ledger.jsonl"
+    first = Ledger(path)
+    first.record(0, view_epoch=1, world_size=2, sample_ids=[0, 1])
+    with pytest.raises(UsageError, match="ledger.jsonl is being written by another"):
+        Ledger(path)
+    first.rewind(0)  # the file is cut in place: still the one held
+    with pytest.raises(UsageError, match="a ledger file of its own"):
+        Ledger(path)
+    code = f"import pathlib, rollcall.worker.ledger as l; l.Ledger(pathlib.Path({str(path)!r}))"
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert other.returncode == 1 and "is being written by another" in other.stderr, other.stderr
+    assert Ledger.load(path).steps() == {0: (0, 1)}  # reading takes no lock
+    first.close()
+    again = Ledger(path)
+    again.record(1, view_epoch=2, world_size=1, sample_ids=[2, 3])
+    assert Ledger.load(path).steps() == {0: (0, 1), 1: (2, 3)}
+
+
 def test_an_in_memory_ledger_writes_nothing(tmp_path: Path) -> None:
     ledger = Ledger()
     ledger.record(0, view_epoch=0, world_size=1, sample_ids=[1])

@@ -8,6 +8,7 @@ that a run with failures consumed exactly the samples of one without
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -15,8 +16,10 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from rollcall.membership.config import Config
+from rollcall.membership.errors import UsageError
 from rollcall.worker.plan import require_int
 
 #: How many sample ids a :meth:`Ledger.compare` message lists before eliding.
@@ -66,6 +69,37 @@ class LedgerEntry:
         )
 
 
+def _open_locked(path: Path) -> IO[str]:
+    """``path`` opened for appending under an exclusive lock, or
+    :class:`UsageError` if another open file holds the lock."""
+    file = path.open("a", encoding="utf-8")
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.close()
+        raise UsageError(
+            f"the ledger {path} is being written by another worker (or by an Elastic of this "
+            "process not closed yet): each worker needs a ledger file of its own, and the "
+            "merged ledgers of a run give its step sequence (rollcall.worker.ledger."
+            "merge_ledgers). Put something of the worker's in the path, such as the "
+            "ROLLCALL_NAME that `rollcall up` and `rollcall add` give each worker or the "
+            'process id: ledger=f"ledger-{os.getpid()}.jsonl"'
+        ) from None
+    return file
+
+
+def _end_of(path: Path, step: int) -> int:
+    """The byte length of the records of ``path`` up to and including
+    ``step`` (the file's records are complete lines in step order)."""
+    end = 0
+    with path.open("rb") as file:
+        for raw in file:
+            if LedgerEntry.from_json(raw.decode("utf-8")).step > step:
+                break
+            end += len(raw)
+    return end
+
+
 def _read_entries(path: Path) -> tuple[list[LedgerEntry], int]:
     """The complete records of the ledger file at ``path`` and the byte length
     they span. A last line without its newline is a write cut short by a
@@ -97,6 +131,11 @@ class Ledger:
     An existing file at ``path`` is continued, as a restarted worker does:
     its records are loaded and a torn last line is cut off before the next
     record is appended, so it cannot fuse with it.
+
+    The file is one worker's: it is held under an exclusive ``flock`` until
+    :meth:`close`, and a second ``Ledger`` on it, in any process, is refused
+    with :class:`UsageError` (two workers given one path appended every step
+    twice, and one started later took the other's records for its own).
     """
 
     def __init__(
@@ -109,6 +148,8 @@ class Ledger:
         if not sync_interval >= 0:
             raise ValueError(f"sync_interval must be >= 0, got {sync_interval!r}")
         self._path = path
+        #: The file, open for appending and locked, while this ledger writes it.
+        self._file = None if path is None else _open_locked(path)
         self._entries: dict[int, LedgerEntry] = {}
         self._last: int | None = None
         self._sync_interval, self._clock = sync_interval, clock
@@ -122,6 +163,13 @@ class Ledger:
                 self._add(entry)
             if complete < path.stat().st_size:
                 os.truncate(path, complete)
+
+    def close(self) -> None:
+        """Sync the file and release it (another ``Ledger`` may open it
+        then). Safe to call again; recording afterwards raises."""
+        if self._file is not None and not self._file.closed:
+            self.sync()
+            self._file.close()
 
     @property
     def path(self) -> Path | None:
@@ -146,45 +194,41 @@ class Ledger:
             samples=tuple(require_int("sample id", s, 0) for s in sample_ids),
         )
         self._check_next(entry.step)
-        if self._path is not None:
-            with self._path.open("a", encoding="utf-8") as file:
-                file.write(entry.to_json() + "\n")
-                file.flush()
-                self._unsynced += 1
-                if self._clock() - self._synced_at >= self._sync_interval:
-                    self._fsync(file.fileno())
+        if self._file is not None:
+            self._file.write(entry.to_json() + "\n")
+            self._file.flush()
+            self._unsynced += 1
+            if self._clock() - self._synced_at >= self._sync_interval:
+                self._fsync()
         self._add(entry)
 
     def rewind(self, step: int) -> int:
         """Forget the records after ``step``: the job resumed from a
         checkpoint of ``step``, so what those steps did is undone and they
-        are trained again. The file is rewritten (to a temporary file, then
-        renamed over it). Returns how many records were dropped."""
+        are trained again. The file is cut in place after the last record
+        kept (records are in step order; the file stays the one locked).
+        Returns how many records were dropped."""
         later = [s for s in self._entries if s > step]
         if not later:
             return 0
         for s in later:
             del self._entries[s]
         self._last = max(self._entries, default=None)
-        if self._path is not None:
-            temporary = self._path.with_name(self._path.name + ".rewind")
-            with temporary.open("w", encoding="utf-8") as file:
-                for entry in self._entries.values():
-                    file.write(entry.to_json() + "\n")
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, self._path)
-            self._unsynced = 0
+        if self._file is not None and self._path is not None:
+            self._file.flush()
+            os.truncate(self._path, _end_of(self._path, step))
+            self._unsynced += 1
+            self._fsync()
         return len(later)
 
     def sync(self) -> None:
         """Make every record written so far survive a crash of the machine."""
-        if self._path is not None and self._unsynced:
-            with self._path.open("a", encoding="utf-8") as file:
-                self._fsync(file.fileno())
+        if self._file is not None and self._unsynced:
+            self._fsync()
 
-    def _fsync(self, fd: int) -> None:
-        os.fsync(fd)
+    def _fsync(self) -> None:
+        assert self._file is not None
+        os.fsync(self._file.fileno())
         self.fsyncs += 1
         self._unsynced = 0
         self._synced_at = self._clock()

@@ -676,6 +676,7 @@ class Elastic:
         data = probed_data(self._loader.probe()) if data_probe else DATA_OFF
         if data == VARYING and exact:
             self._loader.close()
+            self.ledger.close()
             raise UsageError(
                 "exact=True: the data plan's first microbatch, read twice, gave other values: "
                 "what a sample holds depends on more than its index and the generators the "
@@ -880,6 +881,7 @@ class Elastic:
             self._stop_loop()
             stop_metrics(self._metrics_server)
             self._loader.close()
+            self.ledger.close()
             raise
         self._joined = True
 
@@ -3048,7 +3050,7 @@ class Elastic:
             log.warning("leave failed: %s", exc)
         finally:
             self._loader.close()
-            self.ledger.sync()
+            self.ledger.close()
             self._drop_group()
             self._switching.restore()
             self._stop_loop()

@@ -5,6 +5,7 @@ and the exit code each way out of the job has."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from rollcall.cli.options import (
     split_list,
     token_option,
 )
+from rollcall.worker.environment import DEFAULT_NAME, ENV_JOB, ENV_NAME, ENV_RENDEZVOUS
 
 
 @click.command()
@@ -28,8 +30,9 @@ from rollcall.cli.options import (
     "--rendezvous",
     "addresses",
     required=True,
+    envvar=ENV_RENDEZVOUS,
     metavar="HOST:PORT[,...]",
-    help="Rendezvous replica addresses.",
+    help=f"Rendezvous replica addresses (default: ${ENV_RENDEZVOUS}, which `rollcall up` sets).",
 )
 @click.option(
     "--agent",
@@ -38,7 +41,13 @@ from rollcall.cli.options import (
     "$ROLLCALL_AGENT); without one, or when it does not answer, the session goes to the "
     "replicas directly.",
 )
-@click.option("--job", required=True, callback=check_job, help="Job name.")
+@click.option(
+    "--job",
+    required=True,
+    envvar=ENV_JOB,
+    callback=check_job,
+    help=f"Job name (default: ${ENV_JOB}, which `rollcall up` sets).",
+)
 @token_option
 @click.option(
     "--example",
@@ -76,7 +85,9 @@ from rollcall.cli.options import (
 @click.option(
     "--ledger",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Append the sample ids of every committed step to this JSON-lines file.",
+    help="Append the sample ids of every committed step to this JSON-lines file, one per "
+    "worker (a file another worker writes is refused); {name} in it becomes the worker's "
+    "name (--name, else $ROLLCALL_NAME, which `rollcall up` and `rollcall add` set: w0, w1, ...).",
 )
 @click.option(
     "--digest-every",
@@ -234,6 +245,8 @@ def worker(
             click.echo(" ".join(f"{k}={v}" for k, v in record.items()))
         sys.stdout.flush()
 
+    if ledger is not None:
+        ledger = ledger_path(ledger, name)
     try:
         train(
             run, say, rendezvous=split_list(addresses), agent=agent, job=job, token=token,
@@ -257,3 +270,10 @@ def worker(
         fail(f"left job {job} at once: {exc}", EXIT_MISMATCH)
     except ConfigurationMismatch as exc:
         fail(f"job {job} refused this worker: {exc}", EXIT_MISMATCH)
+
+
+def ledger_path(ledger: Path, name: str | None) -> Path:
+    """``--ledger`` with ``{name}`` replaced by the worker's name: each
+    worker started from one command line gets a file of its own."""
+    worker_name = name or os.environ.get(ENV_NAME) or DEFAULT_NAME
+    return Path(str(ledger).replace("{name}", worker_name))
