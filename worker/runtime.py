@@ -148,7 +148,7 @@ from rollcall.worker.loader import (
     LoaderOptions,
     MicrobatchLoader,
     default_collate,
-    seed_torch,
+    seed_microbatch,
 )
 from rollcall.worker.messages import describe_transport, install_default_handler, view_change
 from rollcall.worker.metrics import WorkerMetrics
@@ -234,8 +234,9 @@ class Step:
 
     def microbatches(self) -> Iterator[Batch]:
         """This rank's microbatches of the step (loaded ahead when there are
-        loader workers), each handed out with the torch RNG seeded from
-        (seed, step, microbatch index) only. Those it finished before an
+        loader workers), each handed out with torch's, ``random``'s and
+        numpy's generators, and those the model holds, seeded from (seed,
+        step, microbatch index) only. Those it finished before an
         abort of the same step are not handed out again. Stops early on an
         abort. Refused after ``commit()``: the step's microbatches were
         consumed (handed out again, they would be loaded, seeded and counted
@@ -253,7 +254,7 @@ class Step:
             data = job._loader.get(mb.step, mb.index)
             if job._exact is not None:
                 job._exact.start()
-            seed_torch(mb.seed)
+            seed_microbatch(mb.seed)
             seed_held(job._held, mb.seed)
             self._microbatches += 1
             self._index = mb.index

@@ -298,7 +298,14 @@ def train(args: argparse.Namespace) -> None:
                     optimizer.zero_grad(set_to_none=args.ported_zero_grad == "none")
                 if step.number == args.nan_input_at and step.rank == 0:
                     batch.inputs[0, 0, 0, 0] = float("nan")  # one pixel of a bad sample
-                loss, count = loss_sum(model, batch.inputs, batch.targets, args.label_smoothing,
+                inputs = batch.inputs
+                if args.own_generators:  # a shift drawn in the loop from numpy and random
+                    import random
+
+                    import numpy
+
+                    inputs = inputs + 0.1 * numpy.random.rand() - 0.1 * random.random()
+                loss, count = loss_sum(model, inputs, batch.targets, args.label_smoothing,
                                        aux=step.number < args.aux_until)  # fmt: skip
                 nan = args.nan_at <= step.number < args.nan_at + args.nan_for
                 if args.nan_at >= 0 and nan and step.rank == 0:
@@ -510,8 +517,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--own-generators", action="store_true",
-        help="flips drawn from a numpy generator the data set holds, and a dropout drawing "
-        "from a torch.Generator the model holds",
+        help="flips drawn from a numpy generator the data set holds, a dropout drawing "
+        "from a torch.Generator the model holds, and a shift of the inputs the loop draws "
+        "from numpy's and random's global generators",
     )  # fmt: skip
     parser.add_argument(
         "--centred", action="store_true",
