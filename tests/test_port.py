@@ -371,6 +371,30 @@ def test_a_buffer_the_forward_pass_assigns_anew_stays_identical_on_every_replica
     assert {step: d for step, d in models.items() if len(d) > 1} == {}
 
 
+@pytest.mark.parametrize("mode", [[], ["--exact"]], ids=["default", "exact"])
+def test_gradient_noise_a_hook_draws_from_torchs_generator_is_the_same_on_every_rank(
+    programs: Programs, mode: list[str]
+) -> None:
+    # A before_update adding noise to the reduced gradient (DP-SGD, gradient
+    # noise) from torch's global generator: at 3809eb2 each rank drew from
+    # wherever its last microbatch left the generator, the updates differed,
+    # and every rank was refused at the next commit ("different gradients
+    # after before_update"). The update now runs with the generators seeded
+    # from (seed, step): the same noise everywhere, and the replicas agree.
+    args = ["--steps", "4", "--loader-workers", "0", "--grad-noise", "0.01", "--min-workers",
+            "2", "--digests", *mode]  # fmt: skip
+    team = [programs.start(*args) for _ in range(2)]
+    for program in team:
+        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+    models: dict[int, set[str]] = {}
+    for program in team:
+        for event in program.events("step"):
+            assert event["world"] == 2
+            models.setdefault(event["step"], set()).add(event["model"])
+    assert sorted(models) == [0, 1, 2, 3]
+    assert {step: d for step, d in models.items() if len(d) > 1} == {}
+
+
 def test_a_layer_first_run_twice_under_reentrant_checkpointing_after_its_bucket_started_is_refused(
     programs: Programs,
 ) -> None:

@@ -33,6 +33,9 @@ _SEED_PERSON = b"rollcall-mbseed"
 #: (augmentation) is not the forward pass's, even for the same microbatch.
 _LOAD_PERSON = b"rollcall-ldseed"
 
+#: Domain separation for :func:`update_seed`.
+_UPDATE_PERSON = b"rollcall-upseed"
+
 #: Data epoch orders :meth:`DataPlan.order` keeps: a straddling step needs two.
 _CACHED_ORDERS = 2
 
@@ -75,6 +78,15 @@ def load_seed(seed: int, step: int, index: int) -> int:
     range) but under its own domain, so the two streams are unrelated.
     """
     return _derived_seed(_LOAD_PERSON, seed, step, index)
+
+
+def update_seed(seed: int, step: int) -> int:
+    """The seed the update of ``step`` runs under: torch, ``random`` and
+    numpy are seeded from it right before ``before_update`` and the
+    optimizer step, so noise a hook adds to the reduced gradient (DP-SGD,
+    gradient noise) is the same on every rank and in every history. Made like
+    :func:`microbatch_seed`, under its own domain."""
+    return _derived_seed(_UPDATE_PERSON, seed, step, 0)
 
 
 def _derived_seed(person: bytes, seed: int, step: int, index: int) -> int:

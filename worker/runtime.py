@@ -154,7 +154,7 @@ from rollcall.worker.messages import describe_transport, install_default_handler
 from rollcall.worker.metrics import WorkerMetrics
 from rollcall.worker.overlap import Buckets
 from rollcall.worker.parking import wait_parked
-from rollcall.worker.plan import DIVISION
+from rollcall.worker.plan import DIVISION, update_seed
 from rollcall.worker.randomness import held_generators, seed_held
 from rollcall.worker.report import SupervisorReport
 from rollcall.worker.resume import choose, what_restarting_does
@@ -2291,7 +2291,9 @@ class Elastic:
                 "reduced gradient, so a hook that differs between workers (another clip norm "
                 "from a worker's settings, noise from a generator each rank seeds its own way) "
                 "makes the replicas part. Run every worker with the same hook and settings, and "
-                "draw any randomness in it from a generator seeded from step.number"
+                "draw any randomness in it from torch's, random's or numpy's global generators "
+                "(the runtime seeds them from the step before the hook) or from a generator "
+                "seeded from step.number"
             )
         if not agreed.modes:
             raise UsageError(
@@ -2645,6 +2647,8 @@ class Elastic:
             with self._ownership.applying():
                 self._scaler.unscale_(self._optimizer)
         probe = None
+        # Noise a hook or the optimizer draws is the same on every rank.
+        seed_microbatch(update_seed(self.plan.seed, step.number))
         if self._before_update is not None:
             self._before_update(step)
             self._check_parameters_kept(step, in_hook=True)

@@ -191,14 +191,24 @@ class Clip:
     reduced, normalised gradient and the optimizer step."""
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, nan_at: int, lr_nan_at: int
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        nan_at: int,
+        lr_nan_at: int,
+        noise: float = 0.0,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.norm = 0.0
         self.nan_at, self.lr_nan_at = nan_at, lr_nan_at
+        self.noise = noise
 
     def __call__(self, step: Any) -> None:
         self.norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
+        if self.noise:  # gradient noise drawn from torch's global generator (as in DP-SGD)
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.add_(torch.randn_like(param.grad), alpha=self.noise)
         if step.number == self.nan_at:  # a gradient divided by a norm of 0
             head = self.model.head.bias.grad
             assert head is not None
@@ -239,7 +249,7 @@ def train(args: argparse.Namespace) -> None:
     model, optimizer, scheduler, data, validation = build(args)
     loader = DataLoader(data, batch_size=args.micro_batch, num_workers=args.loader_workers)
     ema = EMA(model)
-    clip = Clip(model, optimizer, args.hook_nan_at, args.lr_nan_at)
+    clip = Clip(model, optimizer, args.hook_nan_at, args.lr_nan_at, args.grad_noise)
     scaler = None
     if args.grad_scaler or args.disabled_grad_scaler:  # as mixed precision off builds it
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=args.grad_scaler)
@@ -514,6 +524,10 @@ def main() -> None:
     parser.add_argument(
         "--late-warmup", action="store_true",
         help="build a second LR scheduler after Elastic and step it in the loop",
+    )  # fmt: skip
+    parser.add_argument(
+        "--grad-noise", type=float, default=0.0,
+        help="before_update adds this much noise from torch's global generator to the gradient",
     )  # fmt: skip
     parser.add_argument(
         "--own-generators", action="store_true",
