@@ -12,14 +12,25 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from rollcall.membership.errors import UsageError
+
 #: Stall buckets, seconds: a view change takes milliseconds to seconds.
 STALL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 2, 5, 10, 30)
 PHASES = ("detect_s", "rollcall_s", "fetch_s", "rebuild_s", "first_step_s")
 
 
 def serve(registry: CollectorRegistry, port: int, host: str) -> Any:
-    """Serve ``registry`` at ``http://host:port/metrics``; returns the server."""
-    server, _ = start_http_server(port, addr=host, registry=registry)
+    """Serve ``registry`` at ``http://host:port/metrics``; returns the server.
+    A port that cannot be had (another process of the host serves on it) is
+    a :class:`UsageError` naming it."""
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot serve metrics at {host}:{port}: {exc.strerror or exc}. Another process of "
+            "this host (another worker given the same metrics port?) may have it: give each "
+            "process a port of its own"
+        ) from None
     return server
 
 
