@@ -79,6 +79,18 @@ def test_the_generators_objects_hold_are_found_once_each_and_the_global_ones_nev
     assert held_generators(_Noisy().x, [1, "a", None], torch.nn.functional.relu) == ()
 
 
+def test_an_object_that_answers_for_its_dict_strangely_is_left_alone() -> None:
+    class Proxy:  # a lazy proxy: every attribute is looked up elsewhere
+        __slots__ = ()
+
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError(f"not loaded: {name}")
+
+    holder = _Flip(Proxy())
+    holder.other = random.Random(1)  # type: ignore[attr-defined]
+    assert held_generators(holder) == (holder.other,)  # type: ignore[attr-defined]
+
+
 def test_a_models_generators_are_found_in_each_module_passed() -> None:
     class Dropping(nn.Module):
         def __init__(self) -> None:

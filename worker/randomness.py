@@ -101,7 +101,10 @@ def _children(obj: Any) -> Iterable[Any]:
         return obj if len(obj) <= _LARGEST else ()
     if isinstance(obj, functools.partial):
         return (obj.func, *obj.args, *obj.keywords.values())
-    attributes = getattr(obj, "__dict__", None)
+    try:  # a proxy's __getattr__ may answer for __dict__, or raise anything
+        attributes = getattr(obj, "__dict__", None)
+    except Exception:
+        return ()
     if not isinstance(attributes, dict):
         return ()
     if isinstance(obj, torch.nn.Module):
