@@ -76,6 +76,8 @@ def test_the_generators_objects_hold_are_found_once_each_and_the_global_ones_nev
     assert [id(g) for g in found] == [
         id(dataset.rng), id(torch_gen), id(python_gen), id(legacy_gen), id(numpy_gen)
     ]  # fmt: skip
+    masking = _Flip(random.Random(5))  # collate_fn=masking.collate: a bound method
+    assert held_generators(masking.__init__) == (masking.rng,)
     assert held_generators(_Noisy().x, [1, "a", None], torch.nn.functional.relu) == ()
 
 

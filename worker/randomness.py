@@ -45,7 +45,7 @@ _MODULE_SKIPPED = frozenset({"_parameters", "_buffers", "_modules"})
 _LEAVES = (
     type(None), bool, int, float, complex, str, bytes, bytearray, range,
     torch.Tensor, torch.dtype, torch.device, type, types.ModuleType,
-    types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+    types.FunctionType, types.BuiltinFunctionType,
 )  # fmt: skip
 
 
@@ -101,6 +101,8 @@ def _children(obj: Any) -> Iterable[Any]:
         return obj if len(obj) <= _LARGEST else ()
     if isinstance(obj, functools.partial):
         return (obj.func, *obj.args, *obj.keywords.values())
+    if isinstance(obj, types.MethodType):  # a collate method of an object holding a generator
+        return (obj.__self__,)
     try:  # a proxy's __getattr__ may answer for __dict__, or raise anything
         attributes = getattr(obj, "__dict__", None)
     except Exception:
