@@ -371,6 +371,39 @@ def test_a_buffer_the_forward_pass_assigns_anew_stays_identical_on_every_replica
     assert {step: d for step, d in models.items() if len(d) > 1} == {}
 
 
+def test_a_killed_worker_restarted_at_once_on_its_ledger_is_not_refused_by_its_loaders(
+    programs: Programs,
+) -> None:
+    # The ledger file is locked while its worker runs (one file per worker).
+    # A loader worker outlives a SIGKILLed training process by up to 5 s (the
+    # DataLoader's watchdog): had it inherited the ledger's descriptor, the
+    # lock would live on with it, and the worker restarted at once on the
+    # same ledger would be refused ("being written by another worker").
+    import psutil
+
+    args = ["--steps", "400", "--loader-workers", "2", "--min-workers", "2"]
+    team = [programs.start(*args) for _ in range(2)]
+    for program in team:
+        wait_step(program, lambda e: e["step"] >= 2)
+    victim = team[0]
+    ledger = (programs.tmp_path / "ledger0.jsonl").resolve()
+    opened = {Path(f.path).resolve() for f in psutil.Process(victim.proc.pid).open_files()}
+    assert ledger in opened
+    loaders = psutil.Process(victim.proc.pid).children()
+    assert len(loaders) >= 2, loaders
+    for loader in loaders:
+        assert ledger not in {Path(f.path).resolve() for f in loader.open_files()}, loader
+    victim.signal(signal.SIGKILL)
+    victim.proc.wait(timeout=PATIENCE)
+    restarted = ProgramProcess(
+        programs.plane, PROGRAM, [*args, "--ledger", str(ledger)],
+        programs.tmp_path / "restarted.log",
+    )  # fmt: skip
+    programs.all.append(restarted)
+    wait_step(restarted, lambda e: e["world"] == 2)
+    assert "being written by another" not in restarted.log_tail(40)
+
+
 @pytest.mark.parametrize("mode", [[], ["--exact"]], ids=["default", "exact"])
 def test_gradient_noise_a_hook_draws_from_torchs_generator_is_the_same_on_every_rank(
     programs: Programs, mode: list[str]

@@ -164,6 +164,12 @@ class Ledger:
             if complete < path.stat().st_size:
                 os.truncate(path, complete)
 
+    def fileno(self) -> int | None:
+        """The descriptor of the locked file (None without a file): a
+        forked process must close it, or the lock lives as long as it does
+        (the runtime's loader workers are told to)."""
+        return None if self._file is None or self._file.closed else self._file.fileno()
+
     def close(self) -> None:
         """Sync the file and release it (another ``Ledger`` may open it
         then). Safe to call again; recording afterwards raises."""

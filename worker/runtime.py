@@ -669,8 +669,12 @@ class Elastic:
                          checkpoints="on" if writes else "off")  # fmt: skip
         # Forked loader workers must start before any socket or thread exists,
         # and must not keep the supervisor's channel open after we are gone.
+        # Nor the ledger's locked file: a loader worker outliving a killed
+        # worker (up to 5 s) would hold its lock, and refuse its restart.
         channel = self._report.fileno()
-        self._loader.start(not_inherited=() if channel is None else (channel,))
+        self._loader.start(
+            not_inherited=tuple(fd for fd in (channel, self.ledger.fileno()) if fd is not None)
+        )
         # What the workers read is compared too, read as steps read it: by
         # the loader's processes, so that this one opens none of the data
         # set's files before they fork.
