@@ -243,6 +243,10 @@ class Config:
     #: A worker's ledger file is fsynced at most this often (``--ledger``):
     #: a crash of the machine loses at most this long of records.
     ledger_sync_interval: float = 1.0
+    #: A ledger file another process holds is waited for this long before
+    #: the worker is refused: a restarted worker's former self may still be
+    #: going (a process it forked outlives it by a few seconds).
+    ledger_lock_wait: float = 10.0
     #: A state transfer call that a peer refused because it has not caught
     #: up with the view yet (or could not be reached) is tried again after
     #: this long, doubling up to ``transfer_retry_max``, until the

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -445,18 +446,21 @@ def test_a_ledger_file_another_ledger_writes_is_refused_until_that_one_closes(
     first = Ledger(path)
     first.record(0, view_epoch=1, world_size=2, sample_ids=[0, 1])
     with pytest.raises(UsageError, match="ledger.jsonl is being written by another"):
-        Ledger(path)
+        Ledger(path, lock_wait=0.2)
     first.rewind(0)  # the file is cut in place: still the one held
     with pytest.raises(UsageError, match="a ledger file of its own"):
-        Ledger(path)
-    code = f"import pathlib, rollcall.worker.ledger as l; l.Ledger(pathlib.Path({str(path)!r}))"
+        Ledger(path, lock_wait=0.2)
+    code = (f"import pathlib, rollcall.worker.ledger as l; "
+            f"l.Ledger(pathlib.Path({str(path)!r}), lock_wait=0.2)")  # fmt: skip
     other = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )
     assert other.returncode == 1 and "is being written by another" in other.stderr, other.stderr
     assert Ledger.load(path).steps() == {0: (0, 1)}  # reading takes no lock
-    first.close()
-    again = Ledger(path)
+    # A holder that lets go within the wait (a restarted worker's former
+    # self still ending) is waited for.
+    threading.Timer(0.3, first.close).start()
+    again = Ledger(path, lock_wait=30.0)
     again.record(1, view_epoch=2, world_size=1, sample_ids=[2, 3])
     assert Ledger.load(path).steps() == {0: (0, 1), 1: (2, 3)}
 

@@ -31,6 +31,11 @@ _SHOWN_IDS = 10
 #: loses nothing (every record is flushed when written).
 SYNC_INTERVAL = Config().ledger_sync_interval
 
+#: Seconds a file another process holds is waited for by default
+#: (``Config.ledger_lock_wait``), and between two tries.
+LOCK_WAIT = Config().ledger_lock_wait
+_LOCK_POLL = 0.1
+
 
 @dataclass(frozen=True)
 class LedgerEntry:
@@ -69,23 +74,29 @@ class LedgerEntry:
         )
 
 
-def _open_locked(path: Path) -> IO[str]:
+def _open_locked(path: Path, wait: float) -> IO[str]:
     """``path`` opened for appending under an exclusive lock, or
-    :class:`UsageError` if another open file holds the lock."""
+    :class:`UsageError` if another open file holds the lock for ``wait``
+    seconds more."""
     file = path.open("a", encoding="utf-8")
-    try:
-        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        file.close()
-        raise UsageError(
-            f"the ledger {path} is being written by another worker (or by an Elastic of this "
-            "process not closed yet): each worker needs a ledger file of its own, and the "
-            "merged ledgers of a run give its step sequence (rollcall.worker.ledger."
-            "merge_ledgers). Put something of the worker's in the path, such as the "
-            "ROLLCALL_NAME that `rollcall up` and `rollcall add` give each worker or the "
-            'process id: ledger=f"ledger-{os.getpid()}.jsonl"'
-        ) from None
-    return file
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return file
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(_LOCK_POLL)
+    file.close()
+    raise UsageError(
+        f"the ledger {path} is being written by another worker (or by an Elastic of this "
+        f"process not closed yet; waited {wait:g} s for it): each worker needs a ledger file of "
+        "its own, and the merged ledgers of a run give its step sequence (rollcall.worker.ledger."
+        "merge_ledgers). Put something of the worker's in the path, such as the "
+        "ROLLCALL_NAME that `rollcall up` and `rollcall add` give each worker or the "
+        'process id: ledger=f"ledger-{os.getpid()}.jsonl"'
+    )
 
 
 def _end_of(path: Path, step: int) -> int:
@@ -134,8 +145,9 @@ class Ledger:
 
     The file is one worker's: it is held under an exclusive ``flock`` until
     :meth:`close`, and a second ``Ledger`` on it, in any process, is refused
-    with :class:`UsageError` (two workers given one path appended every step
-    twice, and one started later took the other's records for its own).
+    with :class:`UsageError` after waiting ``lock_wait`` seconds for it (two
+    workers given one path appended every step twice, and one started later
+    took the other's records for its own).
     """
 
     def __init__(
@@ -144,12 +156,13 @@ class Ledger:
         *,
         sync_interval: float = SYNC_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
+        lock_wait: float = LOCK_WAIT,
     ) -> None:
         if not sync_interval >= 0:
             raise ValueError(f"sync_interval must be >= 0, got {sync_interval!r}")
         self._path = path
         #: The file, open for appending and locked, while this ledger writes it.
-        self._file = None if path is None else _open_locked(path)
+        self._file = None if path is None else _open_locked(path, lock_wait)
         self._entries: dict[int, LedgerEntry] = {}
         self._last: int | None = None
         self._sync_interval, self._clock = sync_interval, clock

@@ -636,6 +636,7 @@ class Elastic:
         self.ledger = Ledger(
             Path(ledger) if ledger is not None else None,
             sync_interval=self._config.ledger_sync_interval,
+            lock_wait=self._config.ledger_lock_wait,
         )
         # A DataLoader as `dataset` brings its collate_fn and worker settings.
         self._loader = MicrobatchLoader.open(
