@@ -487,6 +487,39 @@ def test_the_probe_reads_the_plans_first_microbatch_as_steps_do_and_leaves_them_
         assert same(batch, load_microbatch(dataset, default_collate, ids, seed)), index
 
 
+class PerWorkerRng(Numbers):
+    """Sample ``i`` is ``([i + noise], i)``, the noise drawn from a numpy
+    generator that :func:`per_worker_rng` makes in each loader worker, as
+    numpy-based augmentation is often set up."""
+
+    rng: Any = None
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([i + float(self.rng.random())]), torch.tensor(i)
+
+
+def per_worker_rng(worker_id: int) -> None:
+    """worker_init_fn: a generator of the loader worker's own."""
+    import numpy
+
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    info.dataset.dataset.rng = numpy.random.default_rng(1000 + worker_id)
+
+
+@pytest.mark.integration
+def test_a_generator_a_worker_init_fn_makes_is_seeded_like_the_data_sets_own() -> None:
+    # At 0f3f7ce the generators were found when the loader was built, not
+    # after each worker's worker_init_fn: one made there drew per worker, and
+    # the two probe reads (one per worker) differed.
+    dataset = PerWorkerRng(600)
+    options = LoaderOptions(num_workers=2, prefetch_factor=1, worker_init_fn=per_worker_rng)
+    with MicrobatchLoader(dataset, SIX, options=options) as loader:
+        loader.start()
+        reads = loader.probe()
+    assert len(reads) == 2 and same(reads[0], reads[1]), reads
+
+
 @pytest.mark.integration
 def test_with_workers_the_probe_is_read_by_two_of_them_and_never_by_the_training_process() -> None:
     """The training process opens none of the data set's files before its

@@ -53,6 +53,7 @@ from torch.utils.data import (
     RandomSampler,
     SequentialSampler,
     default_convert,
+    get_worker_info,
 )
 from torch.utils.data import default_collate as torch_default_collate
 
@@ -681,6 +682,11 @@ class _WorkerStart:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.user is not None:
             self.user(worker_id)
+            # A generator the user's init made (numpy-based augmentation's
+            # per-worker generator) is seeded per microbatch too.
+            info = get_worker_info()
+            if info is not None and isinstance(info.dataset, _Microbatches):
+                info.dataset.held = held_generators(info.dataset.dataset, info.dataset.collate)
 
 
 def _as_is(item: T) -> T:
