@@ -172,6 +172,17 @@ def test_worker_accepts_a_valid_config_override() -> None:
     assert "ROLLCALL_TOKEN" in one_error_line(result)
 
 
+def test_worker_takes_the_rendezvous_and_job_rollcall_up_puts_in_its_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `rollcall up -- rollcall worker ...`: at 3809eb2 the worker stopped at
+    # "Missing option '--rendezvous'" though up had said where the job is.
+    monkeypatch.setenv("ROLLCALL_RENDEZVOUS", f"127.0.0.1:{free_port()}")
+    monkeypatch.setenv("ROLLCALL_JOB", "j")
+    result = rollcall("worker")
+    assert "ROLLCALL_TOKEN" in one_error_line(result)  # past both: it wants its token
+
+
 def test_the_workers_ledger_path_takes_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
     # `rollcall up --workers 2 -- rollcall worker --ledger l.jsonl` gives
     # both workers one file, which the second finds locked and is refused
