@@ -76,6 +76,22 @@ def wait_step(program: ProgramProcess, predicate, timeout: float = PATIENCE) -> 
     return program.wait_event(lambda e: e["event"] == "step" and predicate(e), timeout)
 
 
+def assert_a_pair_agrees_at_every_step(programs: Programs, *flags: str) -> None:
+    """Two workers train four steps together, with ``flags``: both exit 0
+    and their model digests agree after every step."""
+    args = ["--steps", "4", "--loader-workers", "0", "--min-workers", "2", "--digests", *flags]
+    team = [programs.start(*args) for _ in range(2)]
+    for program in team:
+        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+    models: dict[int, set[str]] = {}
+    for program in team:
+        for event in program.events("step"):
+            assert event["world"] == 2
+            models.setdefault(event["step"], set()).add(event["model"])
+    assert sorted(models) == [0, 1, 2, 3]
+    assert {step: d for step, d in models.items() if len(d) > 1} == {}
+
+
 def reference_steps(*args: str) -> dict[int, dict]:
     """Step records of the single-process run (no rollcall) of the program."""
     result = subprocess.run(
@@ -357,18 +373,7 @@ def test_a_buffer_the_forward_pass_assigns_anew_stays_identical_on_every_replica
     # was built, so the new ones were never reduced and each replica's
     # running mean followed its own microbatches (the model digests of the
     # two workers apart from step 0, with no word).
-    args = ["--steps", "4", "--loader-workers", "0", "--centred", "--min-workers", "2",
-            "--digests", *mode]  # fmt: skip
-    team = [programs.start(*args) for _ in range(2)]
-    for program in team:
-        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
-    models: dict[int, set[str]] = {}
-    for program in team:
-        for event in program.events("step"):
-            assert event["world"] == 2
-            models.setdefault(event["step"], set()).add(event["model"])
-    assert sorted(models) == [0, 1, 2, 3]
-    assert {step: d for step, d in models.items() if len(d) > 1} == {}
+    assert_a_pair_agrees_at_every_step(programs, "--centred", *mode)
 
 
 def test_a_killed_worker_restarted_at_once_on_its_ledger_is_not_refused_by_its_loaders(
@@ -414,18 +419,7 @@ def test_gradient_noise_a_hook_draws_from_torchs_generator_is_the_same_on_every_
     # and every rank was refused at the next commit ("different gradients
     # after before_update"). The update now runs with the generators seeded
     # from (seed, step): the same noise everywhere, and the replicas agree.
-    args = ["--steps", "4", "--loader-workers", "0", "--grad-noise", "0.01", "--min-workers",
-            "2", "--digests", *mode]  # fmt: skip
-    team = [programs.start(*args) for _ in range(2)]
-    for program in team:
-        assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
-    models: dict[int, set[str]] = {}
-    for program in team:
-        for event in program.events("step"):
-            assert event["world"] == 2
-            models.setdefault(event["step"], set()).add(event["model"])
-    assert sorted(models) == [0, 1, 2, 3]
-    assert {step: d for step, d in models.items() if len(d) > 1} == {}
+    assert_a_pair_agrees_at_every_step(programs, "--grad-noise", "0.01", *mode)
 
 
 def test_a_layer_first_run_twice_under_reentrant_checkpointing_after_its_bucket_started_is_refused(
