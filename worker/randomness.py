@@ -39,7 +39,7 @@ _DEPTH = 4
 _LARGEST = 256
 
 #: Module state a walk never looks into: parameters, buffers and submodules
-#: (each module of a model is a start of its own) and the hook tables.
+#: (each module of a model is a start of its own).
 _MODULE_SKIPPED = frozenset({"_parameters", "_buffers", "_modules"})
 
 _LEAVES = (
