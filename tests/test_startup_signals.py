@@ -22,8 +22,14 @@ from tests.harness import ROOT
 pytestmark = pytest.mark.integration
 
 #: A sitecustomize: send this process ``SIG`` when numpy is first imported.
+#: SIGINT gets Python's own handler first, as in a process started from a
+#: terminal: one started with SIGINT ignored (a background job of a shell
+#: without job control, as a test run may be) inherits that, Python then
+#: installs none, and the test's SIGINT would be ignored rather than lost.
 HOOK = """
 import os, signal, sys
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class _SignalAtNumpy:
     def find_spec(self, name, path=None, target=None):
