@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from rollcall.membership.errors import UsageError
-from rollcall.worker.loader import _Microbatches, load_microbatch, seed_microbatch
+from rollcall.worker.loader import _Microbatches, load_microbatch, seed_generators
 from rollcall.worker.randomness import held_generators, seed_held
 
 
@@ -171,16 +171,16 @@ def test_exact_mode_refuses_samples_that_depend_on_more_than_index_and_seeded_ge
                 rendezvous="127.0.0.1:1", job="j", token="t", messages=False)  # fmt: skip
 
 
-def test_a_microbatchs_seed_sets_torchs_randoms_and_numpys_global_generators() -> None:
+def test_a_seed_sets_torchs_randoms_and_numpys_global_generators() -> None:
     # A loop drawing a masking ratio from numpy or random: at 52bcac5 only
     # torch's generator was seeded before a microbatch was handed out.
     def draws() -> tuple[float, float, float]:
         return float(torch.rand(())), random.random(), float(numpy.random.rand())
 
-    seed_microbatch(7)
+    seed_generators(7)
     first = draws()
     draws()
-    seed_microbatch(7)
+    seed_generators(7)
     assert draws() == first
-    seed_microbatch(8)
+    seed_generators(8)
     assert all(a != b for a, b in zip(draws(), first, strict=True))

@@ -352,9 +352,10 @@ def _seed_everything(seed: int) -> None:
         numpy.random.seed([seed & 0xFFFF_FFFF, seed >> 32, _NUMPY_WORD])
 
 
-def seed_microbatch(seed: int) -> None:
-    """Seed what a microbatch's forward and backward passes may draw from:
-    torch's generators, ``random`` and numpy, from ``seed``. torch's: every
+def seed_generators(seed: int) -> None:
+    """Seed what the training thread draws from, before each microbatch is
+    handed out and before the update: torch's generators, ``random`` and
+    numpy, from ``seed``. torch's: every
     accelerator's generator too when an accelerator is there, else only the
     CPU generator. On a machine without one, ``torch.manual_seed`` still
     queues a lazy seeding of each accelerator kind, each formatting a stack
@@ -1014,6 +1015,6 @@ __all__ = [
     "load_microbatch",
     "next_key",
     "require_indexable",
-    "seed_microbatch",
+    "seed_generators",
     "upcoming",
 ]

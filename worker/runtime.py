@@ -148,7 +148,7 @@ from rollcall.worker.loader import (
     LoaderOptions,
     MicrobatchLoader,
     default_collate,
-    seed_microbatch,
+    seed_generators,
 )
 from rollcall.worker.messages import describe_transport, install_default_handler, view_change
 from rollcall.worker.metrics import WorkerMetrics
@@ -254,7 +254,7 @@ class Step:
             data = job._loader.get(mb.step, mb.index)
             if job._exact is not None:
                 job._exact.start()
-            seed_microbatch(mb.seed)
+            seed_generators(mb.seed)
             seed_held(job._held, mb.seed)
             self._microbatches += 1
             self._index = mb.index
@@ -2653,7 +2653,7 @@ class Elastic:
                 self._scaler.unscale_(self._optimizer)
         probe = None
         # Noise a hook or the optimizer draws is the same on every rank.
-        seed_microbatch(update_seed(self.plan.seed, step.number))
+        seed_generators(update_seed(self.plan.seed, step.number))
         if self._before_update is not None:
             self._before_update(step)
             self._check_parameters_kept(step, in_hook=True)
