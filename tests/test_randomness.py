@@ -18,7 +18,7 @@ from torch import nn
 
 from rollcall.membership.errors import UsageError
 from rollcall.worker.loader import _Microbatches, load_microbatch, seed_generators
-from rollcall.worker.randomness import held_generators, seed_held
+from rollcall.worker.randomness import ModelGenerators, held_generators, seed_held
 
 
 def _kinds() -> list[Any]:
@@ -184,3 +184,58 @@ def test_a_seed_sets_torchs_randoms_and_numpys_global_generators() -> None:
     assert draws() == first
     seed_generators(8)
     assert all(a != b for a, b in zip(draws(), first, strict=True))
+
+
+class _LazyNoise(nn.Module):
+    """A dropout whose generator its first forward pass makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng: torch.Generator | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rng is None:
+            self.rng = torch.Generator().manual_seed(7)
+        return x * (torch.rand(x.shape, generator=self.rng) > 0.5)
+
+
+def _microbatch(generators: ModelGenerators, model: nn.Module, seed: int) -> torch.Tensor:
+    """What a microbatch of ``seed`` computes, as the runtime hands it out."""
+    generators.seed(seed)
+    out = model(torch.ones(8))
+    generators.check_after_first()
+    return out
+
+
+def test_a_generator_assigned_after_construction_is_seeded_from_the_first_microbatch() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    generators = ModelGenerators(model, exact=True)
+    model[0].rng = torch.Generator().manual_seed(1)  # type: ignore[assignment]
+    generators.seed(5)
+    first = torch.rand(4, generator=model[0].rng)
+    generators.seed(5)
+    assert torch.equal(torch.rand(4, generator=model[0].rng), first)
+
+
+def test_a_generator_the_first_microbatch_makes_is_refused_in_exact_mode_with_its_place() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), _LazyNoise())
+    with pytest.raises(UsageError, match=r"first microbatch \(1\.rng: a torch\.Generator\)"):
+        _microbatch(ModelGenerators(model, exact=True), model, seed=5)
+
+
+def test_a_generator_the_first_microbatch_makes_is_seeded_from_the_next_one_otherwise() -> None:
+    # Two processes that ran other microbatches before draw the same
+    # numbers for microbatch 9 once the generator is taken in; had it not
+    # been, they would go on from where each left it.
+    def ninth(firsts: tuple[int, ...], taken_in: bool) -> torch.Tensor:
+        model = _LazyNoise()
+        generators = ModelGenerators(model, exact=False)
+        for seed in firsts:
+            generators.seed(seed)
+            model(torch.ones(8))
+            if taken_in:
+                generators.check_after_first()
+        return _microbatch(generators, model, seed=9)
+
+    assert torch.equal(ninth((1, 2), taken_in=True), ninth((3,), taken_in=True))
+    assert not torch.equal(ninth((1, 2), taken_in=False), ninth((3,), taken_in=False))

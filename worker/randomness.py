@@ -11,13 +11,17 @@ on from wherever that process left it: another history (another world size,
 a worker that joined) would draw other numbers, and exact mode would give
 other bits with no word. :func:`held_generators` finds such generators once,
 by walking the objects' attributes; :func:`seed_held` seeds each of them from
-the microbatch's seed and its place in that list.
+the microbatch's seed and its place in that list. :class:`ModelGenerators`
+looks at the model again when a process's first microbatch is handed out
+(a generator assigned after ``Elastic(...)``) and after its loop body (one
+the first forward pass made, which exact mode refuses).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import random
 import types
 from collections.abc import Iterable, Sequence
@@ -25,12 +29,16 @@ from typing import Any
 
 import torch
 
+from rollcall.membership.errors import UsageError
+
 try:
     import numpy
 except ImportError:  # pragma: no cover - torch wheels bring numpy
     numpy = None  # type: ignore[assignment]
 
-__all__ = ["held_generators", "seed_held"]
+__all__ = ["ModelGenerators", "held_generators", "seed_held"]
+
+log = logging.getLogger("rollcall.worker")
 
 #: How deep the walk goes below each object it starts from, and the largest
 #: container it looks into (a data set's list of a million samples holds
@@ -131,3 +139,63 @@ def seed_held(generators: Sequence[Any], seed: int) -> None:
         else:  # numpy.random.Generator: a fresh bit generator of its kind
             bits = generator.bit_generator
             bits.state = type(bits)(value).state
+
+
+class ModelGenerators:
+    """The generators ``model``'s modules hold, seeded per microbatch.
+
+    Found when the process's first microbatch is handed out, not when
+    ``Elastic(...)`` is built: a script may assign one in between. Looked
+    for once more after that microbatch's loop body: a generator the first
+    forward pass made (``if self.rng is None: self.rng = ...``) drew that
+    microbatch's numbers from wherever it was made, which depends on the
+    process, not on the microbatch. Exact mode refuses it; otherwise it is
+    seeded from the next microbatch on. Looking costs a walk over the
+    modules, so it is done at those two points only."""
+
+    def __init__(self, model: torch.nn.Module, *, exact: bool) -> None:
+        self._model = model
+        self._exact = exact
+        self._held: tuple[Any, ...] | None = None
+        self._checked = False
+
+    def seed(self, seed: int) -> None:
+        """Seed the held generators for a microbatch of ``seed``."""
+        if self._held is None:
+            self._held = held_generators(*self._model.modules())
+        seed_held(self._held, seed)
+
+    def check_after_first(self) -> None:
+        """After the process's first microbatch: refuse (exact) or take in
+        a generator that microbatch made."""
+        if self._checked or self._held is None:
+            return
+        self._checked = True
+        now = held_generators(*self._model.modules())
+        before = {id(g) for g in self._held}
+        made = [g for g in now if id(g) not in before]
+        self._held = now
+        if not made:
+            return
+        where = ", ".join(self._where(g) for g in made)
+        if self._exact:
+            raise UsageError(
+                f"exact mode: the model made a random generator during this process's first "
+                f"microbatch ({where}). What that microbatch drew from it depends on which "
+                "process ran it first, not on the microbatch, so another world size or a "
+                "worker that joins would compute other bits. Make it when the model is built "
+                "(in __init__) or before the first step, or draw from torch's generator, which "
+                "the runtime seeds for every microbatch"
+            )
+        log.info(
+            "the model made a random generator during this process's first microbatch (%s): "
+            "seeded for every microbatch from the next one on", where,
+        )  # fmt: skip
+
+    def _where(self, generator: Any) -> str:
+        kind = f"a {type(generator).__module__.split('.')[0]}.{type(generator).__name__}"
+        for name, module in self._model.named_modules():
+            for attribute, value in vars(module).items():
+                if value is generator:
+                    return f"{name + '.' if name else ''}{attribute}: {kind}"
+        return kind

@@ -155,7 +155,7 @@ from rollcall.worker.metrics import WorkerMetrics
 from rollcall.worker.overlap import Buckets
 from rollcall.worker.parking import wait_parked
 from rollcall.worker.plan import DIVISION, update_seed
-from rollcall.worker.randomness import held_generators, seed_held
+from rollcall.worker.randomness import ModelGenerators
 from rollcall.worker.report import SupervisorReport
 from rollcall.worker.resume import choose, what_restarting_does
 from rollcall.worker.served import ServedState
@@ -255,7 +255,7 @@ class Step:
             if job._exact is not None:
                 job._exact.start()
             seed_generators(mb.seed)
-            seed_held(job._held, mb.seed)
+            job._generators.seed(mb.seed)
             self._microbatches += 1
             self._index = mb.index
             self._final = mb is todo[-1]
@@ -263,6 +263,7 @@ class Step:
             self._in_body = True
             yield Batch(mb, data)
             self._in_body = False
+            job._generators.check_after_first()
             self.done.append(mb.index)  # its loop body finished
 
     def backward(self, loss_sum: torch.Tensor, count: int) -> None:
@@ -722,7 +723,7 @@ class Elastic:
         self._named_modules = dict(model.named_modules())
         #: Random generators the model's modules hold (a custom dropout's
         #: ``torch.Generator``): seeded with torch's at every microbatch.
-        self._held = held_generators(*model.modules())
+        self._generators = ModelGenerators(model, exact=exact)
         #: The float buffers that are finite now (``_check_buffers``).
         self._finite_buffers = finite_buffers(model)
         #: The optimizer's parameter count per group when last checked.

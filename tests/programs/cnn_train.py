@@ -81,7 +81,7 @@ class Net(nn.Module):
         aux: bool = False,
         reused: bool = False,
         centred: bool = False,
-        own_generator: bool = False,
+        model_generator: str = "none",
     ) -> None:
         super().__init__()
         self.features = nn.Sequential(
@@ -102,13 +102,17 @@ class Net(nn.Module):
         self.mix_runs = 2
         self.centre = Centre(2 * width * 6 * 6) if centred else None
         #: A dropout of the model's own, drawing its masks from a generator
-        #: the model holds (``--own-generators``).
-        self.noise = torch.Generator().manual_seed(7) if own_generator else None
+        #: the model holds (``--model-generator``): made here, assigned after
+        #: Elastic(...) by the script, or made by the first forward pass.
+        self.noise = torch.Generator().manual_seed(7) if model_generator == "build" else None
+        self.noise_made_in_forward = model_generator == "in-forward"
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         features = self.features(images).flatten(1)
         if self.centre is not None:
             features = self.centre(features)
+        if self.noise is None and self.noise_made_in_forward:
+            self.noise = torch.Generator().manual_seed(7)
         if self.noise is not None and self.training:
             keep = torch.rand(features.shape, generator=self.noise) > 0.2
             features = features * keep / 0.8
@@ -173,7 +177,7 @@ def build(args: argparse.Namespace) -> tuple[Net, torch.optim.Optimizer, Any, Sh
     torch.manual_seed(args.model_seed)
     model = Net(
         aux=args.aux_until >= 0, reused=args.reentrant_reuse, centred=args.centred,
-        own_generator=args.own_generators,
+        model_generator=args.model_generator,
     )  # fmt: skip
     # With --second-optimizer the head is left to an optimizer of its own.
     params = [p for name, p in model.named_parameters()
@@ -277,6 +281,8 @@ def train(args: argparse.Namespace) -> None:
         settings={"label_smoothing": args.label_smoothing},
     ) as job:  # fmt: skip
         say(event="joined", member_id=job.member_id)
+        if args.model_generator == "after-elastic":
+            model.noise = torch.Generator().manual_seed(7)
         own = iter(DataLoader(data, batch_size=args.micro_batch, shuffle=True))
 
         def own_batches() -> Any:  # a port that kept its own DataLoader
@@ -531,9 +537,14 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--own-generators", action="store_true",
-        help="flips drawn from a numpy generator the data set holds, a dropout drawing "
-        "from a torch.Generator the model holds, and a shift of the inputs the loop draws "
-        "from numpy's and random's global generators",
+        help="flips drawn from a numpy generator the data set holds and a shift of the "
+        "inputs the loop draws from numpy's and random's global generators",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model-generator", choices=("none", "build", "after-elastic", "in-forward"),
+        default="none",
+        help="a dropout drawing from a torch.Generator the model holds, made with the model, "
+        "assigned after Elastic(...), or made by the first forward pass",
     )  # fmt: skip
     parser.add_argument(
         "--centred", action="store_true",
