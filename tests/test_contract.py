@@ -28,6 +28,7 @@ from rollcall.worker.contract import (
     check_extras,
     check_loss,
     check_optimizer_params,
+    check_optimizer_step,
     check_scheduler,
     check_steps_total,
     finite_buffers,
@@ -143,6 +144,16 @@ def test_release_gives_the_objects_back() -> None:
     optimizer.step()
     scheduler.step()
     assert scheduler.last_epoch == 1
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_with_what_to_use() -> None:
+    # LBFGS re-evaluates the loss itself (step(closure)): at eed8d21 it
+    # was accepted, and every worker crashed at its first commit with a
+    # bare TypeError from optimizer.step().
+    model, optimizer = _model_and_optimizer()
+    check_optimizer_step(optimizer)  # AdamW's closure is optional
+    with pytest.raises(UsageError, match=r"LBFGS\.step\(\) needs a closure.*SGD, Adam"):
+        check_optimizer_step(torch.optim.LBFGS(model.parameters()))
 
 
 def test_an_lr_scheduler_not_passed_to_the_runtime_is_refused() -> None:

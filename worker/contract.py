@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import inspect
 import math
 import numbers
 import struct
@@ -128,6 +129,25 @@ def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimi
                     "replicas would part. Register it in the model (an nn.Parameter attribute "
                     "of one of its modules)"
                 )
+
+
+def check_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose ``step`` needs a closure (``LBFGS``): it
+    evaluates the loss itself, several times per update, on whatever data
+    the closure reads, while the runtime calls ``step()`` once per step on
+    the gradient reduced over the view."""
+    try:
+        parameters = inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):  # a builtin or an odd wrapper: nothing to read
+        return
+    closure = parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise UsageError(
+            f"{type(optimizer).__name__}.step() needs a closure: it evaluates the loss itself, "
+            "several times per update, while the runtime calls optimizer.step() once per step "
+            "with the gradient reduced over every worker's microbatches. Use an optimizer that "
+            "steps on the gradient alone (SGD, Adam, AdamW and the like)"
+        )
 
 
 def check_distributed_modules(model: torch.nn.Module) -> None:

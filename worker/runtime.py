@@ -100,6 +100,7 @@ from rollcall.worker.contract import (
     check_extras,
     check_loss,
     check_optimizer_params,
+    check_optimizer_step,
     check_scheduler,
     check_steps_total,
     finite_buffers,
@@ -604,6 +605,7 @@ class Elastic:
         check_scheduler(scheduler, optimizer, registered=self._extras.values())
         self._schedulers_rechecked = False  # at the first commit (_check_scheduler_registered)
         check_optimizer_params(model, optimizer)
+        check_optimizer_step(optimizer)
         check_dense_gradients(model, optimizer)
         check_distributed_modules(model)
         self._sharding = _check_sharding(shard_redundancy, shard_partitions, optimizer, grad_scaler)
