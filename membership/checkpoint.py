@@ -86,6 +86,14 @@ def parse_part_name(name: str, job: str) -> int | None:
     return int(match.group("step"))
 
 
+def started_over_file_name(job: str) -> str:
+    """The name of the file in a checkpoint directory that lists ``job``'s
+    checkpoint files of runs started over on purpose (``start_over``):
+    never resumed from (``rollcall.worker.checkpoint.mark_started_over``).
+    It matches no checkpoint, part or copy name."""
+    return f"started-over+{job}.json"
+
+
 def is_job_file(name: str, job: str) -> bool:
     """Whether ``name`` is one of ``job``'s checkpoint or part files."""
     return parse_file_name(name, job) is not None or parse_part_name(name, job) is not None

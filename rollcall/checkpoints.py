@@ -38,6 +38,7 @@ from rollcall.membership.checkpoint import (
     manifest_file_name,
     parse_file_name,
     parse_part_name,
+    started_over_file_name,
 )
 from rollcall.membership.config import Config
 
@@ -206,11 +207,19 @@ def build(resolve: Resolve, target_options: Decorator, token_option: Decorator) 
                 f"{_when(m.created_unix)}  by {m.writer}\n      {m.uri}  [{file_state(m)}]"
             )
         if unrecorded:
+            lists = sorted({str(p.parent / started_over_file_name(name)) for p, _ in unrecorded
+                            if (p.parent / started_over_file_name(name)).is_file()})  # fmt: skip
+            never = (
+                f" (never those {', '.join(lists)} lists: they are of a run started over)"
+                if lists
+                else ""
+            )
             click.echo(
                 f"{len(unrecorded)} files of job {name} beside them are named in no record "
                 f"({sum(n for _, n in unrecorded)} bytes): left by a kill between writing and "
-                "publishing, or kept by forget. Workers adopt them only if etcd loses the "
-                "job's record; delete them by hand if you do not need them:"
+                "publishing, kept by forget, or of a run started over. Workers adopt them only "
+                f"if etcd loses the job's record{never}; delete them by hand if you do not "
+                "need them:"
             )
             for path, _ in unrecorded:
                 click.echo(f"      {path}")

@@ -33,11 +33,19 @@ from rollcall.membership.checkpoint import (
     part_file_name,
     progress_limit,
     record,
+    started_over_file_name,
     superseded,
 )
 from rollcall.membership.config import Config
-from rollcall.membership.errors import InvalidRequest, NoSuchCheckpoint
+from rollcall.membership.errors import (
+    CannotResume,
+    InvalidRequest,
+    NoSuchCheckpoint,
+    ProgressLost,
+)
 from rollcall.membership.fingerprint import JobFingerprint
+from rollcall.membership.view import View
+from rollcall.protocol.client import Status
 from rollcall.rendezvous.store import EtcdStore
 from rollcall.worker.checkpoint import (
     CheckpointUnusable,
@@ -47,6 +55,7 @@ from rollcall.worker.checkpoint import (
     process_age,
 )
 from rollcall.worker.digest import digest
+from rollcall.worker.resume import choose
 from rollcall.worker.state import capture
 from rollcall.worker.state_bytes import to_bytes
 
@@ -315,6 +324,82 @@ def test_an_earlier_run_under_the_same_job_name_does_not_win_by_its_higher_step(
     copy.write_text(json.dumps({**record_, "created_unix": record_["created_unix"] - 3600}))
     written(tmp_path, [300], keep=10, name="w-new")
     assert [m.step for m in find_orphans(tmp_path, JOB).manifests] == [300, 900]
+
+
+def _no_record() -> Status:
+    """What Status answers for a job etcd holds no record of."""
+    return Status(View(epoch=0, members=()), leader="", step=None, replica="r", rollcall_epoch=0)
+
+
+def _resume(directory: Path, start_over: bool = False) -> int | None:
+    chosen = choose(_no_record(), job=JOB, directory=directory, start_over=start_over,
+                    fingerprint=JobFingerprint.of({}))  # fmt: skip
+    return None if chosen is None else chosen.loaded.manifest.step
+
+
+def _corrupt(path: Path) -> None:
+    blob = bytearray(path.read_bytes())
+    blob[-1] ^= 0xFF
+    path.write_bytes(bytes(blob))
+
+
+def test_the_files_of_a_run_started_over_are_never_resumed_from_after_another_loss(
+    tmp_path: Path,
+):
+    # etcd lost the job's record; the operator started over on purpose
+    # (--start-over) with the old run's files still in the directory. Then
+    # etcd lost the record again: at eed8d21 the restarted workers resumed
+    # the old run at step 900 (no file of the new run yet, or the new run's
+    # newest corrupt), a model the operator had discarded, said only as
+    # "resumed from the newest written one".
+    written(tmp_path, [600, 900], keep=10, name="w-old")
+    assert _resume(tmp_path) == 900  # no start-over: the files are adopted
+    assert _resume(tmp_path, start_over=True) is None
+    with pytest.raises(ProgressLost, match="all of a run that was started over") as caught:
+        _resume(tmp_path)  # lost again before the new run wrote a checkpoint
+    assert f"delete {tmp_path / started_over_file_name(JOB)}" in str(caught.value)
+    written(tmp_path, [100, 200], keep=10, name="w-new")
+    assert _resume(tmp_path) == 200
+    _corrupt(tmp_path / file_name(JOB, 200, "w-new"))
+    assert _resume(tmp_path) == 100
+    _corrupt(tmp_path / file_name(JOB, 100, "w-new"))
+    with pytest.raises(CheckpointUnusable):
+        _resume(tmp_path)  # not the old run's 900
+    (tmp_path / started_over_file_name(JOB)).unlink()  # the operator's way back to it
+    assert _resume(tmp_path) == 900
+
+
+def test_a_malformed_list_of_started_over_files_is_refused_rather_than_guessed(tmp_path: Path):
+    written(tmp_path, [600], keep=10, name="w-old")
+    assert _resume(tmp_path, start_over=True) is None
+    written(tmp_path, [100], keep=10, name="w-new")
+    marker = tmp_path / started_over_file_name(JOB)
+    for text in ("{not json", "[]", '{"job": "other", "at": 1.0, "files": {}}',
+                 f'{{"job": "{JOB}", "at": 1.0, "files": {{"a": "yesterday"}}}}'):  # fmt: skip
+        marker.write_text(text)
+        with pytest.raises(ProgressLost, match="is malformed"):
+            _resume(tmp_path)
+    assert _resume(tmp_path, start_over=True) is None  # listed anew: both runs' files
+    assert set(json.loads(marker.read_text())["files"]) == set(_ckpt_names(tmp_path))
+
+
+def test_starting_over_where_the_files_cannot_be_listed_as_discarded_changes_nothing(
+    tmp_path: Path,
+):
+    written(tmp_path, [600], keep=10, name="w-old")
+    blocked = tmp_path / started_over_file_name(JOB)
+    blocked.mkdir()  # the list cannot be written (a read-only directory stops no root)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(CannotResume, match="cannot be listed as the discarded run's"):
+        _resume(tmp_path, start_over=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    blocked.rmdir()
+    assert _resume(tmp_path) == 600
+
+
+def _ckpt_names(directory: Path) -> list[str]:
+    return [p.name for p in directory.iterdir() if p.name.startswith("ckpt+")
+            and not p.name.endswith(MANIFEST_SUFFIX)]  # fmt: skip
 
 
 def test_orphaned_files_that_cannot_be_checked_are_named_with_the_reason(tmp_path: Path):

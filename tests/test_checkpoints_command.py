@@ -12,7 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rollcall.membership.checkpoint import MANIFEST_SUFFIX, manifest_file_name
+from rollcall.membership.checkpoint import (
+    MANIFEST_SUFFIX,
+    manifest_file_name,
+    started_over_file_name,
+)
 from tests.harness import ROOT, ControlPlane, WorkerProcess, wait_for
 from tests.test_checkpoint_trust import EVERY, etcdctl_put, start
 from tests.test_worker_e2e import PATIENCE, wait_step
@@ -78,6 +82,13 @@ def test_an_operator_inspects_repairs_and_gets_a_job_out_of_exit_4(
         text = command(plane, "list")
         assert f"{len(shown)} files of job job1 beside them are named in no record" in text.stdout
         assert f"      {planted}\n" in text.stdout, text.stdout
+        # Beside a list of a run's files started over, the text says those
+        # are never adopted.
+        started_over = directory / started_over_file_name("job1")
+        started_over.write_text("{}")
+        text = command(plane, "list")
+        assert f"(never those {started_over} lists: they are of a run started over)" in text.stdout
+        started_over.unlink()
         for extra in (planted, *others):
             extra.unlink()
         verified = command(plane, "verify")

@@ -211,6 +211,51 @@ def test_etcd_wiped_and_no_replica_remembers_workers_exit_6_and_new_ones_resume_
 
 
 @pytest.mark.timeout(240)
+def test_a_run_started_over_and_lost_before_its_first_checkpoint_does_not_resume_the_older_run(
+    etcd: LocalEtcd, tmp_path: Path
+) -> None:
+    # etcd lost the job's record, the operator started the job over on
+    # purpose with the older run's files still in the directory, and the
+    # new run was lost too (its worker killed, etcd wiped again) before it
+    # wrote a checkpoint. At eed8d21 the next worker resumed the older run
+    # from its newest file, the model the operator had discarded.
+    plane = ControlPlane([etcd.endpoint], tmp_path, settings=SETTINGS)
+    checkpoints = tmp_path / "ckpt"
+    extra = ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "5"]
+    workers: list[WorkerProcess] = []
+    try:
+        first = WorkerProcess(plane, tmp_path / "first.log", steps=1_000_000, extra=extra)
+        workers.append(first)
+        wait_for(lambda: plane.status_json()["checkpoints"], "a checkpoint", PATIENCE)
+        _lose_every_replica_and_etcds_data(plane, etcd, tmp_path)
+        assert first.proc.wait(timeout=PATIENCE) == 6, first.log_tail()
+        older = _files(checkpoints)
+        assert older
+        over = WorkerProcess(
+            plane, tmp_path / "over.log", steps=1_000_000,
+            extra=["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1000",
+                   "--start-over"],
+        )  # fmt: skip
+        workers.append(over)
+        wait_for(lambda: len(over.steps()) >= 3, "the run started over training", PATIENCE)
+        assert over.steps()[0]["step"] == 0
+        assert "are the discarded run's and are never resumed from" in over.log_tail(40)
+        over.proc.kill()
+        over.proc.wait(timeout=PATIENCE)
+        _lose_every_replica_and_etcds_data(plane, etcd, tmp_path)
+        assert sorted(_files(checkpoints)) == sorted(older)
+        refused = WorkerProcess(plane, tmp_path / "refused.log", extra=extra, wait_joined=False)
+        workers.append(refused)
+        assert refused.proc.wait(timeout=PATIENCE) == 4, refused.log_tail()
+        assert "are all of a run that was started over" in refused.log_tail(), refused.log_tail()
+        assert not refused.steps(), "the new worker trained"
+        print(f"\n  {refused.log_tail(1)[:600]}")
+    finally:
+        stop_together(workers, timeout=20)
+        plane.close()
+
+
+@pytest.mark.timeout(240)
 def test_etcd_wiped_no_replica_remembers_and_no_checkpoints_new_workers_refuse_step_0(
     etcd: LocalEtcd, tmp_path: Path
 ) -> None:

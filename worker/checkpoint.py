@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import psutil
 
@@ -66,6 +66,7 @@ from rollcall.membership.checkpoint import (
     parse_file_name,
     parse_part_name,
     part_file_name,
+    started_over_file_name,
     superseded,
 )
 from rollcall.membership.errors import CannotResume, InvalidRequest
@@ -280,14 +281,72 @@ class Orphans:
     #: The fingerprint of the job that wrote each file, by location (None:
     #: its copy holds none).
     fingerprints: Mapping[str, JobFingerprint | None] = field(default_factory=dict)
+    #: Files of runs started over on purpose (listed in the directory's
+    #: ``started_over_file_name``), newest written first: never resumed from.
+    started_over: tuple[CheckpointManifest, ...] = ()
+    #: When the job was last started over in this directory (Unix time).
+    started_over_at: float | None = None
 
 
-def find_orphans(directory: Path, job: str) -> Orphans:
+def _read_started_over(directory: Path, job: str) -> tuple[dict[str, float], float | None]:
+    """The files ``started_over_file_name`` lists, each with the time its
+    manifest copy says it was written, and when it was last written; empty
+    without the file. Raises OSError if it cannot be read and ValueError if
+    it is malformed."""
+    try:
+        text = (directory / started_over_file_name(job)).read_bytes()
+    except FileNotFoundError:
+        return {}, None
+    record = json.loads(text)
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    files, at = record.get("files"), record.get("at")
+    if record.get("job") != job or not isinstance(files, dict) or not _is_time(at):
+        raise ValueError("not a list of this job's started-over files")
+    if not all(isinstance(n, str) and _is_time(t) for n, t in files.items()):
+        raise ValueError("a file's entry is not a name and a time")
+    return {name: float(t) for name, t in files.items()}, float(at)
+
+
+def _is_time(value: object) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _newest_written(manifest: CheckpointManifest) -> tuple[float, int]:
+    return (manifest.created_unix, manifest.step)
+
+
+def mark_started_over(directory: Path, job: str, manifests: Sequence[CheckpointManifest]) -> Path:
+    """List the files of ``manifests`` (``job``'s checkpoint files found in
+    ``directory``) as a run's that is being started over on purpose, beside
+    any listed before: :func:`find_orphans` never offers them again, so a
+    later loss of etcd's record does not resume the discarded run. Each
+    file is named with the time its copy says it was written (a file of
+    the new run written under the same name is not listed). Raises OSError
+    if the list cannot be written."""
+    path = directory / started_over_file_name(job)
+    try:
+        files, _ = _read_started_over(directory, job)
+    except ValueError:  # a malformed list is replaced: the files are listed anew
+        files = {}
+    files.update({Path(m.uri).name: float(m.created_unix) for m in manifests})
+    record = {"job": job, "at": time.time(), "files": dict(sorted(files.items()))}
+    _write_atomically(path, json.dumps(record, indent=1).encode())
+    _fsync_directory(directory)
+    return path
+
+
+def find_orphans(directory: Path, job: str, *, apart: bool = True) -> Orphans:
     """``job``'s checkpoint files in ``directory`` and the manifest copies
     beside them. A file counts only if it is a regular file owned by this
-    user and its copy loads and claims the step the file is named for.
-    Raises OSError if the directory cannot be listed."""
+    user and its copy loads and claims the step the file is named for;
+    files of a run started over (:func:`mark_started_over`) are kept apart
+    unless not ``apart``. Raises OSError if the directory or the list of
+    started-over files cannot be read, and ValueError if that list is
+    malformed."""
+    marked, marked_at = _read_started_over(directory, job) if apart else ({}, None)
     manifests: list[CheckpointManifest] = []
+    started_over: list[CheckpointManifest] = []
     unchecked: list[str] = []
     fingerprints: dict[str, JobFingerprint | None] = {}
     for path in sorted(directory.iterdir()):
@@ -314,13 +373,18 @@ def find_orphans(directory: Path, job: str) -> Orphans:
             problem = f"unreadable ({exc.strerror or exc})"
         except (ValueError, InvalidRequest) as exc:
             problem = f"its manifest copy is malformed ({exc})"
-        if problem is None:
+        if problem is not None:
+            unchecked.append(f"{path.name}: {problem}")
+        elif marked.get(path.name) == float(manifest.created_unix):
+            started_over.append(replace(manifest, uri=str(path)))
+        else:
             manifests.append(replace(manifest, uri=str(path)))
             fingerprints[str(path)] = fingerprint
-        else:
-            unchecked.append(f"{path.name}: {problem}")
-    manifests.sort(key=lambda m: (m.created_unix, m.step), reverse=True)
-    return Orphans(tuple(manifests), tuple(unchecked), fingerprints)
+    manifests.sort(key=_newest_written, reverse=True)
+    started_over.sort(key=_newest_written, reverse=True)
+    return Orphans(
+        tuple(manifests), tuple(unchecked), fingerprints, tuple(started_over), marked_at
+    )
 
 
 #: A temporary of one of the job's checkpoint files untouched this long is

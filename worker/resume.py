@@ -12,14 +12,25 @@ checkpoint directory, or start over on purpose (``start_over``).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollcall.membership.checkpoint import CheckpointManifest, progress_limit
-from rollcall.membership.errors import ConfigurationMismatch, ProgressLost
+from rollcall.membership.checkpoint import (
+    CheckpointManifest,
+    progress_limit,
+    started_over_file_name,
+)
+from rollcall.membership.errors import CannotResume, ConfigurationMismatch, ProgressLost
 from rollcall.membership.fingerprint import JobFingerprint, compare, describe_mismatch
 from rollcall.protocol.client import Status
-from rollcall.worker.checkpoint import Loaded, Orphans, find_orphans, load_newest
+from rollcall.worker.checkpoint import (
+    Loaded,
+    Orphans,
+    find_orphans,
+    load_newest,
+    mark_started_over,
+)
 
 __all__ = ["Chosen", "choose", "what_restarting_does"]
 
@@ -76,13 +87,49 @@ def choose(
             "job %s had reached step %d and no state is left: starting over from step 0 as "
             "asked (start_over)", job, status.last_step,
         )  # fmt: skip
+        _set_aside(job, directory)
         return None
     if directory is not None and not start_over:
         found = _orphaned(job, directory, fingerprint)
         if found is not None:
             return found
     _refuse_lost_history(job, directory, status.lost_epoch, start_over)
+    if start_over:
+        _set_aside(job, directory)
     return None  # a new job (or starting over): step 0 is where it starts
+
+
+def _set_aside(job: str, directory: Path | None) -> None:
+    """Starting over on purpose: list the job's checkpoint files in
+    ``directory`` as the discarded run's (``mark_started_over``), so that
+    if etcd loses the new run's record before it wrote a checkpoint, or
+    its files are damaged, its workers refuse instead of resuming the run
+    that was started over. ``CannotResume`` if they cannot be listed."""
+    if directory is None:
+        return
+    marker = directory / started_over_file_name(job)
+    try:
+        orphans = find_orphans(directory, job, apart=False)
+        if not orphans.manifests:
+            return
+        mark_started_over(directory, job, orphans.manifests)
+    except (OSError, ValueError) as exc:
+        raise CannotResume(
+            f"job {job} is to start over, but its checkpoint files in {directory} cannot be "
+            f"listed as the discarded run's in {marker} ({_why(exc)}): a later loss of etcd's "
+            "record would resume that run. Nothing was changed. Make the directory writable, "
+            "or move the job's files out of it"
+        ) from exc
+    log.warning(
+        "job %s starts over: its %d checkpoint files in %s (the newest of step %d) are the "
+        "discarded run's and are never resumed from; they are listed in %s (delete the files "
+        "to free the space)", job, len(orphans.manifests), directory,
+        orphans.manifests[0].step, marker,
+    )  # fmt: skip
+
+
+def _why(exc: BaseException) -> str:
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
 
 
 def _orphaned(job: str, directory: Path, fingerprint: JobFingerprint) -> Chosen | None:
@@ -95,25 +142,41 @@ def _orphaned(job: str, directory: Path, fingerprint: JobFingerprint) -> Chosen 
         f"job {job} has no record in etcd (no progress, no checkpoint manifest), but "
         f"{directory} holds checkpoint files of it: etcd probably lost the job's data"
     )
+    marker = directory / started_over_file_name(job)
     try:
         orphans = find_orphans(directory, job)
     except OSError as exc:
         raise ProgressLost(
-            f"job {job} has no record in etcd and its checkpoint directory {directory} cannot "
-            f"be listed ({exc.strerror or exc}): whether it holds the job's checkpoints is "
-            f"unknown, so it is not started at step 0. Fix the directory's permissions, or "
-            f"{_START_OVER}"
+            f"job {job} has no record in etcd and its checkpoint directory {directory} (or "
+            f"{marker.name} in it) cannot be read ({_why(exc)}): whether it holds the job's "
+            "checkpoints is unknown, so it is not started at step 0. Fix the directory's "
+            f"permissions, or {_START_OVER}"
+        ) from exc
+    except ValueError as exc:
+        raise ProgressLost(
+            f"job {job} has no record in etcd, and {marker}, which lists its checkpoint files "
+            f"of runs started over, is malformed ({exc}): which files are the job's current "
+            f"run is unknown. Restore etcd from a backup; delete {marker} to resume from the "
+            f"newest file that verifies, whichever run wrote it; or {_START_OVER}"
         ) from exc
     if not orphans.manifests:
+        if orphans.started_over and not orphans.unchecked:
+            raise ProgressLost(_only_started_over(job, directory, marker, orphans))
         if not orphans.unchecked:
             return None
         raise ProgressLost(
             f"{lost}, and none can be checked ({'; '.join(orphans.unchecked)}). Starting at "
             f"step 0 would silently discard them. Restore etcd from a backup, or {_START_OVER}"
         )
+    passed_over = (
+        f" ({len(orphans.started_over)} files of a run started over before are not tried: "
+        f"delete {marker} to resume that run)"
+        if orphans.started_over
+        else ""
+    )
     recovery = (
-        f"nothing was changed. Restore a good copy into {directory} or etcd from a backup, "
-        f"or {_START_OVER}"
+        f"nothing was changed{passed_over}. Restore a good copy into {directory} or etcd from "
+        f"a backup, or {_START_OVER}"
     )
     found = f"files of job {job} in {directory} (etcd holds no record of the job)"
     loaded = load_newest(orphans.manifests, found=found, recovery=recovery)
@@ -128,6 +191,20 @@ def _orphaned(job: str, directory: Path, fingerprint: JobFingerprint) -> Chosen 
             "worker is checked against): " + describe_mismatch(job, differences)
         )
     return Chosen(loaded, orphans)
+
+
+def _only_started_over(job: str, directory: Path, marker: Path, orphans: Orphans) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(orphans.started_over_at or 0))
+    return (
+        f"job {job} has no record in etcd (no progress, no checkpoint manifest), and the "
+        f"{len(orphans.started_over)} checkpoint files of it in {directory} are all of a run "
+        f"that was started over (--start-over, at {when}; listed in {marker.name}). The run "
+        "since wrote none: etcd probably lost the job's data again before its first "
+        "checkpoint, and its progress is lost. Starting at step 0 would silently discard it, "
+        "and resuming the older run would train the model that was discarded. Restore etcd "
+        f"from a backup, or {_START_OVER}; to resume the older run instead (its newest file is "
+        f"of step {orphans.started_over[0].step}), delete {marker}"
+    )
 
 
 def _refuse_lost_history(
