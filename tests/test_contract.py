@@ -27,6 +27,7 @@ from rollcall.worker.contract import (
     check_distributed_modules,
     check_extras,
     check_loss,
+    check_materialized,
     check_optimizer_params,
     check_optimizer_step,
     check_scheduler,
@@ -154,6 +155,18 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_with_what_to_use() -
     check_optimizer_step(optimizer)  # AdamW's closure is optional
     with pytest.raises(UsageError, match=r"LBFGS\.step\(\) needs a closure.*SGD, Adam"):
         check_optimizer_step(torch.optim.LBFGS(model.parameters()))
+
+
+def test_a_model_with_lazy_parameters_not_yet_made_is_refused_with_what_to_do() -> None:
+    # nn.LazyLinear's weight exists only after a first forward pass: at
+    # 8baef07 Elastic(...) failed on it with torch's ValueError from deep
+    # in the fingerprint, naming no parameter.
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(2))
+    with pytest.raises(UsageError, match=r"1\.weight, 1\.bias.*forward pass.*before Elastic"):
+        check_materialized(model)
+    torch.manual_seed(0)
+    model(torch.ones(1, 4))  # what the error asks for
+    check_materialized(model)
 
 
 def test_an_lr_scheduler_not_passed_to_the_runtime_is_refused() -> None:

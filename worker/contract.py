@@ -113,6 +113,22 @@ def check_steps_total(max_steps: Any, ran_to: int | None) -> None:
         )
 
 
+def check_materialized(model: torch.nn.Module) -> None:
+    """Refuse a model whose lazy modules (``nn.LazyLinear``) have not made
+    their parameters yet: they have no shape, so nothing can be checked,
+    reduced or sent to a joiner. A forward pass on one batch before
+    ``Elastic(...)``, under the same seed on every worker, makes them."""
+    lazy = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+            if torch.nn.parameter.is_lazy(tensor)]  # fmt: skip
+    if lazy:
+        raise UsageError(
+            f"the model's {', '.join(lazy)} are not made yet (a lazy module's, such as "
+            "nn.LazyLinear's: they get their shape from the first forward pass). Run one "
+            "forward pass on a batch before Elastic(...), after the same torch.manual_seed on "
+            "every worker, so that every worker starts from the same weights"
+        )
+
+
 def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer parameter the model does not hold: the runtime
     reduces the gradients of the model's parameters only, so such a one

@@ -99,6 +99,7 @@ from rollcall.worker.contract import (
     check_distributed_modules,
     check_extras,
     check_loss,
+    check_materialized,
     check_optimizer_params,
     check_optimizer_step,
     check_scheduler,
@@ -599,6 +600,7 @@ class Elastic:
                 "exact=True reduces every microbatch's gradients as integers at commit: it "
                 "cannot be combined with overlap=True"
             )
+        check_materialized(model)
         self._extras = check_extras(
             state or {}, model, optimizer=optimizer, scheduler=scheduler, grad_scaler=grad_scaler
         )
