@@ -409,6 +409,24 @@ def test_a_killed_worker_restarted_at_once_on_its_ledger_is_not_refused_by_its_l
     assert "being written by another" not in restarted.log_tail(40)
 
 
+def test_a_job_started_at_step_0_on_a_ledger_another_run_wrote_is_refused_before_it_trains(
+    programs: Programs,
+) -> None:
+    # A script run again with the same --ledger path (a new `rollcall up`,
+    # a job started over): at 50e2599 the worker trained step 0, applied
+    # it, and died in its commit with "ValueError: step 0 is already
+    # recorded", which named neither the file nor what to do.
+    path = programs.tmp_path / "ledger0.jsonl"  # the first program's (Programs.start)
+    earlier = Ledger(path)
+    for step in range(3):
+        earlier.record(step, 1, 1, range(step * 4, step * 4 + 4))
+    earlier.close()
+    before = path.read_bytes()
+    log = refused_before_a_step(programs)
+    assert f"the ledger {path} already holds steps 0 to 2" in log, log
+    assert path.read_bytes() == before
+
+
 @pytest.mark.parametrize("mode", [[], ["--exact"]], ids=["default", "exact"])
 def test_gradient_noise_a_hook_draws_from_torchs_generator_is_the_same_on_every_rank(
     programs: Programs, mode: list[str]

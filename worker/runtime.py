@@ -2935,6 +2935,7 @@ class Elastic:
             directory=self.checkpoints.directory if self.checkpoints else None,
         )  # fmt: skip
         if chosen is None:
+            self._refuse_an_earlier_runs_ledger()
             return
         loaded, orphans = chosen.loaded, chosen.orphans
         with self._lock:
@@ -2972,6 +2973,23 @@ class Elastic:
             s_ckpt, loaded.manifest.uri, self.resumed.seconds, self.resumed.replay_steps,
             self.resumed.t_step, launch, loaded.seconds,
         )  # fmt: skip
+
+    def _refuse_an_earlier_runs_ledger(self) -> None:
+        """The job starts at step 0 (a new job, or one started over): steps
+        this worker's ledger file already holds are another run's, and this
+        run's would be recorded after them (its first commit would fail on
+        "step 0 is already recorded", after the update). ``UsageError``
+        before anything trains; the file is left as it is."""
+        recorded = self.ledger.steps()
+        if not recorded:
+            return
+        raise UsageError(
+            f"the ledger {self.ledger.path} already holds steps {min(recorded)} to "
+            f"{max(recorded)} ({len(recorded)} records), but this worker starts job "
+            f"{self.job_name} at step 0 (a new job, or one started over): those are another "
+            "run's, and this run's steps would be recorded after them. Give each run a ledger "
+            "file of its own (another path) or move that one away; nothing was trained"
+        )
 
     def _fenced(self) -> bool:
         """Fencing before an update: the leader must have acknowledged a
