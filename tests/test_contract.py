@@ -3,6 +3,7 @@ a user trial is refused with a UsageError that says what to change."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any
@@ -17,6 +18,7 @@ from rollcall.worker.contract import (
     Agreed,
     Agreement,
     Agreements,
+    DataWatch,
     GradientWatch,
     HookAgreement,
     Ownership,
@@ -795,3 +797,47 @@ def test_a_steps_total_no_larger_than_one_that_ran_to_its_end_is_refused() -> No
     for again in (100, 50):  # an epoch loop's second call, or a smaller total
         with pytest.raises(UsageError, match=rf"job.steps\({again}\) was called again after"):
             check_steps_total(again, 100)
+
+
+class _Curriculum(torch.utils.data.Dataset[int]):
+    def __init__(self) -> None:
+        self.level = 1
+        self.names = ["a", "b"]
+        self.options = {"blur": 0.5, "nan": float("nan")}
+        self.handle: object = None  # opened on first use
+        self.reads = 0  # a counter loading keeps
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        self.reads += 1
+        if self.handle is None:
+            self.handle = object()
+        return index * self.level
+
+
+def test_a_data_set_setting_changed_after_construction_is_refused_naming_its_path() -> None:
+    dataset = _Curriculum()
+    collate = functools.partial(lambda batch, scale: batch, scale=2)
+    watch = DataWatch(dataset, collate)
+    dataset[0], dataset[1]  # the probe's loads, here
+    watch.loaded()
+    dataset[2]  # a step's: the counter and the handle change, and are not watched
+    watch.check(0)
+    for change, said in [
+        (lambda: setattr(dataset, "level", 2), "the data set's level changed from 1 to 2"),
+        (lambda: dataset.names.append("c"), None),  # an item added: nothing watched changed
+        (lambda: dataset.names.__setitem__(0, "z"), "the data set's names[0] changed from 'a'"),
+        (lambda: dataset.options.__setitem__("blur", 0.9),
+         "the data set's options['blur'] changed from 0.5"),
+        (lambda: collate.keywords.__setitem__("scale", 3),
+         "the collate function's keywords['scale'] changed from 2 to 3"),
+    ]:  # fmt: skip
+        change()
+        if said is None:
+            watch.check(1)
+            continue
+        with pytest.raises(UsageError, match=re.escape(f"step 7: {said}")):
+            watch.check(7)
+        watch = DataWatch(dataset, collate)  # watched from here

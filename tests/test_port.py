@@ -427,6 +427,23 @@ def test_a_job_started_at_step_0_on_a_ledger_another_run_wrote_is_refused_before
     assert path.read_bytes() == before
 
 
+@pytest.mark.parametrize("loader_workers", ["0", "2"], ids=["loaded here", "loader workers"])
+def test_a_data_set_the_loop_changes_after_elastic_was_built_is_refused_at_the_next_step(
+    programs: Programs, loader_workers: str
+) -> None:
+    # A curriculum kept in the data set (`dataset.flip_chance = 0.9` at
+    # step 3). The loader's worker processes hold copies made when they
+    # started, and a worker that joins builds its own data set: at b35a462
+    # the change reached some samples or none, and training went on, exit 0.
+    program = programs.start(
+        "--steps", "8", "--loader-workers", loader_workers, "--harder-data-at", "3"
+    )
+    assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+    log = program.log_tail(30)
+    assert "UsageError: step 3: the data set's flip_chance changed from 0.5 to 0.9" in log, log
+    assert [e["step"] for e in program.events("step")] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("mode", [[], ["--exact"]], ids=["default", "exact"])
 def test_gradient_noise_a_hook_draws_from_torchs_generator_is_the_same_on_every_rank(
     programs: Programs, mode: list[str]

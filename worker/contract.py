@@ -32,9 +32,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from rollcall.membership.errors import UsageError
 from rollcall.worker.digest import tree_digest
+from rollcall.worker.reach import SCALARS, reach, scalars
 
 __all__ = [
-    "Agreed", "Agreement", "Agreements", "GradientWatch", "HookAgreement", "Ownership",
+    "Agreed", "Agreement", "Agreements", "DataWatch", "GradientWatch", "HookAgreement", "Ownership",
     "ParameterWatch", "RegisteredWatch", "Stateful", "check_extras", "check_scheduler",
     "check_steps_total",
     "in_eval_mode", "learning_rates", "modes_tag", "not_finite", "not_finite_names",
@@ -971,6 +972,71 @@ def _has_scheduler(optimizer: torch.optim.Optimizer) -> bool:
     # Every torch LRScheduler wraps its optimizer's step() to count calls and
     # marks the wrapper: the mark says a scheduler was built on it.
     return bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False))
+
+
+class DataWatch:
+    """The settings the data set and the collate function keep (numbers,
+    text and flags among their attributes, a few levels down:
+    ``rollcall.worker.reach``), as the job's loading saw them when
+    ``Elastic`` was built, compared at every commit.
+
+    A loop that changes one later (a curriculum kept in the data set:
+    ``dataset.difficulty = 2`` at step 1000) reaches only part of the
+    job's samples: the loader's worker processes hold copies made when they
+    started, a worker that joins builds its own data set, and a plain
+    loop's data loader would have taken the change at its next epoch. The
+    step is refused before its reduction. Settings that loading itself
+    changes (a counter a ``__getitem__`` keeps, when loading runs in this
+    process) are not watched: :meth:`loaded` drops those the data probe's
+    loads changed."""
+
+    def __init__(self, dataset: Any, collate: Any) -> None:
+        self._roots = (("", dataset), ("collate", collate))
+        self._settings = self._read()
+        #: What :func:`scalars` read when nothing watched had changed: while
+        #: it reads the same, nothing is compared path by path (~40 µs for
+        #: 200 settings, against ~0.5 ms).
+        self._last = scalars([root for _, root in self._roots])
+
+    def _read(self) -> dict[str, Any]:
+        return {path or "the data set": value for path, value in reach(self._roots)
+                if isinstance(value, SCALARS)}  # fmt: skip
+
+    def loaded(self) -> None:
+        """After loads in this process: stop watching what they changed."""
+        now = self._read()
+        self._settings = {p: v for p, v in self._settings.items() if _same(now.get(p, _GONE), v)}
+        self._last = scalars([root for _, root in self._roots])
+
+    def check(self, step: int) -> None:
+        """Raise ``UsageError`` if a watched setting has another value now
+        (one that is gone, or no longer a number or text, is not compared:
+        a file handle opened on first use)."""
+        quick = scalars([root for _, root in self._roots])
+        if quick == self._last:  # a list compares each item's identity first: NaN too
+            return
+        now = self._read()
+        self._last = quick  # kept only if nothing watched changed (below)
+        for path, value in self._settings.items():
+            if path in now and not _same(now[path], value):
+                where = f"collate function's {path[8:]}" if path.startswith("collate.") else (
+                    f"data set's {path}")  # fmt: skip
+                raise UsageError(
+                    f"step {step}: the {where} changed from {value!r} to {now[path]!r} after "
+                    "Elastic was built. The loader's worker processes hold copies of the data "
+                    "set made when they started, and a worker that joins builds its own, so the "
+                    "change would reach only part of the job's samples, with no error. Make "
+                    "each sample a function of its index alone (a schedule by step belongs in "
+                    "the loop, from step.number); if loading itself changes it, pass "
+                    "data_probe=False on every worker"
+                )
+
+
+_GONE = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    return bool(a == b) or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
 
 
 class Ownership:

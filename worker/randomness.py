@@ -19,17 +19,16 @@ the first forward pass made, which exact mode refuses).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import random
-import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from rollcall.membership.errors import UsageError
+from rollcall.worker.reach import reach
 
 try:
     import numpy
@@ -39,22 +38,6 @@ except ImportError:  # pragma: no cover - torch wheels bring numpy
 __all__ = ["ModelGenerators", "held_generators", "seed_held"]
 
 log = logging.getLogger("rollcall.worker")
-
-#: How deep the walk goes below each object it starts from, and the largest
-#: container it looks into (a data set's list of a million samples holds
-#: data, not generators).
-_DEPTH = 4
-_LARGEST = 256
-
-#: Module state a walk never looks into: parameters, buffers and submodules
-#: (each module of a model is a start of its own).
-_MODULE_SKIPPED = frozenset({"_parameters", "_buffers", "_modules"})
-
-_LEAVES = (
-    type(None), bool, int, float, complex, str, bytes, bytearray, range,
-    torch.Tensor, torch.dtype, torch.device, type, types.ModuleType,
-    types.FunctionType, types.BuiltinFunctionType,
-)  # fmt: skip
 
 
 def _generator_types() -> tuple[type, ...]:
@@ -81,45 +64,9 @@ def held_generators(*objects: Any) -> tuple[Any, ...]:
     submodules are not walked into: pass each (``*model.modules()``)."""
     kinds = _generator_types()
     skipped = _global_generators()
-    seen: set[int] = set()
-    found: list[Any] = []
-
-    def walk(obj: Any, depth: int) -> None:
-        if id(obj) in seen or isinstance(obj, _LEAVES):
-            return
-        seen.add(id(obj))
-        if isinstance(obj, kinds):
-            if id(obj) not in skipped:
-                found.append(obj)
-            return
-        if depth <= 0 or (numpy is not None and isinstance(obj, numpy.ndarray)):
-            return
-        for child in _children(obj):
-            walk(child, depth - 1)
-
-    for obj in objects:
-        walk(obj, _DEPTH)
-    return tuple(found)
-
-
-def _children(obj: Any) -> Iterable[Any]:
-    if isinstance(obj, dict):
-        return obj.values() if len(obj) <= _LARGEST else ()
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return obj if len(obj) <= _LARGEST else ()
-    if isinstance(obj, functools.partial):
-        return (obj.func, *obj.args, *obj.keywords.values())
-    if isinstance(obj, types.MethodType):  # a collate method of an object holding a generator
-        return (obj.__self__,)
-    try:  # a proxy's __getattr__ may answer for __dict__, or raise anything
-        attributes = getattr(obj, "__dict__", None)
-    except Exception:
-        return ()
-    if not isinstance(attributes, dict):
-        return ()
-    if isinstance(obj, torch.nn.Module):
-        return [v for k, v in attributes.items() if k not in _MODULE_SKIPPED]
-    return attributes.values() if len(attributes) <= _LARGEST else ()
+    roots = [("", obj) for obj in objects]
+    return tuple(obj for _, obj in reach(roots, stop=kinds)
+                 if isinstance(obj, kinds) and id(obj) not in skipped)  # fmt: skip
 
 
 def seed_held(generators: Sequence[Any], seed: int) -> None:

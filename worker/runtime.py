@@ -88,6 +88,7 @@ from rollcall.worker.checkpoint import (
 from rollcall.worker.contract import (
     Agreed,
     Agreements,
+    DataWatch,
     GradientWatch,
     HookAgreement,
     Ownership,
@@ -684,7 +685,11 @@ class Elastic:
         # What the workers read is compared too, read as steps read it: by
         # the loader's processes, so that this one opens none of the data
         # set's files before they fork.
+        #: The data set's settings, compared at every commit (off with the probe).
+        self._data_watch = DataWatch(*self._loader.user_objects[:2]) if data_probe else None
         data = probed_data(self._loader.probe()) if data_probe else DATA_OFF
+        if self._data_watch is not None:
+            self._data_watch.loaded()
         if data == VARYING and exact:
             self._loader.close()
             self.ledger.close()
@@ -2242,6 +2247,8 @@ class Elastic:
                 return False
         self._gradients.check()
         self._check_model(step)
+        if self._data_watch is not None:
+            self._data_watch.check(step.number)
         self._check_scheduler_registered()
         if self._sharded is not None:
             self._sharded.check_groups()  # before the reduction: nothing changed yet

@@ -42,6 +42,9 @@ class Shapes(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         import numpy
 
         self.rng = numpy.random.default_rng(seed) if own_rng else None
+        #: How often a sample is flipped: what a curriculum kept in the data
+        #: set would change (``--harder-data-at``).
+        self.flip_chance = 0.5
         generator = torch.Generator().manual_seed(seed)
         patterns = torch.randn(10, 1, 12, 12, generator=generator)
         self.labels = torch.randint(0, 10, (size,), generator=generator)
@@ -54,7 +57,7 @@ class Shapes(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         image = self.images[index]
-        if (torch.rand(()) if self.rng is None else self.rng.random()) < 0.5:
+        if (torch.rand(()) if self.rng is None else self.rng.random()) < self.flip_chance:
             image = image.flip(-1)
         return image, self.labels[index]
 
@@ -302,6 +305,8 @@ def train(args: argparse.Namespace) -> None:
             while args.hold_while and os.path.exists(args.hold_while):
                 time.sleep(0.05)  # a test holds the team until a joiner is in
             model.mix_runs = 1 if step.number < args.reuse_once_until else 2
+            if step.number == args.harder_data_at:  # a curriculum kept in the data set
+                data.flip_chance = 0.9
             if args.zero_grad_at_step_start:  # a plain loop's first line, before the step's
                 optimizer.zero_grad()
             batches = own_batches() if args.own_loader else step.microbatches()
@@ -539,6 +544,10 @@ def main() -> None:
         "--own-generators", action="store_true",
         help="flips drawn from a numpy generator the data set holds and a shift of the "
         "inputs the loop draws from numpy's and random's global generators",
+    )  # fmt: skip
+    parser.add_argument(
+        "--harder-data-at", type=int, default=-1,
+        help="the loop sets the data set's flip_chance to 0.9 at this step (a curriculum)",
     )  # fmt: skip
     parser.add_argument(
         "--model-generator", choices=("none", "build", "after-elastic", "in-forward"),
