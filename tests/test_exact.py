@@ -313,6 +313,34 @@ def test_the_fingerprint_of_exact_mode_names_what_the_bits_depend_on():
     JobFingerprint.of({"exact": one})  # a valid field value
 
 
+@pytest.mark.integration
+def test_the_fingerprint_of_exact_mode_names_the_cpu_kernels_torch_picked():
+    # torch picks its CPU kernels by the instruction set (AVX512, AVX2, or
+    # plain code; ATEN_CPU_CAPABILITY lowers it), and they round
+    # differently: a conv's gradient bits differ between AVX512 and AVX2
+    # here. At 8183c1c a worker on a host of another kind (or with the
+    # variable set) had the same fingerprint, was admitted to an exact job,
+    # and its microbatches computed other bits with no word.
+    import os
+    import subprocess
+    import sys
+
+    def field(capability: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability is not None:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        code = "from rollcall.worker.exact import fingerprint_value; print(fingerprint_value(True))"
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=120, check=True)  # fmt: skip
+        return done.stdout.strip()
+
+    native = field(None)
+    assert torch.backends.cpu.get_cpu_capability() != "DEFAULT", "this test needs AVX2 or better"
+    lowered = field("default")
+    assert f"CPU {torch.backends.cpu.get_cpu_capability()}" in native, native
+    assert "CPU DEFAULT" in lowered and lowered != native, lowered
+
+
 def test_the_fingerprint_of_exact_mode_names_numeric_settings_other_than_torchs_defaults():
     # A worker started with another float32 matmul precision, deterministic
     # algorithms or oneDNN switched off (a flag or an environment variable of
@@ -322,7 +350,7 @@ def test_the_fingerprint_of_exact_mode_names_numeric_settings_other_than_torchs_
     from rollcall.worker.exact import fingerprint_value
 
     default = fingerprint_value(True)
-    assert default.count(",") == 2, default  # torch, threads, machine: as before
+    assert default.count(",") == 3, default  # torch, threads, machine, CPU kernels
     precision = torch.get_float32_matmul_precision()
     deterministic = torch.are_deterministic_algorithms_enabled()
     onednn = torch.backends.mkldnn.enabled

@@ -70,13 +70,15 @@ Reduce = Callable[[Sequence[torch.Tensor], str], None]
 def fingerprint_value(enabled: bool) -> str:
     """The job fingerprint's ``exact`` field: ``false``, or ``true`` with
     what a microbatch's gradient bits depend on besides the job's settings
-    (the torch build, the intra-op thread count, the machine), so that a
+    (the torch build, the intra-op thread count, the machine, the
+    instruction set torch picked its CPU kernels for), so that a
     worker that cannot give the same bits is refused at join, naming them,
     instead of silently breaking the job's exactness."""
     if not enabled:
         return "false"
     parts = [f"torch {torch.__version__}", f"{torch.get_num_threads()} intra-op threads",
-             platform.machine(), *_numeric_settings()]  # fmt: skip
+             platform.machine(), f"CPU {torch.backends.cpu.get_cpu_capability()}",
+             *_numeric_settings()]  # fmt: skip
     return f"true ({', '.join(parts)})"
 
 
