@@ -365,6 +365,26 @@ def test_a_continued_ledger_cuts_the_torn_line_before_appending(tmp_path: Path) 
     assert continued.steps() == Ledger.load(path).steps() == {0: (1, 2), 1: (3, 4)}
 
 
+@pytest.mark.parametrize(
+    "content",
+    [b'{"lr": 0.1, "epochs": 90}', b"notes with no newline at their end",
+     b'{"step":0,"epoch":1,"world_size":1,"samples":[1]}\nhello'],
+    ids=["a one-line config", "text", "a ledger with a foreign tail"],
+)  # fmt: skip
+def test_a_file_whose_last_line_is_no_record_cut_short_is_refused_and_kept(
+    tmp_path: Path, content: bytes
+) -> None:
+    # ledger= given a file of the user's by mistake (a config of one line
+    # with no newline at its end): at a69fb69 its last line was taken for a
+    # record a killed worker cut short, and the file was cut to nothing.
+    path = tmp_path / "config.json"
+    path.write_bytes(content)
+    for opening in (Ledger, Ledger.load):
+        with pytest.raises(ValueError, match="not a ledger record cut short.*nothing was changed"):
+            opening(path)
+        assert path.read_bytes() == content
+
+
 def test_a_malformed_complete_line_is_corruption(tmp_path: Path) -> None:
     path = tmp_path / "ledger.jsonl"
     path.write_text('not json\n{"step":1,"epoch":1,"world_size":1,"samples":[3]}\n')

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -111,6 +112,11 @@ def _end_of(path: Path, step: int) -> int:
     return end
 
 
+#: What a record cut short by a killed writer can be: nothing, or the start
+#: of ``LedgerEntry.to_json``'s text (``{"step":...``) in its characters.
+_TORN = re.compile(rb'(\{("(s(t(ep?)?)?)?)?|\{"step"[0-9a-z_{}\[\]":,]*)?')
+
+
 def _read_entries(path: Path) -> tuple[list[LedgerEntry], int]:
     """The complete records of the ledger file at ``path`` and the byte length
     they span. A last line without its newline is a write cut short by a
@@ -118,6 +124,12 @@ def _read_entries(path: Path) -> tuple[list[LedgerEntry], int]:
     and raises :class:`ValueError`."""
     data = path.read_bytes()
     complete = data.rfind(b"\n") + 1
+    if not _TORN.fullmatch(data[complete:]):
+        raise ValueError(
+            f"{path}: its last line ({data[complete:][:40]!r}) is not a ledger record cut short "
+            "by a killed worker: this is not a ledger file, or one something else wrote into. "
+            "Give the ledger a path of its own; nothing was changed"
+        )
     entries = []
     for number, raw in enumerate(data[:complete].splitlines(), start=1):
         try:
