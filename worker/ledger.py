@@ -120,8 +120,9 @@ _TORN = re.compile(rb'(\{("(s(t(ep?)?)?)?)?|\{"step"[0-9a-z_{}\[\]":,]*)?')
 def _read_entries(path: Path) -> tuple[list[LedgerEntry], int]:
     """The complete records of the ledger file at ``path`` and the byte length
     they span. A last line without its newline is a write cut short by a
-    killed process; it is left out. A malformed complete line is corruption
-    and raises :class:`ValueError`."""
+    killed process; it is left out. A malformed complete line is corruption,
+    and a last line that is not the start of a record is not one of ours (a
+    file of the user's given as the ledger): both raise :class:`ValueError`."""
     data = path.read_bytes()
     complete = data.rfind(b"\n") + 1
     if not _TORN.fullmatch(data[complete:]):

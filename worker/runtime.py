@@ -682,11 +682,11 @@ class Elastic:
         self._loader.start(
             not_inherited=tuple(fd for fd in (channel, self.ledger.fileno()) if fd is not None)
         )
+        #: The data set's settings, compared at every commit (off with the probe).
+        self._data_watch = DataWatch(*self._loader.user_objects[:2]) if data_probe else None
         # What the workers read is compared too, read as steps read it: by
         # the loader's processes, so that this one opens none of the data
         # set's files before they fork.
-        #: The data set's settings, compared at every commit (off with the probe).
-        self._data_watch = DataWatch(*self._loader.user_objects[:2]) if data_probe else None
         data = probed_data(self._loader.probe()) if data_probe else DATA_OFF
         if self._data_watch is not None:
             self._data_watch.loaded()
