@@ -141,8 +141,6 @@ class ModelGenerators:
 
     def _where(self, generator: Any) -> str:
         kind = f"a {type(generator).__module__.split('.')[0]}.{type(generator).__name__}"
-        for name, module in self._model.named_modules():
-            for attribute, value in vars(module).items():
-                if value is generator:
-                    return f"{name + '.' if name else ''}{attribute}: {kind}"
-        return kind
+        reached = reach(list(self._model.named_modules()), stop=_generator_types())
+        path = next((path for path, obj in reached if obj is generator), "")
+        return f"{path}: {kind}" if path else kind
