@@ -37,6 +37,7 @@ from rollcall.worker.contract import (
     finite_buffers,
     in_eval_mode,
     learning_rates,
+    loaded_checked,
     modes_tag,
     not_finite,
     not_finite_names,
@@ -841,3 +842,29 @@ def test_a_data_set_setting_changed_after_construction_is_refused_naming_its_pat
         with pytest.raises(UsageError, match=re.escape(f"step 7: {said}")):
             watch.check(7)
         watch = DataWatch(dataset, collate)  # watched from here
+
+
+class _Kept:
+    """Registered state; ``forget`` names what its load_state_dict leaves."""
+
+    def __init__(self, forget: str = "", consume: bool = False) -> None:
+        self.step, self.weights = 0, torch.zeros(3)
+        self.forget, self.consume = forget, consume
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "weights": self.weights}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        taken = state.pop if self.consume else state.__getitem__  # a load that consumes
+        for key in ("step", "weights"):
+            value = taken(key)
+            if key != self.forget:
+                setattr(self, key, value)
+
+
+def test_registered_state_whose_load_forgets_a_field_is_refused_naming_it() -> None:
+    given = {"step": 7, "weights": torch.ones(3)}
+    loaded_checked("ema", _Kept(), dict(given))
+    loaded_checked("ema", _Kept(consume=True), dict(given))  # it emptied what it was given
+    with pytest.raises(UsageError, match=r"state\['ema'\]: after load_state_dict.*at 'weights'"):
+        loaded_checked("ema", _Kept(forget="weights"), dict(given))

@@ -205,6 +205,27 @@ def test_state_the_loop_changes_after_commit_travels_with_its_step(
         assert {manifest["digest"]} == by_step[manifest["step"]], manifest["uri"]
 
 
+def test_registered_state_whose_load_state_dict_forgets_a_field_is_refused_at_the_pull(
+    programs: Programs,
+) -> None:
+    # The EMA's load_state_dict keeps its own weights (a state class that
+    # forgot a field). At 88252a8 the joiner pulled the step, kept the EMA
+    # it had built, and both workers trained on to exit 0 with different
+    # EMAs: the weights a script exports at the end depended on which
+    # worker exported them.
+    common = ["--steps", "100000", "--loader-workers", "0", "--ema-load-forgets"]
+    first = programs.start(*common)
+    wait_step(first, lambda e: e["step"] >= 3)
+    joiner = programs.start(*common)
+    assert joiner.proc.wait(timeout=PATIENCE) != 0, joiner.log_tail()
+    log = joiner.log_tail(30)
+    assert "UsageError: state['ema']: after load_state_dict" in log, log
+    assert "'weights'" in log, log
+    assert not joiner.events("step")
+    at = first.events("step")[-1]["step"]
+    wait_step(first, lambda e: e["step"] > at + 3)
+
+
 def test_a_scheduler_stepped_in_the_loop_as_well_is_refused(programs: Programs) -> None:
     program = programs.start("--steps", "20", "--misuse-scheduler")
     assert program.proc.wait(timeout=PATIENCE) != 0

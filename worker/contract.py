@@ -974,6 +974,37 @@ def _has_scheduler(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False))
 
 
+def loaded_checked(name: str, obj: Stateful, given: Any) -> None:
+    """``obj.load_state_dict(given)``, refusing registered state whose
+    ``load_state_dict`` did not restore what ``state_dict`` gives (a field
+    forgotten in a state class): a worker that joins or resumes would keep
+    its own value of it, and the replicas would part with no error. What
+    was given is digested first (a ``load_state_dict`` may consume it)."""
+    expected = _digests(given)
+    obj.load_state_dict(given)
+    found = _digests(obj.state_dict())
+    if found == expected:
+        return
+    differing = ""
+    if isinstance(found, dict) and isinstance(expected, dict):
+        keys = sorted({*found, *expected}, key=str)
+        names = [repr(k) for k in keys if found.get(k) != expected.get(k)]
+        differing = f" (at {', '.join(names)})"
+    raise UsageError(
+        f"state[{name!r}]: after load_state_dict, its state_dict() differs from the state "
+        f"loaded into it{differing}. A worker that joins or resumes from a checkpoint would "
+        "keep its own value there, and the replicas would part with no error. Make "
+        "load_state_dict restore everything state_dict returns"
+    )
+
+
+def _digests(tree: Any) -> str | dict[Any, str]:
+    """A state's digest, or each top-level entry's for a dict."""
+    if isinstance(tree, dict):
+        return {key: tree_digest(value) for key, value in tree.items()}
+    return tree_digest(tree)
+
+
 class DataWatch:
     """The settings the data set and the collate function keep (numbers,
     text and flags among their attributes, a few levels down:

@@ -108,6 +108,7 @@ from rollcall.worker.contract import (
     finite_buffers,
     in_eval_mode,
     learning_rates,
+    loaded_checked,
     modes_tag,
     not_finite,
     not_finite_names,
@@ -1280,7 +1281,7 @@ class Elastic:
                 f"registers {sorted(self._extras)} (state=): every worker must register the same"
             )
         for name, obj in self._extras.items():
-            obj.load_state_dict(extras[name])
+            loaded_checked(name, obj, extras[name])
         self._registered.hold()  # the runtime's change, not the loop's
         if self._sharding is not None:
             # A checkpoint holds the whole optimizer state (a peer's snapshot

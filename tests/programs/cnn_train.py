@@ -130,9 +130,12 @@ class EMA:
     """An exponential moving average of the weights: user state that must
     travel with the replica (registered with Elastic(state=...))."""
 
-    def __init__(self, model: nn.Module, decay: float = 0.9) -> None:
+    def __init__(self, model: nn.Module, decay: float = 0.9, forgetful: bool = False) -> None:
         self.decay = decay
         self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        #: ``load_state_dict`` keeps its own weights (``--ema-load-forgets``):
+        #: a port whose state class forgot a field.
+        self.forgetful = forgetful
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
@@ -145,7 +148,8 @@ class EMA:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.decay = state["decay"]
-        self.weights = {k: v.clone() for k, v in state["weights"].items()}
+        if not self.forgetful:
+            self.weights = {k: v.clone() for k, v in state["weights"].items()}
 
 
 def loss_sum(
@@ -255,7 +259,7 @@ def train(args: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, requeue)
     model, optimizer, scheduler, data, validation = build(args)
     loader = DataLoader(data, batch_size=args.micro_batch, num_workers=args.loader_workers)
-    ema = EMA(model)
+    ema = EMA(model, forgetful=args.ema_load_forgets)
     clip = Clip(model, optimizer, args.hook_nan_at, args.lr_nan_at, args.grad_noise)
     scaler = None
     if args.grad_scaler or args.disabled_grad_scaler:  # as mixed precision off builds it
@@ -411,7 +415,7 @@ def reference(args: argparse.Namespace) -> None:
     from rollcall.worker.plan import DataPlan, load_seed
 
     model, optimizer, scheduler, data, _ = build(args)
-    ema = EMA(model)
+    ema = EMA(model, forgetful=args.ema_load_forgets)
     plan = DataPlan(len(data), args.global_batch, args.micro_batch, args.seed)
     for number in range(args.until or args.steps):
         total, count = 0.0, 0
@@ -544,6 +548,10 @@ def main() -> None:
         "--own-generators", action="store_true",
         help="flips drawn from a numpy generator the data set holds and a shift of the "
         "inputs the loop draws from numpy's and random's global generators",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ema-load-forgets", action="store_true",
+        help="the EMA's load_state_dict keeps its own weights (a port's forgotten field)",
     )  # fmt: skip
     parser.add_argument(
         "--harder-data-at", type=int, default=-1,
