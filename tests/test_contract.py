@@ -866,5 +866,7 @@ def test_registered_state_whose_load_forgets_a_field_is_refused_naming_it() -> N
     given = {"step": 7, "weights": torch.ones(3)}
     loaded_checked("ema", _Kept(), dict(given))
     loaded_checked("ema", _Kept(consume=True), dict(given))  # it emptied what it was given
+    nan = {"step": 7, "weights": torch.tensor([1.0, float("nan"), 2.0])}
+    loaded_checked("ema", _Kept(), dict(nan))  # NaN where NaN is the same state
     with pytest.raises(UsageError, match=r"state\['ema'\]: after load_state_dict.*at 'weights'"):
         loaded_checked("ema", _Kept(forget="weights"), dict(given))
