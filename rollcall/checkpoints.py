@@ -207,8 +207,8 @@ def build(resolve: Resolve, target_options: Decorator, token_option: Decorator) 
                 f"{_when(m.created_unix)}  by {m.writer}\n      {m.uri}  [{file_state(m)}]"
             )
         if unrecorded:
-            lists = sorted({str(p.parent / started_over_file_name(name)) for p, _ in unrecorded
-                            if (p.parent / started_over_file_name(name)).is_file()})  # fmt: skip
+            beside = {p.parent / started_over_file_name(name) for p, _ in unrecorded}
+            lists = sorted(str(path) for path in beside if path.is_file())
             never = (
                 f" (never those {', '.join(lists)} lists: they are of a run started over)"
                 if lists
