@@ -719,16 +719,38 @@ def _roll_call_answered(worker: WorkerProcess, after_epoch: int) -> tuple[float,
     raise TimeoutError(f"no roll call after epoch {after_epoch} answered: {worker.log_tail()}")
 
 
+_VIEW_RECEIVED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .* INFO view (\d+): ")
+
+
+def _view_received(worker: WorkerProcess, after_epoch: int) -> float:
+    """When the first view newer than ``after_epoch`` reached ``worker``
+    (wall clock, from its log)."""
+    deadline = time.monotonic() + PATIENCE
+    while time.monotonic() < deadline:
+        for line in worker.log_path.read_text(errors="replace").splitlines():
+            found = _VIEW_RECEIVED.match(line)
+            if found and int(found[2]) > after_epoch:
+                return datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        time.sleep(0.05)
+    raise TimeoutError(f"no view after epoch {after_epoch} reached it: {worker.log_tail()}")
+
+
 def test_a_clean_leave_just_after_a_join_lands_its_step_in_flight_with_the_leavers_part(
     etcd: LocalEtcd, tmp_path: Path
 ):
     """A clean leave whose roll call arrives 0.25 s before the join's roll
-    call before it has waited ``rollcall_step_end_wait`` (4 s here; steps
-    of 1-2 s): the join's time running out gives up nothing of the
-    leave's, whose step in flight lands with the leaver's part. (Before,
-    the join's timer gave up whichever roll call waited: the step was
-    aborted and trained again without the leaver, in 4 runs of 4.)"""
-    wait = 4.0
+    call before it has waited ``rollcall_step_end_wait`` (15 s here; steps
+    of 1-2 s, 7 s on a loaded host): the join's time running out gives up
+    nothing of the leave's, whose step in flight lands with the leaver's
+    part. (Before, the join's timer gave up whichever roll call waited: the
+    step was aborted and trained again without the leaver, in 4 runs of
+    4.) The leave comes only once the join's view reached the leaver: a
+    leave before it is a leave from the older view (as when, with 4 s here
+    and steps of 3.5 s on a slow CI host, the view came 0.05 s after it).
+    It comes a third of a step (0.25-1.5 s) before the join's time runs
+    out: on a loaded host the leave's roll call took longer than 0.25 s to
+    reach the others, and the join's timer found nothing to give up."""
+    wait = 15.0
     plane = ControlPlane([etcd.endpoint], tmp_path, settings=(f"rollcall_step_end_wait={wait}",))
     group = Workers(
         plane, tmp_path, steps=10_000,
@@ -742,7 +764,15 @@ def test_a_clean_leave_just_after_a_join_lands_its_step_in_flight_with_the_leave
         arrived, waited = _roll_call_answered(team[0], epoch)
         # The join's roll call waited for a step's end, so its timer runs.
         assert waited > 0.01, f"the join's roll call waited {waited:.3f} s for the step's end"
-        time.sleep(max(0.0, arrived + wait - 0.25 - time.time()))
+        received = _view_received(team[1], epoch)
+        step_s = 32 / team[0].steps()[-1]["samples_s"]  # the example's global batch
+        lead = min(max(step_s / 3, 0.25), 1.5)
+        assert received < arrived + wait - lead, (
+            f"the join's view reached the leaver {received - arrived:.2f} s after the join's roll "
+            f"call, too late for a leave in it {lead:.2f} s before that roll call's {wait} s ran "
+            f"out\n{log_tails(group.all)}"
+        )
+        time.sleep(max(0.0, arrived + wait - lead - time.time()))
         team[1].signal(signal.SIGINT)
         assert team[1].proc.wait(timeout=PATIENCE) == 130, team[1].log_tail()
         leavers_last = max(e["step"] for e in team[1].steps())
