@@ -385,6 +385,61 @@ def test_a_file_whose_last_line_is_no_record_cut_short_is_refused_and_kept(
         assert path.read_bytes() == content
 
 
+@pytest.mark.parametrize("kind", ["a directory", "a pipe", "a device"])
+def test_a_ledger_path_that_is_no_regular_file_is_refused_at_once(
+    tmp_path: Path, kind: str
+) -> None:
+    # A named pipe blocked the open until a reader came (a worker hung
+    # before it trained); /dev/null failed the first fsync with "[Errno 22]
+    # Invalid argument", naming no path; a directory failed bare.
+    if kind == "a pipe":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    else:
+        path = tmp_path if kind == "a directory" else Path("/dev/null")
+    for opening in (Ledger, Ledger.load):
+        with pytest.raises(ValueError, match=f"the ledger {path} is {kind}, not a regular file"):
+            opening(path)
+
+
+_FILE_SIZE_LIMITED = """
+import resource, signal, sys
+from pathlib import Path
+from rollcall.worker.ledger import Ledger
+
+path = Path(sys.argv[1])
+ledger = Ledger(path, sync_interval=0)
+ledger.record(0, view_epoch=1, world_size=1, sample_ids=[1, 2])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 20, resource.RLIM_INFINITY))
+try:
+    ledger.record(1, view_epoch=1, world_size=1, sample_ids=list(range(100, 140)))
+except OSError as error:
+    print(error)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    ledger.record(1, view_epoch=1, world_size=1, sample_ids=[3, 4])  # room again
+    ledger.close()
+"""
+
+
+@pytest.mark.integration
+def test_a_record_the_disk_refuses_names_the_ledger_and_step_and_leaves_no_half_line(
+    tmp_path: Path,
+) -> None:
+    # A full disk (here a file size limit, which the kernel enforces the
+    # same way: a write cut short, then an error) failed the commit with
+    # "[Errno 27] File too large", naming neither the file nor the step;
+    # the half record it left made the next record a corrupt line.
+    path = tmp_path / "ledger.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-c", _FILE_SIZE_LIMITED, str(path)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert f"the ledger {path} could not take the record of step 1 (File too large)" in done.stdout
+    assert "records up to step 0 are kept" in done.stdout, done.stdout
+    assert Ledger.load(path).steps() == {0: (1, 2), 1: (3, 4)}
+
+
 def test_a_malformed_complete_line_is_corruption(tmp_path: Path) -> None:
     path = tmp_path / "ledger.jsonl"
     path.write_text('not json\n{"step":1,"epoch":1,"world_size":1,"samples":[3]}\n')

@@ -8,10 +8,12 @@ that a run with failures consumed exactly the samples of one without
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import re
+import stat
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -75,11 +77,36 @@ class LedgerEntry:
         )
 
 
-def _open_locked(path: Path, wait: float) -> IO[str]:
+def _not_a_file(path: Path, mode: int) -> ValueError:
+    kind = "a directory" if stat.S_ISDIR(mode) else "a pipe" if stat.S_ISFIFO(mode) else "a device"
+    return ValueError(
+        f"the ledger {path} is {kind}, not a regular file: give the ledger a file path of its "
+        "own (a missing file is created)"
+    )
+
+
+def _open_locked(path: Path, wait: float) -> IO[bytes]:
     """``path`` opened for appending under an exclusive lock, or
     :class:`UsageError` if another open file holds the lock for ``wait``
-    seconds more."""
-    file = path.open("a", encoding="utf-8")
+    seconds more. Anything but a regular file is refused
+    (:class:`ValueError`): a named pipe blocked the open until a reader
+    came, ``/dev/null`` failed the first fsync, naming no path."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        mode = stat.S_IFREG
+    if not stat.S_ISREG(mode):
+        raise _not_a_file(path, mode)
+    # O_NONBLOCK: a pipe put there since does not block the open.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_a_file(path, mode)
+    os.set_blocking(fd, True)
+    # Unbuffered: a write the disk refused leaves nothing behind in memory
+    # for a later flush to write.
+    file = open(fd, "ab", buffering=0)  # noqa: SIM115 - held until close()
     deadline = time.monotonic() + wait
     while True:
         try:
@@ -123,6 +150,9 @@ def _read_entries(path: Path) -> tuple[list[LedgerEntry], int]:
     killed process; it is left out. A malformed complete line is corruption,
     and a last line that is not the start of a record is not one of ours (a
     file of the user's given as the ledger): both raise :class:`ValueError`."""
+    mode = path.stat().st_mode
+    if not stat.S_ISREG(mode):
+        raise _not_a_file(path, mode)
     data = path.read_bytes()
     complete = data.rfind(b"\n") + 1
     if not _TORN.fullmatch(data[complete:]):
@@ -183,12 +213,16 @@ class Ledger:
         self._unsynced = 0
         #: fsyncs done: the cost the interval bounds, visible to tests.
         self.fsyncs = 0
+        #: The length of the file's complete records: where a write that
+        #: failed half done is cut back to.
+        self._size = 0
         if path is not None and path.exists():
             entries, complete = _read_entries(path)
             for entry in entries:
                 self._add(entry)
             if complete < path.stat().st_size:
                 os.truncate(path, complete)
+            self._size = complete
 
     def fileno(self) -> int | None:
         """The descriptor of the locked file (None without a file): a
@@ -227,12 +261,32 @@ class Ledger:
         )
         self._check_next(entry.step)
         if self._file is not None:
-            self._file.write(entry.to_json() + "\n")
-            self._file.flush()
-            self._unsynced += 1
-            if self._clock() - self._synced_at >= self._sync_interval:
-                self._fsync()
+            try:
+                record = (entry.to_json() + "\n").encode()
+                written = 0
+                while written < len(record):
+                    written += self._file.write(record[written:])
+                self._unsynced += 1
+                if self._clock() - self._synced_at >= self._sync_interval:
+                    self._fsync()
+                self._size += written
+            except OSError as error:
+                with contextlib.suppress(OSError):  # the part written, if any
+                    os.ftruncate(self._file.fileno(), self._size)
+                raise self._write_failed(error, step) from error
         self._add(entry)
+
+    def _write_failed(self, error: OSError, step: int) -> OSError:
+        """A record that could not be written (a full disk, a quota, an I/O
+        error): said with the file, the step and what to do."""
+        kept = "" if self._last is None else f"; its records up to step {self._last} are kept"
+        return OSError(
+            error.errno,
+            f"the ledger {self._path} could not take the record of step {step} "
+            f"({error.strerror or error}): the step was trained and applied, and this worker "
+            "stops here. Free space there (or give the ledger another path) and start the "
+            f"worker again: it rejoins the job and its ledger goes on from the step it pulls{kept}",
+        )
 
     def rewind(self, step: int) -> int:
         """Forget the records after ``step``: the job resumed from a
@@ -247,8 +301,8 @@ class Ledger:
             del self._entries[s]
         self._last = max(self._entries, default=None)
         if self._file is not None and self._path is not None:
-            self._file.flush()
-            os.truncate(self._path, _end_of(self._path, step))
+            self._size = _end_of(self._path, step)
+            os.truncate(self._path, self._size)
             self._unsynced += 1
             self._fsync()
         return len(later)
