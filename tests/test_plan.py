@@ -402,6 +402,12 @@ def test_a_ledger_path_that_is_no_regular_file_is_refused_at_once(
             opening(path)
 
 
+def test_a_ledger_path_that_cannot_be_appended_to_is_refused_naming_it() -> None:
+    # A file of /proc: "OSError: [Errno 22] Invalid argument", naming no path.
+    with pytest.raises(OSError, match="the ledger /proc/version cannot be appended to"):
+        Ledger(Path("/proc/version"))
+
+
 _FILE_SIZE_LIMITED = """
 import resource, signal, sys
 from pathlib import Path

@@ -99,14 +99,24 @@ def _open_locked(path: Path, wait: float) -> IO[bytes]:
         raise _not_a_file(path, mode)
     # O_NONBLOCK: a pipe put there since does not block the open.
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666)
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_a_file(path, mode)
+        os.set_blocking(fd, True)
+        # Unbuffered: a write the disk refused leaves nothing behind in
+        # memory for a later flush to write.
+        file = open(fd, "ab", buffering=0)  # noqa: SIM115 - held until close()
+    except OSError as error:  # a file of /proc: "[Errno 22] Invalid argument"
         os.close(fd)
-        raise _not_a_file(path, mode)
-    os.set_blocking(fd, True)
-    # Unbuffered: a write the disk refused leaves nothing behind in memory
-    # for a later flush to write.
-    file = open(fd, "ab", buffering=0)  # noqa: SIM115 - held until close()
+        raise OSError(
+            error.errno,
+            f"the ledger {path} cannot be appended to ({error.strerror}): give the ledger a "
+            "file path of its own",
+        ) from error
+    except ValueError:
+        os.close(fd)
+        raise
     deadline = time.monotonic() + wait
     while True:
         try:
