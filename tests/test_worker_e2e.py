@@ -702,44 +702,39 @@ _ANSWERED = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .* roll call (\d+) answered in ([\d.]+) ms "
     r"\(step \S+: ([\d.]+) ms waiting for it to land"
 )
+#: A worker's line when a view reaches it (its time, the epoch).
+_VIEW_RECEIVED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .* INFO view (\d+): ")
+
+
+def _first_logged(
+    worker: WorkerProcess, line: re.Pattern[str], after_epoch: int
+) -> tuple[float, re.Match[str]]:
+    """The first line of ``worker``'s log that ``line`` matches with an
+    epoch (its second group) newer than ``after_epoch``: its wall-clock
+    time (the first group) and the match."""
+    deadline = time.monotonic() + PATIENCE
+    while time.monotonic() < deadline:
+        for text in worker.log_path.read_text(errors="replace").splitlines():
+            found = line.match(text)
+            if found and int(found[2]) > after_epoch:
+                return datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f").timestamp(), found
+        time.sleep(0.05)
+    raise TimeoutError(f"no {line.pattern!r} after epoch {after_epoch}: {worker.log_tail()}")
 
 
 def _roll_call_answered(worker: WorkerProcess, after_epoch: int) -> tuple[float, float]:
     """When the first roll call newer than ``after_epoch`` reached
     ``worker`` (wall clock, from its debug log) and how long its answer
     waited for the step in flight to end, in seconds."""
-    deadline = time.monotonic() + PATIENCE
-    while time.monotonic() < deadline:
-        for line in worker.log_path.read_text(errors="replace").splitlines():
-            found = _ANSWERED.match(line)
-            if found and int(found[2]) > after_epoch:
-                logged = datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                return logged - float(found[3]) / 1000, float(found[4]) / 1000
-        time.sleep(0.05)
-    raise TimeoutError(f"no roll call after epoch {after_epoch} answered: {worker.log_tail()}")
-
-
-_VIEW_RECEIVED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .* INFO view (\d+): ")
-
-
-def _view_received(worker: WorkerProcess, after_epoch: int) -> float:
-    """When the first view newer than ``after_epoch`` reached ``worker``
-    (wall clock, from its log)."""
-    deadline = time.monotonic() + PATIENCE
-    while time.monotonic() < deadline:
-        for line in worker.log_path.read_text(errors="replace").splitlines():
-            found = _VIEW_RECEIVED.match(line)
-            if found and int(found[2]) > after_epoch:
-                return datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        time.sleep(0.05)
-    raise TimeoutError(f"no view after epoch {after_epoch} reached it: {worker.log_tail()}")
+    logged, found = _first_logged(worker, _ANSWERED, after_epoch)
+    return logged - float(found[3]) / 1000, float(found[4]) / 1000
 
 
 def test_a_clean_leave_just_after_a_join_lands_its_step_in_flight_with_the_leavers_part(
     etcd: LocalEtcd, tmp_path: Path
 ):
-    """A clean leave whose roll call arrives 0.25 s before the join's roll
-    call before it has waited ``rollcall_step_end_wait`` (15 s here; steps
+    """A clean leave whose roll call arrives just before the join's roll
+    call has waited ``rollcall_step_end_wait`` (15 s here; steps
     of 1-2 s, 7 s on a loaded host): the join's time running out gives up
     nothing of the leave's, whose step in flight lands with the leaver's
     part. (Before, the join's timer gave up whichever roll call waited: the
@@ -764,7 +759,7 @@ def test_a_clean_leave_just_after_a_join_lands_its_step_in_flight_with_the_leave
         arrived, waited = _roll_call_answered(team[0], epoch)
         # The join's roll call waited for a step's end, so its timer runs.
         assert waited > 0.01, f"the join's roll call waited {waited:.3f} s for the step's end"
-        received = _view_received(team[1], epoch)
+        received, _ = _first_logged(team[1], _VIEW_RECEIVED, epoch)
         step_s = 32 / team[0].steps()[-1]["samples_s"]  # the example's global batch
         lead = min(max(step_s / 3, 0.25), 1.5)
         assert received < arrived + wait - lead, (
