@@ -3,6 +3,7 @@ a user trial is refused with a UsageError that says what to change."""
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import re
@@ -45,6 +46,7 @@ from rollcall.worker.contract import (
     settings_tag,
     skips_non_finite,
 )
+from rollcall.worker.state import capture
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -860,6 +862,38 @@ class _Kept:
             value = taken(key)
             if key != self.forget:
                 setattr(self, key, value)
+
+
+class _Phase(enum.IntEnum):
+    WARMUP = 0
+    DECAY = 1
+
+
+class _Typed:
+    """Registered state whose fields are of scalar subclasses: an IntEnum
+    and a numpy float, restored as such."""
+
+    def __init__(self) -> None:
+        self.phase, self.scale = _Phase.WARMUP, np.float64(1.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, "scale": self.scale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.phase, self.scale = _Phase(state["phase"]), np.float64(state["scale"])
+
+
+def test_registered_state_of_scalar_subclasses_that_loads_whole_is_not_refused() -> None:
+    # A captured state holds such values as their plain base types (an
+    # IntEnum as an int, numpy.float64 as a float), and a load_state_dict
+    # that turns them back restores them: at 5626231 this was refused as a
+    # forgotten field ("at 'phase', 'scale'"), at every pull and resume.
+    given = capture(0, *_model_and_optimizer(), extras={"phase": _Typed().state_dict()}).extras
+    assert type(given["phase"]["phase"]) is int and type(given["phase"]["scale"]) is float
+    given["phase"].update(phase=1, scale=0.5)
+    state = _Typed()
+    loaded_checked("phase", state, given["phase"])
+    assert state.phase is _Phase.DECAY and state.scale == 0.5
 
 
 def test_registered_state_whose_load_forgets_a_field_is_refused_naming_it() -> None:

@@ -172,6 +172,13 @@ def _shared(_: torch.Tensor) -> bool:
     return True
 
 
+def plain(tree: Any, path: str) -> Any:
+    """``tree`` as a captured state holds it: containers copied, tensors
+    the same objects, subclasses of the scalar types as their base type;
+    ``TypeError`` for what a state cannot hold."""
+    return _copy_tree(tree, path, _shared)
+
+
 def _copy_tree(obj: Any, path: str, share: Callable[[torch.Tensor], bool] | None = None) -> Any:
     """Deep copy of a state tree, cloning tensors (those ``share`` names
     only detached), and proof that it holds only types the byte form
