@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rollcall.membership.errors import UsageError
 from rollcall.worker.ledger import Ledger, merge_ledgers
 from rollcall.worker.plan import (
     DataPlan,
@@ -400,6 +401,39 @@ def test_a_ledger_path_that_is_no_regular_file_is_refused_at_once(
     for opening in (Ledger, Ledger.load):
         with pytest.raises(ValueError, match=f"the ledger {path} is {kind}, not a regular file"):
             opening(path)
+
+
+@pytest.mark.parametrize("differs", ["first", "last", "seed"])
+def test_a_ledger_of_another_data_plan_is_refused_and_one_of_the_plan_is_not(
+    tmp_path: Path, differs: str
+) -> None:
+    # Records of another plan (another job's ledger) would be kept beside
+    # this job's: refused, the file unchanged. The plan's own records (the
+    # same job's worker restarted on its ledger) are not.
+    plan = DataPlan(num_samples=100, global_batch=8, micro_batch=2, seed=3)
+    other = DataPlan(num_samples=100, global_batch=8, micro_batch=2, seed=4)
+    path = tmp_path / "ledger.jsonl"
+    ledger = Ledger(path)
+    for step in range(5, 30):  # a worker that joined at step 5, over three data epochs
+        wrong = differs == "seed" or (differs == "first" and step == 5) or (
+            differs == "last" and step == 29)  # fmt: skip
+        ledger.record(step, 1, 2, (other if wrong else plan).step_samples(step))
+    ledger.close()
+    before = path.read_bytes()
+    opened = Ledger(path)
+    opened.close()
+    own = Ledger(tmp_path / "own.jsonl")
+    for step in range(5, 30):
+        own.record(step, 1, 2, plan.step_samples(step))
+    own.refuse_another_plan(plan)
+    own.refuse_another_plan(DataPlan(100, 8, 2, seed=3))  # an equal plan, built anew
+    with pytest.raises(UsageError) as refused:
+        opened.refuse_another_plan(plan)
+    step = 29 if differs == "last" else 5
+    assert f"the ledger {path} holds step {step} with other samples" in str(refused.value)
+    assert "seed=3" in str(refused.value)
+    assert path.read_bytes() == before
+    Ledger(tmp_path / "empty.jsonl").refuse_another_plan(plan)
 
 
 def test_a_ledger_path_that_cannot_be_appended_to_is_refused_naming_it() -> None:

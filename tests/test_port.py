@@ -438,14 +438,52 @@ def test_a_job_started_at_step_0_on_a_ledger_another_run_wrote_is_refused_before
     # it, and died in its commit with "ValueError: step 0 is already
     # recorded", which named neither the file nor what to do.
     path = programs.tmp_path / "ledger0.jsonl"  # the first program's (Programs.start)
-    earlier = Ledger(path)
-    for step in range(3):
-        earlier.record(step, 1, 1, range(step * 4, step * 4 + 4))
-    earlier.close()
+    write_ledger(path, PROGRAM_PLAN, steps=3)  # the script's own data plan: its earlier run
     before = path.read_bytes()
     log = refused_before_a_step(programs)
     assert f"the ledger {path} already holds steps 0 to 2" in log, log
     assert path.read_bytes() == before
+
+
+def test_a_worker_joining_on_a_ledger_another_job_wrote_is_refused_and_leaves_it_as_it_was(
+    programs: Programs,
+) -> None:
+    # The --ledger path of another job (another data order) given to a worker
+    # that joins a running job at step s > 0: at c079c1b it pulled the state,
+    # kept the other job's records up to s, appended this job's after them
+    # and trained on to exit 0: one file mixing two jobs' steps, which a
+    # merge of the run's ledgers takes for this job's.
+    first = programs.start("--steps", "400", "--loader-workers", "0")
+    wait_step(first, lambda e: e["step"] >= 3)
+    path = programs.tmp_path / "ledger1.jsonl"  # the second program's
+    other = DataPlan(PROGRAM_PLAN.num_samples, PROGRAM_PLAN.global_batch,
+                     PROGRAM_PLAN.micro_batch, seed=PROGRAM_PLAN.seed + 1)  # fmt: skip
+    write_ledger(path, other, steps=3)
+    before = path.read_bytes()
+    joiner = programs.start("--steps", "400", "--loader-workers", "0")
+    assert joiner.proc.wait(timeout=PATIENCE) != 0, joiner.log_tail()
+    log = joiner.log_tail(30)
+    assert f"UsageError: the ledger {path} holds step 0 with other samples" in log, log
+    assert "nothing was trained" in log
+    assert not joiner.events("step")
+    assert path.read_bytes() == before
+    # The job went on without it.
+    done = len(first.events("step"))
+    wait_step(first, lambda e: e["step"] >= done + 2)
+    assert first.proc.poll() is None, first.log_tail()
+
+
+#: The data plan of tests/programs/cnn_train.py with its default sizes and seed.
+PROGRAM_PLAN = DataPlan(num_samples=3000, global_batch=48, micro_batch=8, seed=0)
+
+
+def write_ledger(path: Path, plan: DataPlan, steps: int) -> None:
+    """A ledger file of ``steps`` steps under ``plan``, as a worker of one
+    rank writes it."""
+    ledger = Ledger(path)
+    for step in range(steps):
+        ledger.record(step, 1, 1, plan.step_samples(step))
+    ledger.close()
 
 
 @pytest.mark.parametrize("loader_workers", ["0", "2"], ids=["loaded here", "loader workers"])

@@ -23,7 +23,7 @@ from typing import IO
 
 from rollcall.membership.config import Config
 from rollcall.membership.errors import UsageError
-from rollcall.worker.plan import require_int
+from rollcall.worker.plan import DataPlan, require_int
 
 #: How many sample ids a :meth:`Ledger.compare` message lists before eliding.
 _SHOWN_IDS = 10
@@ -339,6 +339,30 @@ class Ledger:
         self._check_next(entry.step)
         self._entries[entry.step] = entry
         self._last = entry.step
+
+    def refuse_another_plan(self, plan: DataPlan) -> None:
+        """The records this file holds must be steps of ``plan``, the data
+        plan of the job that the worker opening it trains (a job's plan never
+        changes: the fingerprint holds its sizes and seed). A record with
+        other samples is another job's (or another data configuration's):
+        kept, the file would mix two jobs' steps, and a merge of the run's
+        ledgers would take them for this job's. :class:`UsageError`, the
+        file left as it is. The first and the last record are compared:
+        another order differs in both with near certainty, and the check
+        costs two steps' samples however long the file."""
+        if not self._entries:
+            return
+        for step in dict.fromkeys((min(self._entries), max(self._entries))):
+            if self._entries[step].samples != plan.step_samples(step):
+                raise UsageError(
+                    f"the ledger {self._path} holds step {step} with other samples than this "
+                    f"worker's data plan gives that step (num_samples={plan.num_samples}, "
+                    f"global_batch={plan.global_batch}, micro_batch={plan.micro_batch}, "
+                    f"seed={plan.seed}): it was written by another job or with other data "
+                    "settings, and this job's steps would be recorded beside its records. Give "
+                    "each job a ledger file of its own (another path) or move that one away; "
+                    "nothing was trained"
+                )
 
     def steps(self) -> dict[int, tuple[int, ...]]:
         """Step -> the sample ids it consumed, in step order."""

@@ -654,6 +654,11 @@ class Elastic:
                 pin_memory=pin_memory,
             ), config=self._config,
         )  # fmt: skip
+        try:
+            self.ledger.refuse_another_plan(self._loader.plan)
+        except UsageError:
+            self.ledger.close()
+            raise
         # What every worker of the job must match, checked at join: taken
         # before anything trains the model.
         flags = {"min_workers": str(min_workers), "sync_buffers": str(sync_buffers).lower(),
