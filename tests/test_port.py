@@ -698,6 +698,19 @@ def test_a_loop_that_leaves_the_microbatches_of_a_step_early_is_refused_at_its_c
     assert "samples would be recorded as trained" in log
 
 
+def test_a_hook_that_drops_the_gradients_is_refused_before_the_update(
+    programs: Programs,
+) -> None:
+    # optimizer.zero_grad() moved from a plain loop's end into before_update
+    # (after the clipping): the optimizer found no gradient and left every
+    # parameter as it was; at c079c1b the job trained on, exit 0, with a
+    # model that never learned.
+    log = refused_before_a_step(programs, "--zero-grad-in-hook", "none")
+    assert "step 0: before_update (__main__.Clip) set the gradient of" in log, log
+    assert "features.0.weight" in log and "(10 of 10 trained parameters) to None" in log
+    assert "optimizer.zero_grad() there is not needed" in log
+
+
 def test_a_loop_that_trains_on_its_own_data_loader_is_refused_at_its_commit(
     programs: Programs,
 ) -> None:

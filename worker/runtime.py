@@ -2676,6 +2676,7 @@ class Elastic:
             self._before_update(step)
             self._check_parameters_kept(step, in_hook=True)
             left = [p.grad for p in self._params]
+            self._check_gradients_kept(step, left, used)
             if finite and not_finite(g for g in left if g is not None):
                 # The reduced gradient was finite: the hook made it not.
                 hook = callable_name(self._before_update)
@@ -2778,6 +2779,32 @@ class Elastic:
             check_optimizer_params(self._model, self._optimizer)
             self._groups_seen = sizes
         self._parameter_watch.check(step.number, full=self._check_due(step.number))
+
+    def _check_gradients_kept(
+        self, step: Step, left: Sequence[torch.Tensor | None], used: Sequence[bool]
+    ) -> None:
+        """(After ``before_update``.) A parameter some microbatch gave a
+        gradient must still have one: a hook that set it to None (a plain
+        loop's ``optimizer.zero_grad()`` after its clipping, moved into the
+        hook) makes the optimizer skip the parameter, and with all of them
+        the job trains on with a model that never changes. Every rank runs
+        the same hook on the same gradient, so every rank raises here, before
+        the update. (A hook that zeroes gradients in place is not seen.)"""
+        dropped = [
+            None if grad is not None or not was_used else param
+            for param, grad, was_used in zip(self._params, left, used, strict=True)
+        ]
+        named = list(self._by_name(dropped))
+        if not named:
+            return
+        listed = ", ".join(named[:8]) + (f" and {len(named) - 8} more" if len(named) > 8 else "")
+        raise UsageError(
+            f"step {step.number}: before_update ({callable_name(self._before_update)}) set the "
+            f"gradient of {listed} ({len(named)} of {len(self._params)} trained parameters) to "
+            "None, so the optimizer would leave them as they are at every step. Leave the "
+            "gradients in place in the hook (the runtime drops them after the update; an "
+            "optimizer.zero_grad() there is not needed)"
+        )
 
     def _check_parameters_kept(self, step: Step, in_hook: bool = False) -> None:
         """(Sharded, every ``drift_check_every`` steps: before the reduction,

@@ -208,11 +208,13 @@ class Clip:
         nan_at: int,
         lr_nan_at: int,
         noise: float = 0.0,
+        zero_grad: str | None = None,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.norm = 0.0
         self.nan_at, self.lr_nan_at = nan_at, lr_nan_at
         self.noise = noise
+        self.zero_grad = zero_grad
 
     def __call__(self, step: Any) -> None:
         self.norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
@@ -227,6 +229,8 @@ class Clip:
         if step.number == self.lr_nan_at:  # a schedule computed to NaN: the update is NaN
             for group in self.optimizer.param_groups:
                 group["lr"] = float("nan")
+        if self.zero_grad:  # a plain loop's zero_grad() after its clipping, moved in here
+            self.optimizer.zero_grad(set_to_none=self.zero_grad == "none")
 
 
 @torch.no_grad()
@@ -260,7 +264,10 @@ def train(args: argparse.Namespace) -> None:
     model, optimizer, scheduler, data, validation = build(args)
     loader = DataLoader(data, batch_size=args.micro_batch, num_workers=args.loader_workers)
     ema = EMA(model, forgetful=args.ema_load_forgets)
-    clip = Clip(model, optimizer, args.hook_nan_at, args.lr_nan_at, args.grad_noise)
+    clip = Clip(
+        model, optimizer, args.hook_nan_at, args.lr_nan_at, args.grad_noise,
+        args.zero_grad_in_hook,
+    )
     scaler = None
     if args.grad_scaler or args.disabled_grad_scaler:  # as mixed precision off builds it
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=args.grad_scaler)
@@ -511,6 +518,11 @@ def main() -> None:
         "--ported-zero-grad", choices=["none", "zeros"],
         help="call optimizer.zero_grad() before each microbatch, as a plain loop does before "
         "each batch: set_to_none=True (none) or False (zeros)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--zero-grad-in-hook", choices=["none", "zeros"],
+        help="the clipping hook calls optimizer.zero_grad() after clipping: "
+        "set_to_none=True (none) or False (zeros)",
     )  # fmt: skip
     parser.add_argument(
         "--aux-until", type=int, default=-1,
