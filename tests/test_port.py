@@ -445,6 +445,36 @@ def test_a_job_started_at_step_0_on_a_ledger_another_run_wrote_is_refused_before
     assert path.read_bytes() == before
 
 
+def test_a_worker_joining_a_job_before_its_first_commit_on_an_earlier_runs_ledger_is_refused(
+    programs: Programs,
+) -> None:
+    # The same script's earlier run left the joiner's ledger (the same data
+    # plan). The job has committed no step yet, so the joiner starts at step
+    # 0 as much as a worker that starts the job does. Listed as unchecked in
+    # an earlier stop (a crash at its first commit feared); it is refused as
+    # the starting worker is: no member holds a committed state, so the view
+    # takes the resume path.
+    hold = programs.tmp_path / "hold"
+    hold.touch()
+    first = programs.start("--steps", "6", "--loader-workers", "0", "--hold-while", str(hold))
+    wait_for(lambda: "step 0 next" in first.log_tail(), "the first worker's view", PATIENCE)
+    path = programs.tmp_path / "ledger1.jsonl"  # the second program's
+    write_ledger(path, PROGRAM_PLAN, steps=3)
+    before = path.read_bytes()
+    joiner = programs.start("--steps", "6", "--loader-workers", "0")
+    try:
+        code = joiner.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        hold.unlink()
+    log = joiner.log_tail(30)
+    assert code is not None and code != 0, log
+    assert f"the ledger {path} already holds steps 0 to 2" in log, log
+    assert path.read_bytes() == before
+    assert first.proc.wait(timeout=PATIENCE) == 0, first.log_tail()
+
+
 def test_a_worker_joining_on_a_ledger_another_job_wrote_is_refused_and_leaves_it_as_it_was(
     programs: Programs,
 ) -> None:
