@@ -463,7 +463,7 @@ def test_a_worker_joining_a_job_before_its_first_commit_on_an_earlier_runs_ledge
     before = path.read_bytes()
     joiner = programs.start("--steps", "6", "--loader-workers", "0")
     try:
-        code = joiner.proc.wait(timeout=30)
+        code = joiner.proc.wait(timeout=PATIENCE)
     except subprocess.TimeoutExpired:
         code = None
     finally:
