@@ -728,17 +728,34 @@ def test_a_loop_that_leaves_the_microbatches_of_a_step_early_is_refused_at_its_c
     assert "samples would be recorded as trained" in log
 
 
-def test_a_hook_that_drops_the_gradients_is_refused_before_the_update(
+def test_a_hook_that_drops_every_gradient_at_every_step_is_refused_before_the_update(
     programs: Programs,
 ) -> None:
     # optimizer.zero_grad() moved from a plain loop's end into before_update
     # (after the clipping): the optimizer found no gradient and left every
     # parameter as it was; at c079c1b the job trained on, exit 0, with a
-    # model that never learned.
-    log = refused_before_a_step(programs, "--zero-grad-in-hook", "none")
-    assert "step 0: before_update (__main__.Clip) set the gradient of" in log, log
-    assert "features.0.weight" in log and "(10 of 10 trained parameters) to None" in log
-    assert "optimizer.zero_grad() there is not needed" in log
+    # model that never learned. A skipped update is a hook's choice now and
+    # then; max_skipped_steps of them in a row are refused.
+    program = programs.start(
+        "--steps", "8", "--loader-workers", "0", "--zero-grad-in-hook", "none",
+        "--max-skipped-steps", "3",
+    )  # fmt: skip
+    assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()
+    log = program.log_tail(30)
+    assert "UsageError: step 2: before_update (__main__.Clip) set every gradient to None at " \
+        "each step since step 0 (3 in a row" in log, log
+    assert "so the model is the one it began with and would not change" in log
+    assert [e["step"] for e in program.events("step")] == [0, 1]
+
+
+def test_a_hook_that_drops_some_gradients_trains_on(programs: Programs) -> None:
+    # A hook that freezes a part by dropping its gradients is a choice.
+    program = programs.start(
+        "--steps", "4", "--loader-workers", "0", "--zero-grad-in-hook", "head",
+        "--max-skipped-steps", "2",
+    )  # fmt: skip
+    assert program.proc.wait(timeout=PATIENCE) == 0, program.log_tail()
+    assert [e["step"] for e in program.events("step")] == [0, 1, 2, 3]
 
 
 def test_a_loop_that_trains_on_its_own_data_loader_is_refused_at_its_commit(

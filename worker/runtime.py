@@ -627,6 +627,8 @@ class Elastic:
         self._skips = skips_non_finite(grad_scaler)
         self._skipped = 0
         self._max_skipped = max_skipped_steps
+        #: Steps in a row whose before_update left no gradient (``_check_gradients_kept``).
+        self._dropped = 0
         #: What the loop's code may change (``_check_registered``, ``busy``).
         self._registered = RegisteredWatch({
             **{f"state {name!r}": obj for name, obj in self._extras.items()},
@@ -2783,27 +2785,31 @@ class Elastic:
     def _check_gradients_kept(
         self, step: Step, left: Sequence[torch.Tensor | None], used: Sequence[bool]
     ) -> None:
-        """(After ``before_update``.) A parameter some microbatch gave a
-        gradient must still have one: a hook that set it to None (a plain
-        loop's ``optimizer.zero_grad()`` after its clipping, moved into the
-        hook) makes the optimizer skip the parameter, and with all of them
-        the job trains on with a model that never changes. Every rank runs
-        the same hook on the same gradient, so every rank raises here, before
-        the update. (A hook that zeroes gradients in place is not seen.)"""
-        dropped = [
-            None if grad is not None or not was_used else param
-            for param, grad, was_used in zip(self._params, left, used, strict=True)
-        ]
-        named = list(self._by_name(dropped))
-        if not named:
+        """(After ``before_update``.) A hook that sets every gradient to None
+        makes the optimizer skip every parameter: the update is skipped. Now
+        and then that is a choice (a hook that skips a step whose gradient
+        spikes); at ``max_skipped_steps`` steps in a row it is a plain loop's
+        ``optimizer.zero_grad()`` moved into the hook, and the job would
+        train on with a model that never changes. Every rank runs the same
+        hook on the same gradient, so every rank raises here, before the
+        update. A hook that drops some gradients (a part it freezes) is
+        left alone, as is one that zeroes them in place (not seen)."""
+        kept = [grad for grad, was_used in zip(left, used, strict=True) if was_used]
+        self._dropped = self._dropped + 1 if kept and all(g is None for g in kept) else 0
+        if self._dropped < self._max_skipped:
             return
-        listed = ", ".join(named[:8]) + (f" and {len(named) - 8} more" if len(named) > 8 else "")
+        first = step.number - self._dropped + 1
+        unchanged = (
+            f"has not changed since step {first - 1}" if first else "is the one it began with"
+        )
         raise UsageError(
-            f"step {step.number}: before_update ({callable_name(self._before_update)}) set the "
-            f"gradient of {listed} ({len(named)} of {len(self._params)} trained parameters) to "
-            "None, so the optimizer would leave them as they are at every step. Leave the "
-            "gradients in place in the hook (the runtime drops them after the update; an "
-            "optimizer.zero_grad() there is not needed)"
+            f"step {step.number}: before_update ({callable_name(self._before_update)}) set every "
+            f"gradient to None at each step since step {first} ({self._dropped} in a row, the "
+            f"most max_skipped_steps allows): the optimizer skipped every parameter, so the "
+            f"model {unchanged} and would not change for the rest of the run. Leave the "
+            "gradients in place in the hook (the runtime drops them after "
+            "every update: a plain loop's optimizer.zero_grad() is not needed there); a hook "
+            "that skips an update now and then is fine, or raise Elastic(max_skipped_steps=...)"
         )
 
     def _check_parameters_kept(self, step: Step, in_hook: bool = False) -> None:

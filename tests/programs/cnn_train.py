@@ -229,7 +229,10 @@ class Clip:
         if step.number == self.lr_nan_at:  # a schedule computed to NaN: the update is NaN
             for group in self.optimizer.param_groups:
                 group["lr"] = float("nan")
-        if self.zero_grad:  # a plain loop's zero_grad() after its clipping, moved in here
+        if self.zero_grad == "head":  # a part frozen by dropping its gradients
+            for param in self.model.head.parameters():
+                param.grad = None
+        elif self.zero_grad:  # a plain loop's zero_grad() after its clipping, moved in here
             self.optimizer.zero_grad(set_to_none=self.zero_grad == "none")
 
 
@@ -520,9 +523,9 @@ def main() -> None:
         "each batch: set_to_none=True (none) or False (zeros)",
     )  # fmt: skip
     parser.add_argument(
-        "--zero-grad-in-hook", choices=["none", "zeros"],
+        "--zero-grad-in-hook", choices=["none", "zeros", "head"],
         help="the clipping hook calls optimizer.zero_grad() after clipping: "
-        "set_to_none=True (none) or False (zeros)",
+        "set_to_none=True (none) or False (zeros); or sets the head's gradients to None",
     )  # fmt: skip
     parser.add_argument(
         "--aux-until", type=int, default=-1,
