@@ -420,15 +420,16 @@ def test_a_ledger_of_another_data_plan_is_refused_and_one_of_the_plan_is_not(
         ledger.record(step, 1, 2, (other if wrong else plan).step_samples(step))
     ledger.close()
     before = path.read_bytes()
-    opened = Ledger(path)
+    opened = Ledger(path)  # as the runtime opens it, before the check
+    with pytest.raises(UsageError) as refused:
+        opened.refuse_another_plan(plan)
     opened.close()
     own = Ledger(tmp_path / "own.jsonl")
     for step in range(5, 30):
         own.record(step, 1, 2, plan.step_samples(step))
     own.refuse_another_plan(plan)
     own.refuse_another_plan(DataPlan(100, 8, 2, seed=3))  # an equal plan, built anew
-    with pytest.raises(UsageError) as refused:
-        opened.refuse_another_plan(plan)
+    own.close()
     step = 29 if differs == "last" else 5
     assert f"the ledger {path} holds step {step} with other samples" in str(refused.value)
     assert "seed=3" in str(refused.value)

@@ -737,7 +737,7 @@ def test_a_hook_that_drops_every_gradient_at_every_step_is_refused_before_the_up
     # model that never learned. A skipped update is a hook's choice now and
     # then; max_skipped_steps of them in a row are refused.
     program = programs.start(
-        "--steps", "8", "--loader-workers", "0", "--zero-grad-in-hook", "none",
+        "--steps", "8", "--loader-workers", "0", "--zero-grad-in-hook", "all",
         "--max-skipped-steps", "3",
     )  # fmt: skip
     assert program.proc.wait(timeout=PATIENCE) != 0, program.log_tail()

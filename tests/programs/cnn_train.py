@@ -232,8 +232,8 @@ class Clip:
         if self.zero_grad == "head":  # a part frozen by dropping its gradients
             for param in self.model.head.parameters():
                 param.grad = None
-        elif self.zero_grad:  # a plain loop's zero_grad() after its clipping, moved in here
-            self.optimizer.zero_grad(set_to_none=self.zero_grad == "none")
+        elif self.zero_grad == "all":  # a plain loop's zero_grad() after its clipping
+            self.optimizer.zero_grad()
 
 
 @torch.no_grad()
@@ -523,9 +523,9 @@ def main() -> None:
         "each batch: set_to_none=True (none) or False (zeros)",
     )  # fmt: skip
     parser.add_argument(
-        "--zero-grad-in-hook", choices=["none", "zeros", "head"],
-        help="the clipping hook calls optimizer.zero_grad() after clipping: "
-        "set_to_none=True (none) or False (zeros); or sets the head's gradients to None",
+        "--zero-grad-in-hook", choices=["all", "head"],
+        help="the clipping hook then calls optimizer.zero_grad() (all), or sets the head's "
+        "gradients to None (head)",
     )  # fmt: skip
     parser.add_argument(
         "--aux-until", type=int, default=-1,
