@@ -2786,30 +2786,30 @@ class Elastic:
         self, step: Step, left: Sequence[torch.Tensor | None], used: Sequence[bool]
     ) -> None:
         """(After ``before_update``.) A hook that sets every gradient to None
-        makes the optimizer skip every parameter: the update is skipped. Now
-        and then that is a choice (a hook that skips a step whose gradient
-        spikes); at ``max_skipped_steps`` steps in a row it is a plain loop's
-        ``optimizer.zero_grad()`` moved into the hook, and the job would
-        train on with a model that never changes. Every rank runs the same
-        hook on the same gradient, so every rank raises here, before the
-        update. A hook that drops some gradients (a part it freezes) is
-        left alone, as is one that zeroes them in place (not seen)."""
+        gives the update no gradient: the optimizer skips every parameter (a
+        sharded job's applies a zero gradient, which only momentum and
+        weight decay move them by). Now and then that is a choice (a hook
+        that skips a step whose gradient spikes); at ``max_skipped_steps``
+        steps in a row it is a plain loop's ``optimizer.zero_grad()`` moved
+        into the hook, and the job would train on with a model that never
+        learns. Every rank runs the same hook on the same reduced gradient,
+        so every rank raises here, before the update. A hook that drops some
+        gradients (a part it freezes) is left alone, as is one that zeroes
+        them in place (not seen)."""
         kept = [grad for grad, was_used in zip(left, used, strict=True) if was_used]
         self._dropped = self._dropped + 1 if kept and all(g is None for g in kept) else 0
         if self._dropped < self._max_skipped:
             return
         first = step.number - self._dropped + 1
-        unchanged = (
-            f"has not changed since step {first - 1}" if first else "is the one it began with"
-        )
         raise UsageError(
             f"step {step.number}: before_update ({callable_name(self._before_update)}) set every "
             f"gradient to None at each step since step {first} ({self._dropped} in a row, the "
-            f"most max_skipped_steps allows): the optimizer skipped every parameter, so the "
-            f"model {unchanged} and would not change for the rest of the run. Leave the "
-            "gradients in place in the hook (the runtime drops them after "
-            "every update: a plain loop's optimizer.zero_grad() is not needed there); a hook "
-            "that skips an update now and then is fine, or raise Elastic(max_skipped_steps=...)"
+            "most max_skipped_steps allows): no update since has been given a gradient (the "
+            "optimizer skips a parameter without one; a sharded job's applies a zero gradient), "
+            "and none would be for the rest of the run. Leave the gradients in place in the "
+            "hook (the runtime drops them after every update: a plain loop's "
+            "optimizer.zero_grad() is not needed there); a hook that skips an update now and "
+            "then is fine, or raise Elastic(max_skipped_steps=...)"
         )
 
     def _check_parameters_kept(self, step: Step, in_hook: bool = False) -> None:
